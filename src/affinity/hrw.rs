@@ -1,0 +1,276 @@
+//! Keyed, weighted rendezvous hashing (HRW).
+//!
+//! Every gateway replica configured with the same `affinity.hash_key` computes
+//! the same scores, so they agree on a session's backend without talking to each
+//! other; without the key an outsider cannot predict (or aim) a session's
+//! backend. The session key is hashed once with SipHash; each candidate then
+//! costs one 64-bit mix with its precomputed, keyed seed (and a logarithm when
+//! weights differ), which keeps a choice over 1,024 backends in microseconds.
+
+use siphasher::sip::SipHasher13;
+use siphasher::sip128::{Hasher128, SipHasher13 as SipHasher13_128};
+use std::hash::Hasher;
+
+/// Separates the hash inputs of client sessions from subagent groups, so no
+/// client-sent session id can ever hash to a group's key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum KeyKind {
+    Session = 1,
+    Group = 2,
+}
+
+/// The keyed hash functions of one fleet (one `hash_key`).
+#[derive(Clone, Debug)]
+pub struct HrwHasher {
+    k0: u64,
+    k1: u64,
+}
+
+impl HrwHasher {
+    pub fn new(hash_key: &str) -> Self {
+        // Stretch an arbitrary-length operator string into a 128-bit SipHash key.
+        let mut h = SipHasher13_128::new_with_keys(0x6167_656e_742d_6777, 0x6872_772d_6b65_7931);
+        h.write(hash_key.as_bytes());
+        let k = h.finish128();
+        HrwHasher { k0: k.h1, k1: k.h2 }
+    }
+
+    /// The per-request hash a session is scored with.
+    pub fn session_hash(&self, kind: KeyKind, tier: &str, id: &str) -> u64 {
+        let mut h = SipHasher13::new_with_keys(self.k0, self.k1);
+        h.write_u8(kind as u8);
+        h.write(tier.as_bytes());
+        h.write_u8(0xff);
+        h.write(id.as_bytes());
+        h.finish()
+    }
+
+    /// The identity of a binding in the table: a 128-bit keyed fingerprint of
+    /// (kind, tier, id). Storing it instead of the id bounds the memory of a
+    /// binding regardless of how long the client's id is.
+    pub fn fingerprint(&self, kind: KeyKind, tier: &str, id: &str) -> u128 {
+        let mut h = SipHasher13_128::new_with_keys(self.k1, self.k0);
+        h.write_u8(kind as u8);
+        h.write(tier.as_bytes());
+        h.write_u8(0xff);
+        h.write(id.as_bytes());
+        let v = h.finish128();
+        ((v.h1 as u128) << 64) | v.h2 as u128
+    }
+
+    /// The seed a backend is scored with; computed once per config load.
+    pub fn backend_seed(&self, backend_id: &str) -> u64 {
+        let mut h = SipHasher13::new_with_keys(self.k1 ^ 0x5bd1_e995, self.k0);
+        h.write(backend_id.as_bytes());
+        h.finish()
+    }
+}
+
+/// A bijective 64-bit finalizer (splitmix64): every output bit depends on
+/// every input bit, so `mix(session ^ seed)` behaves as an independent hash per
+/// (session, backend) pair.
+#[inline]
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The weighted score `-w / ln(u)` with `u` uniform in (0, 1): the backend
+/// with the highest score wins, and backend `i` wins with probability
+/// `w_i / Σw`.
+#[inline]
+pub fn weighted_score(session: u64, seed: u64, weight: u32) -> f64 {
+    let h = mix(session ^ seed);
+    let u = ((h >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
+    -(weight as f64) / u.ln()
+}
+
+/// One backend as HRW sees it.
+pub trait Scored {
+    fn seed(&self) -> u64;
+    fn weight(&self) -> u32;
+}
+
+/// Index of the HRW winner among `items`, or `None` when empty.
+pub fn choose<T: Scored>(session: u64, items: &[T]) -> Option<usize> {
+    let first = items.first()?;
+    let uniform = items.iter().all(|b| b.weight() == first.weight());
+    let mut best = 0;
+    if uniform {
+        // Equal weights: -w/ln(u) is monotonic in u, so the raw hash orders the same.
+        let mut best_h = mix(session ^ first.seed());
+        for (i, b) in items.iter().enumerate().skip(1) {
+            let h = mix(session ^ b.seed());
+            if h > best_h {
+                best_h = h;
+                best = i;
+            }
+        }
+    } else {
+        let mut best_s = weighted_score(session, first.seed(), first.weight());
+        for (i, b) in items.iter().enumerate().skip(1) {
+            let s = weighted_score(session, b.seed(), b.weight());
+            if s > best_s {
+                best_s = s;
+                best = i;
+            }
+        }
+    }
+    Some(best)
+}
+
+/// Candidates in descending HRW order (the failover order for a session).
+pub fn ranked<T: Scored>(session: u64, items: &[T]) -> Vec<usize> {
+    let mut idx: Vec<(f64, usize)> = items
+        .iter()
+        .enumerate()
+        .map(|(i, b)| (weighted_score(session, b.seed(), b.weight()), i))
+        .collect();
+    idx.sort_by(|a, b| b.0.total_cmp(&a.0));
+    idx.into_iter().map(|(_, i)| i).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Clone)]
+    struct B {
+        seed: u64,
+        weight: u32,
+    }
+    impl Scored for B {
+        fn seed(&self) -> u64 {
+            self.seed
+        }
+        fn weight(&self) -> u32 {
+            self.weight
+        }
+    }
+
+    fn fleet(h: &HrwHasher, n: usize, weight: impl Fn(usize) -> u32) -> Vec<B> {
+        (0..n)
+            .map(|i| B {
+                seed: h.backend_seed(&format!("vllm-{i}")),
+                weight: weight(i),
+            })
+            .collect()
+    }
+
+    fn owner(h: &HrwHasher, fleet: &[B], key: usize) -> usize {
+        choose(h.session_hash(KeyKind::Session, "t", &format!("s{key}")), fleet).unwrap()
+    }
+
+    #[test]
+    fn removing_one_backend_moves_only_its_sessions() {
+        let h = HrwHasher::new("k");
+        let full = fleet(&h, 8, |_| 1);
+        let removed = 3;
+        let mut less = full.clone();
+        less.remove(removed);
+        for key in 0..20_000 {
+            let before = owner(&h, &full, key);
+            let after = owner(&h, &less, key);
+            let after_in_full = if after >= removed { after + 1 } else { after };
+            if before != removed {
+                assert_eq!(before, after_in_full, "session {key} moved off a live backend");
+            }
+        }
+    }
+
+    #[test]
+    fn adding_one_backend_moves_about_one_in_n_plus_one() {
+        let h = HrwHasher::new("k");
+        let n = 7;
+        let small = fleet(&h, n, |_| 1);
+        let big = fleet(&h, n + 1, |_| 1);
+        let keys = 50_000;
+        let moved = (0..keys)
+            .filter(|&k| owner(&h, &small, k) != owner(&h, &big, k))
+            .count();
+        let share = moved as f64 / keys as f64;
+        let ideal = 1.0 / (n + 1) as f64;
+        assert!((share - ideal).abs() < 0.01, "moved {share}, ideal {ideal}");
+        // Every moved session went to the new backend.
+        for k in 0..keys {
+            let (a, b) = (owner(&h, &small, k), owner(&h, &big, k));
+            assert!(a == b || b == n);
+        }
+    }
+
+    #[test]
+    fn weights_are_honoured_within_a_few_percent() {
+        let h = HrwHasher::new("k");
+        let weights = [1u32, 2, 3, 4];
+        let f = fleet(&h, 4, |i| weights[i]);
+        let keys = 100_000;
+        let mut counts = [0usize; 4];
+        for k in 0..keys {
+            counts[owner(&h, &f, k)] += 1;
+        }
+        let total: u32 = weights.iter().sum();
+        for i in 0..4 {
+            let expected = weights[i] as f64 / total as f64;
+            let got = counts[i] as f64 / keys as f64;
+            assert!(
+                (got - expected).abs() / expected < 0.03,
+                "backend {i}: got {got}, expected {expected}"
+            );
+        }
+    }
+
+    #[test]
+    fn uniform_spread_is_balanced() {
+        let h = HrwHasher::new("k");
+        let f = fleet(&h, 3, |_| 1);
+        let mut counts = [0usize; 3];
+        for k in 0..30_000 {
+            counts[owner(&h, &f, k)] += 1;
+        }
+        for c in counts {
+            assert!((c as f64 - 10_000.0).abs() < 400.0, "{counts:?}");
+        }
+    }
+
+    #[test]
+    fn hash_key_changes_placement_and_kinds_are_separate() {
+        let a = HrwHasher::new("fleet-a");
+        let b = HrwHasher::new("fleet-b");
+        let same_a = HrwHasher::new("fleet-a");
+        assert_eq!(
+            a.session_hash(KeyKind::Session, "t", "s1"),
+            same_a.session_hash(KeyKind::Session, "t", "s1")
+        );
+        assert_ne!(
+            a.session_hash(KeyKind::Session, "t", "s1"),
+            b.session_hash(KeyKind::Session, "t", "s1")
+        );
+        assert_ne!(
+            a.fingerprint(KeyKind::Session, "t", "p"),
+            a.fingerprint(KeyKind::Group, "t", "p")
+        );
+        // Different keys disagree on roughly (n-1)/n of placements.
+        let fa = fleet(&a, 4, |_| 1);
+        let fb = fleet(&b, 4, |_| 1);
+        let differ = (0..4000)
+            .filter(|&k| owner(&a, &fa, k) != owner(&b, &fb, k))
+            .count();
+        assert!(differ > 2500, "{differ}");
+    }
+
+    #[test]
+    fn ranked_starts_with_the_winner() {
+        let h = HrwHasher::new("k");
+        let f = fleet(&h, 16, |i| 1 + (i % 3) as u32);
+        for k in 0..1000 {
+            let s = h.session_hash(KeyKind::Session, "t", &format!("s{k}"));
+            let r = ranked(s, &f);
+            assert_eq!(r[0], choose(s, &f).unwrap());
+            assert_eq!(r.len(), 16);
+        }
+    }
+}

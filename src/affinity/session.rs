@@ -1,0 +1,206 @@
+//! Where a request's session and parent keys come from (SPEC §3.2–3.3), and
+//! which values are refused (SPEC §8).
+
+use http::HeaderMap;
+use serde_json::value::RawValue;
+use std::borrow::Cow;
+use std::collections::HashMap;
+
+/// Longest session id accepted, in bytes.
+pub const MAX_SESSION_ID_BYTES: usize = 256;
+
+/// A session header the gateway refuses (→ 400).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadSessionHeader {
+    pub header: String,
+    pub reason: &'static str,
+}
+
+impl std::fmt::Display for BadSessionHeader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "header `{}` {}", self.header, self.reason)
+    }
+}
+
+/// Where a session id was found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    Header(String),
+    Body(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionId {
+    pub id: String,
+    pub source: Source,
+}
+
+fn check_value(bytes: &[u8]) -> Result<&str, &'static str> {
+    if bytes.len() > MAX_SESSION_ID_BYTES {
+        return Err("is longer than 256 bytes");
+    }
+    if bytes.iter().any(|&b| b < 0x20 || b == 0x7f) {
+        return Err("contains control characters");
+    }
+    std::str::from_utf8(bytes).map_err(|_| "is not valid UTF-8")
+}
+
+/// The first present header of `names` (in order), validated. Every present
+/// header of the list is validated, so a bad value is refused even when an
+/// earlier header would have won.
+pub fn from_headers(
+    headers: &HeaderMap,
+    names: &[String],
+) -> Result<Option<SessionId>, BadSessionHeader> {
+    let mut found = None;
+    for name in names {
+        let mut values = headers.get_all(name.as_str()).iter();
+        let Some(first) = values.next() else {
+            continue;
+        };
+        let bad = |reason| BadSessionHeader {
+            header: name.clone(),
+            reason,
+        };
+        let value = check_value(first.as_bytes()).map_err(bad)?;
+        for other in values {
+            if other.as_bytes() != first.as_bytes() {
+                return Err(bad("appears more than once with different values"));
+            }
+        }
+        let value = value.trim();
+        if value.is_empty() || found.is_some() {
+            continue;
+        }
+        found = Some(SessionId {
+            id: value.to_string(),
+            source: Source::Header(name.clone()),
+        });
+    }
+    Ok(found)
+}
+
+/// The fields of a request body the gateway routes on. Only the top level is
+/// indexed; nested values stay unparsed unless a body session field asks for them.
+pub struct BodyProbe<'a> {
+    top: HashMap<Cow<'a, str>, &'a RawValue>,
+}
+
+impl<'a> BodyProbe<'a> {
+    /// `None` when the body is not a JSON object (the backend will say why).
+    pub fn parse(body: &'a [u8]) -> Option<Self> {
+        let top: HashMap<Cow<'a, str>, &'a RawValue> = serde_json::from_slice(body).ok()?;
+        Some(BodyProbe { top })
+    }
+
+    fn string_at(&self, path: &[String]) -> Option<String> {
+        let (first, rest) = path.split_first()?;
+        let raw = self.top.get(first.as_str())?;
+        if rest.is_empty() {
+            return match serde_json::from_str::<Cow<'_, str>>(raw.get()) {
+                Ok(s) => Some(s.into_owned()),
+                Err(_) => None,
+            };
+        }
+        let mut v: serde_json::Value = serde_json::from_str(raw.get()).ok()?;
+        for p in rest {
+            v = v.get_mut(p.as_str())?.take();
+        }
+        v.as_str().map(str::to_string)
+    }
+
+    pub fn model(&self) -> Option<String> {
+        self.string_at(&["model".to_string()])
+    }
+
+    pub fn is_stream(&self) -> bool {
+        self.top
+            .get("stream")
+            .is_some_and(|raw| raw.get().trim() == "true")
+    }
+
+    /// The first configured field holding an acceptable id. Unacceptable
+    /// values (too long, control characters) are ignored, never bound.
+    pub fn session(&self, fields: &[Vec<String>]) -> Option<SessionId> {
+        for path in fields {
+            if let Some(v) = self.string_at(path) {
+                let v = v.trim();
+                if !v.is_empty() && check_value(v.as_bytes()).is_ok() {
+                    return Some(SessionId {
+                        id: v.to_string(),
+                        source: Source::Body(path.join(".")),
+                    });
+                }
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn names() -> Vec<String> {
+        vec!["x-session-id".into(), "x-dynamo-session-id".into()]
+    }
+
+    #[test]
+    fn first_configured_header_wins() {
+        let mut h = HeaderMap::new();
+        h.insert("x-dynamo-session-id", HeaderValue::from_static("dyn"));
+        assert_eq!(from_headers(&h, &names()).unwrap().unwrap().id, "dyn");
+        h.insert("x-session-id", HeaderValue::from_static("canon"));
+        let s = from_headers(&h, &names()).unwrap().unwrap();
+        assert_eq!(s.id, "canon");
+        assert_eq!(s.source, Source::Header("x-session-id".into()));
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "x-session-id",
+            HeaderValue::from_str(&"a".repeat(257)).unwrap(),
+        );
+        assert_eq!(
+            from_headers(&h, &names()).unwrap_err().reason,
+            "is longer than 256 bytes"
+        );
+        let mut h = HeaderMap::new();
+        h.insert("x-session-id", HeaderValue::from_bytes(b"a\tb").unwrap());
+        assert!(from_headers(&h, &names()).is_err());
+        let mut h = HeaderMap::new();
+        h.append("x-session-id", HeaderValue::from_static("a"));
+        h.append("x-session-id", HeaderValue::from_static("b"));
+        assert!(from_headers(&h, &names()).is_err());
+        let mut h = HeaderMap::new();
+        h.append("x-session-id", HeaderValue::from_static("a"));
+        h.append("x-session-id", HeaderValue::from_static("a"));
+        assert_eq!(from_headers(&h, &names()).unwrap().unwrap().id, "a");
+        // A bad lower-precedence header is refused too.
+        let mut h = HeaderMap::new();
+        h.insert("x-session-id", HeaderValue::from_static("ok"));
+        h.insert("x-dynamo-session-id", HeaderValue::from_bytes(b"x\ty").unwrap());
+        assert!(from_headers(&h, &names()).is_err());
+    }
+
+    #[test]
+    fn body_probe_reads_model_and_fields() {
+        let body = br#"{"messages":[{"role":"user","content":"hi"}],"model":"qwen3-8b","stream":true,
+            "metadata":{"user_id":"u-1"},"user":""}"#;
+        let p = BodyProbe::parse(body).unwrap();
+        assert_eq!(p.model().as_deref(), Some("qwen3-8b"));
+        assert!(p.is_stream());
+        let fields: Vec<Vec<String>> = ["prompt_cache_key", "user", "metadata.user_id"]
+            .iter()
+            .map(|f| f.split('.').map(str::to_string).collect())
+            .collect();
+        let s = p.session(&fields).unwrap();
+        assert_eq!(s.id, "u-1");
+        assert_eq!(s.source, Source::Body("metadata.user_id".into()));
+        assert!(BodyProbe::parse(b"not json").is_none());
+        assert!(BodyProbe::parse(b"[1,2]").is_none());
+    }
+}

@@ -1,0 +1,616 @@
+//! The binding table: session fingerprint → backend, sharded, bounded, with
+//! leases and an idle deadline.
+//!
+//! Rules (SPEC §3.7 and the README's "Affinity semantics"):
+//! - every in-flight request holds a lease on its binding; a leased binding
+//!   never expires and is never evicted;
+//! - the idle deadline restarts when the last lease ends;
+//! - when a shard is full, the least recently released unleased binding is
+//!   evicted; if every binding is leased, the caller serves the request unpinned.
+//!
+//! Each shard keeps its unleased bindings on an intrusive LRU list ordered by
+//! release time, so both eviction and expiry take from the tail in O(1).
+
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+
+/// A 128-bit keyed fingerprint (see [`super::hrw::HrwHasher::fingerprint`]).
+pub type BindingKey = u128;
+
+/// Most tiers a table counts bindings for.
+pub const MAX_TIERS: usize = 256;
+
+const NIL: u32 = u32::MAX;
+
+/// What a binding points at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Binding {
+    pub backend: u32,
+    pub version: u32,
+    pub tier: u16,
+    pub in_flight: u32,
+    /// Milliseconds on the table's clock; meaningless while leased.
+    pub deadline_ms: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Entry {
+    key: BindingKey,
+    deadline_ms: u64,
+    backend: u32,
+    version: u32,
+    in_flight: u32,
+    prev: u32,
+    next: u32,
+    tier: u16,
+}
+
+/// The key is already a keyed hash: use its low bits as is.
+#[derive(Default)]
+struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | b as u64;
+        }
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 = v as u64;
+    }
+}
+
+type FastMap = HashMap<BindingKey, u32, BuildHasherDefault<IdentityHasher>>;
+
+struct Shard {
+    map: FastMap,
+    entries: Vec<Entry>,
+    free: Vec<u32>,
+    /// Most recently released unleased binding.
+    head: u32,
+    /// Least recently released unleased binding: the next to expire or evict.
+    tail: u32,
+    cap: usize,
+}
+
+impl Shard {
+    fn new(cap: usize) -> Self {
+        Shard {
+            map: FastMap::default(),
+            entries: Vec::new(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            cap,
+        }
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let (prev, next) = {
+            let e = &self.entries[i as usize];
+            (e.prev, e.next)
+        };
+        if prev != NIL {
+            self.entries[prev as usize].next = next;
+        } else if self.head == i {
+            self.head = next;
+        }
+        if next != NIL {
+            self.entries[next as usize].prev = prev;
+        } else if self.tail == i {
+            self.tail = prev;
+        }
+        let e = &mut self.entries[i as usize];
+        e.prev = NIL;
+        e.next = NIL;
+    }
+
+    fn push_head(&mut self, i: u32) {
+        let old = self.head;
+        {
+            let e = &mut self.entries[i as usize];
+            e.prev = NIL;
+            e.next = old;
+        }
+        if old != NIL {
+            self.entries[old as usize].prev = i;
+        } else {
+            self.tail = i;
+        }
+        self.head = i;
+    }
+
+    fn remove(&mut self, i: u32) -> Entry {
+        let e = self.entries[i as usize];
+        if e.in_flight == 0 {
+            self.unlink(i);
+        }
+        self.map.remove(&e.key);
+        self.free.push(i);
+        e
+    }
+
+    fn alloc(&mut self, e: Entry) -> u32 {
+        if let Some(i) = self.free.pop() {
+            self.entries[i as usize] = e;
+            i
+        } else {
+            self.entries.push(e);
+            (self.entries.len() - 1) as u32
+        }
+    }
+}
+
+/// What the caller's policy decided for one key, given its current binding.
+pub enum Decision {
+    /// Keep (and lease) the current binding.
+    Keep,
+    /// Bind to this backend (a new binding, or a rebind with a higher version).
+    Bind(u32),
+    /// Leave the table as it is and take no lease.
+    Skip,
+}
+
+/// What [`BindingTable::acquire`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Acquired {
+    /// The live binding was kept; a lease was taken.
+    Kept { backend: u32, version: u32 },
+    /// A binding was written; a lease was taken. `previous` is the binding
+    /// this one replaced (a rebind), `expired` whether an expired one was found.
+    Bound {
+        backend: u32,
+        version: u32,
+        previous: Option<u32>,
+        expired: bool,
+    },
+    /// The policy wanted to bind but every binding in the shard is leased:
+    /// serve the request unpinned.
+    Full { backend: u32 },
+    Skipped,
+}
+
+/// Lookup state handed to the policy.
+#[derive(Clone, Copy, Debug)]
+pub struct Current {
+    pub backend: u32,
+    pub version: u32,
+}
+
+pub struct BindingTable {
+    shards: Box<[Mutex<Shard>]>,
+    shard_bits: u32,
+    per_tier: Box<[AtomicI64]>,
+    evictions: Box<[AtomicU64]>,
+}
+
+impl BindingTable {
+    pub fn new(max_bindings: usize) -> Self {
+        // Enough shards to keep lock contention low, few enough that the
+        // per-shard bound stays close to the global one for small tables.
+        let want = (max_bindings / 4096).clamp(1, 64);
+        let shard_bits = usize::BITS - 1 - want.leading_zeros();
+        let n = 1usize << shard_bits;
+        let cap = max_bindings.div_ceil(n).max(1);
+        BindingTable {
+            shards: (0..n).map(|_| Mutex::new(Shard::new(cap))).collect(),
+            shard_bits,
+            per_tier: (0..MAX_TIERS).map(|_| AtomicI64::new(0)).collect(),
+            evictions: (0..MAX_TIERS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    fn shard(&self, key: BindingKey) -> &Mutex<Shard> {
+        let idx = if self.shard_bits == 0 {
+            0
+        } else {
+            (key >> (128 - self.shard_bits)) as usize
+        };
+        &self.shards[idx]
+    }
+
+    fn count(&self, tier: u16, delta: i64) {
+        self.per_tier[tier as usize].fetch_add(delta, Ordering::Relaxed);
+    }
+
+    /// Look `key` up and apply `policy` atomically (under the shard lock), so
+    /// concurrent first requests of one session agree on a single binding.
+    ///
+    /// `policy` sees the live binding, if any (an expired one is reported as
+    /// absent, with `expired = true` in the result when rebinding).
+    pub fn acquire(
+        &self,
+        key: BindingKey,
+        tier: u16,
+        now_ms: u64,
+        policy: impl FnOnce(Option<Current>) -> Decision,
+    ) -> Acquired {
+        let mut shard = self.shard(key).lock();
+        let mut expired = false;
+        let mut idx = shard.map.get(&key).copied();
+        if let Some(i) = idx {
+            let e = shard.entries[i as usize];
+            if e.in_flight == 0 && e.deadline_ms <= now_ms {
+                shard.remove(i);
+                self.count(e.tier, -1);
+                expired = true;
+                idx = None;
+            }
+        }
+        let current = idx.map(|i| {
+            let e = &shard.entries[i as usize];
+            Current {
+                backend: e.backend,
+                version: e.version,
+            }
+        });
+        match policy(current) {
+            Decision::Skip => Acquired::Skipped,
+            Decision::Keep => match idx {
+                Some(i) => {
+                    let e = shard.entries[i as usize];
+                    if e.in_flight == 0 {
+                        shard.unlink(i);
+                    }
+                    shard.entries[i as usize].in_flight += 1;
+                    Acquired::Kept {
+                        backend: e.backend,
+                        version: e.version,
+                    }
+                }
+                None => Acquired::Skipped,
+            },
+            Decision::Bind(backend) => {
+                if let Some(i) = idx {
+                    let e = &mut shard.entries[i as usize];
+                    let previous = e.backend;
+                    e.backend = backend;
+                    e.version = e.version.wrapping_add(1);
+                    let version = e.version;
+                    let was_idle = e.in_flight == 0;
+                    e.in_flight += 1;
+                    if was_idle {
+                        shard.unlink(i);
+                    }
+                    return Acquired::Bound {
+                        backend,
+                        version,
+                        previous: Some(previous),
+                        expired,
+                    };
+                }
+                if shard.map.len() >= shard.cap {
+                    let victim = shard.tail;
+                    if victim == NIL {
+                        return Acquired::Full { backend };
+                    }
+                    let e = shard.remove(victim);
+                    self.count(e.tier, -1);
+                    self.evictions[e.tier as usize].fetch_add(1, Ordering::Relaxed);
+                }
+                let i = shard.alloc(Entry {
+                    key,
+                    deadline_ms: 0,
+                    backend,
+                    version: 1,
+                    in_flight: 1,
+                    prev: NIL,
+                    next: NIL,
+                    tier,
+                });
+                shard.map.insert(key, i);
+                self.count(tier, 1);
+                Acquired::Bound {
+                    backend,
+                    version: 1,
+                    previous: None,
+                    expired,
+                }
+            }
+        }
+    }
+
+    /// End one lease. When the last lease ends the idle deadline restarts.
+    pub fn release(&self, key: BindingKey, now_ms: u64, ttl_ms: u64) {
+        let mut shard = self.shard(key).lock();
+        let Some(&i) = shard.map.get(&key) else {
+            return;
+        };
+        let e = &mut shard.entries[i as usize];
+        if e.in_flight == 0 {
+            return;
+        }
+        e.in_flight -= 1;
+        if e.in_flight == 0 {
+            e.deadline_ms = now_ms.saturating_add(ttl_ms);
+            shard.push_head(i);
+        }
+    }
+
+    /// The binding as it stands, without a lease. Expired bindings are absent.
+    pub fn get(&self, key: BindingKey, now_ms: u64) -> Option<Binding> {
+        let shard = self.shard(key).lock();
+        let i = *shard.map.get(&key)?;
+        let e = &shard.entries[i as usize];
+        if e.in_flight == 0 && e.deadline_ms <= now_ms {
+            return None;
+        }
+        Some(Binding {
+            backend: e.backend,
+            version: e.version,
+            tier: e.tier,
+            in_flight: e.in_flight,
+            deadline_ms: e.deadline_ms,
+        })
+    }
+
+    /// Drop a binding (admin delete, session closed by the client). Requests
+    /// still holding a lease finish normally; their release finds nothing.
+    pub fn remove(&self, key: BindingKey) -> Option<Binding> {
+        let mut shard = self.shard(key).lock();
+        let i = *shard.map.get(&key)?;
+        let e = shard.remove(i);
+        self.count(e.tier, -1);
+        Some(Binding {
+            backend: e.backend,
+            version: e.version,
+            tier: e.tier,
+            in_flight: e.in_flight,
+            deadline_ms: e.deadline_ms,
+        })
+    }
+
+    /// Drop every binding whose backend matches `dead`; returns how many per tier.
+    pub fn remove_where(&self, dead: impl Fn(u16, u32) -> bool) -> Vec<(u16, u64)> {
+        let mut removed: HashMap<u16, u64> = HashMap::new();
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock();
+            let victims: Vec<u32> = shard
+                .map
+                .values()
+                .copied()
+                .filter(|&i| {
+                    let e = &shard.entries[i as usize];
+                    dead(e.tier, e.backend)
+                })
+                .collect();
+            for i in victims {
+                let e = shard.remove(i);
+                self.count(e.tier, -1);
+                *removed.entry(e.tier).or_default() += 1;
+            }
+        }
+        removed.into_iter().collect()
+    }
+
+    /// Remove expired bindings, at most `budget` per shard, taking each shard's
+    /// lock only briefly so requests never wait behind a long sweep.
+    pub fn sweep(&self, now_ms: u64, budget: usize) -> usize {
+        let mut swept = 0;
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock();
+            for _ in 0..budget {
+                let t = shard.tail;
+                if t == NIL || shard.entries[t as usize].deadline_ms > now_ms {
+                    break;
+                }
+                let e = shard.remove(t);
+                self.count(e.tier, -1);
+                swept += 1;
+            }
+        }
+        swept
+    }
+
+    /// Live bindings (including expired ones not yet swept) of a tier.
+    pub fn tier_len(&self, tier: u16) -> i64 {
+        self.per_tier[tier as usize].load(Ordering::Relaxed)
+    }
+
+    pub fn tier_evictions(&self, tier: u16) -> u64 {
+        self.evictions[tier as usize].load(Ordering::Relaxed)
+    }
+
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().map.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every binding as (key, binding), for persistence and admin listing.
+    pub fn snapshot(&self, now_ms: u64) -> Vec<(BindingKey, Binding)> {
+        let mut out = Vec::new();
+        for shard in self.shards.iter() {
+            let shard = shard.lock();
+            for (&k, &i) in shard.map.iter() {
+                let e = &shard.entries[i as usize];
+                if e.in_flight == 0 && e.deadline_ms <= now_ms {
+                    continue;
+                }
+                out.push((
+                    k,
+                    Binding {
+                        backend: e.backend,
+                        version: e.version,
+                        tier: e.tier,
+                        in_flight: e.in_flight,
+                        deadline_ms: e.deadline_ms,
+                    },
+                ));
+            }
+        }
+        out
+    }
+
+    /// Insert an idle binding with a given deadline (restoring saved state).
+    /// Keeps a newer version already present.
+    pub fn restore(&self, key: BindingKey, b: Binding) {
+        let mut shard = self.shard(key).lock();
+        if let Some(&i) = shard.map.get(&key) {
+            let e = &mut shard.entries[i as usize];
+            if e.version >= b.version {
+                return;
+            }
+            e.backend = b.backend;
+            e.version = b.version;
+            return;
+        }
+        if shard.map.len() >= shard.cap {
+            return;
+        }
+        let i = shard.alloc(Entry {
+            key,
+            deadline_ms: b.deadline_ms,
+            backend: b.backend,
+            version: b.version,
+            in_flight: 0,
+            prev: NIL,
+            next: NIL,
+            tier: b.tier,
+        });
+        shard.map.insert(key, i);
+        shard.push_head(i);
+        self.count(b.tier, 1);
+    }
+
+    /// Approximate heap bytes held by the table (for the memory benchmark).
+    pub fn heap_bytes(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| {
+                let s = s.lock();
+                s.entries.capacity() * std::mem::size_of::<Entry>()
+                    + s.free.capacity() * 4
+                    + s.map.capacity() * (std::mem::size_of::<(BindingKey, u32)>() + 1)
+            })
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bind(t: &BindingTable, key: u128, backend: u32, now: u64) -> Acquired {
+        t.acquire(key, 0, now, |_| Decision::Bind(backend))
+    }
+
+    fn keep_or_bind(t: &BindingTable, key: u128, backend: u32, now: u64) -> Acquired {
+        t.acquire(key, 0, now, |cur| match cur {
+            Some(_) => Decision::Keep,
+            None => Decision::Bind(backend),
+        })
+    }
+
+    #[test]
+    fn leased_binding_never_expires_and_deadline_restarts_at_release() {
+        let t = BindingTable::new(100);
+        assert!(matches!(bind(&t, 1, 7, 0), Acquired::Bound { version: 1, .. }));
+        // Far past any deadline while the lease is held: still live.
+        assert_eq!(t.get(1, 1_000_000).unwrap().in_flight, 1);
+        assert_eq!(t.sweep(1_000_000, 100), 0);
+        t.release(1, 1_000_000, 50);
+        assert!(t.get(1, 1_000_049).is_some());
+        assert!(t.get(1, 1_000_050).is_none());
+        // An expired binding is reported as absent and rebinding says so.
+        match keep_or_bind(&t, 1, 8, 1_000_050) {
+            Acquired::Bound {
+                expired, previous, ..
+            } => {
+                assert!(expired);
+                assert_eq!(previous, None);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn two_leases_expire_only_after_the_last() {
+        let t = BindingTable::new(100);
+        keep_or_bind(&t, 5, 1, 0);
+        assert!(matches!(keep_or_bind(&t, 5, 2, 0), Acquired::Kept { backend: 1, .. }));
+        t.release(5, 10, 5);
+        assert!(t.get(5, 100).is_some(), "one lease still held");
+        t.release(5, 100, 5);
+        assert!(t.get(5, 104).is_some());
+        assert!(t.get(5, 105).is_none());
+    }
+
+    #[test]
+    fn rebind_bumps_version() {
+        let t = BindingTable::new(100);
+        keep_or_bind(&t, 9, 1, 0);
+        t.release(9, 0, 1000);
+        match bind(&t, 9, 2, 1) {
+            Acquired::Bound {
+                version, previous, ..
+            } => {
+                assert_eq!(version, 2);
+                assert_eq!(previous, Some(1));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn full_table_evicts_least_recently_released_and_never_a_leased_one() {
+        let t = BindingTable::new(3);
+        for k in 0..3u128 {
+            keep_or_bind(&t, k, 0, 0);
+        }
+        // All three leased: a fourth session is served unpinned.
+        assert!(matches!(keep_or_bind(&t, 3, 0, 0), Acquired::Full { .. }));
+        t.release(1, 10, 1000);
+        t.release(0, 20, 1000);
+        // Key 1 was released first: it is the one evicted.
+        assert!(matches!(keep_or_bind(&t, 3, 0, 30), Acquired::Bound { .. }));
+        assert!(t.get(1, 30).is_none());
+        assert!(t.get(0, 30).is_some());
+        assert!(t.get(2, 30).is_some(), "leased binding kept");
+        assert_eq!(t.tier_evictions(0), 1);
+        assert_eq!(t.tier_len(0), 3);
+    }
+
+    #[test]
+    fn sweep_removes_only_expired() {
+        let t = BindingTable::new(10_000);
+        for k in 0..100u128 {
+            keep_or_bind(&t, k << 100 | k, 0, 0);
+            t.release(k << 100 | k, k as u64, 10);
+        }
+        // Released at time k with ttl 10: expired at 60 are k <= 50.
+        let swept = t.sweep(60, 1000);
+        assert_eq!(swept, 51);
+        assert_eq!(t.len(), 49);
+        assert_eq!(t.tier_len(0), 49);
+    }
+
+    #[test]
+    fn flood_stays_bounded_and_recent_sessions_stay() {
+        let limit = 10_000;
+        let t = BindingTable::new(limit);
+        let recent: Vec<u128> = (0..10).map(|i| u128::MAX - i).collect();
+        for (n, k) in (0..(10 * limit) as u128).enumerate() {
+            let key = k.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
+            keep_or_bind(&t, key, 0, n as u64);
+            t.release(key, n as u64, 1_000_000);
+            if n % 500 == 0 {
+                for &r in &recent {
+                    keep_or_bind(&t, r, 3, n as u64);
+                    t.release(r, n as u64, 1_000_000);
+                }
+            }
+            assert!(t.len() <= limit + 64);
+        }
+        for &r in &recent {
+            assert_eq!(t.get(r, 100 * limit as u64).map(|b| b.backend), Some(3));
+        }
+    }
+}

@@ -1,0 +1,657 @@
+//! The YAML file (SPEC §6) and the validated, typed [`Config`] the rest of the
+//! gateway trusts. Every error names the key that is wrong.
+
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::Path;
+use std::time::Duration;
+
+/// The hash key shipped in the example config; running with it is allowed but warned about.
+pub const PLACEHOLDER_HASH_KEY: &str = "change-me";
+
+// ---------------------------------------------------------------------------
+// File schema: what the operator writes. Unknown keys are errors.
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    #[serde(default)]
+    server: FileServer,
+    tiers: BTreeMap<String, FileTier>,
+    #[serde(default)]
+    affinity: FileAffinity,
+    #[serde(default)]
+    health: FileHealth,
+    #[serde(default)]
+    metrics: FileMetrics,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileServer {
+    listen: Vec<String>,
+    max_body_bytes: u64,
+    threads: usize,
+    connect_timeout_ms: u64,
+    /// Upper bound on one read from a backend; `0` = none (a long prefill may
+    /// legitimately take minutes before the first byte).
+    read_timeout_ms: u64,
+    grace_period_seconds: u64,
+    graceful_shutdown_timeout_seconds: u64,
+    pid_file: String,
+    upgrade_sock: String,
+}
+
+impl Default for FileServer {
+    fn default() -> Self {
+        FileServer {
+            listen: vec!["0.0.0.0:8080".into()],
+            max_body_bytes: 32 * 1024 * 1024,
+            threads: 0,
+            connect_timeout_ms: 1000,
+            read_timeout_ms: 0,
+            grace_period_seconds: 5,
+            graceful_shutdown_timeout_seconds: 30,
+            pid_file: "/tmp/agent-gateway.pid".into(),
+            upgrade_sock: "/tmp/agent-gateway-upgrade.sock".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileTier {
+    #[serde(default)]
+    default: bool,
+    #[serde(default)]
+    models: Vec<String>,
+    #[serde(default)]
+    backends: Vec<FileBackend>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileBackend {
+    id: String,
+    addr: String,
+    #[serde(default = "one")]
+    weight: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileAffinity {
+    sticky_ttl_seconds: u64,
+    session_headers: Vec<String>,
+    parent_session_headers: Vec<String>,
+    /// JSON body fields tried, in order, when no session header is present.
+    /// Dotted paths reach into objects (`metadata.user_id`). Empty disables.
+    body_session_fields: Vec<String>,
+    hash_key: String,
+    max_bindings: usize,
+}
+
+impl Default for FileAffinity {
+    fn default() -> Self {
+        FileAffinity {
+            sticky_ttl_seconds: 1800,
+            session_headers: DEFAULT_SESSION_HEADERS.iter().map(|s| s.to_string()).collect(),
+            parent_session_headers: DEFAULT_PARENT_HEADERS
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            body_session_fields: DEFAULT_BODY_FIELDS.iter().map(|s| s.to_string()).collect(),
+            hash_key: PLACEHOLDER_HASH_KEY.into(),
+            max_bindings: 1_000_000,
+        }
+    }
+}
+
+/// Precedence order: the first header present wins.
+pub const DEFAULT_SESSION_HEADERS: &[&str] = &[
+    "x-session-id",
+    "x-dynamo-session-id",
+    "x-claude-code-session-id",
+    "x-codex-thread-id",
+];
+pub const DEFAULT_PARENT_HEADERS: &[&str] = &[
+    "x-parent-session-id",
+    "x-dynamo-parent-session-id",
+    "x-claude-code-parent-session-id",
+];
+pub const DEFAULT_BODY_FIELDS: &[&str] = &["prompt_cache_key", "user", "metadata.user_id"];
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileHealth {
+    path: String,
+    interval_ms: u64,
+    timeout_ms: u64,
+    consecutive_failures: usize,
+    consecutive_successes: usize,
+}
+
+impl Default for FileHealth {
+    fn default() -> Self {
+        FileHealth {
+            path: "/health".into(),
+            interval_ms: 1000,
+            timeout_ms: 1000,
+            consecutive_failures: 1,
+            consecutive_successes: 1,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileMetrics {
+    listen: String,
+}
+
+impl Default for FileMetrics {
+    fn default() -> Self {
+        FileMetrics {
+            listen: "127.0.0.1:9091".into(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Validated configuration.
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    /// Sorted by name; exactly one is the default.
+    pub tiers: Vec<TierConfig>,
+    pub affinity: AffinityConfig,
+    pub health: HealthConfig,
+    pub metrics: MetricsConfig,
+    /// Things that are allowed but probably a mistake.
+    pub warnings: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: Vec<SocketAddr>,
+    pub max_body_bytes: u64,
+    pub threads: usize,
+    pub connect_timeout: Duration,
+    pub read_timeout: Option<Duration>,
+    pub grace_period_seconds: u64,
+    pub graceful_shutdown_timeout_seconds: u64,
+    pub pid_file: String,
+    pub upgrade_sock: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierConfig {
+    pub name: String,
+    pub default: bool,
+    pub models: Vec<String>,
+    pub backends: Vec<BackendConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackendConfig {
+    pub id: String,
+    pub addr: SocketAddr,
+    pub weight: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct AffinityConfig {
+    /// `None` disables affinity (SPEC §3.7: TTL 0).
+    pub sticky_ttl: Option<Duration>,
+    pub session_headers: Vec<String>,
+    pub parent_session_headers: Vec<String>,
+    pub body_session_fields: Vec<Vec<String>>,
+    pub hash_key: String,
+    pub max_bindings: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct HealthConfig {
+    pub path: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub consecutive_failures: usize,
+    pub consecutive_successes: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct MetricsConfig {
+    pub listen: SocketAddr,
+}
+
+/// A configuration error: the key path and what is wrong with it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub key: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.key.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", self.key, self.message)
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+fn err(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigErrors(vec![err(
+                "",
+                format!("cannot read {}: {e}", path.display()),
+            )])
+        })?;
+        Config::from_yaml(&text)
+    }
+
+    pub fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {
+        let de = serde_yaml::Deserializer::from_str(text);
+        let file: FileConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            let key = e.path().to_string();
+            let key = if key == "." { String::new() } else { key };
+            ConfigErrors(vec![err(key, e.into_inner().to_string())])
+        })?;
+        validate(file)
+    }
+
+    pub fn default_tier(&self) -> &TierConfig {
+        self.tiers
+            .iter()
+            .find(|t| t.default)
+            .expect("validated config has a default tier")
+    }
+}
+
+fn parse_addr(key: &str, value: &str, errors: &mut Vec<ConfigError>) -> Option<SocketAddr> {
+    if let Ok(a) = value.parse::<SocketAddr>() {
+        return Some(a);
+    }
+    match value.to_socket_addrs() {
+        Ok(mut it) => match it.next() {
+            Some(a) => Some(a),
+            None => {
+                errors.push(err(key, format!("`{value}` resolves to no address")));
+                None
+            }
+        },
+        Err(e) => {
+            errors.push(err(
+                key,
+                format!("`{value}` is not a host:port address ({e})"),
+            ));
+            None
+        }
+    }
+}
+
+fn valid_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+fn validate_headers(key: &str, list: &[String], errors: &mut Vec<ConfigError>) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, h) in list.iter().enumerate() {
+        let lower = h.to_ascii_lowercase();
+        if !valid_header_name(&lower) {
+            errors.push(err(
+                format!("{key}[{i}]"),
+                format!("`{h}` is not a valid header name"),
+            ));
+        } else if !out.contains(&lower) {
+            out.push(lower);
+        }
+    }
+    out
+}
+
+fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
+    let mut errors = Vec::new();
+    let mut warnings = Vec::new();
+
+    // server
+    let s = &file.server;
+    if s.listen.is_empty() {
+        errors.push(err("server.listen", "at least one listener is required"));
+    }
+    let listen: Vec<SocketAddr> = s
+        .listen
+        .iter()
+        .enumerate()
+        .filter_map(|(i, a)| parse_addr(&format!("server.listen[{i}]"), a, &mut errors))
+        .collect();
+    if s.max_body_bytes == 0 {
+        errors.push(err("server.max_body_bytes", "must be greater than 0"));
+    }
+    if s.connect_timeout_ms == 0 {
+        errors.push(err("server.connect_timeout_ms", "must be greater than 0"));
+    }
+
+    // tiers
+    if file.tiers.is_empty() {
+        errors.push(err("tiers", "at least one tier is required"));
+    }
+    let mut tiers = Vec::new();
+    let mut seen_ids: HashSet<String> = HashSet::new();
+    let mut model_owner: BTreeMap<String, String> = BTreeMap::new();
+    for (name, t) in &file.tiers {
+        let key = format!("tiers.{name}");
+        if !valid_tier_name(name) {
+            errors.push(err(
+                &key,
+                "tier names use letters, digits, `-`, `_` and `.` only",
+            ));
+        }
+        if t.backends.is_empty() {
+            errors.push(err(format!("{key}.backends"), "a tier needs at least one backend"));
+        }
+        for m in &t.models {
+            if let Some(other) = model_owner.insert(m.clone(), name.clone()) {
+                if &other != name {
+                    errors.push(err(
+                        format!("{key}.models"),
+                        format!("model `{m}` is already served by tier `{other}`"),
+                    ));
+                }
+            }
+        }
+        let mut backends = Vec::new();
+        for (i, b) in t.backends.iter().enumerate() {
+            let bkey = format!("{key}.backends[{i}]");
+            if b.id.is_empty() || b.id.len() > 128 || b.id.chars().any(|c| c.is_control()) {
+                errors.push(err(
+                    format!("{bkey}.id"),
+                    "must be 1-128 printable characters",
+                ));
+            }
+            if !seen_ids.insert(b.id.clone()) {
+                errors.push(err(
+                    format!("{bkey}.id"),
+                    format!("duplicate backend id `{}`", b.id),
+                ));
+            }
+            if b.weight == 0 || b.weight > 10_000 {
+                errors.push(err(format!("{bkey}.weight"), "must be between 1 and 10000"));
+            }
+            if let Some(addr) = parse_addr(&format!("{bkey}.addr"), &b.addr, &mut errors) {
+                backends.push(BackendConfig {
+                    id: b.id.clone(),
+                    addr,
+                    weight: b.weight,
+                });
+            }
+        }
+        tiers.push(TierConfig {
+            name: name.clone(),
+            default: t.default,
+            models: t.models.clone(),
+            backends,
+        });
+    }
+    let defaults = tiers.iter().filter(|t| t.default).count();
+    if tiers.len() == 1 && defaults == 0 {
+        // One tier serves everything; calling it the default is the only reading.
+        tiers[0].default = true;
+    } else if defaults == 0 && !tiers.is_empty() {
+        errors.push(err(
+            "tiers",
+            "no default tier: mark exactly one tier `default: true`",
+        ));
+    } else if defaults > 1 {
+        errors.push(err(
+            "tiers",
+            "more than one tier is marked `default: true`",
+        ));
+    }
+
+    // affinity
+    let a = &file.affinity;
+    let session_headers =
+        validate_headers("affinity.session_headers", &a.session_headers, &mut errors);
+    let parent_session_headers = validate_headers(
+        "affinity.parent_session_headers",
+        &a.parent_session_headers,
+        &mut errors,
+    );
+    for h in &parent_session_headers {
+        if session_headers.contains(h) {
+            errors.push(err(
+                "affinity.parent_session_headers",
+                format!("`{h}` is also a session header"),
+            ));
+        }
+    }
+    let mut body_session_fields = Vec::new();
+    for (i, f) in a.body_session_fields.iter().enumerate() {
+        let path: Vec<String> = f.split('.').map(str::to_string).collect();
+        if path.iter().any(|p| p.is_empty()) {
+            errors.push(err(
+                format!("affinity.body_session_fields[{i}]"),
+                format!("`{f}` is not a dotted field path"),
+            ));
+        } else {
+            body_session_fields.push(path);
+        }
+    }
+    if a.hash_key.is_empty() {
+        errors.push(err("affinity.hash_key", "must not be empty"));
+    } else if a.hash_key == PLACEHOLDER_HASH_KEY {
+        warnings.push(
+            "affinity.hash_key: still the placeholder `change-me`; anyone who knows it can aim sessions at a backend"
+                .to_string(),
+        );
+    }
+    if a.max_bindings == 0 {
+        errors.push(err("affinity.max_bindings", "must be greater than 0"));
+    }
+    if a.sticky_ttl_seconds > 365 * 24 * 3600 {
+        errors.push(err("affinity.sticky_ttl_seconds", "must be at most one year"));
+    }
+
+    // health
+    let h = &file.health;
+    if !h.path.starts_with('/') {
+        errors.push(err("health.path", "must start with `/`"));
+    }
+    if h.interval_ms < 10 {
+        errors.push(err("health.interval_ms", "must be at least 10"));
+    }
+    if h.timeout_ms == 0 {
+        errors.push(err("health.timeout_ms", "must be greater than 0"));
+    }
+    if h.consecutive_failures == 0 || h.consecutive_successes == 0 {
+        errors.push(err("health", "consecutive_failures and consecutive_successes must be at least 1"));
+    }
+
+    // metrics
+    let metrics_listen = parse_addr("metrics.listen", &file.metrics.listen, &mut errors);
+
+    if !errors.is_empty() {
+        return Err(ConfigErrors(errors));
+    }
+    Ok(Config {
+        server: ServerConfig {
+            listen,
+            max_body_bytes: s.max_body_bytes,
+            threads: s.threads,
+            connect_timeout: Duration::from_millis(s.connect_timeout_ms),
+            read_timeout: (s.read_timeout_ms > 0).then(|| Duration::from_millis(s.read_timeout_ms)),
+            grace_period_seconds: s.grace_period_seconds,
+            graceful_shutdown_timeout_seconds: s.graceful_shutdown_timeout_seconds,
+            pid_file: s.pid_file.clone(),
+            upgrade_sock: s.upgrade_sock.clone(),
+        },
+        tiers,
+        affinity: AffinityConfig {
+            sticky_ttl: (a.sticky_ttl_seconds > 0).then(|| Duration::from_secs(a.sticky_ttl_seconds)),
+            session_headers,
+            parent_session_headers,
+            body_session_fields,
+            hash_key: a.hash_key.clone(),
+            max_bindings: a.max_bindings,
+        },
+        health: HealthConfig {
+            path: h.path.clone(),
+            interval: Duration::from_millis(h.interval_ms),
+            timeout: Duration::from_millis(h.timeout_ms),
+            consecutive_failures: h.consecutive_failures,
+            consecutive_successes: h.consecutive_successes,
+        },
+        metrics: MetricsConfig {
+            listen: metrics_listen.expect("checked above"),
+        },
+        warnings,
+    })
+}
+
+fn valid_tier_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+server:
+  listen: ["127.0.0.1:8080"]
+tiers:
+  default:
+    default: true
+    models: ["qwen3-8b"]
+    backends:
+      - { id: vllm-0, addr: "127.0.0.1:8001", weight: 1 }
+      - { id: vllm-1, addr: "127.0.0.1:8002", weight: 2 }
+affinity:
+  sticky_ttl_seconds: 1800
+  session_headers: [x-session-id, X-Dynamo-Session-Id]
+  parent_session_headers: [x-parent-session-id]
+  hash_key: "s3cret"
+health:
+  path: /health
+  interval_ms: 1000
+metrics:
+  listen: "127.0.0.1:9091"
+"#;
+
+    fn keys(text: &str) -> Vec<String> {
+        Config::from_yaml(text)
+            .unwrap_err()
+            .0
+            .into_iter()
+            .map(|e| e.key)
+            .collect()
+    }
+
+    #[test]
+    fn spec_example_is_valid() {
+        let c = Config::from_yaml(GOOD).unwrap();
+        assert_eq!(c.tiers.len(), 1);
+        assert_eq!(c.tiers[0].backends[1].weight, 2);
+        assert_eq!(c.affinity.session_headers[1], "x-dynamo-session-id");
+        assert_eq!(c.affinity.sticky_ttl, Some(Duration::from_secs(1800)));
+        assert!(c.warnings.is_empty());
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let text = GOOD.replace("weight: 2", "wieght: 2");
+        let e = Config::from_yaml(&text).unwrap_err();
+        assert_eq!(e.0[0].key, "tiers.default.backends[1].wieght");
+        assert!(e.0[0].message.contains("wieght"), "{}", e);
+    }
+
+    #[test]
+    fn duplicate_ids_bad_addresses_and_empty_tiers_are_errors() {
+        let text = GOOD.replace("id: vllm-1", "id: vllm-0");
+        assert_eq!(keys(&text), vec!["tiers.default.backends[1].id"]);
+        let text = GOOD.replace("127.0.0.1:8002", "not an address");
+        assert_eq!(keys(&text), vec!["tiers.default.backends[1].addr"]);
+        let text = r#"
+tiers:
+  a: { default: true, backends: [] }
+"#;
+        assert_eq!(keys(text), vec!["tiers.a.backends"]);
+    }
+
+    #[test]
+    fn default_tier_rules() {
+        let two = r#"
+tiers:
+  a: { backends: [{id: a0, addr: "127.0.0.1:1"}] }
+  b: { backends: [{id: b0, addr: "127.0.0.1:2"}] }
+"#;
+        assert_eq!(keys(two), vec!["tiers"]);
+        let one = r#"
+tiers:
+  only: { backends: [{id: a0, addr: "127.0.0.1:1"}] }
+"#;
+        let c = Config::from_yaml(one).unwrap();
+        assert!(c.default_tier().name == "only");
+        assert!(!c.warnings.is_empty(), "placeholder hash key is warned about");
+    }
+
+    #[test]
+    fn ttl_zero_disables_affinity() {
+        let c = Config::from_yaml(&GOOD.replace("sticky_ttl_seconds: 1800", "sticky_ttl_seconds: 0"))
+            .unwrap();
+        assert_eq!(c.affinity.sticky_ttl, None);
+    }
+
+    #[test]
+    fn model_in_two_tiers_is_an_error() {
+        let text = r#"
+tiers:
+  a: { default: true, models: [m], backends: [{id: a0, addr: "127.0.0.1:1"}] }
+  b: { models: [m], backends: [{id: b0, addr: "127.0.0.1:2"}] }
+"#;
+        assert_eq!(keys(text), vec!["tiers.b.models"]);
+    }
+}

@@ -1,0 +1,10 @@
+//! agent-gateway: a Pingora-based L7 gateway that keeps every turn of an LLM
+//! agent session on the replica that already holds its KV cache.
+
+pub mod affinity;
+pub mod config;
+pub mod gateway;
+pub mod metrics;
+pub mod proxy;
+pub mod server;
+pub mod upstream;

@@ -1,0 +1,82 @@
+use agent_gateway::config::Config;
+use agent_gateway::server::{self, RunOptions};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "agent-gateway", version, about = "Session-affine gateway for LLM agent fleets")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve in the foreground (systemd runs this).
+    Run {
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Take over the listeners of a running instance (graceful upgrade).
+        #[arg(long, short)]
+        upgrade: bool,
+    },
+    /// Validate a configuration file; exit non-zero and say what is wrong.
+    Check {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check { config } => match Config::load(&config) {
+            Ok(c) => {
+                for w in &c.warnings {
+                    eprintln!("warning: {w}");
+                }
+                let backends: usize = c.tiers.iter().map(|t| t.backends.len()).sum();
+                println!(
+                    "{}: ok ({} tier(s), {} backend(s))",
+                    config.display(),
+                    c.tiers.len(),
+                    backends
+                );
+                ExitCode::SUCCESS
+            }
+            Err(errors) => {
+                for e in &errors.0 {
+                    eprintln!("error: {e}");
+                }
+                ExitCode::FAILURE
+            }
+        },
+        Command::Run { config, upgrade } => {
+            let cfg = match Config::load(&config) {
+                Ok(c) => c,
+                Err(errors) => {
+                    for e in &errors.0 {
+                        eprintln!("error: {e}");
+                    }
+                    return ExitCode::FAILURE;
+                }
+            };
+            for w in &cfg.warnings {
+                log::warn!("{w}");
+            }
+            let opts = RunOptions {
+                upgrade,
+                daemon: false,
+            };
+            match server::build(cfg, &opts) {
+                Ok((srv, _gw)) => srv.run_forever(),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! Every metric the gateway exports (SPEC §5), defined in one place, and the
+//! `GET /metrics` listener. Names are fixed: dashboards depend on them.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+/// Request duration buckets: LLM requests run from milliseconds to minutes.
+const DURATION_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub affinity_hits: IntCounterVec,
+    pub affinity_misses: IntCounterVec,
+    pub affinity_broken: IntCounterVec,
+    pub affinity_moves: IntCounterVec,
+    pub bindings_evicted: IntCounterVec,
+    pub requests: IntCounterVec,
+    pub gateway_errors: IntCounterVec,
+    pub request_duration: HistogramVec,
+    pub time_to_first_byte: HistogramVec,
+    pub bindings: IntGaugeVec,
+    pub backend_healthy: IntGaugeVec,
+    pub backend_in_flight: IntGaugeVec,
+    pub prompt_tokens: IntCounterVec,
+    pub cached_prompt_tokens: IntCounterVec,
+    pub config_reloads: IntCounterVec,
+}
+
+/// A tier's hot-path counters, resolved once per config load.
+#[derive(Clone)]
+pub struct TierMetrics {
+    pub hits: IntCounter,
+    pub misses: IntCounter,
+    pub broken: IntCounter,
+    pub duration: Histogram,
+    pub ttfb: Histogram,
+}
+
+fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+fn histogram(r: &Registry, name: &str, help: &str, labels: &[&str]) -> HistogramVec {
+    let h = HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(DURATION_BUCKETS.to_vec()),
+        labels,
+    )
+    .expect("valid metric");
+    r.register(Box::new(h.clone())).expect("unique metric");
+    h
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let r = Registry::new();
+        Metrics {
+            affinity_hits: counter(
+                &r,
+                "agentserve_affinity_hits_total",
+                "Requests that reused a live session binding",
+                &["tier"],
+            ),
+            affinity_misses: counter(
+                &r,
+                "agentserve_affinity_misses_total",
+                "Requests that needed a new binding (first turn, expired, or replaced)",
+                &["tier"],
+            ),
+            affinity_broken: counter(
+                &r,
+                "agentserve_affinity_broken_total",
+                "Bindings invalidated because the backend went down, was removed or failed",
+                &["tier"],
+            ),
+            affinity_moves: counter(
+                &r,
+                "agentserve_affinity_moves_total",
+                "Live bindings deliberately moved to another backend",
+                &["tier", "reason"],
+            ),
+            bindings_evicted: counter(
+                &r,
+                "agentserve_bindings_evicted_total",
+                "Idle bindings evicted because the table was full",
+                &["tier"],
+            ),
+            requests: counter(
+                &r,
+                "agentserve_requests_total",
+                "Requests by tier, backend and response status",
+                &["tier", "backend", "status"],
+            ),
+            gateway_errors: counter(
+                &r,
+                "agentserve_gateway_errors_total",
+                "Error responses the gateway produced itself, by status",
+                &["tier", "status"],
+            ),
+            request_duration: histogram(
+                &r,
+                "agentserve_request_duration_seconds",
+                "Time from request start to the last response byte",
+                &["tier"],
+            ),
+            time_to_first_byte: histogram(
+                &r,
+                "agentserve_time_to_first_byte_seconds",
+                "Time from request start to the first response body byte",
+                &["tier"],
+            ),
+            bindings: gauge(
+                &r,
+                "agentserve_bindings",
+                "Live session bindings",
+                &["tier"],
+            ),
+            backend_healthy: gauge(
+                &r,
+                "agentserve_backend_healthy",
+                "1 when the backend passes health checks",
+                &["tier", "backend"],
+            ),
+            backend_in_flight: gauge(
+                &r,
+                "agentserve_backend_in_flight",
+                "Requests in flight to the backend",
+                &["tier", "backend"],
+            ),
+            prompt_tokens: counter(
+                &r,
+                "agentserve_prompt_tokens_total",
+                "Prompt tokens reported in responses' usage",
+                &["tier", "backend"],
+            ),
+            cached_prompt_tokens: counter(
+                &r,
+                "agentserve_cached_prompt_tokens_total",
+                "Cached prompt tokens reported in responses' usage (prompt_tokens_details.cached_tokens)",
+                &["tier", "backend"],
+            ),
+            config_reloads: counter(
+                &r,
+                "agentserve_config_reload_total",
+                "Configuration reloads by result",
+                &["result"],
+            ),
+            registry: r,
+        }
+    }
+
+    pub fn tier(&self, tier: &str) -> TierMetrics {
+        TierMetrics {
+            hits: self.affinity_hits.with_label_values(&[tier]),
+            misses: self.affinity_misses.with_label_values(&[tier]),
+            broken: self.affinity_broken.with_label_values(&[tier]),
+            duration: self.request_duration.with_label_values(&[tier]),
+            ttfb: self.time_to_first_byte.with_label_values(&[tier]),
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,111 @@
+//! The gateway's own error responses: JSON in the OpenAI shape (SPEC §8).
+
+use bytes::Bytes;
+use pingora_core::{Error, ErrorType, Result};
+use pingora_http::ResponseHeader;
+use pingora_proxy::Session;
+
+/// An error the gateway answers itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GatewayError {
+    pub status: u16,
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl GatewayError {
+    pub fn bad_session_header(message: String) -> Self {
+        GatewayError {
+            status: 400,
+            kind: "invalid_request_error",
+            code: "invalid_session_header",
+            message,
+        }
+    }
+    pub fn unknown_tier(message: String) -> Self {
+        GatewayError {
+            status: 404,
+            kind: "invalid_request_error",
+            code: "unknown_tier",
+            message,
+        }
+    }
+    pub fn body_too_large(limit: u64) -> Self {
+        GatewayError {
+            status: 413,
+            kind: "invalid_request_error",
+            code: "request_too_large",
+            message: format!("request body is larger than the gateway's limit of {limit} bytes"),
+        }
+    }
+    pub fn length_required() -> Self {
+        GatewayError {
+            status: 411,
+            kind: "invalid_request_error",
+            code: "length_required",
+            message: "a body this gateway must read to route (over 64 KiB) needs a Content-Length header".into(),
+        }
+    }
+    pub fn bad_body(message: String) -> Self {
+        GatewayError {
+            status: 400,
+            kind: "invalid_request_error",
+            code: "invalid_body",
+            message,
+        }
+    }
+    pub fn no_healthy_backend(tier: &str) -> Self {
+        GatewayError {
+            status: 503,
+            kind: "service_unavailable",
+            code: "no_healthy_backend",
+            message: format!("no healthy backend in tier `{tier}`"),
+        }
+    }
+    pub fn all_candidates_failed(tier: &str) -> Self {
+        GatewayError {
+            status: 502,
+            kind: "bad_gateway",
+            code: "all_backends_failed",
+            message: format!("every backend of tier `{tier}` failed to accept the request"),
+        }
+    }
+    pub fn upstream_failed(detail: String) -> Self {
+        GatewayError {
+            status: 502,
+            kind: "bad_gateway",
+            code: "backend_error",
+            message: detail,
+        }
+    }
+
+    pub fn body(&self) -> Bytes {
+        let v = serde_json::json!({
+            "error": {"message": self.message, "type": self.kind, "code": self.code}
+        });
+        Bytes::from(v.to_string())
+    }
+
+    /// A Pingora error carrying this status, for returning from a hook.
+    pub fn to_pingora(&self) -> Box<Error> {
+        Error::explain(ErrorType::HTTPStatus(self.status), self.message.clone())
+    }
+
+    /// Write this error as the whole response. The connection is not reused
+    /// when the request body may not have been read.
+    pub async fn write(&self, session: &mut Session, tier: Option<&str>) -> Result<()> {
+        let body = self.body();
+        let mut resp = ResponseHeader::build(self.status, Some(4))?;
+        resp.insert_header("content-type", "application/json")?;
+        resp.insert_header("content-length", body.len().to_string())?;
+        if let Some(t) = tier {
+            resp.insert_header("x-agent-serve-tier", t)?;
+        }
+        if !session.is_body_done() {
+            session.set_keepalive(None);
+        }
+        session.write_response_header(Box::new(resp), false).await?;
+        session.write_response_body(Some(body), true).await
+    }
+}

@@ -1,0 +1,540 @@
+//! The request's path through Pingora's hooks (SPEC §3–§4):
+//!
+//! - `request_filter`: validate session headers, size; read the body only when
+//!   routing needs it; resolve tier, session and parent keys;
+//! - `upstream_peer`: pick the backend (binding, else HRW; least in-flight for
+//!   requests without a session) and lease the binding;
+//! - `fail_to_connect`: exclude that backend and retry the next candidate;
+//! - `response_filter` / `response_body_filter`: response metadata, usage;
+//! - `logging`: metrics. The lease and in-flight count end when the context drops.
+
+pub mod errors;
+pub mod request_body;
+pub mod response;
+
+use crate::affinity::hrw::KeyKind;
+use crate::affinity::session::{self, BodyProbe, SessionId};
+use crate::affinity::{Candidate, Lease, Reason, SessionRef};
+use crate::gateway::Gateway;
+use crate::upstream::{Backend, BackendStats, Routing, Tier};
+use async_trait::async_trait;
+use bytes::Bytes;
+use errors::GatewayError;
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_core::{Error, ErrorSource, ErrorType, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::{FailToProxy, ProxyHttp, Session};
+use request_body::PreReadError;
+use response::{JsonAppender, UsageScanner};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+pub const TIER_HEADER: &str = "x-agent-serve-tier";
+pub const BACKEND_HEADER: &str = "x-agent-serve-backend";
+pub const HIT_HEADER: &str = "x-agent-serve-affinity-hit";
+
+pub struct GatewayProxy {
+    gw: Arc<Gateway>,
+    /// Rotates ties among equally loaded backends for session-less requests.
+    tiebreak: AtomicUsize,
+}
+
+impl GatewayProxy {
+    pub fn new(gw: Arc<Gateway>) -> Self {
+        GatewayProxy {
+            gw,
+            tiebreak: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// Counts a request against its backend's in-flight total until dropped.
+struct InFlight(Arc<BackendStats>);
+
+impl InFlight {
+    fn new(stats: &Arc<BackendStats>) -> Self {
+        stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(Arc::clone(stats))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Everything later hooks need to know about one request.
+pub struct RequestCtx {
+    start: Instant,
+    routing: Option<Arc<Routing>>,
+    tier: Option<Arc<Tier>>,
+    /// The session id as the client sent it (for metadata and traces).
+    session: Option<SessionId>,
+    parent: Option<String>,
+    /// What the binding table is keyed with (the group for subagents).
+    session_ref: Option<SessionRef>,
+    /// The whole body, when it was read before routing.
+    body: Option<Bytes>,
+    body_bytes: u64,
+    backend: Option<Arc<Backend>>,
+    affinity_hit: bool,
+    reason: Option<Reason>,
+    lease: Option<Lease>,
+    in_flight: Option<InFlight>,
+    /// Backends that refused a connection for this request.
+    excluded: Vec<u32>,
+    error: Option<GatewayError>,
+    appender: Option<JsonAppender>,
+    usage: Option<UsageScanner>,
+    first_byte: Option<Instant>,
+}
+
+impl RequestCtx {
+    fn tier_name(&self) -> Option<&str> {
+        self.tier.as_deref().map(|t| &*t.name)
+    }
+
+    /// The `x_agent_serve` member merged into JSON responses.
+    fn metadata_member(&self, backend: &Backend, tier: &Tier) -> Vec<u8> {
+        let v = serde_json::json!({
+            "backend": &*backend.id,
+            "affinity_hit": self.affinity_hit,
+            "tier": &*tier.name,
+            "session": self.session.as_ref().map(|s| s.id.as_str()),
+            "reason": self.reason.map(Reason::as_str),
+        });
+        let mut out = b"\"x_agent_serve\":".to_vec();
+        out.extend_from_slice(v.to_string().as_bytes());
+        out
+    }
+}
+
+fn method_has_body(req: &RequestHeader) -> bool {
+    !matches!(
+        req.method,
+        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS | http::Method::DELETE
+    )
+}
+
+impl GatewayProxy {
+    /// Everything `request_filter` decides; `Err` is answered to the client.
+    async fn route_request(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> std::result::Result<(), GatewayError> {
+        let routing = self.gw.routing();
+        let cfg = &routing.config;
+        let headers = &session.req_header().headers;
+        let session_id = session::from_headers(headers, &cfg.affinity.session_headers)
+            .map_err(|e| GatewayError::bad_session_header(e.to_string()))?;
+        let parent = session::from_headers(headers, &cfg.affinity.parent_session_headers)
+            .map_err(|e| GatewayError::bad_session_header(e.to_string()))?;
+        let tier_header = match headers.get(TIER_HEADER) {
+            Some(v) => Some(
+                v.to_str()
+                    .map_err(|_| GatewayError::unknown_tier("invalid tier header".into()))?
+                    .to_string(),
+            ),
+            None => None,
+        };
+        let declared = request_body::content_length(session)?;
+        let limit = cfg.server.max_body_bytes;
+        if declared.is_some_and(|len| len > limit) {
+            return Err(GatewayError::body_too_large(limit));
+        }
+
+        let mut tier = match &tier_header {
+            Some(name) => Some(Arc::clone(routing.tier_by_name(name).ok_or_else(|| {
+                GatewayError::unknown_tier(format!("unknown tier `{name}`"))
+            })?)),
+            None => None,
+        };
+        let mut session_id = session_id;
+        let needs_body = method_has_body(session.req_header())
+            && declared != Some(0)
+            && ((tier.is_none() && routing.routes_by_model())
+                || (session_id.is_none() && !cfg.affinity.body_session_fields.is_empty()));
+        if needs_body {
+            let body = match request_body::pre_read(session, declared, limit).await {
+                Ok(b) => b,
+                Err(PreReadError::Refused(e)) => return Err(e),
+                Err(PreReadError::Io(e)) => {
+                    return Err(GatewayError::bad_body(format!("reading the body: {e}")))
+                }
+            };
+            ctx.body_bytes = body.len() as u64;
+            if let Some(probe) = BodyProbe::parse(&body) {
+                if tier.is_none() {
+                    if let Some(model) = probe.model() {
+                        tier = routing.tier_by_model(&model).cloned();
+                    }
+                }
+                if session_id.is_none() {
+                    session_id = probe.session(&cfg.affinity.body_session_fields);
+                }
+            }
+            ctx.body = Some(body);
+        }
+        let tier = tier.unwrap_or_else(|| Arc::clone(routing.default_tier()));
+
+        ctx.session_ref = match (&parent, &session_id) {
+            (Some(p), _) => {
+                let mut group = SessionRef::new(&routing.hasher, KeyKind::Group, &tier.name, &p.id);
+                group.parent = Some(routing.hasher.fingerprint(KeyKind::Session, &tier.name, &p.id));
+                Some(group)
+            }
+            (None, Some(s)) => Some(SessionRef::new(
+                &routing.hasher,
+                KeyKind::Session,
+                &tier.name,
+                &s.id,
+            )),
+            (None, None) => None,
+        };
+        ctx.parent = parent.map(|p| p.id);
+        ctx.session = session_id;
+        ctx.tier = Some(tier);
+        ctx.routing = Some(routing);
+        Ok(())
+    }
+
+    fn least_in_flight(&self, tier: &Tier, candidates: &[Candidate]) -> usize {
+        let load = |c: &Candidate| {
+            tier.backend_by_slot(c.slot)
+                .map_or(u64::MAX, |b| b.in_flight())
+        };
+        let min = candidates.iter().map(load).min().unwrap_or(0);
+        let tied: Vec<usize> = (0..candidates.len())
+            .filter(|&i| load(&candidates[i]) == min)
+            .collect();
+        tied[self.tiebreak.fetch_add(1, Ordering::Relaxed) % tied.len()]
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for GatewayProxy {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> RequestCtx {
+        RequestCtx {
+            start: Instant::now(),
+            routing: None,
+            tier: None,
+            session: None,
+            parent: None,
+            session_ref: None,
+            body: None,
+            body_bytes: 0,
+            backend: None,
+            affinity_hit: false,
+            reason: None,
+            lease: None,
+            in_flight: None,
+            excluded: Vec::new(),
+            error: None,
+            appender: None,
+            usage: None,
+            first_byte: None,
+        }
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        match self.route_request(session, ctx).await {
+            Ok(()) => Ok(false),
+            Err(e) => {
+                let tier = ctx.tier_name().map(str::to_string);
+                e.write(session, tier.as_deref()).await?;
+                ctx.error = Some(e);
+                Ok(true)
+            }
+        }
+    }
+
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<Box<HttpPeer>> {
+        let tier = Arc::clone(ctx.tier.as_ref().expect("routed in request_filter"));
+        // A retry after a connect failure starts over: the failed attempt's
+        // lease and in-flight count end here.
+        ctx.lease = None;
+        ctx.in_flight = None;
+        let candidates: Vec<Candidate> = tier
+            .backends
+            .iter()
+            .filter(|b| tier.healthy(b) && !ctx.excluded.contains(&b.slot))
+            .map(|b| b.candidate())
+            .collect();
+        if candidates.is_empty() {
+            let e = if ctx.excluded.is_empty() {
+                GatewayError::no_healthy_backend(&tier.name)
+            } else {
+                GatewayError::all_candidates_failed(&tier.name)
+            };
+            let pe = e.to_pingora();
+            ctx.error = Some(e);
+            return Err(pe);
+        }
+        let index = match &ctx.session_ref {
+            Some(sref) => {
+                let sel = self
+                    .gw
+                    .affinity
+                    .select_backend(sref, tier.index, &candidates)
+                    .expect("candidates are not empty");
+                if sel.reason == Reason::Broken {
+                    tier.metrics.broken.inc();
+                }
+                ctx.affinity_hit = sel.affinity_hit;
+                ctx.reason = Some(sel.reason);
+                ctx.lease = sel.lease;
+                sel.index
+            }
+            None => {
+                ctx.reason = Some(Reason::NoSession);
+                self.least_in_flight(&tier, &candidates)
+            }
+        };
+        let backend = Arc::clone(
+            tier.backend_by_slot(candidates[index].slot)
+                .expect("candidates come from this tier"),
+        );
+        ctx.in_flight = Some(InFlight::new(&backend.stats));
+        let mut peer = HttpPeer::new(backend.addr, false, String::new());
+        let server = &ctx.routing.as_ref().expect("routed").config.server;
+        peer.options.connection_timeout = Some(server.connect_timeout);
+        peer.options.read_timeout = server.read_timeout;
+        ctx.backend = Some(backend);
+        Ok(Box::new(peer))
+    }
+
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut RequestCtx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        // Nothing reached the backend: try the next candidate. upstream_peer
+        // rebinds the session (counted broken) or answers 502 when none is left.
+        if let Some(b) = &ctx.backend {
+            log::warn!("backend {} ({}) refused connection: {e}", b.id, b.addr);
+            ctx.excluded.push(b.slot);
+        }
+        e.set_retry(true);
+        e
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream_request: &mut RequestHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        if ctx.body.is_some() {
+            // The gateway already answered the client's 100-continue.
+            upstream_request.remove_header("expect");
+        }
+        Ok(())
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        if let Some(full) = &ctx.body {
+            // See request_body.rs: this is the replayed tail; send everything.
+            *body = Some(full.clone());
+            return Ok(());
+        }
+        if let Some(chunk) = body {
+            ctx.body_bytes += chunk.len() as u64;
+            let limit = ctx
+                .routing
+                .as_ref()
+                .map_or(u64::MAX, |r| r.config.server.max_body_bytes);
+            if ctx.body_bytes > limit {
+                let e = GatewayError::body_too_large(limit);
+                let pe = e.to_pingora();
+                ctx.error = Some(e);
+                return Err(pe);
+            }
+        }
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        let (Some(backend), Some(tier)) = (ctx.backend.clone(), ctx.tier.clone()) else {
+            return Ok(());
+        };
+        resp.insert_header(BACKEND_HEADER, &*backend.id)?;
+        resp.insert_header(HIT_HEADER, if ctx.affinity_hit { "true" } else { "false" })?;
+        resp.insert_header(TIER_HEADER, &*tier.name)?;
+
+        let content_type = resp
+            .headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_ascii_lowercase();
+        let is_json = content_type.starts_with("application/json");
+        let is_sse = content_type.starts_with("text/event-stream");
+        let encoded = resp.headers.get("content-encoding").is_some();
+        if (is_json || is_sse) && !encoded {
+            ctx.usage = Some(UsageScanner::default());
+        }
+        let bodyless = session.req_header().method == http::Method::HEAD
+            || resp.status.as_u16() == 204
+            || resp.status.as_u16() == 304;
+        if is_json && !encoded && !bodyless {
+            let appender = JsonAppender::new(ctx.metadata_member(&backend, &tier));
+            if let Some(len) = resp
+                .headers
+                .get("content-length")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<usize>().ok())
+            {
+                resp.insert_header("content-length", (len + appender.extra_len()).to_string())?;
+            }
+            ctx.appender = Some(appender);
+        }
+        Ok(())
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<Option<std::time::Duration>> {
+        if let Some(chunk) = body.as_ref() {
+            if ctx.first_byte.is_none() && !chunk.is_empty() {
+                ctx.first_byte = Some(Instant::now());
+            }
+            if let Some(scanner) = ctx.usage.as_mut() {
+                scanner.push(chunk);
+            }
+        }
+        if let Some(appender) = ctx.appender.as_mut() {
+            let mut out = match body.as_ref() {
+                Some(chunk) => appender.push(chunk),
+                None => Bytes::new(),
+            };
+            if end_of_stream {
+                let tail = appender.finish();
+                out = if out.is_empty() {
+                    tail
+                } else {
+                    let mut joined = out.to_vec();
+                    joined.extend_from_slice(&tail);
+                    Bytes::from(joined)
+                };
+            }
+            *body = Some(out);
+        }
+        Ok(None)
+    }
+
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut RequestCtx) -> FailToProxy
+    where
+        RequestCtx: Send + Sync,
+    {
+        let gateway_error = match (&ctx.error, e.etype()) {
+            (Some(g), _) => Some(g.clone()),
+            (None, ErrorType::HTTPStatus(code)) => Some(GatewayError {
+                status: *code,
+                kind: "gateway_error",
+                code: "gateway_error",
+                message: e.to_string(),
+            }),
+            (None, _) => match e.esource() {
+                ErrorSource::Upstream => Some(GatewayError::upstream_failed(format!(
+                    "backend {} failed: {}",
+                    ctx.backend.as_ref().map_or("?", |b| &*b.id),
+                    e.etype().as_str()
+                ))),
+                ErrorSource::Downstream => None,
+                _ => Some(GatewayError {
+                    status: 500,
+                    kind: "internal_error",
+                    code: "internal_error",
+                    message: "internal gateway error".into(),
+                }),
+            },
+        };
+        let code = match gateway_error {
+            // A response already started cannot be replaced: just end it.
+            Some(g) if session.response_written().is_none() => {
+                let tier = ctx.tier_name().map(str::to_string);
+                let status = g.status;
+                if let Err(we) = g.write(session, tier.as_deref()).await {
+                    log::debug!("writing error response failed: {we}");
+                }
+                ctx.error = Some(g);
+                status
+            }
+            _ => 0,
+        };
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut RequestCtx) {
+        let tier_name = ctx.tier_name().unwrap_or("none").to_string();
+        let status = session
+            .response_written()
+            .map(|r| r.status.as_u16())
+            .or(ctx.error.as_ref().map(|g| g.status))
+            .unwrap_or(0);
+        let m = &self.gw.metrics;
+        if let Some(g) = &ctx.error {
+            m.gateway_errors
+                .with_label_values(&[&tier_name, &g.status.to_string()])
+                .inc();
+        }
+        if let Some(tier) = &ctx.tier {
+            tier.metrics
+                .duration
+                .observe(ctx.start.elapsed().as_secs_f64());
+            if let Some(fb) = ctx.first_byte {
+                tier.metrics
+                    .ttfb
+                    .observe(fb.duration_since(ctx.start).as_secs_f64());
+            }
+            if ctx.backend.is_some() && ctx.session_ref.is_some() {
+                if ctx.affinity_hit {
+                    tier.metrics.hits.inc();
+                } else {
+                    tier.metrics.misses.inc();
+                }
+            }
+        }
+        let backend_id = ctx.backend.as_ref().map_or("none", |b| &*b.id);
+        m.requests
+            .with_label_values(&[&tier_name, backend_id, &status.to_string()])
+            .inc();
+        if let Some(u) = ctx.usage.as_ref().and_then(UsageScanner::usage) {
+            m.prompt_tokens
+                .with_label_values(&[&tier_name, backend_id])
+                .inc_by(u.prompt_tokens);
+            m.cached_prompt_tokens
+                .with_label_values(&[&tier_name, backend_id])
+                .inc_by(u.cached_tokens);
+        }
+    }
+}

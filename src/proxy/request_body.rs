@@ -1,0 +1,105 @@
+//! Reading a request body before routing without losing any of it.
+//!
+//! Routing may need the body (`model` picks the tier; a body field may carry
+//! the session key), so it must be read in `request_filter`, before Pingora
+//! connects upstream. Pingora then forwards only what its retry buffer kept,
+//! and that buffer stops at 64 KiB: past it the body would be silently dropped.
+//!
+//! The way round: with a known `Content-Length`, turn retry buffering on only
+//! for the last ≤ 64 KiB, so the buffer is complete (never truncated) and not
+//! empty. Pingora hands that tail to `request_body_filter` as the one body
+//! chunk of the attempt, and the proxy replaces it with the whole body it kept.
+//! A body of unknown length that outgrows the buffer cannot be forwarded and
+//! is refused with 411 instead of being truncated.
+
+use super::errors::GatewayError;
+use bytes::{Bytes, BytesMut};
+use pingora_proxy::Session;
+
+/// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core, h1 and h2).
+pub const RETRY_BUFFER_BYTES: u64 = 64 * 1024;
+
+/// The declared body length; `Err` when the header is present but unusable.
+pub fn content_length(session: &Session) -> Result<Option<u64>, GatewayError> {
+    let mut values = session.req_header().headers.get_all("content-length").iter();
+    let Some(first) = values.next() else {
+        return Ok(None);
+    };
+    if values.any(|v| v != first) {
+        return Err(GatewayError::bad_body(
+            "conflicting Content-Length headers".into(),
+        ));
+    }
+    std::str::from_utf8(first.as_bytes())
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .map(Some)
+        .ok_or_else(|| GatewayError::bad_body("Content-Length is not a number".into()))
+}
+
+/// Read the whole body (at most `limit` bytes) and leave Pingora able to
+/// forward it (see the module doc). The caller must put the returned bytes in
+/// place of the first body chunk `request_body_filter` sees.
+pub async fn pre_read(
+    session: &mut Session,
+    declared: Option<u64>,
+    limit: u64,
+) -> Result<Bytes, PreReadError> {
+    if session
+        .req_header()
+        .headers
+        .get("expect")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+    {
+        session
+            .as_downstream_mut()
+            .write_continue_response()
+            .await
+            .map_err(PreReadError::Io)?;
+    }
+    let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit) as usize);
+    let mut buffering = false;
+    loop {
+        let remaining = declared.map(|len| len.saturating_sub(buf.len() as u64));
+        let want_buffer = match remaining {
+            Some(r) => r > 0 && r <= RETRY_BUFFER_BYTES,
+            // Unknown length: buffer from the start and hope it fits.
+            None => true,
+        };
+        if want_buffer && !buffering {
+            session.as_downstream_mut().enable_retry_buffering();
+            buffering = true;
+        }
+        match session.read_request_body().await.map_err(PreReadError::Io)? {
+            Some(chunk) => {
+                if buf.len() as u64 + chunk.len() as u64 > limit {
+                    return Err(PreReadError::Refused(GatewayError::body_too_large(limit)));
+                }
+                buf.extend_from_slice(&chunk);
+            }
+            None => break,
+        }
+    }
+    if let Some(len) = declared {
+        if buf.len() as u64 != len {
+            return Err(PreReadError::Refused(GatewayError::bad_body(format!(
+                "body ended after {} of {len} declared bytes",
+                buf.len()
+            ))));
+        }
+    }
+    // The invariant the forwarding relies on: Pingora will replay a complete,
+    // non-empty retry buffer, which the proxy swaps for the whole body.
+    if !buf.is_empty() && session.as_downstream().get_retry_buffer().is_none() {
+        return Err(PreReadError::Refused(GatewayError::length_required()));
+    }
+    Ok(buf.freeze())
+}
+
+#[derive(Debug)]
+pub enum PreReadError {
+    /// The client went away or sent a broken body.
+    Io(Box<pingora_core::Error>),
+    /// The body is refused with this error.
+    Refused(GatewayError),
+}

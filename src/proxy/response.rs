@@ -1,0 +1,252 @@
+//! Response-side work: merging the `x_agent_serve` object into JSON bodies as
+//! they stream through, and reading `usage` from JSON and SSE responses.
+
+use bytes::{Bytes, BytesMut};
+use serde::Deserialize;
+
+/// Appends one member to a JSON object body while streaming it.
+///
+/// The headers leave before the body arrives, so the new `Content-Length`
+/// is promised up front: exactly `extra_len()` bytes are added, whatever the
+/// body turns out to be. Only the final `}` (and trailing whitespace) is ever
+/// held back, so the body otherwise streams unbuffered. A body that is not a
+/// JSON object gets the promised bytes as trailing spaces instead, which keeps
+/// any JSON value it holds unchanged.
+pub struct JsonAppender {
+    /// `"x_agent_serve":{...}`
+    member: Vec<u8>,
+    held: BytesMut,
+    /// First non-whitespace byte of the body, once seen.
+    first: Option<u8>,
+    /// Whether the object has any member before ours.
+    has_members: bool,
+}
+
+fn is_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\r' | b'\n')
+}
+
+impl JsonAppender {
+    pub fn new(member: Vec<u8>) -> Self {
+        JsonAppender {
+            member,
+            held: BytesMut::new(),
+            first: None,
+            has_members: false,
+        }
+    }
+
+    /// Bytes added to the body: a separator (`,` or a space) plus the member.
+    pub fn extra_len(&self) -> usize {
+        1 + self.member.len()
+    }
+
+    /// Feed one chunk; returns what may be sent now.
+    pub fn push(&mut self, chunk: &[u8]) -> Bytes {
+        let mut buf = std::mem::take(&mut self.held);
+        buf.extend_from_slice(chunk);
+        let Some(last) = buf.iter().rposition(|&b| !is_ws(b)) else {
+            // Only whitespace so far: hold it (it may precede the closing brace).
+            self.held = buf;
+            return Bytes::new();
+        };
+        let split = if buf[last] == b'}' { last } else { buf.len() };
+        self.note_emitted(&buf[..split]);
+        let tail = buf.split_off(split);
+        self.held = tail;
+        buf.freeze()
+    }
+
+    fn note_emitted(&mut self, out: &[u8]) {
+        for &b in out {
+            if is_ws(b) {
+                continue;
+            }
+            if self.first.is_none() {
+                self.first = Some(b);
+            } else {
+                self.has_members = true;
+                return;
+            }
+        }
+    }
+
+    /// The end of the body: returns the held tail with the member merged in.
+    pub fn finish(&mut self) -> Bytes {
+        let held = std::mem::take(&mut self.held);
+        let mut out = BytesMut::with_capacity(held.len() + self.extra_len());
+        let closes_object = self.first == Some(b'{') && held.first() == Some(&b'}');
+        if closes_object {
+            out.extend_from_slice(if self.has_members { b"," } else { b" " });
+            out.extend_from_slice(&self.member);
+            out.extend_from_slice(&held);
+        } else {
+            out.extend_from_slice(&held);
+            out.resize(out.len() + self.extra_len(), b' ');
+        }
+        out.freeze()
+    }
+}
+
+/// Token counts from an OpenAI-style `usage` object.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
+
+#[derive(Deserialize)]
+struct UsageJson {
+    prompt_tokens: Option<u64>,
+    prompt_tokens_details: Option<DetailsJson>,
+}
+
+#[derive(Deserialize)]
+struct DetailsJson {
+    cached_tokens: Option<u64>,
+}
+
+/// Keeps the last bytes of a response so `usage` (at the end of a JSON body,
+/// or in the final SSE event) can be read without buffering the response.
+#[derive(Default)]
+pub struct UsageScanner {
+    tail: Vec<u8>,
+}
+
+const USAGE_TAIL_BYTES: usize = 16 * 1024;
+
+impl UsageScanner {
+    pub fn push(&mut self, chunk: &[u8]) {
+        if chunk.len() >= USAGE_TAIL_BYTES {
+            self.tail.clear();
+            self.tail
+                .extend_from_slice(&chunk[chunk.len() - USAGE_TAIL_BYTES..]);
+            return;
+        }
+        let overflow = (self.tail.len() + chunk.len()).saturating_sub(USAGE_TAIL_BYTES);
+        if overflow > 0 {
+            self.tail.drain(..overflow);
+        }
+        self.tail.extend_from_slice(chunk);
+    }
+
+    /// The last non-null `usage` object seen, if any.
+    pub fn usage(&self) -> Option<Usage> {
+        const NEEDLE: &[u8] = b"\"usage\"";
+        let mut end = self.tail.len();
+        while let Some(pos) = find_last(&self.tail[..end], NEEDLE) {
+            let rest = &self.tail[pos + NEEDLE.len()..];
+            let rest = trim_start(rest);
+            if let Some(after_colon) = rest.strip_prefix(b":") {
+                let mut it = serde_json::Deserializer::from_slice(trim_start(after_colon))
+                    .into_iter::<UsageJson>();
+                if let Some(Ok(u)) = it.next() {
+                    if let Some(prompt) = u.prompt_tokens {
+                        return Some(Usage {
+                            prompt_tokens: prompt,
+                            cached_tokens: u
+                                .prompt_tokens_details
+                                .and_then(|d| d.cached_tokens)
+                                .unwrap_or(0),
+                        });
+                    }
+                }
+            }
+            end = pos;
+        }
+        None
+    }
+}
+
+fn trim_start(b: &[u8]) -> &[u8] {
+    let n = b.iter().take_while(|&&c| is_ws(c)).count();
+    &b[n..]
+}
+
+fn find_last(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    if hay.len() < needle.len() {
+        return None;
+    }
+    (0..=hay.len() - needle.len())
+        .rev()
+        .find(|&i| &hay[i..i + needle.len()] == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(body: &[&str]) -> (String, usize) {
+        let mut a = JsonAppender::new(br#""x":{"a":1}"#.to_vec());
+        let mut out = Vec::new();
+        for c in body {
+            out.extend_from_slice(&a.push(c.as_bytes()));
+        }
+        out.extend_from_slice(&a.finish());
+        let original: usize = body.iter().map(|c| c.len()).sum();
+        assert_eq!(out.len(), original + a.extra_len(), "promised length kept");
+        (String::from_utf8(out).unwrap(), a.extra_len())
+    }
+
+    #[test]
+    fn appends_member_across_chunk_boundaries() {
+        let (out, _) = run(&[r#"{"id":"1","#, r#""usage":{"prompt_tokens":3}"#, "}\n"]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["x"]["a"], 1);
+        assert_eq!(v["usage"]["prompt_tokens"], 3);
+        let (out, _) = run(&["{\"k\":[1,2]", "}", "  "]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["k"][1], 2);
+        assert_eq!(v["x"]["a"], 1);
+    }
+
+    #[test]
+    fn empty_object_and_non_objects() {
+        let (out, _) = run(&["{", "}"]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["x"]["a"], 1);
+        let (out, _) = run(&["[1,", "2]"]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v, serde_json::json!([1, 2]));
+        let (out, _) = run(&["not json"]);
+        assert!(out.starts_with("not json"));
+    }
+
+    #[test]
+    fn streams_everything_but_the_closing_brace() {
+        let mut a = JsonAppender::new(b"\"x\":1".to_vec());
+        assert_eq!(&a.push(b"{\"a\":\"}\"")[..], b"{\"a\":\"}\"");
+        assert_eq!(&a.push(b"}")[..], b"");
+        assert_eq!(&a.finish()[..], b",\"x\":1}");
+    }
+
+    #[test]
+    fn usage_from_json_and_sse() {
+        let mut s = UsageScanner::default();
+        s.push(br#"{"choices":[],"usage":{"prompt_tokens":100,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":64}}}"#);
+        assert_eq!(
+            s.usage(),
+            Some(Usage {
+                prompt_tokens: 100,
+                cached_tokens: 64
+            })
+        );
+        let mut s = UsageScanner::default();
+        s.push(b"data: {\"choices\":[{\"delta\":{}}],\"usage\":null}\n\n");
+        s.push(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7}}\n\ndata: [DONE]\n\n");
+        assert_eq!(
+            s.usage(),
+            Some(Usage {
+                prompt_tokens: 7,
+                cached_tokens: 0
+            })
+        );
+        let mut s = UsageScanner::default();
+        s.push(b"data: {\"usage\":null}\n\n");
+        assert_eq!(s.usage(), None);
+        let mut s = UsageScanner::default();
+        s.push(&vec![b'a'; 100_000]);
+        s.push(br#","usage":{"prompt_tokens":1}}"#);
+        assert_eq!(s.usage().unwrap().prompt_tokens, 1);
+    }
+}

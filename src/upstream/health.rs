@@ -1,0 +1,82 @@
+//! Active health checks: Pingora's `HttpHealthCheck` (`GET health.path`, 200 =
+//! healthy) over one shared registry, behind a wrapper whose settings a reload
+//! can replace (Pingora allows setting a registry's check only once).
+
+use crate::config::HealthConfig;
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use pingora_core::Result;
+use pingora_http::RequestHeader;
+use pingora_load_balancing::health_check::{HealthCheck, HttpHealthCheck};
+use pingora_load_balancing::{Backend, HealthCheckService, HealthRegistry};
+use std::sync::Arc;
+
+pub struct ReloadableCheck {
+    inner: ArcSwap<HttpHealthCheck>,
+}
+
+fn http_check(cfg: &HealthConfig) -> HttpHealthCheck {
+    let mut check = HttpHealthCheck::new("localhost", false);
+    let mut req = RequestHeader::build("GET", cfg.path.as_bytes(), None)
+        .expect("a validated path builds a request");
+    let _ = req.append_header("Host", "localhost");
+    let _ = req.append_header("User-Agent", "agent-gateway-health");
+    check.req = req;
+    check.peer_template.options.connection_timeout = Some(cfg.timeout);
+    check.peer_template.options.read_timeout = Some(cfg.timeout);
+    check.peer_template.options.total_connection_timeout = Some(cfg.timeout);
+    check.consecutive_failure = cfg.consecutive_failures;
+    check.consecutive_success = cfg.consecutive_successes;
+    check
+}
+
+impl ReloadableCheck {
+    pub fn new(cfg: &HealthConfig) -> Arc<Self> {
+        Arc::new(ReloadableCheck {
+            inner: ArcSwap::from_pointee(http_check(cfg)),
+        })
+    }
+
+    pub fn update(&self, cfg: &HealthConfig) {
+        self.inner.store(Arc::new(http_check(cfg)));
+    }
+}
+
+#[async_trait]
+impl HealthCheck for ReloadableCheck {
+    async fn check(&self, target: &Backend) -> Result<()> {
+        let check = self.inner.load_full();
+        check.check(target).await
+    }
+
+    fn health_threshold(&self, success: bool) -> usize {
+        self.inner.load().health_threshold(success)
+    }
+}
+
+/// Forward to the shared wrapper (the registry wants an owned box).
+struct Shared(Arc<ReloadableCheck>);
+
+#[async_trait]
+impl HealthCheck for Shared {
+    async fn check(&self, target: &Backend) -> Result<()> {
+        self.0.check(target).await
+    }
+    fn health_threshold(&self, success: bool) -> usize {
+        self.0.health_threshold(success)
+    }
+}
+
+/// A registry checked by `check`, and the background service that runs it
+/// every `health.interval` (checking all targets in parallel).
+pub fn registry_and_service(
+    cfg: &HealthConfig,
+    check: &Arc<ReloadableCheck>,
+) -> (Arc<HealthRegistry>, HealthCheckService) {
+    let registry = Arc::new(HealthRegistry::new());
+    registry.set_health_check(Box::new(Shared(Arc::clone(check))));
+    let mut service = HealthCheckService::new(Arc::clone(&registry));
+    service.health_check_frequency = Some(cfg.interval);
+    service.parallel_health_check = true;
+    (registry, service)
+}

@@ -1,0 +1,241 @@
+//! Tiers and backends, and the health state Pingora's health checks keep for them.
+//!
+//! A [`Routing`] is one immutable snapshot built from one [`Config`]; the proxy
+//! reads the current snapshot per request and a reload swaps in a new one.
+//! Backends and tiers keep stable numbers ("slots") across snapshots, so the
+//! binding table, in-flight counts and health survive a reload.
+
+pub mod health;
+
+use crate::affinity::hrw::HrwHasher;
+use crate::affinity::table::MAX_TIERS;
+use crate::affinity::Candidate;
+use crate::config::{BackendConfig, Config};
+use crate::metrics::{Metrics, TierMetrics};
+use futures_util::FutureExt;
+use parking_lot::RwLock;
+use pingora_load_balancing::discovery::Static;
+use pingora_load_balancing::{Backend as LbBackend, Backends, HealthRegistry};
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Live, per-backend state that outlives any one config snapshot.
+#[derive(Debug)]
+pub struct BackendStats {
+    pub id: String,
+    pub in_flight: AtomicU64,
+    /// Set by the admin API: no new bindings go here.
+    pub draining: AtomicBool,
+}
+
+/// Stable numbers for backend ids and tier names, for the life of the process.
+#[derive(Default)]
+pub struct Slots {
+    backends: RwLock<(HashMap<String, u32>, Vec<Arc<BackendStats>>)>,
+    tiers: RwLock<HashMap<String, u16>>,
+}
+
+impl Slots {
+    pub fn backend(&self, id: &str) -> (u32, Arc<BackendStats>) {
+        if let Some(&slot) = self.backends.read().0.get(id) {
+            return (slot, Arc::clone(&self.backends.read().1[slot as usize]));
+        }
+        let mut w = self.backends.write();
+        if let Some(&slot) = w.0.get(id) {
+            return (slot, Arc::clone(&w.1[slot as usize]));
+        }
+        let slot = w.1.len() as u32;
+        let stats = Arc::new(BackendStats {
+            id: id.to_string(),
+            in_flight: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+        });
+        w.1.push(Arc::clone(&stats));
+        w.0.insert(id.to_string(), slot);
+        (slot, stats)
+    }
+
+    pub fn backend_id(&self, slot: u32) -> Option<String> {
+        self.backends.read().1.get(slot as usize).map(|s| s.id.clone())
+    }
+
+    /// `None` once [`MAX_TIERS`] distinct tier names have been seen.
+    pub fn tier(&self, name: &str) -> Option<u16> {
+        let mut w = self.tiers.write();
+        if let Some(&i) = w.get(name) {
+            return Some(i);
+        }
+        if w.len() >= MAX_TIERS {
+            return None;
+        }
+        let i = w.len() as u16;
+        w.insert(name.to_string(), i);
+        Some(i)
+    }
+}
+
+/// One LLM server replica.
+pub struct Backend {
+    pub id: Arc<str>,
+    pub addr: SocketAddr,
+    pub weight: u32,
+    pub slot: u32,
+    /// Keyed HRW seed of `id`.
+    pub seed: u64,
+    /// Pingora's identity for this backend (health is tracked per identity).
+    pub lb: LbBackend,
+    pub stats: Arc<BackendStats>,
+}
+
+impl Backend {
+    pub fn candidate(&self) -> Candidate {
+        Candidate {
+            slot: self.slot,
+            seed: self.seed,
+            weight: self.weight,
+        }
+    }
+
+    pub fn in_flight(&self) -> u64 {
+        self.stats.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub fn draining(&self) -> bool {
+        self.stats.draining.load(Ordering::Relaxed)
+    }
+}
+
+/// A named pool of backends that serve the same models.
+pub struct Tier {
+    pub name: Arc<str>,
+    pub index: u16,
+    pub default: bool,
+    pub models: Vec<String>,
+    pub backends: Vec<Arc<Backend>>,
+    /// Pingora's membership view of this tier, sharing the gateway's health registry.
+    view: Backends,
+    pub metrics: TierMetrics,
+}
+
+impl Tier {
+    pub fn healthy(&self, b: &Backend) -> bool {
+        self.view.ready(&b.lb)
+    }
+
+    pub fn backend_by_slot(&self, slot: u32) -> Option<&Arc<Backend>> {
+        self.backends.iter().find(|b| b.slot == slot)
+    }
+
+    pub fn backend_by_id(&self, id: &str) -> Option<&Arc<Backend>> {
+        self.backends.iter().find(|b| &*b.id == id)
+    }
+}
+
+/// One immutable routing snapshot.
+pub struct Routing {
+    pub config: Arc<Config>,
+    pub hasher: HrwHasher,
+    pub tiers: Vec<Arc<Tier>>,
+    by_name: HashMap<String, usize>,
+    by_model: HashMap<String, usize>,
+    default: usize,
+}
+
+#[derive(Debug)]
+pub struct TooManyTiers;
+
+impl Routing {
+    pub fn build(
+        config: Arc<Config>,
+        slots: &Slots,
+        registry: &Arc<HealthRegistry>,
+        metrics: &Metrics,
+    ) -> Result<Routing, TooManyTiers> {
+        let hasher = HrwHasher::new(&config.affinity.hash_key);
+        let mut tiers = Vec::new();
+        let mut by_name = HashMap::new();
+        let mut by_model = HashMap::new();
+        let mut default = 0;
+        for (i, t) in config.tiers.iter().enumerate() {
+            let index = slots.tier(&t.name).ok_or(TooManyTiers)?;
+            let backends: Vec<Arc<Backend>> = t
+                .backends
+                .iter()
+                .map(|b| Arc::new(make_backend(b, slots, &hasher)))
+                .collect();
+            let set: BTreeSet<LbBackend> = backends.iter().map(|b| b.lb.clone()).collect();
+            let view = Backends::new_with_health_registry(Static::new(set), Arc::clone(registry));
+            // Static discovery never blocks: publish the membership now so the
+            // health service sees the targets before the first request.
+            if let Some(Err(e)) = view.update(|_| {}).now_or_never() {
+                log::error!("tier {}: backend discovery failed: {e}", t.name);
+            }
+            by_name.insert(t.name.clone(), i);
+            for m in &t.models {
+                by_model.insert(m.clone(), i);
+            }
+            if t.default {
+                default = i;
+            }
+            tiers.push(Arc::new(Tier {
+                name: t.name.as_str().into(),
+                index,
+                default: t.default,
+                models: t.models.clone(),
+                backends,
+                view,
+                metrics: metrics.tier(&t.name),
+            }));
+        }
+        Ok(Routing {
+            config,
+            hasher,
+            tiers,
+            by_name,
+            by_model,
+            default,
+        })
+    }
+
+    pub fn tier_by_name(&self, name: &str) -> Option<&Arc<Tier>> {
+        self.by_name.get(name).map(|&i| &self.tiers[i])
+    }
+
+    pub fn tier_by_model(&self, model: &str) -> Option<&Arc<Tier>> {
+        self.by_model.get(model).map(|&i| &self.tiers[i])
+    }
+
+    pub fn default_tier(&self) -> &Arc<Tier> {
+        &self.tiers[self.default]
+    }
+
+    /// Whether the body's `model` can change which tier a request goes to.
+    pub fn routes_by_model(&self) -> bool {
+        self.tiers.len() > 1
+    }
+
+    /// Every backend, once, across tiers.
+    pub fn all_backends(&self) -> impl Iterator<Item = (&Arc<Tier>, &Arc<Backend>)> {
+        self.tiers
+            .iter()
+            .flat_map(|t| t.backends.iter().map(move |b| (t, b)))
+    }
+}
+
+fn make_backend(b: &BackendConfig, slots: &Slots, hasher: &HrwHasher) -> Backend {
+    let (slot, stats) = slots.backend(&b.id);
+    let mut lb = LbBackend::new_with_weight(&b.addr.to_string(), b.weight as usize)
+        .expect("a validated SocketAddr parses");
+    lb.ext.insert(slot);
+    Backend {
+        id: b.id.as_str().into(),
+        addr: b.addr,
+        weight: b.weight,
+        slot,
+        seed: hasher.backend_seed(&b.id),
+        lb,
+        stats,
+    }
+}
