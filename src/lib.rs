@@ -8,3 +8,4 @@ pub mod metrics;
 pub mod proxy;
 pub mod server;
 pub mod upstream;
+pub mod sim;

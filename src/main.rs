@@ -26,12 +26,21 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
+    /// Run one simulated vLLM replica (prefix cache, latency model, faults).
+    SimBackend(agent_gateway::sim::SimConfig),
 }
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let cli = Cli::parse();
     match cli.command {
+        Command::SimBackend(cfg) => match agent_gateway::sim::run(cfg) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Check { config } => match Config::load(&config) {
             Ok(c) => {
                 for w in &c.warnings {

@@ -1,0 +1,515 @@
+//! A simulated vLLM replica (`agent-gateway sim-backend`): OpenAI-compatible
+//! endpoints, a paged prefix cache, a latency model with a bounded running
+//! batch, vLLM's metric names, and fault knobs for tests. It stands in for a
+//! GPU we do not have; its numbers are a model, not a measurement of vLLM.
+
+pub mod cache;
+
+use bytes::Bytes;
+use cache::PrefixCache;
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use siphasher::sip::SipHasher13;
+use std::convert::Infallible;
+use std::hash::Hasher;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Notify, Semaphore};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimConfig {
+    /// Address to listen on; port 0 picks a free port (printed on stdout).
+    #[arg(long, default_value = "127.0.0.1:8001")]
+    pub listen: SocketAddr,
+    /// Replica name reported in `x-sim-backend`.
+    #[arg(long, default_value = "sim-0")]
+    pub id: String,
+    #[arg(long = "model", default_value = "qwen3-8b")]
+    pub models: Vec<String>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Prefix-cache capacity in blocks (0 = unlimited).
+    #[arg(long, default_value_t = 4096)]
+    pub cache_blocks: usize,
+    /// Prefill time per uncached prompt token, microseconds.
+    #[arg(long, default_value_t = 100.0)]
+    pub prefill_us_per_token: f64,
+    /// Decode time per output token, microseconds.
+    #[arg(long, default_value_t = 4000.0)]
+    pub decode_us_per_token: f64,
+    /// Requests running at once; the rest wait in a queue.
+    #[arg(long, default_value_t = 8)]
+    pub max_batch: usize,
+    /// Probability of answering 500 instead of serving.
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_rate: f64,
+    /// Exit the process after serving this many completion requests.
+    #[arg(long)]
+    pub exit_after: Option<u64>,
+}
+
+impl SimConfig {
+    pub fn fast(id: &str) -> Self {
+        SimConfig {
+            listen: "127.0.0.1:0".parse().expect("literal address"),
+            id: id.into(),
+            models: vec!["qwen3-8b".into()],
+            block_size: 16,
+            cache_blocks: 0,
+            prefill_us_per_token: 0.0,
+            decode_us_per_token: 0.0,
+            max_batch: 64,
+            fail_rate: 0.0,
+            exit_after: None,
+        }
+    }
+}
+
+/// Fault knobs that tests flip at run time with `POST /sim/config`.
+#[derive(Debug, Clone, Default, Deserialize, serde::Serialize)]
+#[serde(default)]
+pub struct Faults {
+    pub fail_rate: f64,
+    /// Accept requests but never answer them.
+    pub hang: bool,
+    /// `/health` answers 503.
+    pub unhealthy: bool,
+    /// Streams pause after their first token until `POST /sim/release`.
+    pub hold_streams: bool,
+}
+
+struct Sim {
+    cfg: SimConfig,
+    cache: Mutex<PrefixCache>,
+    batch: Arc<Semaphore>,
+    running: AtomicU64,
+    waiting: AtomicU64,
+    requests: AtomicU64,
+    active_streams: AtomicU64,
+    faults: Mutex<Faults>,
+    release: Notify,
+    rng: AtomicU64,
+}
+
+type Body = BoxBody<Bytes, Infallible>;
+
+fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).boxed()
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(full(v.to_string()))
+        .expect("static parts")
+}
+
+/// The body hash tests compare against (SipHash-1-3, zero keys).
+pub fn body_hash(body: &[u8]) -> String {
+    let mut h = SipHasher13::new_with_keys(0, 0);
+    h.write(body);
+    format!("{:016x}", h.finish())
+}
+
+/// Start serving; returns the bound address. The server runs until the process exits.
+pub async fn spawn(cfg: SimConfig) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind(cfg.listen).await?;
+    let addr = listener.local_addr()?;
+    let sim = Arc::new(Sim {
+        cache: Mutex::new(PrefixCache::new(cfg.block_size, cfg.cache_blocks)),
+        batch: Arc::new(Semaphore::new(cfg.max_batch.max(1))),
+        running: AtomicU64::new(0),
+        waiting: AtomicU64::new(0),
+        requests: AtomicU64::new(0),
+        active_streams: AtomicU64::new(0),
+        faults: Mutex::new(Faults {
+            fail_rate: cfg.fail_rate,
+            ..Faults::default()
+        }),
+        release: Notify::new(),
+        rng: AtomicU64::new(0x2545_f491_4f6c_dd1d),
+        cfg,
+    });
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let sim = Arc::clone(&sim);
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let sim = Arc::clone(&sim);
+                    async move { Ok::<_, Infallible>(sim.handle(req).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Ok(addr)
+}
+
+/// `agent-gateway sim-backend`: serve until killed.
+pub fn run(cfg: SimConfig) -> std::io::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let addr = spawn(cfg).await?;
+        println!("listening on {addr}");
+        std::future::pending::<()>().await;
+        Ok(())
+    })
+}
+
+#[derive(Deserialize)]
+struct CompletionRequest {
+    model: Option<String>,
+    messages: Option<Vec<Message>>,
+    prompt: Option<Value>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    role: String,
+    content: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// The chat template: `<|role|>\ncontent\n` per message, then the assistant tag.
+pub fn render_chat(messages: &[(String, String)]) -> String {
+    let mut s = String::new();
+    for (role, content) in messages {
+        s.push_str("<|");
+        s.push_str(role);
+        s.push_str("|>\n");
+        s.push_str(content);
+        s.push('\n');
+    }
+    s.push_str("<|assistant|>\n");
+    s
+}
+
+fn content_text(v: &Option<Value>) -> String {
+    match v {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join(""),
+        _ => String::new(),
+    }
+}
+
+fn prompt_tokens(req: &CompletionRequest) -> Result<Vec<u32>, String> {
+    if let Some(msgs) = &req.messages {
+        let pairs: Vec<(String, String)> = msgs
+            .iter()
+            .map(|m| (m.role.clone(), content_text(&m.content)))
+            .collect();
+        return Ok(cache::tokenize(&render_chat(&pairs)));
+    }
+    match &req.prompt {
+        Some(Value::String(s)) => Ok(cache::tokenize(s)),
+        Some(Value::Array(items)) => {
+            // A list of token ids, or a batch whose first element is one.
+            let ids = match items.first() {
+                Some(Value::Array(inner)) => inner,
+                _ => items,
+            };
+            ids.iter()
+                .map(|v| {
+                    v.as_u64()
+                        .map(|t| t as u32)
+                        .ok_or_else(|| "prompt token ids must be integers".to_string())
+                })
+                .collect()
+        }
+        _ => Err("request needs `messages` or `prompt`".into()),
+    }
+}
+
+/// The deterministic text of output token `i`.
+fn output_token(i: u64) -> String {
+    format!("t{} ", i % 97)
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn sleep_us(us: f64) -> Option<tokio::time::Sleep> {
+    (us >= 1.0).then(|| tokio::time::sleep(Duration::from_micros(us as u64)))
+}
+
+impl Sim {
+    fn chance(&self, p: f64) -> bool {
+        if p <= 0.0 {
+            return false;
+        }
+        // xorshift64: deterministic per process, no lock.
+        let mut x = self.rng.load(Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.rng.store(x, Ordering::Relaxed);
+        ((x >> 11) as f64 / (1u64 << 53) as f64) < p
+    }
+
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let path = req.uri().path().to_string();
+        let method = req.method().clone();
+        match (method.as_str(), path.as_str()) {
+            ("GET", "/health") => {
+                if self.faults.lock().unhealthy {
+                    json_response(StatusCode::SERVICE_UNAVAILABLE, &json!({"status": "unhealthy"}))
+                } else {
+                    Response::new(full("ok"))
+                }
+            }
+            ("GET", "/v1/models") => {
+                let data: Vec<Value> = self
+                    .cfg
+                    .models
+                    .iter()
+                    .map(|m| json!({"id": m, "object": "model", "owned_by": "agent-gateway-sim"}))
+                    .collect();
+                json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+            }
+            ("GET", "/metrics") => Response::builder()
+                .header("content-type", "text/plain; version=0.0.4")
+                .body(full(self.metrics_text()))
+                .expect("static parts"),
+            ("GET", "/sim/stats") => json_response(StatusCode::OK, &self.stats()),
+            ("POST", "/sim/config") => {
+                let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                match body.ok().and_then(|b| serde_json::from_slice::<Faults>(&b).ok()) {
+                    Some(f) => {
+                        *self.faults.lock() = f.clone();
+                        json_response(StatusCode::OK, &json!(f))
+                    }
+                    None => json_response(StatusCode::BAD_REQUEST, &json!({"error": "bad faults"})),
+                }
+            }
+            ("POST", "/sim/release") => {
+                self.faults.lock().hold_streams = false;
+                self.release.notify_waiters();
+                json_response(StatusCode::OK, &json!({"released": true}))
+            }
+            ("POST", "/v1/chat/completions") | ("POST", "/v1/completions") => {
+                let chat = path == "/v1/chat/completions";
+                let body = match req.into_body().collect().await {
+                    Ok(b) => b.to_bytes(),
+                    Err(_) => return json_response(StatusCode::BAD_REQUEST, &json!({"error": "body"})),
+                };
+                let mut resp = self.clone().complete(chat, &body).await;
+                let h = resp.headers_mut();
+                h.insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
+                h.insert("x-sim-body-len", body.len().into());
+                h.insert("x-sim-body-hash", body_hash(&body).parse().expect("hex"));
+                resp
+            }
+            _ => json_response(StatusCode::NOT_FOUND, &json!({"error": "not found"})),
+        }
+    }
+
+    fn error(&self, status: StatusCode, message: &str) -> Response<Body> {
+        json_response(
+            status,
+            &json!({"object": "error", "message": message, "type": "BadRequestError", "code": status.as_u16()}),
+        )
+    }
+
+    async fn complete(self: Arc<Self>, chat: bool, body: &[u8]) -> Response<Body> {
+        let served = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Some(n) = self.cfg.exit_after {
+            if served >= n {
+                tokio::spawn(async {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    std::process::exit(0);
+                });
+            }
+        }
+        let faults = self.faults.lock().clone();
+        if faults.hang {
+            std::future::pending::<()>().await;
+        }
+        if self.chance(faults.fail_rate) {
+            return self.error(StatusCode::INTERNAL_SERVER_ERROR, "simulated failure");
+        }
+        let req: CompletionRequest = match serde_json::from_slice(body) {
+            Ok(r) => r,
+            Err(e) => return self.error(StatusCode::BAD_REQUEST, &format!("invalid JSON: {e}")),
+        };
+        let tokens = match prompt_tokens(&req) {
+            Ok(t) => t,
+            Err(e) => return self.error(StatusCode::BAD_REQUEST, &e),
+        };
+        let model = req.model.clone().unwrap_or_else(|| self.cfg.models[0].clone());
+        let max_out = req
+            .max_completion_tokens
+            .or(req.max_tokens)
+            .unwrap_or(16)
+            .clamp(1, 4096);
+
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let permit = self.batch_permit().await;
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        self.running.fetch_add(1, Ordering::Relaxed);
+
+        let cached = self.cache.lock().lookup(&tokens);
+        if let Some(s) = sleep_us((tokens.len() - cached) as f64 * self.cfg.prefill_us_per_token) {
+            s.await;
+        }
+        self.cache.lock().insert(&tokens);
+        let usage = json!({
+            "prompt_tokens": tokens.len(),
+            "completion_tokens": max_out,
+            "total_tokens": tokens.len() as u64 + max_out,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        });
+        let id = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, served);
+
+        if !req.stream {
+            if let Some(s) = sleep_us(max_out as f64 * self.cfg.decode_us_per_token) {
+                s.await;
+            }
+            let text: String = (0..max_out).map(output_token).collect();
+            let choice = if chat {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+            } else {
+                json!({"index": 0, "text": text, "finish_reason": "length"})
+            };
+            drop(permit);
+            self.running.fetch_sub(1, Ordering::Relaxed);
+            return json_response(
+                StatusCode::OK,
+                &json!({
+                    "id": id, "object": if chat { "chat.completion" } else { "text_completion" },
+                    "created": now_secs(), "model": model, "choices": [choice], "usage": usage,
+                }),
+            );
+        }
+
+        let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        let sim = Arc::clone(&self);
+        sim.active_streams.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+            let created = now_secs();
+            let event = |choice: Value, usage: Value| {
+                let v = json!({"id": id, "object": object, "created": created, "model": model,
+                               "choices": choice, "usage": usage});
+                Bytes::from(format!("data: {v}\n\n"))
+            };
+            for i in 0..max_out {
+                if i > 0 {
+                    if let Some(s) = sleep_us(sim.cfg.decode_us_per_token) {
+                        s.await;
+                    }
+                }
+                let finish = if i + 1 == max_out { json!("length") } else { Value::Null };
+                let choice = if chat {
+                    json!([{"index": 0, "delta": {"role": "assistant", "content": output_token(i)}, "finish_reason": finish}])
+                } else {
+                    json!([{"index": 0, "text": output_token(i), "finish_reason": finish}])
+                };
+                if tx.send(event(choice, Value::Null)).await.is_err() {
+                    break;
+                }
+                if i == 0 {
+                    let hold = sim.release.notified();
+                    if sim.faults.lock().hold_streams {
+                        hold.await;
+                    }
+                }
+            }
+            if include_usage {
+                let _ = tx.send(event(json!([]), usage)).await;
+            }
+            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            drop(permit);
+            sim.running.fetch_sub(1, Ordering::Relaxed);
+            sim.active_streams.fetch_sub(1, Ordering::Relaxed);
+        });
+        let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv()
+                .await
+                .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+        });
+        Response::builder()
+            .header("content-type", "text/event-stream")
+            .header("cache-control", "no-cache")
+            .body(StreamBody::new(stream).boxed())
+            .expect("static parts")
+    }
+
+    async fn batch_permit(&self) -> tokio::sync::OwnedSemaphorePermit {
+        Arc::clone(&self.batch)
+            .acquire_owned()
+            .await
+            .expect("the batch semaphore is never closed")
+    }
+
+    fn stats(&self) -> Value {
+        let c = self.cache.lock();
+        json!({
+            "id": self.cfg.id,
+            "requests": self.requests.load(Ordering::Relaxed),
+            "running": self.running.load(Ordering::Relaxed),
+            "waiting": self.waiting.load(Ordering::Relaxed),
+            "active_streams": self.active_streams.load(Ordering::Relaxed),
+            "prefix_cache_queries": c.queries_tokens,
+            "prefix_cache_hits": c.hit_tokens,
+            "cache_blocks": c.len_blocks(),
+        })
+    }
+
+    fn metrics_text(&self) -> String {
+        let c = self.cache.lock();
+        let mut out = String::new();
+        for m in &self.cfg.models {
+            let l = format!("{{model_name=\"{m}\"}}");
+            out.push_str(&format!(
+                "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{l} {}\n\
+                 # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{l} {}\n\
+                 # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{l} {}\n\
+                 # TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{l} {}\n\
+                 # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{l} {}\n",
+                self.running.load(Ordering::Relaxed),
+                self.waiting.load(Ordering::Relaxed),
+                c.usage(),
+                c.queries_tokens,
+                c.hit_tokens,
+            ));
+        }
+        out
+    }
+}

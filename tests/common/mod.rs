@@ -1,0 +1,360 @@
+//! Shared test harness: real processes on 127.0.0.1 — simulated vLLM replicas
+//! and the gateway binary — started, awaited by readiness checks, and killed
+//! by PID when dropped.
+#![allow(dead_code)]
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_agent-gateway");
+
+/// Longest any readiness wait may take before the test fails.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// Poll `cond` until it holds (a readiness check, not a timing assertion).
+pub async fn wait_until<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + READY_TIMEOUT;
+    while !cond().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A simulated replica process.
+pub struct SimBackend {
+    pub id: String,
+    pub addr: SocketAddr,
+    child: Option<Child>,
+}
+
+impl SimBackend {
+    pub fn start(id: &str, extra: &[&str]) -> SimBackend {
+        Self::start_on(id, "127.0.0.1:0", extra)
+    }
+
+    pub fn start_on(id: &str, listen: &str, extra: &[&str]) -> SimBackend {
+        let mut child = Command::new(BIN)
+            .args(["sim-backend", "--listen", listen, "--id", id])
+            .args([
+                "--prefill-us-per-token",
+                "0",
+                "--decode-us-per-token",
+                "0",
+                "--cache-blocks",
+                "0",
+            ])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .expect("spawn sim-backend");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("sim prints its address");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected sim output: {line:?}"));
+        SimBackend {
+            id: id.into(),
+            addr,
+            child: Some(child),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// Kill the process (SIGKILL) and wait for it to be gone.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Start again on the same address (after `kill`).
+    pub fn restart(&mut self, extra: &[&str]) {
+        let again = SimBackend::start_on(&self.id, &self.addr.to_string(), extra);
+        self.child = again.child_into();
+    }
+
+    fn child_into(mut self) -> Option<Child> {
+        self.child.take()
+    }
+
+    pub async fn stats(&self) -> Value {
+        reqwest::get(self.url("/sim/stats"))
+            .await
+            .expect("sim stats")
+            .json()
+            .await
+            .expect("stats json")
+    }
+
+    pub async fn set_faults(&self, faults: Value) {
+        let r = reqwest::Client::new()
+            .post(self.url("/sim/config"))
+            .json(&faults)
+            .send()
+            .await
+            .expect("sim config");
+        assert!(r.status().is_success());
+    }
+
+    pub async fn release_streams(&self) {
+        reqwest::Client::new()
+            .post(self.url("/sim/release"))
+            .send()
+            .await
+            .expect("sim release");
+    }
+}
+
+impl Drop for SimBackend {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The gateway binary running with a generated config.
+pub struct Gateway {
+    pub port: u16,
+    pub metrics_port: u16,
+    pub dir: tempfile::TempDir,
+    pub config_path: PathBuf,
+    child: Option<Child>,
+}
+
+/// A tier for [`config_yaml`]: name, default?, models, backends (id, addr, weight).
+pub struct TierSpec<'a> {
+    pub name: &'a str,
+    pub default: bool,
+    pub models: &'a [&'a str],
+    pub backends: Vec<(String, SocketAddr, u32)>,
+}
+
+pub fn tier<'a>(name: &'a str, default: bool, models: &'a [&'a str], sims: &[&SimBackend]) -> TierSpec<'a> {
+    TierSpec {
+        name,
+        default,
+        models,
+        backends: sims.iter().map(|s| (s.id.clone(), s.addr, 1)).collect(),
+    }
+}
+
+pub fn config_yaml(port: u16, metrics_port: u16, dir: &std::path::Path, tiers: &[TierSpec], extra: &str) -> String {
+    let mut y = format!(
+        "server:\n  listen: [\"127.0.0.1:{port}\"]\n  threads: 2\n  pid_file: \"{pid}\"\n  upgrade_sock: \"{sock}\"\n  grace_period_seconds: 0\n  graceful_shutdown_timeout_seconds: 1\n",
+        pid = dir.join("gw.pid").display(),
+        sock = dir.join("upgrade.sock").display(),
+    );
+    y.push_str("tiers:\n");
+    for t in tiers {
+        y.push_str(&format!("  {}:\n    default: {}\n    models: {:?}\n    backends:\n", t.name, t.default, t.models));
+        for (id, addr, w) in &t.backends {
+            y.push_str(&format!("      - {{ id: \"{id}\", addr: \"{addr}\", weight: {w} }}\n"));
+        }
+    }
+    y.push_str(&format!("metrics:\n  listen: \"127.0.0.1:{metrics_port}\"\n"));
+    y.push_str(extra);
+    y
+}
+
+/// The default test config's `health` and `affinity` sections.
+pub const FAST_HEALTH: &str = "health:\n  path: /health\n  interval_ms: 100\n  timeout_ms: 500\n";
+
+pub fn affinity_yaml(ttl: u64) -> String {
+    format!("affinity:\n  sticky_ttl_seconds: {ttl}\n  hash_key: \"test-fleet-key\"\n")
+}
+
+impl Gateway {
+    /// Start with the given tiers plus `extra` YAML sections (health, affinity...).
+    pub async fn start(tiers: &[TierSpec<'_>], extra: &str) -> Gateway {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        let metrics_port = free_port();
+        let yaml = config_yaml(port, metrics_port, dir.path(), tiers, extra);
+        Self::start_yaml(dir, port, metrics_port, &yaml).await
+    }
+
+    pub async fn start_yaml(dir: tempfile::TempDir, port: u16, metrics_port: u16, yaml: &str) -> Gateway {
+        let config_path = dir.path().join("gateway.yaml");
+        std::fs::write(&config_path, yaml).expect("write config");
+        let child = Command::new(BIN)
+            .args(["run", "--config"])
+            .arg(&config_path)
+            .env("RUST_LOG", std::env::var("GW_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn gateway");
+        let gw = Gateway {
+            port,
+            metrics_port,
+            dir,
+            config_path,
+            child: Some(child),
+        };
+        gw.wait_ready().await;
+        gw
+    }
+
+    pub async fn wait_ready(&self) {
+        let port = self.port;
+        let metrics = self.metrics_url("/healthz");
+        wait_until("gateway listeners", || {
+            let metrics = metrics.clone();
+            async move {
+                TcpStream::connect(("127.0.0.1", port)).is_ok()
+                    && reqwest::get(&metrics).await.is_ok_and(|r| r.status().is_success())
+            }
+        })
+        .await;
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.port, path)
+    }
+
+    pub fn metrics_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.metrics_port, path)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// The value of one metric sample, e.g. `agentserve_affinity_hits_total{tier="default"}`.
+    pub async fn metric(&self, sample: &str) -> f64 {
+        let text = reqwest::get(self.metrics_url("/metrics"))
+            .await
+            .expect("scrape")
+            .text()
+            .await
+            .expect("metrics text");
+        metric_value(&text, sample)
+    }
+
+    pub async fn metrics_text(&self) -> String {
+        reqwest::get(self.metrics_url("/metrics"))
+            .await
+            .expect("scrape")
+            .text()
+            .await
+            .expect("metrics text")
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn take_child(&mut self) -> Option<Child> {
+        self.child.take()
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Sum of the samples whose name-and-labels text starts with `sample`
+/// (labels given in the order Prometheus prints them). Absent → 0.
+pub fn metric_value(text: &str, sample: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == sample).then(|| value.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
+/// A chat request body like an agent turn.
+pub fn chat_body(model: &str, turn: usize) -> Value {
+    json!({
+        "model": model,
+        "messages": [
+            {"role": "system", "content": "You are a careful coding agent. ".repeat(20)},
+            {"role": "user", "content": format!("turn {turn}: continue")}
+        ],
+        "max_tokens": 4
+    })
+}
+
+pub struct Reply {
+    pub status: u16,
+    pub backend: Option<String>,
+    pub sim_backend: Option<String>,
+    pub hit: Option<String>,
+    pub tier: Option<String>,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body))
+        })
+    }
+}
+
+/// POST a chat completion with the given headers.
+pub async fn chat(client: &reqwest::Client, gw: &Gateway, headers: &[(&str, &str)], body: &Value) -> Reply {
+    let mut req = client.post(gw.url("/v1/chat/completions")).json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req.send().await.expect("request reaches the gateway");
+    reply(resp).await
+}
+
+pub async fn reply(resp: reqwest::Response) -> Reply {
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let h = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let backend = h("x-agent-serve-backend");
+    let sim_backend = h("x-sim-backend");
+    let hit = h("x-agent-serve-affinity-hit");
+    let tier = h("x-agent-serve-tier");
+    let body = resp.bytes().await.expect("body").to_vec();
+    Reply {
+        status,
+        backend,
+        sim_backend,
+        hit,
+        tier,
+        headers,
+        body,
+    }
+}
