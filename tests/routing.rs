@@ -23,7 +23,7 @@ async fn three_backends(extra_affinity: &str) -> (Vec<SimBackend>, Gateway) {
 #[tokio::test]
 async fn turns_of_a_session_stick_and_sessions_spread() {
     let (_sims, gw) = three_backends(&affinity_yaml(1800)).await;
-    let client = reqwest::Client::new();
+    let client = client();
     let mut placement: HashMap<String, String> = HashMap::new();
     for turn in 0..3 {
         for s in 0..30 {
@@ -51,7 +51,7 @@ async fn turns_of_a_session_stick_and_sessions_spread() {
 async fn seed_load_study_hit_rates() {
     let (_sims, gw) = three_backends(&affinity_yaml(1800)).await;
     let gw = Arc::new(gw);
-    let client = reqwest::Client::new();
+    let client = client();
     let sem = Arc::new(tokio::sync::Semaphore::new(6));
     let mut tasks = Vec::new();
     for s in 0..12 {
@@ -94,7 +94,7 @@ async fn seed_load_study_hit_rates() {
 #[tokio::test]
 async fn ttl_zero_stores_nothing_and_every_turn_misses() {
     let (_sims, gw) = three_backends(&affinity_yaml(0)).await;
-    let client = reqwest::Client::new();
+    let client = client();
     let mut seen = HashSet::new();
     for turn in 0..4 {
         let r = chat(&client, &gw, &[("x-session-id", "s")], &chat_body("qwen3-8b", turn)).await;
@@ -110,7 +110,7 @@ async fn ttl_zero_stores_nothing_and_every_turn_misses() {
 #[tokio::test]
 async fn idle_binding_expires_but_never_while_a_request_is_in_flight() {
     let (sims, gw) = three_backends(&affinity_yaml(1)).await;
-    let client = reqwest::Client::new();
+    let client = client();
     // Turn 1 streams and is held open by its backend past the TTL.
     for s in &sims {
         s.set_faults(json!({"hold_streams": true})).await;
@@ -160,7 +160,7 @@ async fn tier_from_header_then_model_then_default() {
         &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
     )
     .await;
-    let client = reqwest::Client::new();
+    let client = client();
     let r = chat(&client, &gw, &[("x-session-id", "s1")], &chat_body("qwen3-235b", 0)).await;
     assert_eq!(r.tier.as_deref(), Some("big"));
     assert!(r.sim_backend.unwrap().starts_with("big-"));
@@ -179,7 +179,7 @@ async fn tier_from_header_then_model_then_default() {
 #[tokio::test]
 async fn json_responses_carry_metadata_with_a_correct_length() {
     let (_sims, gw) = three_backends(&affinity_yaml(1800)).await;
-    let client = reqwest::Client::new();
+    let client = client();
     let r = chat(&client, &gw, &[("x-session-id", "meta")], &chat_body("qwen3-8b", 0)).await;
     let declared: usize = r.headers["content-length"].to_str().unwrap().parse().unwrap();
     assert_eq!(declared, r.body.len());
@@ -212,7 +212,7 @@ async fn sse_events_are_not_buffered() {
     for s in &sims {
         s.set_faults(json!({"hold_streams": true})).await;
     }
-    let client = reqwest::Client::new();
+    let client = client();
     let mut body = chat_body("qwen3-8b", 0);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
@@ -250,7 +250,7 @@ async fn sse_events_are_not_buffered() {
 #[tokio::test]
 async fn requests_without_a_session_are_served_unbound() {
     let (_sims, gw) = three_backends(&affinity_yaml(1800)).await;
-    let client = reqwest::Client::new();
+    let client = client();
     let mut used = HashSet::new();
     for turn in 0..9 {
         let r = chat(&client, &gw, &[], &chat_body("qwen3-8b", turn)).await;
@@ -267,7 +267,7 @@ async fn requests_without_a_session_are_served_unbound() {
 #[tokio::test]
 async fn body_field_is_the_session_key_when_no_header_is_sent() {
     let (_sims, gw) = three_backends(&affinity_yaml(1800)).await;
-    let client = reqwest::Client::new();
+    let client = client();
     let mut body = chat_body("qwen3-8b", 0);
     body["prompt_cache_key"] = json!("from-body");
     let first = chat(&client, &gw, &[], &body).await;
@@ -284,7 +284,7 @@ async fn two_gateways_with_one_hash_key_agree() {
     let extra = format!("{FAST_HEALTH}{}", affinity_yaml(1800));
     let g1 = Gateway::start(&[tier("default", true, &[], &refs)], &extra).await;
     let g2 = Gateway::start(&[tier("default", true, &[], &refs)], &extra).await;
-    let client = reqwest::Client::new();
+    let client = client();
     for s in 0..40 {
         let sid = format!("shared-{s}");
         let a = chat(&client, &g1, &[("x-session-id", &sid)], &chat_body("m", 0)).await;

@@ -358,3 +358,11 @@ pub async fn reply(resp: reqwest::Response) -> Reply {
         body,
     }
 }
+
+/// A client whose requests fail instead of hanging when the gateway misbehaves.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(60))
+        .build()
+        .expect("client")
+}

@@ -1,0 +1,174 @@
+//! Failure handling: backends that die (seen by health checks or by a refused
+//! connection), no healthy backend, every candidate failing.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::collections::HashMap;
+
+async fn bind_sessions(gw: &Gateway, n: usize) -> HashMap<String, String> {
+    let client = client();
+    let mut placement = HashMap::new();
+    for s in 0..n {
+        let sid = format!("s{s}");
+        let r = chat(&client, gw, &[("x-session-id", &sid)], &chat_body("m", 0)).await;
+        assert_eq!(r.status, 200);
+        placement.insert(sid, r.backend.unwrap());
+    }
+    placement
+}
+
+#[tokio::test]
+async fn killed_backend_is_marked_down_and_its_sessions_rebind() {
+    let mut sims: Vec<SimBackend> = (0..3).map(|i| SimBackend::start(&format!("vllm-{i}"), &[])).collect();
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    let placement = bind_sessions(&gw, 30).await;
+    let victim = sims[1].id.clone();
+    let orphaned: Vec<&String> = placement.iter().filter(|(_, b)| **b == victim).map(|(s, _)| s).collect();
+    assert!(!orphaned.is_empty());
+
+    sims[1].kill();
+    let healthy = format!("agentserve_backend_healthy{{backend=\"{victim}\",tier=\"default\"}}");
+    wait_until("health checks to mark the killed backend down", || async {
+        gw.metric(&healthy).await == 0.0
+    })
+    .await;
+
+    let client = client();
+    for (sid, before) in &placement {
+        let r = chat(&client, &gw, &[("x-session-id", sid)], &chat_body("m", 1)).await;
+        assert_eq!(r.status, 200, "no client-visible error for {sid}");
+        let after = r.backend.clone().unwrap();
+        if before == &victim {
+            assert_ne!(after, victim);
+            assert_eq!(r.hit.as_deref(), Some("false"));
+            assert_eq!(r.json()["x_agent_serve"]["reason"], "broken");
+        } else {
+            assert_eq!(&after, before, "sessions on live backends stay");
+            assert_eq!(r.hit.as_deref(), Some("true"));
+        }
+    }
+    assert_eq!(
+        gw.metric("agentserve_affinity_broken_total{tier=\"default\"}").await,
+        orphaned.len() as f64
+    );
+    // The rebound sessions are sticky on their new backend.
+    for sid in &orphaned {
+        let r = chat(&client, &gw, &[("x-session-id", sid)], &chat_body("m", 2)).await;
+        assert_eq!(r.hit.as_deref(), Some("true"));
+    }
+}
+
+#[tokio::test]
+async fn connect_failure_before_health_checks_notice_is_retried_on_the_next_candidate() {
+    let mut sims: Vec<SimBackend> = (0..3).map(|i| SimBackend::start(&format!("vllm-{i}"), &[])).collect();
+    // Health checks effectively never run again after the first pass.
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(1800)),
+    )
+    .await;
+    let placement = bind_sessions(&gw, 20).await;
+    let victim = sims[0].id.clone();
+    sims[0].kill();
+    let client = client();
+    let mut broken = 0;
+    for (sid, before) in &placement {
+        let r = chat(&client, &gw, &[("x-session-id", sid)], &chat_body("m", 1)).await;
+        assert_eq!(r.status, 200, "no client-visible error for {sid}");
+        if before == &victim {
+            broken += 1;
+            assert_ne!(r.backend.as_deref(), Some(victim.as_str()));
+            assert_eq!(r.json()["x_agent_serve"]["reason"], "broken");
+        }
+    }
+    assert!(broken > 0);
+    assert_eq!(
+        gw.metric("agentserve_affinity_broken_total{tier=\"default\"}").await,
+        broken as f64
+    );
+    // The backend still counts as healthy (no check ran): it was the connect
+    // failure, not the health check, that moved these sessions.
+    assert_eq!(
+        gw.metric(&format!("agentserve_backend_healthy{{backend=\"{victim}\",tier=\"default\"}}")).await,
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn no_healthy_backend_is_a_503_and_every_candidate_failing_a_502() {
+    let sims: Vec<SimBackend> = (0..2).map(|i| SimBackend::start(&format!("vllm-{i}"), &[])).collect();
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    for s in &sims {
+        s.set_faults(json!({"unhealthy": true})).await;
+    }
+    wait_until("both backends down", || async {
+        gw.metric("agentserve_backend_healthy{backend=\"vllm-0\",tier=\"default\"}").await == 0.0
+            && gw.metric("agentserve_backend_healthy{backend=\"vllm-1\",tier=\"default\"}").await == 0.0
+    })
+    .await;
+    let client = client();
+    let r = chat(&client, &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
+    assert_eq!(r.status, 503);
+    let v = r.json();
+    assert_eq!(v["error"]["code"], "no_healthy_backend");
+    assert_eq!(v["error"]["type"], "service_unavailable");
+    assert!(v["error"]["message"].as_str().unwrap().contains("default"));
+    assert_eq!(gw.metric("agentserve_bindings{tier=\"default\"}").await, 0.0);
+    assert_eq!(gw.metric("agentserve_gateway_errors_total{status=\"503\",tier=\"default\"}").await, 1.0);
+
+    // Recovery: healthy again → served.
+    for s in &sims {
+        s.set_faults(json!({})).await;
+    }
+    wait_until("backends back", || async {
+        chat(&client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await.status == 200
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn every_candidate_refusing_connections_is_a_502() {
+    let mut sims: Vec<SimBackend> = (0..2).map(|i| SimBackend::start(&format!("vllm-{i}"), &[])).collect();
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(1800)),
+    )
+    .await;
+    for s in sims.iter_mut() {
+        s.kill();
+    }
+    let r = chat(&client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
+    assert_eq!(r.status, 502);
+    assert_eq!(r.json()["error"]["code"], "all_backends_failed");
+}
+
+#[tokio::test]
+async fn backend_errors_after_the_request_was_sent_are_not_retried() {
+    let sims: Vec<SimBackend> = (0..2).map(|i| SimBackend::start(&format!("vllm-{i}"), &[])).collect();
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    let client = client();
+    let first = chat(&client, &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
+    let owner = sims.iter().find(|s| Some(&s.id) == first.backend.as_ref()).unwrap();
+    let other = sims.iter().find(|s| Some(&s.id) != first.backend.as_ref()).unwrap();
+    owner.set_faults(json!({"fail_rate": 1.0})).await;
+    let before = other.stats().await["requests"].as_u64().unwrap();
+    let r = chat(&client, &gw, &[("x-session-id", "s")], &chat_body("m", 1)).await;
+    // The backend's own 500 reaches the client; the request was not re-sent elsewhere.
+    assert_eq!(r.status, 500);
+    assert_eq!(r.backend, first.backend);
+    assert_eq!(other.stats().await["requests"].as_u64().unwrap(), before);
+}
