@@ -131,7 +131,7 @@ async fn no_healthy_backend_is_a_503_and_every_candidate_failing_a_502() {
         s.set_faults(json!({})).await;
     }
     wait_until("backends back", || async {
-        chat(&client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await.status == 200
+        chat(&common::client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await.status == 200
     })
     .await;
 }
@@ -147,7 +147,7 @@ async fn every_candidate_refusing_connections_is_a_502() {
     for s in sims.iter_mut() {
         s.kill();
     }
-    let r = chat(&client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
+    let r = chat(&common::client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
     assert_eq!(r.status, 502);
     assert_eq!(r.json()["error"]["code"], "all_backends_failed");
 }
