@@ -180,18 +180,20 @@ async fn tier_from_header_then_model_then_default() {
 async fn json_responses_carry_metadata_with_a_correct_length() {
     let (_sims, gw) = three_backends(&affinity_yaml(1800)).await;
     let client = client();
-    let r = chat(&client, &gw, &[("x-session-id", "meta")], &chat_body("qwen3-8b", 0)).await;
+    // A session id that needs JSON escaping.
+    let sid = r#"me"ta\x"#;
+    let r = chat(&client, &gw, &[("x-session-id", sid)], &chat_body("qwen3-8b", 0)).await;
     let declared: usize = r.headers["content-length"].to_str().unwrap().parse().unwrap();
     assert_eq!(declared, r.body.len());
     let v = r.json();
     assert_eq!(v["x_agent_serve"]["backend"], r.backend.clone().unwrap());
     assert_eq!(v["x_agent_serve"]["affinity_hit"], false);
     assert_eq!(v["x_agent_serve"]["tier"], "default");
-    assert_eq!(v["x_agent_serve"]["session"], "meta");
+    assert_eq!(v["x_agent_serve"]["session"], sid);
     assert_eq!(v["x_agent_serve"]["reason"], "first_turn");
     assert_eq!(v["object"], "chat.completion", "backend fields are untouched");
     assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
-    let r = chat(&client, &gw, &[("x-session-id", "meta")], &chat_body("qwen3-8b", 1)).await;
+    let r = chat(&client, &gw, &[("x-session-id", sid)], &chat_body("qwen3-8b", 1)).await;
     assert_eq!(r.json()["x_agent_serve"]["reason"], "hit");
     // Usage is read into the token counters.
     let prompt = gw.metric(&format!(

@@ -87,6 +87,10 @@ pub struct RequestCtx {
     excluded: Vec<u32>,
     error: Option<GatewayError>,
     appender: Option<JsonAppender>,
+    /// The backend's declared body length and what has arrived of it, so the
+    /// metadata is merged into the last chunk rather than sent on its own.
+    upstream_body_len: Option<usize>,
+    upstream_body_seen: usize,
     usage: Option<UsageScanner>,
     first_byte: Option<Instant>,
 }
@@ -96,17 +100,31 @@ impl RequestCtx {
         self.tier.as_deref().map(|t| &*t.name)
     }
 
-    /// The `x_agent_serve` member merged into JSON responses.
+    /// The `x_agent_serve` member merged into JSON responses, written directly
+    /// (this runs once per response; a `serde_json::Value` would allocate a map).
     fn metadata_member(&self, backend: &Backend, tier: &Tier) -> Vec<u8> {
-        let v = serde_json::json!({
-            "backend": &*backend.id,
-            "affinity_hit": self.affinity_hit,
-            "tier": &*tier.name,
-            "session": self.session.as_ref().map(|s| s.id.as_str()),
-            "reason": self.reason.map(Reason::as_str),
-        });
-        let mut out = b"\"x_agent_serve\":".to_vec();
-        out.extend_from_slice(v.to_string().as_bytes());
+        fn string(out: &mut Vec<u8>, s: &str) {
+            // serde_json escapes exactly as JSON requires; writing to a Vec cannot fail.
+            let _ = serde_json::to_writer(&mut *out, s);
+        }
+        let mut out = Vec::with_capacity(160);
+        out.extend_from_slice(b"\"x_agent_serve\":{\"backend\":");
+        string(&mut out, &backend.id);
+        out.extend_from_slice(b",\"affinity_hit\":");
+        out.extend_from_slice(if self.affinity_hit { b"true" } else { b"false" });
+        out.extend_from_slice(b",\"tier\":");
+        string(&mut out, &tier.name);
+        out.extend_from_slice(b",\"session\":");
+        match &self.session {
+            Some(s) => string(&mut out, &s.id),
+            None => out.extend_from_slice(b"null"),
+        }
+        out.extend_from_slice(b",\"reason\":");
+        match self.reason {
+            Some(r) => string(&mut out, r.as_str()),
+            None => out.extend_from_slice(b"null"),
+        }
+        out.push(b'}');
         out
     }
 }
@@ -236,6 +254,8 @@ impl ProxyHttp for GatewayProxy {
             excluded: Vec::new(),
             error: None,
             appender: None,
+            upstream_body_len: None,
+            upstream_body_seen: 0,
             usage: None,
             first_byte: None,
         }
@@ -407,6 +427,7 @@ impl ProxyHttp for GatewayProxy {
                 .and_then(|v| v.parse::<usize>().ok())
             {
                 resp.insert_header("content-length", (len + appender.extra_len()).to_string())?;
+                ctx.upstream_body_len = Some(len);
             }
             ctx.appender = Some(appender);
         }
@@ -429,21 +450,28 @@ impl ProxyHttp for GatewayProxy {
             }
         }
         if let Some(appender) = ctx.appender.as_mut() {
-            let mut out = match body.as_ref() {
-                Some(chunk) => appender.push(chunk),
+            let mut out = match body.take() {
+                Some(chunk) => {
+                    ctx.upstream_body_seen += chunk.len();
+                    appender.push(chunk)
+                }
                 None => Bytes::new(),
             };
-            if end_of_stream {
+            let complete = ctx
+                .upstream_body_len
+                .is_some_and(|len| ctx.upstream_body_seen >= len);
+            if end_of_stream || complete {
                 let tail = appender.finish();
                 out = if out.is_empty() {
                     tail
                 } else {
-                    let mut joined = out.to_vec();
+                    let mut joined = Vec::with_capacity(out.len() + tail.len());
+                    joined.extend_from_slice(&out);
                     joined.extend_from_slice(&tail);
                     Bytes::from(joined)
                 };
             }
-            *body = Some(out);
+            *body = (!out.is_empty()).then_some(out);
         }
         Ok(None)
     }

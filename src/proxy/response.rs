@@ -20,6 +20,7 @@ pub struct JsonAppender {
     first: Option<u8>,
     /// Whether the object has any member before ours.
     has_members: bool,
+    finished: bool,
 }
 
 fn is_ws(b: u8) -> bool {
@@ -33,6 +34,7 @@ impl JsonAppender {
             held: BytesMut::new(),
             first: None,
             has_members: false,
+            finished: false,
         }
     }
 
@@ -41,10 +43,22 @@ impl JsonAppender {
         1 + self.member.len()
     }
 
-    /// Feed one chunk; returns what may be sent now.
-    pub fn push(&mut self, chunk: &[u8]) -> Bytes {
+    /// Feed one chunk; returns what may be sent now (a slice of the chunk
+    /// itself in the common case: nothing is held back yet).
+    pub fn push(&mut self, chunk: Bytes) -> Bytes {
+        if self.held.is_empty() {
+            let Some(last) = chunk.iter().rposition(|&b| !is_ws(b)) else {
+                self.held.extend_from_slice(&chunk);
+                return Bytes::new();
+            };
+            let split = if chunk[last] == b'}' { last } else { chunk.len() };
+            self.held.extend_from_slice(&chunk[split..]);
+            let out = chunk.slice(..split);
+            self.note_emitted(&out);
+            return out;
+        }
         let mut buf = std::mem::take(&mut self.held);
-        buf.extend_from_slice(chunk);
+        buf.extend_from_slice(&chunk);
         let Some(last) = buf.iter().rposition(|&b| !is_ws(b)) else {
             // Only whitespace so far: hold it (it may precede the closing brace).
             self.held = buf;
@@ -72,7 +86,12 @@ impl JsonAppender {
     }
 
     /// The end of the body: returns the held tail with the member merged in.
+    /// Later calls return nothing.
     pub fn finish(&mut self) -> Bytes {
+        if self.finished {
+            return Bytes::new();
+        }
+        self.finished = true;
         let held = std::mem::take(&mut self.held);
         let mut out = BytesMut::with_capacity(held.len() + self.extra_len());
         let closes_object = self.first == Some(b'{') && held.first() == Some(&b'}');
@@ -180,7 +199,7 @@ mod tests {
         let mut a = JsonAppender::new(br#""x":{"a":1}"#.to_vec());
         let mut out = Vec::new();
         for c in body {
-            out.extend_from_slice(&a.push(c.as_bytes()));
+            out.extend_from_slice(&a.push(Bytes::copy_from_slice(c.as_bytes())));
         }
         out.extend_from_slice(&a.finish());
         let original: usize = body.iter().map(|c| c.len()).sum();
@@ -215,9 +234,10 @@ mod tests {
     #[test]
     fn streams_everything_but_the_closing_brace() {
         let mut a = JsonAppender::new(b"\"x\":1".to_vec());
-        assert_eq!(&a.push(b"{\"a\":\"}\"")[..], b"{\"a\":\"}\"");
-        assert_eq!(&a.push(b"}")[..], b"");
+        assert_eq!(&a.push(Bytes::from_static(b"{\"a\":\"}\""))[..], b"{\"a\":\"}\"");
+        assert_eq!(&a.push(Bytes::from_static(b"}"))[..], b"");
         assert_eq!(&a.finish()[..], b",\"x\":1}");
+        assert!(a.finish().is_empty(), "finishing twice adds nothing");
     }
 
     #[test]
