@@ -102,7 +102,10 @@ impl Default for FileAffinity {
     fn default() -> Self {
         FileAffinity {
             sticky_ttl_seconds: 1800,
-            session_headers: DEFAULT_SESSION_HEADERS.iter().map(|s| s.to_string()).collect(),
+            session_headers: DEFAULT_SESSION_HEADERS
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
             parent_session_headers: DEFAULT_PARENT_HEADERS
                 .iter()
                 .map(|s| s.to_string())
@@ -386,7 +389,10 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             ));
         }
         if t.backends.is_empty() {
-            errors.push(err(format!("{key}.backends"), "a tier needs at least one backend"));
+            errors.push(err(
+                format!("{key}.backends"),
+                "a tier needs at least one backend",
+            ));
         }
         for m in &t.models {
             if let Some(other) = model_owner.insert(m.clone(), name.clone()) {
@@ -441,10 +447,7 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             "no default tier: mark exactly one tier `default: true`",
         ));
     } else if defaults > 1 {
-        errors.push(err(
-            "tiers",
-            "more than one tier is marked `default: true`",
-        ));
+        errors.push(err("tiers", "more than one tier is marked `default: true`"));
     }
 
     // affinity
@@ -488,7 +491,10 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         errors.push(err("affinity.max_bindings", "must be greater than 0"));
     }
     if a.sticky_ttl_seconds > 365 * 24 * 3600 {
-        errors.push(err("affinity.sticky_ttl_seconds", "must be at most one year"));
+        errors.push(err(
+            "affinity.sticky_ttl_seconds",
+            "must be at most one year",
+        ));
     }
 
     // health
@@ -503,7 +509,10 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         errors.push(err("health.timeout_ms", "must be greater than 0"));
     }
     if h.consecutive_failures == 0 || h.consecutive_successes == 0 {
-        errors.push(err("health", "consecutive_failures and consecutive_successes must be at least 1"));
+        errors.push(err(
+            "health",
+            "consecutive_failures and consecutive_successes must be at least 1",
+        ));
     }
 
     // metrics
@@ -526,7 +535,8 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         },
         tiers,
         affinity: AffinityConfig {
-            sticky_ttl: (a.sticky_ttl_seconds > 0).then(|| Duration::from_secs(a.sticky_ttl_seconds)),
+            sticky_ttl: (a.sticky_ttl_seconds > 0)
+                .then(|| Duration::from_secs(a.sticky_ttl_seconds)),
             session_headers,
             parent_session_headers,
             body_session_fields,
@@ -635,13 +645,17 @@ tiers:
 "#;
         let c = Config::from_yaml(one).unwrap();
         assert!(c.default_tier().name == "only");
-        assert!(!c.warnings.is_empty(), "placeholder hash key is warned about");
+        assert!(
+            !c.warnings.is_empty(),
+            "placeholder hash key is warned about"
+        );
     }
 
     #[test]
     fn ttl_zero_disables_affinity() {
-        let c = Config::from_yaml(&GOOD.replace("sticky_ttl_seconds: 1800", "sticky_ttl_seconds: 0"))
-            .unwrap();
+        let c =
+            Config::from_yaml(&GOOD.replace("sticky_ttl_seconds: 1800", "sticky_ttl_seconds: 0"))
+                .unwrap();
         assert_eq!(c.affinity.sticky_ttl, None);
     }
 

@@ -7,5 +7,5 @@ pub mod gateway;
 pub mod metrics;
 pub mod proxy;
 pub mod server;
-pub mod upstream;
 pub mod sim;
+pub mod upstream;

@@ -5,7 +5,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "agent-gateway", version, about = "Session-affine gateway for LLM agent fleets")]
+#[command(
+    name = "agent-gateway",
+    version,
+    about = "Session-affine gateway for LLM agent fleets"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -73,7 +73,10 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
     let metrics_handle = server.add_service(metrics);
     metrics_handle.add_dependency(&health_handle);
 
-    server.add_service(background_service("binding sweeper", Sweeper(Arc::clone(&gw))));
+    server.add_service(background_service(
+        "binding sweeper",
+        Sweeper(Arc::clone(&gw)),
+    ));
     Ok((server, gw))
 }
 

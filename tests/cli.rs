@@ -9,7 +9,11 @@ fn check(yaml: &str) -> (bool, String) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("g.yaml");
     std::fs::write(&path, yaml).unwrap();
-    let out = Command::new(BIN).args(["check", "--config"]).arg(&path).output().unwrap();
+    let out = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -21,7 +25,11 @@ fn check(yaml: &str) -> (bool, String) {
 #[test]
 fn shipped_config_is_valid_with_a_warning_about_the_hash_key() {
     let out = Command::new(BIN)
-        .args(["check", "--config", concat!(env!("CARGO_MANIFEST_DIR"), "/conf/gateway.yaml")])
+        .args([
+            "check",
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/conf/gateway.yaml"),
+        ])
         .output()
         .unwrap();
     assert!(out.status.success());
@@ -36,12 +44,23 @@ fn check_names_the_wrong_key_and_exits_non_zero() {
     let cases = [
         (format!("{base}bogus: 1\n"), "bogus"),
         (format!("{base}affinity:\n  sticky_ttl: 5\n"), "sticky_ttl"),
-        (base.replace("127.0.0.1:9001", "nowhere"), "tiers.default.backends[0].addr"),
-        (format!("{base}      - {{ id: a, addr: \"127.0.0.1:9002\" }}\n"), "duplicate backend id `a`"),
-        ("tiers:\n  default:\n    backends: []\n".to_string(), "tiers.default.backends"),
         (
-            format!("{base}  second:\n    backends:\n      - {{ id: b, addr: \"127.0.0.1:9003\" }}\n")
-                .replace("    default: true\n", ""),
+            base.replace("127.0.0.1:9001", "nowhere"),
+            "tiers.default.backends[0].addr",
+        ),
+        (
+            format!("{base}      - {{ id: a, addr: \"127.0.0.1:9002\" }}\n"),
+            "duplicate backend id `a`",
+        ),
+        (
+            "tiers:\n  default:\n    backends: []\n".to_string(),
+            "tiers.default.backends",
+        ),
+        (
+            format!(
+                "{base}  second:\n    backends:\n      - {{ id: b, addr: \"127.0.0.1:9003\" }}\n"
+            )
+            .replace("    default: true\n", ""),
             "no default tier",
         ),
         (format!("{base}health:\n  path: health\n"), "health.path"),

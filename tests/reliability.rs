@@ -21,7 +21,9 @@ async fn bind_sessions(gw: &Gateway, n: usize) -> HashMap<String, String> {
 
 #[tokio::test]
 async fn killed_backend_is_marked_down_and_its_sessions_rebind() {
-    let mut sims: Vec<SimBackend> = (0..3).map(|i| SimBackend::start(&format!("vllm-{i}"), &[])).collect();
+    let mut sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
     let gw = Gateway::start(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
         &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
@@ -29,7 +31,11 @@ async fn killed_backend_is_marked_down_and_its_sessions_rebind() {
     .await;
     let placement = bind_sessions(&gw, 30).await;
     let victim = sims[1].id.clone();
-    let orphaned: Vec<&String> = placement.iter().filter(|(_, b)| **b == victim).map(|(s, _)| s).collect();
+    let orphaned: Vec<&String> = placement
+        .iter()
+        .filter(|(_, b)| **b == victim)
+        .map(|(s, _)| s)
+        .collect();
     assert!(!orphaned.is_empty());
 
     sims[1].kill();
@@ -54,7 +60,8 @@ async fn killed_backend_is_marked_down_and_its_sessions_rebind() {
         }
     }
     assert_eq!(
-        gw.metric("agentserve_affinity_broken_total{tier=\"default\"}").await,
+        gw.metric("agentserve_affinity_broken_total{tier=\"default\"}")
+            .await,
         orphaned.len() as f64
     );
     // The rebound sessions are sticky on their new backend.
@@ -66,7 +73,9 @@ async fn killed_backend_is_marked_down_and_its_sessions_rebind() {
 
 #[tokio::test]
 async fn connect_failure_before_health_checks_notice_is_retried_on_the_next_candidate() {
-    let mut sims: Vec<SimBackend> = (0..3).map(|i| SimBackend::start(&format!("vllm-{i}"), &[])).collect();
+    let mut sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
     // Health checks effectively never run again after the first pass.
     let gw = Gateway::start(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
@@ -89,20 +98,26 @@ async fn connect_failure_before_health_checks_notice_is_retried_on_the_next_cand
     }
     assert!(broken > 0);
     assert_eq!(
-        gw.metric("agentserve_affinity_broken_total{tier=\"default\"}").await,
+        gw.metric("agentserve_affinity_broken_total{tier=\"default\"}")
+            .await,
         broken as f64
     );
     // The backend still counts as healthy (no check ran): it was the connect
     // failure, not the health check, that moved these sessions.
     assert_eq!(
-        gw.metric(&format!("agentserve_backend_healthy{{backend=\"{victim}\",tier=\"default\"}}")).await,
+        gw.metric(&format!(
+            "agentserve_backend_healthy{{backend=\"{victim}\",tier=\"default\"}}"
+        ))
+        .await,
         1.0
     );
 }
 
 #[tokio::test]
 async fn no_healthy_backend_is_a_503_and_every_candidate_failing_a_502() {
-    let sims: Vec<SimBackend> = (0..2).map(|i| SimBackend::start(&format!("vllm-{i}"), &[])).collect();
+    let sims: Vec<SimBackend> = (0..2)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
     let gw = Gateway::start(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
         &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
@@ -112,8 +127,13 @@ async fn no_healthy_backend_is_a_503_and_every_candidate_failing_a_502() {
         s.set_faults(json!({"unhealthy": true})).await;
     }
     wait_until("both backends down", || async {
-        gw.metric("agentserve_backend_healthy{backend=\"vllm-0\",tier=\"default\"}").await == 0.0
-            && gw.metric("agentserve_backend_healthy{backend=\"vllm-1\",tier=\"default\"}").await == 0.0
+        gw.metric("agentserve_backend_healthy{backend=\"vllm-0\",tier=\"default\"}")
+            .await
+            == 0.0
+            && gw
+                .metric("agentserve_backend_healthy{backend=\"vllm-1\",tier=\"default\"}")
+                .await
+                == 0.0
     })
     .await;
     let client = client();
@@ -123,22 +143,39 @@ async fn no_healthy_backend_is_a_503_and_every_candidate_failing_a_502() {
     assert_eq!(v["error"]["code"], "no_healthy_backend");
     assert_eq!(v["error"]["type"], "service_unavailable");
     assert!(v["error"]["message"].as_str().unwrap().contains("default"));
-    assert_eq!(gw.metric("agentserve_bindings{tier=\"default\"}").await, 0.0);
-    assert_eq!(gw.metric("agentserve_gateway_errors_total{status=\"503\",tier=\"default\"}").await, 1.0);
+    assert_eq!(
+        gw.metric("agentserve_bindings{tier=\"default\"}").await,
+        0.0
+    );
+    assert_eq!(
+        gw.metric("agentserve_gateway_errors_total{status=\"503\",tier=\"default\"}")
+            .await,
+        1.0
+    );
 
     // Recovery: healthy again → served.
     for s in &sims {
         s.set_faults(json!({})).await;
     }
     wait_until("backends back", || async {
-        chat(&common::client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await.status == 200
+        chat(
+            &common::client(),
+            &gw,
+            &[("x-session-id", "s")],
+            &chat_body("m", 0),
+        )
+        .await
+        .status
+            == 200
     })
     .await;
 }
 
 #[tokio::test]
 async fn every_candidate_refusing_connections_is_a_502() {
-    let mut sims: Vec<SimBackend> = (0..2).map(|i| SimBackend::start(&format!("vllm-{i}"), &[])).collect();
+    let mut sims: Vec<SimBackend> = (0..2)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
     let gw = Gateway::start(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
         &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(1800)),
@@ -147,14 +184,22 @@ async fn every_candidate_refusing_connections_is_a_502() {
     for s in sims.iter_mut() {
         s.kill();
     }
-    let r = chat(&common::client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
+    let r = chat(
+        &common::client(),
+        &gw,
+        &[("x-session-id", "s")],
+        &chat_body("m", 0),
+    )
+    .await;
     assert_eq!(r.status, 502);
     assert_eq!(r.json()["error"]["code"], "all_backends_failed");
 }
 
 #[tokio::test]
 async fn backend_errors_after_the_request_was_sent_are_not_retried() {
-    let sims: Vec<SimBackend> = (0..2).map(|i| SimBackend::start(&format!("vllm-{i}"), &[])).collect();
+    let sims: Vec<SimBackend> = (0..2)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
     let gw = Gateway::start(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
         &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
@@ -162,8 +207,14 @@ async fn backend_errors_after_the_request_was_sent_are_not_retried() {
     .await;
     let client = client();
     let first = chat(&client, &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
-    let owner = sims.iter().find(|s| Some(&s.id) == first.backend.as_ref()).unwrap();
-    let other = sims.iter().find(|s| Some(&s.id) != first.backend.as_ref()).unwrap();
+    let owner = sims
+        .iter()
+        .find(|s| Some(&s.id) == first.backend.as_ref())
+        .unwrap();
+    let other = sims
+        .iter()
+        .find(|s| Some(&s.id) != first.backend.as_ref())
+        .unwrap();
     owner.set_faults(json!({"fail_rate": 1.0})).await;
     let before = other.stats().await["requests"].as_u64().unwrap();
     let r = chat(&client, &gw, &[("x-session-id", "s")], &chat_body("m", 1)).await;

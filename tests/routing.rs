@@ -10,7 +10,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 async fn three_backends(extra_affinity: &str) -> (Vec<SimBackend>, Gateway) {
-    let sims: Vec<SimBackend> = (0..3).map(|i| SimBackend::start(&format!("vllm-{i}"), &[])).collect();
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
     let refs: Vec<&SimBackend> = sims.iter().collect();
     let gw = Gateway::start(
         &[tier("default", true, &["qwen3-8b"], &refs)],
@@ -28,21 +30,53 @@ async fn turns_of_a_session_stick_and_sessions_spread() {
     for turn in 0..3 {
         for s in 0..30 {
             let sid = format!("session-{s}");
-            let r = chat(&client, &gw, &[("x-session-id", &sid)], &chat_body("qwen3-8b", turn)).await;
+            let r = chat(
+                &client,
+                &gw,
+                &[("x-session-id", &sid)],
+                &chat_body("qwen3-8b", turn),
+            )
+            .await;
             assert_eq!(r.status, 200);
             let backend = r.backend.clone().expect("backend header");
-            assert_eq!(r.sim_backend.as_deref(), Some(backend.as_str()), "header names the replica that served");
-            assert_eq!(r.hit.as_deref(), Some(if turn == 0 { "false" } else { "true" }));
+            assert_eq!(
+                r.sim_backend.as_deref(),
+                Some(backend.as_str()),
+                "header names the replica that served"
+            );
+            assert_eq!(
+                r.hit.as_deref(),
+                Some(if turn == 0 { "false" } else { "true" })
+            );
             let first = placement.entry(sid.clone()).or_insert(backend.clone());
             assert_eq!(first, &backend, "{sid} moved on turn {turn}");
         }
     }
     let used: HashSet<&String> = placement.values().collect();
-    assert_eq!(used.len(), 3, "30 sessions spread over all 3 backends: {placement:?}");
-    assert_eq!(gw.metric("agentserve_affinity_hits_total{tier=\"default\"}").await, 60.0);
-    assert_eq!(gw.metric("agentserve_affinity_misses_total{tier=\"default\"}").await, 30.0);
-    assert_eq!(gw.metric("agentserve_affinity_broken_total{tier=\"default\"}").await, 0.0);
-    assert_eq!(gw.metric("agentserve_bindings{tier=\"default\"}").await, 30.0);
+    assert_eq!(
+        used.len(),
+        3,
+        "30 sessions spread over all 3 backends: {placement:?}"
+    );
+    assert_eq!(
+        gw.metric("agentserve_affinity_hits_total{tier=\"default\"}")
+            .await,
+        60.0
+    );
+    assert_eq!(
+        gw.metric("agentserve_affinity_misses_total{tier=\"default\"}")
+            .await,
+        30.0
+    );
+    assert_eq!(
+        gw.metric("agentserve_affinity_broken_total{tier=\"default\"}")
+            .await,
+        0.0
+    );
+    assert_eq!(
+        gw.metric("agentserve_bindings{tier=\"default\"}").await,
+        30.0
+    );
 }
 
 /// Seed 000's load study: 12 sessions × 6 turns at concurrency 6 → 5/6 hits;
@@ -62,7 +96,13 @@ async fn seed_load_study_hit_rates() {
             let mut backends = HashSet::new();
             for turn in 0..6 {
                 let _permit = sem.acquire().await.expect("semaphore");
-                let r = chat(&client, &gw, &[("x-session-id", &sid)], &chat_body("qwen3-8b", turn)).await;
+                let r = chat(
+                    &client,
+                    &gw,
+                    &[("x-session-id", &sid)],
+                    &chat_body("qwen3-8b", turn),
+                )
+                .await;
                 assert_eq!(r.status, 200);
                 hits += (r.hit.as_deref() == Some("true")) as usize;
                 backends.insert(r.sim_backend.expect("served"));
@@ -77,18 +117,36 @@ async fn seed_load_study_hit_rates() {
         total_hits += hits;
     }
     assert_eq!(total_hits, 60, "12 × 5 warm turns");
-    let hits = gw.metric("agentserve_affinity_hits_total{tier=\"default\"}").await;
-    let misses = gw.metric("agentserve_affinity_misses_total{tier=\"default\"}").await;
+    let hits = gw
+        .metric("agentserve_affinity_hits_total{tier=\"default\"}")
+        .await;
+    let misses = gw
+        .metric("agentserve_affinity_misses_total{tier=\"default\"}")
+        .await;
     assert_eq!(hits / (hits + misses), 5.0 / 6.0);
 
     // Affinity "off": 72 single-turn sessions with fresh ids.
     for i in 0..72 {
         let sid = format!("fresh-{i}");
-        let r = chat(&client, &gw, &[("x-session-id", &sid)], &chat_body("qwen3-8b", 0)).await;
+        let r = chat(
+            &client,
+            &gw,
+            &[("x-session-id", &sid)],
+            &chat_body("qwen3-8b", 0),
+        )
+        .await;
         assert_eq!(r.hit.as_deref(), Some("false"));
     }
-    assert_eq!(gw.metric("agentserve_affinity_hits_total{tier=\"default\"}").await, 60.0);
-    assert_eq!(gw.metric("agentserve_affinity_misses_total{tier=\"default\"}").await, 12.0 + 72.0);
+    assert_eq!(
+        gw.metric("agentserve_affinity_hits_total{tier=\"default\"}")
+            .await,
+        60.0
+    );
+    assert_eq!(
+        gw.metric("agentserve_affinity_misses_total{tier=\"default\"}")
+            .await,
+        12.0 + 72.0
+    );
 }
 
 #[tokio::test]
@@ -97,14 +155,27 @@ async fn ttl_zero_stores_nothing_and_every_turn_misses() {
     let client = client();
     let mut seen = HashSet::new();
     for turn in 0..4 {
-        let r = chat(&client, &gw, &[("x-session-id", "s")], &chat_body("qwen3-8b", turn)).await;
+        let r = chat(
+            &client,
+            &gw,
+            &[("x-session-id", "s")],
+            &chat_body("qwen3-8b", turn),
+        )
+        .await;
         assert_eq!(r.hit.as_deref(), Some("false"));
         assert_eq!(r.json()["x_agent_serve"]["reason"], "affinity_disabled");
         seen.insert(r.backend.unwrap());
     }
     assert_eq!(seen.len(), 1, "still consistent-hashed without a table");
-    assert_eq!(gw.metric("agentserve_affinity_misses_total{tier=\"default\"}").await, 4.0);
-    assert_eq!(gw.metric("agentserve_bindings{tier=\"default\"}").await, 0.0);
+    assert_eq!(
+        gw.metric("agentserve_affinity_misses_total{tier=\"default\"}")
+            .await,
+        4.0
+    );
+    assert_eq!(
+        gw.metric("agentserve_bindings{tier=\"default\"}").await,
+        0.0
+    );
 }
 
 #[tokio::test]
@@ -124,16 +195,32 @@ async fn idle_binding_expires_but_never_while_a_request_is_in_flight() {
         .send()
         .await
         .expect("stream starts");
-    let backend = resp.headers()["x-agent-serve-backend"].to_str().unwrap().to_string();
+    let backend = resp.headers()["x-agent-serve-backend"]
+        .to_str()
+        .unwrap()
+        .to_string();
     let mut stream = resp.bytes_stream();
     let first = stream.next().await.expect("first event").expect("bytes");
     assert!(first.starts_with(b"data: "));
     // Twice the TTL passes while the stream is in flight (this wait is the
     // behaviour under test, not synchronisation).
     tokio::time::sleep(std::time::Duration::from_millis(2200)).await;
-    assert_eq!(gw.metric("agentserve_bindings{tier=\"default\"}").await, 1.0);
-    let r = chat(&client, &gw, &[("x-session-id", "long-turn")], &chat_body("qwen3-8b", 1)).await;
-    assert_eq!(r.hit.as_deref(), Some("true"), "a leased binding must not expire");
+    assert_eq!(
+        gw.metric("agentserve_bindings{tier=\"default\"}").await,
+        1.0
+    );
+    let r = chat(
+        &client,
+        &gw,
+        &[("x-session-id", "long-turn")],
+        &chat_body("qwen3-8b", 1),
+    )
+    .await;
+    assert_eq!(
+        r.hit.as_deref(),
+        Some("true"),
+        "a leased binding must not expire"
+    );
     assert_eq!(r.backend.as_deref(), Some(backend.as_str()));
     for s in &sims {
         s.release_streams().await;
@@ -144,14 +231,24 @@ async fn idle_binding_expires_but_never_while_a_request_is_in_flight() {
         gw.metric("agentserve_bindings{tier=\"default\"}").await == 0.0
     })
     .await;
-    let r = chat(&client, &gw, &[("x-session-id", "long-turn")], &chat_body("qwen3-8b", 2)).await;
+    let r = chat(
+        &client,
+        &gw,
+        &[("x-session-id", "long-turn")],
+        &chat_body("qwen3-8b", 2),
+    )
+    .await;
     assert_eq!(r.hit.as_deref(), Some("false"));
 }
 
 #[tokio::test]
 async fn tier_from_header_then_model_then_default() {
-    let a: Vec<SimBackend> = (0..2).map(|i| SimBackend::start(&format!("small-{i}"), &[])).collect();
-    let b: Vec<SimBackend> = (0..2).map(|i| SimBackend::start(&format!("big-{i}"), &[])).collect();
+    let a: Vec<SimBackend> = (0..2)
+        .map(|i| SimBackend::start(&format!("small-{i}"), &[]))
+        .collect();
+    let b: Vec<SimBackend> = (0..2)
+        .map(|i| SimBackend::start(&format!("big-{i}"), &[]))
+        .collect();
     let gw = Gateway::start(
         &[
             tier("small", true, &["qwen3-8b"], &a.iter().collect::<Vec<_>>()),
@@ -161,14 +258,46 @@ async fn tier_from_header_then_model_then_default() {
     )
     .await;
     let client = client();
-    let r = chat(&client, &gw, &[("x-session-id", "s1")], &chat_body("qwen3-235b", 0)).await;
+    let r = chat(
+        &client,
+        &gw,
+        &[("x-session-id", "s1")],
+        &chat_body("qwen3-235b", 0),
+    )
+    .await;
     assert_eq!(r.tier.as_deref(), Some("big"));
     assert!(r.sim_backend.unwrap().starts_with("big-"));
-    let r = chat(&client, &gw, &[("x-session-id", "s1"), ("x-agent-serve-tier", "small")], &chat_body("qwen3-235b", 0)).await;
-    assert_eq!(r.tier.as_deref(), Some("small"), "the header wins over the model");
-    let r = chat(&client, &gw, &[("x-session-id", "s2")], &chat_body("unlisted-model", 0)).await;
-    assert_eq!(r.tier.as_deref(), Some("small"), "unknown model → default tier");
-    let r = chat(&client, &gw, &[("x-session-id", "s2"), ("x-agent-serve-tier", "nope")], &chat_body("qwen3-8b", 0)).await;
+    let r = chat(
+        &client,
+        &gw,
+        &[("x-session-id", "s1"), ("x-agent-serve-tier", "small")],
+        &chat_body("qwen3-235b", 0),
+    )
+    .await;
+    assert_eq!(
+        r.tier.as_deref(),
+        Some("small"),
+        "the header wins over the model"
+    );
+    let r = chat(
+        &client,
+        &gw,
+        &[("x-session-id", "s2")],
+        &chat_body("unlisted-model", 0),
+    )
+    .await;
+    assert_eq!(
+        r.tier.as_deref(),
+        Some("small"),
+        "unknown model → default tier"
+    );
+    let r = chat(
+        &client,
+        &gw,
+        &[("x-session-id", "s2"), ("x-agent-serve-tier", "nope")],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
     assert_eq!(r.status, 404);
     assert_eq!(r.json()["error"]["code"], "unknown_tier");
     // The same session id in two tiers is two bindings.
@@ -182,8 +311,18 @@ async fn json_responses_carry_metadata_with_a_correct_length() {
     let client = client();
     // A session id that needs JSON escaping.
     let sid = r#"me"ta\x"#;
-    let r = chat(&client, &gw, &[("x-session-id", sid)], &chat_body("qwen3-8b", 0)).await;
-    let declared: usize = r.headers["content-length"].to_str().unwrap().parse().unwrap();
+    let r = chat(
+        &client,
+        &gw,
+        &[("x-session-id", sid)],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
+    let declared: usize = r.headers["content-length"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert_eq!(declared, r.body.len());
     let v = r.json();
     assert_eq!(v["x_agent_serve"]["backend"], r.backend.clone().unwrap());
@@ -191,21 +330,37 @@ async fn json_responses_carry_metadata_with_a_correct_length() {
     assert_eq!(v["x_agent_serve"]["tier"], "default");
     assert_eq!(v["x_agent_serve"]["session"], sid);
     assert_eq!(v["x_agent_serve"]["reason"], "first_turn");
-    assert_eq!(v["object"], "chat.completion", "backend fields are untouched");
+    assert_eq!(
+        v["object"], "chat.completion",
+        "backend fields are untouched"
+    );
     assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
-    let r = chat(&client, &gw, &[("x-session-id", sid)], &chat_body("qwen3-8b", 1)).await;
+    let r = chat(
+        &client,
+        &gw,
+        &[("x-session-id", sid)],
+        &chat_body("qwen3-8b", 1),
+    )
+    .await;
     assert_eq!(r.json()["x_agent_serve"]["reason"], "hit");
     // Usage is read into the token counters.
-    let prompt = gw.metric(&format!(
-        "agentserve_prompt_tokens_total{{backend=\"{}\",tier=\"default\"}}",
-        r.backend.clone().unwrap()
-    )).await;
+    let prompt = gw
+        .metric(&format!(
+            "agentserve_prompt_tokens_total{{backend=\"{}\",tier=\"default\"}}",
+            r.backend.clone().unwrap()
+        ))
+        .await;
     assert!(prompt > 0.0);
-    let cached = gw.metric(&format!(
-        "agentserve_cached_prompt_tokens_total{{backend=\"{}\",tier=\"default\"}}",
-        r.backend.unwrap()
-    )).await;
-    assert!(cached > 0.0, "the second turn reused the first turn's prefix");
+    let cached = gw
+        .metric(&format!(
+            "agentserve_cached_prompt_tokens_total{{backend=\"{}\",tier=\"default\"}}",
+            r.backend.unwrap()
+        ))
+        .await;
+    assert!(
+        cached > 0.0,
+        "the second turn reused the first turn's prefix"
+    );
 }
 
 #[tokio::test]
@@ -228,7 +383,10 @@ async fn sse_events_are_not_buffered() {
         .expect("stream");
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     assert!(resp.headers().get("x-agent-serve-backend").is_some());
-    let backend_id = resp.headers()["x-agent-serve-backend"].to_str().unwrap().to_string();
+    let backend_id = resp.headers()["x-agent-serve-backend"]
+        .to_str()
+        .unwrap()
+        .to_string();
     let sim = sims.iter().find(|s| s.id == backend_id).unwrap();
     let mut stream = resp.bytes_stream();
     let first = stream.next().await.expect("an event").expect("bytes");
@@ -241,10 +399,17 @@ async fn sse_events_are_not_buffered() {
         rest.extend_from_slice(&chunk.expect("bytes"));
     }
     let text = String::from_utf8(rest).unwrap();
-    assert!(text.ends_with("data: [DONE]\n\n"), "stream passes through unmodified");
+    assert!(
+        text.ends_with("data: [DONE]\n\n"),
+        "stream passes through unmodified"
+    );
     assert!(!text.contains("x_agent_serve"));
     wait_until("usage from the final SSE chunk", || async {
-        gw.metric(&format!("agentserve_prompt_tokens_total{{backend=\"{backend_id}\",tier=\"default\"}}")).await > 0.0
+        gw.metric(&format!(
+            "agentserve_prompt_tokens_total{{backend=\"{backend_id}\",tier=\"default\"}}"
+        ))
+        .await
+            > 0.0
     })
     .await;
 }
@@ -262,8 +427,15 @@ async fn requests_without_a_session_are_served_unbound() {
         used.insert(r.backend.unwrap());
     }
     assert_eq!(used.len(), 3, "idle backends tie; ties rotate");
-    assert_eq!(gw.metric("agentserve_bindings{tier=\"default\"}").await, 0.0);
-    assert_eq!(gw.metric("agentserve_affinity_misses_total{tier=\"default\"}").await, 0.0);
+    assert_eq!(
+        gw.metric("agentserve_bindings{tier=\"default\"}").await,
+        0.0
+    );
+    assert_eq!(
+        gw.metric("agentserve_affinity_misses_total{tier=\"default\"}")
+            .await,
+        0.0
+    );
 }
 
 #[tokio::test]
@@ -281,7 +453,9 @@ async fn body_field_is_the_session_key_when_no_header_is_sent() {
 
 #[tokio::test]
 async fn two_gateways_with_one_hash_key_agree() {
-    let sims: Vec<SimBackend> = (0..5).map(|i| SimBackend::start(&format!("b{i}"), &[])).collect();
+    let sims: Vec<SimBackend> = (0..5)
+        .map(|i| SimBackend::start(&format!("b{i}"), &[]))
+        .collect();
     let refs: Vec<&SimBackend> = sims.iter().collect();
     let extra = format!("{FAST_HEALTH}{}", affinity_yaml(1800));
     let g1 = Gateway::start(&[tier("default", true, &[], &refs)], &extra).await;

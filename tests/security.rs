@@ -23,7 +23,11 @@ async fn two_tiers(max_body: Option<u64>) -> (Vec<SimBackend>, Gateway) {
     let (port, mport) = (free_port(), free_port());
     let mut yaml = config_yaml(port, mport, dir.path(), &tiers, "");
     if let Some(limit) = max_body {
-        yaml = yaml.replacen("server:\n", &format!("server:\n  max_body_bytes: {limit}\n"), 1);
+        yaml = yaml.replacen(
+            "server:\n",
+            &format!("server:\n  max_body_bytes: {limit}\n"),
+            1,
+        );
     }
     extra.insert_str(0, &yaml);
     let gw = Gateway::start_yaml(dir, port, mport, &extra).await;
@@ -33,8 +37,11 @@ async fn two_tiers(max_body: Option<u64>) -> (Vec<SimBackend>, Gateway) {
 /// A chat body of about `bytes` bytes whose `model` comes last, as the
 /// OpenAI Python client orders it.
 fn big_body(model: &str, bytes: usize) -> Vec<u8> {
-    let filler: String = (0..bytes).map(|i| (b'a' + (i % 26) as u8) as char).collect();
-    let v = json!({"messages": [{"role": "user", "content": filler}], "max_tokens": 2, "model": model});
+    let filler: String = (0..bytes)
+        .map(|i| (b'a' + (i % 26) as u8) as char)
+        .collect();
+    let v =
+        json!({"messages": [{"role": "user", "content": filler}], "max_tokens": 2, "model": model});
     serde_json::to_vec(&v).unwrap()
 }
 
@@ -59,9 +66,18 @@ async fn large_bodies_are_forwarded_byte_for_byte_and_model_still_picks_the_tier
                 req = req.header("x-session-id", s);
             }
             let r = reply(req.send().await.unwrap()).await;
-            assert_eq!(r.status, 200, "{size} bytes: {}", String::from_utf8_lossy(&r.body));
+            assert_eq!(
+                r.status,
+                200,
+                "{size} bytes: {}",
+                String::from_utf8_lossy(&r.body)
+            );
             assert_eq!(r.tier.as_deref(), Some(tier));
-            let sent_len = r.headers["x-sim-body-len"].to_str().unwrap().parse::<usize>().unwrap();
+            let sent_len = r.headers["x-sim-body-len"]
+                .to_str()
+                .unwrap()
+                .parse::<usize>()
+                .unwrap();
             assert_eq!(sent_len, body.len(), "{size}: body length at the backend");
             assert_eq!(
                 r.headers["x-sim-body-hash"].to_str().unwrap(),
@@ -76,7 +92,11 @@ async fn large_bodies_are_forwarded_byte_for_byte_and_model_still_picks_the_tier
 async fn bodies_without_pre_read_are_forwarded_whole_too() {
     // One tier and a session header: the gateway streams the body through.
     let sim = SimBackend::start("only", &[]);
-    let gw = Gateway::start(&[tier("default", true, &[], &[&sim])], &format!("{FAST_HEALTH}{}", affinity_yaml(60))).await;
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &[&sim])],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(60)),
+    )
+    .await;
     let body = big_body("m", 3 * 1024 * 1024);
     let r = reply(
         client()
@@ -89,7 +109,10 @@ async fn bodies_without_pre_read_are_forwarded_whole_too() {
     )
     .await;
     assert_eq!(r.status, 200);
-    assert_eq!(r.headers["x-sim-body-hash"].to_str().unwrap(), agent_gateway::sim::body_hash(&body));
+    assert_eq!(
+        r.headers["x-sim-body-hash"].to_str().unwrap(),
+        agent_gateway::sim::body_hash(&body)
+    );
 }
 
 #[tokio::test]
@@ -118,7 +141,9 @@ async fn body_over_the_limit_is_a_413() {
         (0..20).map(|_| Ok(vec![b' '; 64 * 1024])).collect();
     let r = client
         .post(gw.url("/v1/chat/completions"))
-        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(chunks)))
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks,
+        )))
         .send()
         .await;
     if let Ok(resp) = r {
@@ -132,11 +157,14 @@ async fn chunked_bodies_that_must_be_read_are_forwarded_or_refused_never_truncat
     let client = client();
     // Small chunked body: read, routed by model, forwarded whole.
     let body = big_body("qwen3-235b", 10_000);
-    let parts: Vec<Result<Vec<u8>, std::io::Error>> = body.chunks(3000).map(|c| Ok(c.to_vec())).collect();
+    let parts: Vec<Result<Vec<u8>, std::io::Error>> =
+        body.chunks(3000).map(|c| Ok(c.to_vec())).collect();
     let r = reply(
         client
             .post(gw.url("/v1/chat/completions"))
-            .body(reqwest::Body::wrap_stream(futures_util::stream::iter(parts)))
+            .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+                parts,
+            )))
             .send()
             .await
             .unwrap(),
@@ -144,14 +172,20 @@ async fn chunked_bodies_that_must_be_read_are_forwarded_or_refused_never_truncat
     .await;
     assert_eq!(r.status, 200);
     assert_eq!(r.tier.as_deref(), Some("big"));
-    assert_eq!(r.headers["x-sim-body-hash"].to_str().unwrap(), agent_gateway::sim::body_hash(&body));
+    assert_eq!(
+        r.headers["x-sim-body-hash"].to_str().unwrap(),
+        agent_gateway::sim::body_hash(&body)
+    );
     // Chunked and past the retry buffer: refused with 411, not cut short.
     let body = big_body("qwen3-235b", 200_000);
-    let parts: Vec<Result<Vec<u8>, std::io::Error>> = body.chunks(16_000).map(|c| Ok(c.to_vec())).collect();
+    let parts: Vec<Result<Vec<u8>, std::io::Error>> =
+        body.chunks(16_000).map(|c| Ok(c.to_vec())).collect();
     let r = reply(
         client
             .post(gw.url("/v1/chat/completions"))
-            .body(reqwest::Body::wrap_stream(futures_util::stream::iter(parts)))
+            .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+                parts,
+            )))
             .send()
             .await
             .unwrap(),
@@ -180,7 +214,17 @@ async fn bad_session_headers_are_400_and_never_bound() {
     }
     // Exactly 256 bytes is fine.
     let ok = "y".repeat(256);
-    assert_eq!(chat(&client, &gw, &[("x-session-id", &ok)], &chat_body("qwen3-8b", 0)).await.status, 200);
+    assert_eq!(
+        chat(
+            &client,
+            &gw,
+            &[("x-session-id", &ok)],
+            &chat_body("qwen3-8b", 0)
+        )
+        .await
+        .status,
+        200
+    );
 
     // Control characters and disagreeing duplicates, over a raw socket. (A
     // byte HTTP itself forbids, like \x01, is refused earlier by Pingora's
@@ -202,10 +246,17 @@ async fn bad_session_headers_are_400_and_never_bound() {
         s.read_to_string(&mut resp).unwrap();
         assert!(resp.starts_with("HTTP/1.1 400"), "{raw_headers:?} → {resp}");
         if json_error {
-            assert!(resp.contains("invalid_session_header"), "{raw_headers:?} → {resp}");
+            assert!(
+                resp.contains("invalid_session_header"),
+                "{raw_headers:?} → {resp}"
+            );
         }
     }
-    assert_eq!(gw.metric("agentserve_bindings{tier=\"small\"}").await, 1.0, "only the valid 256-byte id");
+    assert_eq!(
+        gw.metric("agentserve_bindings{tier=\"small\"}").await,
+        1.0,
+        "only the valid 256-byte id"
+    );
 }
 
 #[tokio::test]
@@ -229,7 +280,13 @@ async fn garbage_requests_do_not_take_the_gateway_down() {
     }
     // Still serving, and a malformed JSON body is forwarded for the backend to judge.
     let client = client();
-    let r = chat(&client, &gw, &[("x-session-id", "after")], &chat_body("qwen3-8b", 0)).await;
+    let r = chat(
+        &client,
+        &gw,
+        &[("x-session-id", "after")],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
     assert_eq!(r.status, 200);
     let r = reply(
         client

@@ -162,7 +162,11 @@ mod tests {
     }
 
     fn owner(h: &HrwHasher, fleet: &[B], key: usize) -> usize {
-        choose(h.session_hash(KeyKind::Session, "t", &format!("s{key}")), fleet).unwrap()
+        choose(
+            h.session_hash(KeyKind::Session, "t", &format!("s{key}")),
+            fleet,
+        )
+        .unwrap()
     }
 
     #[test]
@@ -177,7 +181,10 @@ mod tests {
             let after = owner(&h, &less, key);
             let after_in_full = if after >= removed { after + 1 } else { after };
             if before != removed {
-                assert_eq!(before, after_in_full, "session {key} moved off a live backend");
+                assert_eq!(
+                    before, after_in_full,
+                    "session {key} moved off a live backend"
+                );
             }
         }
     }

@@ -179,15 +179,15 @@ impl Affinity {
             .and_then(|b| position(b.backend));
         let fresh = || preferred.or_else(|| hrw::choose(session.hash, candidates));
 
-        let acquired = self.table.acquire(session.key, tier, now, |current| {
-            match current {
+        let acquired = self
+            .table
+            .acquire(session.key, tier, now, |current| match current {
                 Some(c) if position(c.backend).is_some() => Decision::Keep,
                 _ => match fresh() {
                     Some(i) => Decision::Bind(candidates[i].slot),
                     None => Decision::Skip,
                 },
-            }
-        });
+            });
         let lease = || {
             Some(Lease {
                 affinity: Arc::clone(self),

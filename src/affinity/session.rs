@@ -182,13 +182,17 @@ mod tests {
         // A bad lower-precedence header is refused too.
         let mut h = HeaderMap::new();
         h.insert("x-session-id", HeaderValue::from_static("ok"));
-        h.insert("x-dynamo-session-id", HeaderValue::from_bytes(b"x\ty").unwrap());
+        h.insert(
+            "x-dynamo-session-id",
+            HeaderValue::from_bytes(b"x\ty").unwrap(),
+        );
         assert!(from_headers(&h, &names()).is_err());
     }
 
     #[test]
     fn body_probe_reads_model_and_fields() {
-        let body = br#"{"messages":[{"role":"user","content":"hi"}],"model":"qwen3-8b","stream":true,
+        let body =
+            br#"{"messages":[{"role":"user","content":"hi"}],"model":"qwen3-8b","stream":true,
             "metadata":{"user_id":"u-1"},"user":""}"#;
         let p = BodyProbe::parse(body).unwrap();
         assert_eq!(p.model().as_deref(), Some("qwen3-8b"));

@@ -160,7 +160,10 @@ pub enum Decision {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Acquired {
     /// The live binding was kept; a lease was taken.
-    Kept { backend: u32, version: u32 },
+    Kept {
+        backend: u32,
+        version: u32,
+    },
     /// A binding was written; a lease was taken. `previous` is the binding
     /// this one replaced (a rebind), `expired` whether an expired one was found.
     Bound {
@@ -171,7 +174,9 @@ pub enum Acquired {
     },
     /// The policy wanted to bind but every binding in the shard is leased:
     /// serve the request unpinned.
-    Full { backend: u32 },
+    Full {
+        backend: u32,
+    },
     Skipped,
 }
 
@@ -512,7 +517,10 @@ mod tests {
     #[test]
     fn leased_binding_never_expires_and_deadline_restarts_at_release() {
         let t = BindingTable::new(100);
-        assert!(matches!(bind(&t, 1, 7, 0), Acquired::Bound { version: 1, .. }));
+        assert!(matches!(
+            bind(&t, 1, 7, 0),
+            Acquired::Bound { version: 1, .. }
+        ));
         // Far past any deadline while the lease is held: still live.
         assert_eq!(t.get(1, 1_000_000).unwrap().in_flight, 1);
         assert_eq!(t.sweep(1_000_000, 100), 0);
@@ -535,7 +543,10 @@ mod tests {
     fn two_leases_expire_only_after_the_last() {
         let t = BindingTable::new(100);
         keep_or_bind(&t, 5, 1, 0);
-        assert!(matches!(keep_or_bind(&t, 5, 2, 0), Acquired::Kept { backend: 1, .. }));
+        assert!(matches!(
+            keep_or_bind(&t, 5, 2, 0),
+            Acquired::Kept { backend: 1, .. }
+        ));
         t.release(5, 10, 5);
         assert!(t.get(5, 100).is_some(), "one lease still held");
         t.release(5, 100, 5);

@@ -44,7 +44,9 @@ impl GatewayError {
             status: 411,
             kind: "invalid_request_error",
             code: "length_required",
-            message: "a body this gateway must read to route (over 64 KiB) needs a Content-Length header".into(),
+            message:
+                "a body this gateway must read to route (over 64 KiB) needs a Content-Length header"
+                    .into(),
         }
     }
     pub fn bad_body(message: String) -> Self {

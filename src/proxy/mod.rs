@@ -201,7 +201,11 @@ impl GatewayProxy {
         ctx.session_ref = match (&parent, &session_id) {
             (Some(p), _) => {
                 let mut group = SessionRef::new(&routing.hasher, KeyKind::Group, &tier.name, &p.id);
-                group.parent = Some(routing.hasher.fingerprint(KeyKind::Session, &tier.name, &p.id));
+                group.parent = Some(routing.hasher.fingerprint(
+                    KeyKind::Session,
+                    &tier.name,
+                    &p.id,
+                ));
                 Some(group)
             }
             (None, Some(s)) => Some(SessionRef::new(
@@ -476,7 +480,12 @@ impl ProxyHttp for GatewayProxy {
         Ok(None)
     }
 
-    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut RequestCtx) -> FailToProxy
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut RequestCtx,
+    ) -> FailToProxy
     where
         RequestCtx: Send + Sync,
     {

@@ -21,7 +21,11 @@ pub const RETRY_BUFFER_BYTES: u64 = 64 * 1024;
 
 /// The declared body length; `Err` when the header is present but unusable.
 pub fn content_length(session: &Session) -> Result<Option<u64>, GatewayError> {
-    let mut values = session.req_header().headers.get_all("content-length").iter();
+    let mut values = session
+        .req_header()
+        .headers
+        .get_all("content-length")
+        .iter();
     let Some(first) = values.next() else {
         return Ok(None);
     };
@@ -70,7 +74,11 @@ pub async fn pre_read(
             session.as_downstream_mut().enable_retry_buffering();
             buffering = true;
         }
-        match session.read_request_body().await.map_err(PreReadError::Io)? {
+        match session
+            .read_request_body()
+            .await
+            .map_err(PreReadError::Io)?
+        {
             Some(chunk) => {
                 if buf.len() as u64 + chunk.len() as u64 > limit {
                     return Err(PreReadError::Refused(GatewayError::body_too_large(limit)));

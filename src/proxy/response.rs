@@ -51,7 +51,11 @@ impl JsonAppender {
                 self.held.extend_from_slice(&chunk);
                 return Bytes::new();
             };
-            let split = if chunk[last] == b'}' { last } else { chunk.len() };
+            let split = if chunk[last] == b'}' {
+                last
+            } else {
+                chunk.len()
+            };
             self.held.extend_from_slice(&chunk[split..]);
             let out = chunk.slice(..split);
             self.note_emitted(&out);
@@ -234,7 +238,10 @@ mod tests {
     #[test]
     fn streams_everything_but_the_closing_brace() {
         let mut a = JsonAppender::new(b"\"x\":1".to_vec());
-        assert_eq!(&a.push(Bytes::from_static(b"{\"a\":\"}\""))[..], b"{\"a\":\"}\"");
+        assert_eq!(
+            &a.push(Bytes::from_static(b"{\"a\":\"}\""))[..],
+            b"{\"a\":\"}\""
+        );
         assert_eq!(&a.push(Bytes::from_static(b"}"))[..], b"");
         assert_eq!(&a.finish()[..], b",\"x\":1}");
         assert!(a.finish().is_empty(), "finishing twice adds nothing");

@@ -288,7 +288,10 @@ impl Sim {
         match (method.as_str(), path.as_str()) {
             ("GET", "/health") => {
                 if self.faults.lock().unhealthy {
-                    json_response(StatusCode::SERVICE_UNAVAILABLE, &json!({"status": "unhealthy"}))
+                    json_response(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        &json!({"status": "unhealthy"}),
+                    )
                 } else {
                     Response::new(full("ok"))
                 }
@@ -309,7 +312,10 @@ impl Sim {
             ("GET", "/sim/stats") => json_response(StatusCode::OK, &self.stats()),
             ("POST", "/sim/config") => {
                 let body = req.into_body().collect().await.map(|b| b.to_bytes());
-                match body.ok().and_then(|b| serde_json::from_slice::<Faults>(&b).ok()) {
+                match body
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<Faults>(&b).ok())
+                {
                     Some(f) => {
                         *self.faults.lock() = f.clone();
                         json_response(StatusCode::OK, &json!(f))
@@ -326,7 +332,9 @@ impl Sim {
                 let chat = path == "/v1/chat/completions";
                 let body = match req.into_body().collect().await {
                     Ok(b) => b.to_bytes(),
-                    Err(_) => return json_response(StatusCode::BAD_REQUEST, &json!({"error": "body"})),
+                    Err(_) => {
+                        return json_response(StatusCode::BAD_REQUEST, &json!({"error": "body"}))
+                    }
                 };
                 let mut resp = self.clone().complete(chat, &body).await;
                 let h = resp.headers_mut();
@@ -371,7 +379,10 @@ impl Sim {
             Ok(t) => t,
             Err(e) => return self.error(StatusCode::BAD_REQUEST, &e),
         };
-        let model = req.model.clone().unwrap_or_else(|| self.cfg.models[0].clone());
+        let model = req
+            .model
+            .clone()
+            .unwrap_or_else(|| self.cfg.models[0].clone());
         let max_out = req
             .max_completion_tokens
             .or(req.max_tokens)
@@ -422,7 +433,11 @@ impl Sim {
         let sim = Arc::clone(&self);
         sim.active_streams.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
-            let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+            let object = if chat {
+                "chat.completion.chunk"
+            } else {
+                "text_completion"
+            };
             let created = now_secs();
             let event = |choice: Value, usage: Value| {
                 let v = json!({"id": id, "object": object, "created": created, "model": model,
@@ -435,7 +450,11 @@ impl Sim {
                         s.await;
                     }
                 }
-                let finish = if i + 1 == max_out { json!("length") } else { Value::Null };
+                let finish = if i + 1 == max_out {
+                    json!("length")
+                } else {
+                    Value::Null
+                };
                 let choice = if chat {
                     json!([{"index": 0, "delta": {"role": "assistant", "content": output_token(i)}, "finish_reason": finish}])
                 } else {

@@ -30,35 +30,49 @@ pub struct BackendStats {
     pub draining: AtomicBool,
 }
 
+/// Backend id → slot, and slot → live state.
+#[derive(Default)]
+struct BackendSlots {
+    by_id: HashMap<String, u32>,
+    stats: Vec<Arc<BackendStats>>,
+}
+
 /// Stable numbers for backend ids and tier names, for the life of the process.
 #[derive(Default)]
 pub struct Slots {
-    backends: RwLock<(HashMap<String, u32>, Vec<Arc<BackendStats>>)>,
+    backends: RwLock<BackendSlots>,
     tiers: RwLock<HashMap<String, u16>>,
 }
 
 impl Slots {
     pub fn backend(&self, id: &str) -> (u32, Arc<BackendStats>) {
-        if let Some(&slot) = self.backends.read().0.get(id) {
-            return (slot, Arc::clone(&self.backends.read().1[slot as usize]));
+        {
+            let r = self.backends.read();
+            if let Some(&slot) = r.by_id.get(id) {
+                return (slot, Arc::clone(&r.stats[slot as usize]));
+            }
         }
         let mut w = self.backends.write();
-        if let Some(&slot) = w.0.get(id) {
-            return (slot, Arc::clone(&w.1[slot as usize]));
+        if let Some(&slot) = w.by_id.get(id) {
+            return (slot, Arc::clone(&w.stats[slot as usize]));
         }
-        let slot = w.1.len() as u32;
+        let slot = w.stats.len() as u32;
         let stats = Arc::new(BackendStats {
             id: id.to_string(),
             in_flight: AtomicU64::new(0),
             draining: AtomicBool::new(false),
         });
-        w.1.push(Arc::clone(&stats));
-        w.0.insert(id.to_string(), slot);
+        w.stats.push(Arc::clone(&stats));
+        w.by_id.insert(id.to_string(), slot);
         (slot, stats)
     }
 
     pub fn backend_id(&self, slot: u32) -> Option<String> {
-        self.backends.read().1.get(slot as usize).map(|s| s.id.clone())
+        self.backends
+            .read()
+            .stats
+            .get(slot as usize)
+            .map(|s| s.id.clone())
     }
 
     /// `None` once [`MAX_TIERS`] distinct tier names have been seen.

@@ -158,7 +158,12 @@ pub struct TierSpec<'a> {
     pub backends: Vec<(String, SocketAddr, u32)>,
 }
 
-pub fn tier<'a>(name: &'a str, default: bool, models: &'a [&'a str], sims: &[&SimBackend]) -> TierSpec<'a> {
+pub fn tier<'a>(
+    name: &'a str,
+    default: bool,
+    models: &'a [&'a str],
+    sims: &[&SimBackend],
+) -> TierSpec<'a> {
     TierSpec {
         name,
         default,
@@ -167,7 +172,13 @@ pub fn tier<'a>(name: &'a str, default: bool, models: &'a [&'a str], sims: &[&Si
     }
 }
 
-pub fn config_yaml(port: u16, metrics_port: u16, dir: &std::path::Path, tiers: &[TierSpec], extra: &str) -> String {
+pub fn config_yaml(
+    port: u16,
+    metrics_port: u16,
+    dir: &std::path::Path,
+    tiers: &[TierSpec],
+    extra: &str,
+) -> String {
     let mut y = format!(
         "server:\n  listen: [\"127.0.0.1:{port}\"]\n  threads: 2\n  pid_file: \"{pid}\"\n  upgrade_sock: \"{sock}\"\n  grace_period_seconds: 0\n  graceful_shutdown_timeout_seconds: 1\n",
         pid = dir.join("gw.pid").display(),
@@ -175,12 +186,19 @@ pub fn config_yaml(port: u16, metrics_port: u16, dir: &std::path::Path, tiers: &
     );
     y.push_str("tiers:\n");
     for t in tiers {
-        y.push_str(&format!("  {}:\n    default: {}\n    models: {:?}\n    backends:\n", t.name, t.default, t.models));
+        y.push_str(&format!(
+            "  {}:\n    default: {}\n    models: {:?}\n    backends:\n",
+            t.name, t.default, t.models
+        ));
         for (id, addr, w) in &t.backends {
-            y.push_str(&format!("      - {{ id: \"{id}\", addr: \"{addr}\", weight: {w} }}\n"));
+            y.push_str(&format!(
+                "      - {{ id: \"{id}\", addr: \"{addr}\", weight: {w} }}\n"
+            ));
         }
     }
-    y.push_str(&format!("metrics:\n  listen: \"127.0.0.1:{metrics_port}\"\n"));
+    y.push_str(&format!(
+        "metrics:\n  listen: \"127.0.0.1:{metrics_port}\"\n"
+    ));
     y.push_str(extra);
     y
 }
@@ -202,13 +220,21 @@ impl Gateway {
         Self::start_yaml(dir, port, metrics_port, &yaml).await
     }
 
-    pub async fn start_yaml(dir: tempfile::TempDir, port: u16, metrics_port: u16, yaml: &str) -> Gateway {
+    pub async fn start_yaml(
+        dir: tempfile::TempDir,
+        port: u16,
+        metrics_port: u16,
+        yaml: &str,
+    ) -> Gateway {
         let config_path = dir.path().join("gateway.yaml");
         std::fs::write(&config_path, yaml).expect("write config");
         let child = Command::new(BIN)
             .args(["run", "--config"])
             .arg(&config_path)
-            .env("RUST_LOG", std::env::var("GW_LOG").unwrap_or_else(|_| "warn".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("GW_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -231,7 +257,9 @@ impl Gateway {
             let metrics = metrics.clone();
             async move {
                 TcpStream::connect(("127.0.0.1", port)).is_ok()
-                    && reqwest::get(&metrics).await.is_ok_and(|r| r.status().is_success())
+                    && reqwest::get(&metrics)
+                        .await
+                        .is_ok_and(|r| r.status().is_success())
             }
         })
         .await;
@@ -294,7 +322,9 @@ pub fn metric_value(text: &str, sample: &str) -> f64 {
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| {
             let (name, value) = l.rsplit_once(' ')?;
-            (name == sample).then(|| value.parse::<f64>().ok()).flatten()
+            (name == sample)
+                .then(|| value.parse::<f64>().ok())
+                .flatten()
         })
         .sum()
 }
@@ -323,14 +353,18 @@ pub struct Reply {
 
 impl Reply {
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
-            panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body))
-        })
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 }
 
 /// POST a chat completion with the given headers.
-pub async fn chat(client: &reqwest::Client, gw: &Gateway, headers: &[(&str, &str)], body: &Value) -> Reply {
+pub async fn chat(
+    client: &reqwest::Client,
+    gw: &Gateway,
+    headers: &[(&str, &str)],
+    body: &Value,
+) -> Reply {
     let mut req = client.post(gw.url("/v1/chat/completions")).json(body);
     for (k, v) in headers {
         req = req.header(*k, *v);
@@ -342,7 +376,12 @@ pub async fn chat(client: &reqwest::Client, gw: &Gateway, headers: &[(&str, &str
 pub async fn reply(resp: reqwest::Response) -> Reply {
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
-    let h = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let h = |n: &str| {
+        headers
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
     let backend = h("x-agent-serve-backend");
     let sim_backend = h("x-sim-backend");
     let hit = h("x-agent-serve-affinity-hit");

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs what building agent-gateway needs and the machine may lack:
+# cmake (Pingora's zlib-ng build) and a C compiler. Safe to run repeatedly.
+set -euo pipefail
+need=()
+command -v cmake >/dev/null || need+=(cmake)
+command -v cc >/dev/null || need+=(gcc)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing: ${need[*]}" >&2
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+command -v cargo >/dev/null || { echo "cargo is required (https://rustup.rs)" >&2; exit 1; }
