@@ -3,7 +3,9 @@
 
 pub mod affinity;
 pub mod config;
+pub mod demo;
 pub mod gateway;
+pub mod loadgen;
 pub mod metrics;
 pub mod proxy;
 pub mod server;

@@ -32,12 +32,24 @@ enum Command {
     },
     /// Run one simulated vLLM replica (prefix cache, latency model, faults).
     SimBackend(agent_gateway::sim::SimConfig),
+    /// Replay agent sessions (or a Mooncake trace) against a URL and report.
+    Bench(agent_gateway::loadgen::BenchArgs),
+    /// Show what affinity buys: simulated replicas + gateway + agent workload.
+    Demo(agent_gateway::demo::DemoArgs),
 }
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Demo(args) => match agent_gateway::demo::run(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Bench(args) => bench(args),
         Command::SimBackend(cfg) => match agent_gateway::sim::run(cfg) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -92,4 +104,35 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+fn bench(args: agent_gateway::loadgen::BenchArgs) -> ExitCode {
+    use agent_gateway::loadgen::{self, report};
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let r = rt.block_on(loadgen::run(&args));
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
+    } else {
+        println!("{}", report::detail(&r));
+    }
+    if let Some(path) = &args.svg {
+        if let Err(e) = std::fs::write(path, report::svg(std::slice::from_ref(&r), &args.label)) {
+            eprintln!("error: writing {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    if r.requests == 0 || r.errors == r.requests {
+        eprintln!("error: no request succeeded");
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
 }

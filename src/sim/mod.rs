@@ -390,15 +390,25 @@ impl Sim {
             .clamp(1, 4096);
 
         self.waiting.fetch_add(1, Ordering::Relaxed);
+        let queued_at = std::time::Instant::now();
         let permit = self.batch_permit().await;
+        let queue_us = queued_at.elapsed().as_micros() as u64;
         self.waiting.fetch_sub(1, Ordering::Relaxed);
         self.running.fetch_add(1, Ordering::Relaxed);
 
         let cached = self.cache.lock().lookup(&tokens);
+        let prefill_started = std::time::Instant::now();
         if let Some(s) = sleep_us((tokens.len() - cached) as f64 * self.cfg.prefill_us_per_token) {
             s.await;
         }
+        let prefill_us = prefill_started.elapsed().as_micros() as u64;
         self.cache.lock().insert(&tokens);
+        let timing = move |mut r: Response<Body>| {
+            r.headers_mut().insert("x-sim-queue-us", queue_us.into());
+            r.headers_mut()
+                .insert("x-sim-prefill-us", prefill_us.into());
+            r
+        };
         let usage = json!({
             "prompt_tokens": tokens.len(),
             "completion_tokens": max_out,
@@ -419,13 +429,13 @@ impl Sim {
             };
             drop(permit);
             self.running.fetch_sub(1, Ordering::Relaxed);
-            return json_response(
+            return timing(json_response(
                 StatusCode::OK,
                 &json!({
                     "id": id, "object": if chat { "chat.completion" } else { "text_completion" },
                     "created": now_secs(), "model": model, "choices": [choice], "usage": usage,
                 }),
-            );
+            ));
         }
 
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
@@ -483,11 +493,13 @@ impl Sim {
                 .await
                 .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
         });
-        Response::builder()
-            .header("content-type", "text/event-stream")
-            .header("cache-control", "no-cache")
-            .body(StreamBody::new(stream).boxed())
-            .expect("static parts")
+        timing(
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .header("cache-control", "no-cache")
+                .body(StreamBody::new(stream).boxed())
+                .expect("static parts"),
+        )
     }
 
     async fn batch_permit(&self) -> tokio::sync::OwnedSemaphorePermit {

@@ -1,0 +1,462 @@
+//! `agent-gateway bench`: replays multi-turn agent sessions (or a Mooncake
+//! trace) against any OpenAI-compatible URL and reports what affinity buys:
+//! affinity-hit rate, prefix-cache hit rate, TTFT/E2E percentiles, balance.
+
+pub mod report;
+pub mod trace;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use report::{Report, TurnRecord};
+use serde_json::{json, Value};
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Base URL of the gateway (or any OpenAI-compatible server).
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    #[arg(long, default_value_t = 12)]
+    pub sessions: usize,
+    #[arg(long, default_value_t = 6)]
+    pub turns: usize,
+    /// Requests in flight at once.
+    #[arg(long, short = 'c', default_value_t = 6)]
+    pub concurrency: usize,
+    /// Size of the system prompt every session shares, in bytes.
+    #[arg(long, default_value_t = 3000)]
+    pub system_prompt_bytes: usize,
+    /// Size of a per-session document in the first user message, in bytes.
+    #[arg(long, default_value_t = 0)]
+    pub context_bytes: usize,
+    /// Size of each new user message, in bytes.
+    #[arg(long, default_value_t = 200)]
+    pub user_bytes: usize,
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: u64,
+    /// Pause between a session's turns (tool time), milliseconds.
+    #[arg(long, default_value_t = 0)]
+    pub think_ms: u64,
+    /// Child sessions (subagents) each session spawns after its first turn.
+    #[arg(long, default_value_t = 0)]
+    pub subagents: usize,
+    /// Turns each subagent runs.
+    #[arg(long, default_value_t = 2)]
+    pub subagent_turns: usize,
+    #[arg(long, default_value = "x-session-id")]
+    pub session_header: String,
+    #[arg(long, default_value = "x-parent-session-id")]
+    pub parent_header: String,
+    /// A new session id on every request: what a gateway sees with affinity off.
+    #[arg(long)]
+    pub fresh_ids: bool,
+    #[arg(long, default_value = "qwen3-8b")]
+    pub model: String,
+    /// Use non-streaming requests (TTFT is then the whole response time).
+    #[arg(long)]
+    pub no_stream: bool,
+    /// Replay a Mooncake-format trace (JSON lines) instead of synthetic sessions.
+    #[arg(long)]
+    pub trace: Option<std::path::PathBuf>,
+    /// Cap on output tokens of trace requests.
+    #[arg(long, default_value_t = 32)]
+    pub trace_max_output: u64,
+    /// Label of this run in reports.
+    #[arg(long, default_value = "run")]
+    pub label: String,
+    /// Session (index) whose per-turn locality table is printed.
+    #[arg(long, default_value_t = 0)]
+    pub show_session: usize,
+    /// Print the report as JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Write an SVG chart of this run.
+    #[arg(long)]
+    pub svg: Option<std::path::PathBuf>,
+    /// Prefix for session ids (runs with different prefixes never share bindings).
+    #[arg(long, default_value = "bench")]
+    pub id_prefix: String,
+}
+
+impl BenchArgs {
+    pub fn seed_study(url: &str) -> Self {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            args: BenchArgs,
+        }
+        let mut a = Wrap::parse_from(["bench"]).args;
+        a.url = url.to_string();
+        a
+    }
+}
+
+/// One request of the workload.
+#[derive(Debug, Clone)]
+pub struct Turn {
+    pub session: usize,
+    pub turn: usize,
+    pub session_id: String,
+    pub parent_id: Option<String>,
+    pub path: &'static str,
+    pub body: Value,
+}
+
+/// Runs with different id prefixes get different text, so one run never
+/// finds another run's transcripts in a replica's cache.
+fn salt(prefix: &str) -> usize {
+    prefix.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    }) as usize
+}
+
+fn filler(seed: usize, bytes: usize) -> String {
+    // Words that vary with the seed, so different sessions share no text.
+    let words = [
+        "tool", "file", "patch", "test", "plan", "read", "grep", "edit", "diff", "run",
+    ];
+    let mut s = String::with_capacity(bytes + 16);
+    let mut i = seed.wrapping_mul(2_654_435_761);
+    while s.len() < bytes {
+        i = i
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        s.push_str(words[(i >> 33) % words.len()]);
+        s.push_str(&format!("{} ", (i >> 40) % 1000));
+    }
+    s.truncate(bytes);
+    s
+}
+
+/// A synthetic agent session: a shared system prompt, an optional private
+/// document, and turns that each resend the transcript plus a new message.
+struct SessionScript {
+    system: Arc<String>,
+    context: String,
+    messages: Vec<(String, String)>,
+}
+
+impl SessionScript {
+    fn body(&self, args: &BenchArgs, stream: bool) -> Value {
+        let mut msgs = vec![json!({"role": "system", "content": &*self.system})];
+        for (role, content) in &self.messages {
+            msgs.push(json!({"role": role, "content": content}));
+        }
+        let mut b = json!({"model": args.model, "messages": msgs, "max_tokens": args.max_tokens});
+        if stream {
+            b["stream"] = json!(true);
+            b["stream_options"] = json!({"include_usage": true});
+        }
+        b
+    }
+}
+
+/// What one request returned.
+#[derive(Debug, Default, Clone)]
+struct Outcome {
+    status: u16,
+    backend: Option<String>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    ttft: Duration,
+    e2e: Duration,
+    prefill_us: Option<u64>,
+    affinity_hit: Option<bool>,
+    text: String,
+}
+
+async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
+    let started = Instant::now();
+    let mut req = client
+        .post(format!("{}{}", args.url.trim_end_matches('/'), t.path))
+        .header(args.session_header.as_str(), t.session_id.as_str())
+        .json(&t.body);
+    if let Some(p) = &t.parent_id {
+        req = req.header(args.parent_header.as_str(), p.as_str());
+    }
+    let mut out = Outcome::default();
+    let resp = match req.send().await {
+        Ok(r) => r,
+        Err(_) => {
+            out.e2e = started.elapsed();
+            return out;
+        }
+    };
+    out.status = resp.status().as_u16();
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    out.backend = header("x-agent-serve-backend").or_else(|| header("x-sim-backend"));
+    out.prefill_us = header("x-sim-prefill-us").and_then(|v| v.parse().ok());
+    out.affinity_hit = header("x-agent-serve-affinity-hit").map(|v| v == "true");
+    let is_sse = header("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
+    let mut usage = Value::Null;
+    if is_sse {
+        let mut stream = resp.bytes_stream();
+        let mut buf: Vec<u8> = Vec::new();
+        let mut first = true;
+        while let Some(Ok(chunk)) = stream.next().await {
+            if first {
+                out.ttft = started.elapsed();
+                first = false;
+            }
+            buf.extend_from_slice(&chunk);
+            while let Some(end) = find(&buf, b"\n\n") {
+                let event: Bytes = Bytes::copy_from_slice(&buf[..end]);
+                buf.drain(..end + 2);
+                let Some(data) = event.strip_prefix(b"data: ") else {
+                    continue;
+                };
+                if data == b"[DONE]" {
+                    continue;
+                }
+                if let Ok(v) = serde_json::from_slice::<Value>(data) {
+                    if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                        out.text.push_str(c);
+                    } else if let Some(c) = v["choices"][0]["text"].as_str() {
+                        out.text.push_str(c);
+                    }
+                    if v["usage"].is_object() {
+                        usage = v["usage"].clone();
+                    }
+                }
+            }
+        }
+    } else {
+        let body: Value = resp.json().await.unwrap_or(Value::Null);
+        out.ttft = started.elapsed();
+        usage = body["usage"].clone();
+        if let Some(c) = body["choices"][0]["message"]["content"].as_str() {
+            out.text = c.to_string();
+        } else if let Some(c) = body["choices"][0]["text"].as_str() {
+            out.text = c.to_string();
+        }
+    }
+    out.e2e = started.elapsed();
+    out.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+    out.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    out
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Progress on stderr, only when it is a terminal.
+struct Progress {
+    done: AtomicUsize,
+    total: usize,
+    label: String,
+    tty: bool,
+}
+
+impl Progress {
+    fn tick(&self) {
+        let done = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.tty && (done.is_multiple_of(4) || done == self.total) {
+            let width = 30;
+            let filled = width * done / self.total.max(1);
+            eprint!(
+                "\r{:>14} [{}{}] {done}/{}",
+                self.label,
+                "#".repeat(filled),
+                ".".repeat(width - filled),
+                self.total
+            );
+            if done == self.total {
+                eprintln!();
+            }
+        }
+    }
+}
+
+fn record(t: &Turn, o: &Outcome, parent_session: Option<usize>) -> TurnRecord {
+    TurnRecord {
+        session: t.session,
+        parent_session,
+        turn: t.turn,
+        status: o.status,
+        backend: o.backend.clone(),
+        prompt_tokens: o.prompt_tokens,
+        cached_tokens: o.cached_tokens,
+        ttft: o.ttft,
+        e2e: o.e2e,
+        prefill_us: o.prefill_us,
+        affinity_hit: o.affinity_hit,
+    }
+}
+
+/// Run the workload `args` describes and report on it.
+pub async fn run(args: &BenchArgs) -> Report {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(600))
+        .pool_max_idle_per_host(args.concurrency.max(1))
+        .build()
+        .expect("an HTTP client");
+    let started = Instant::now();
+    let records = match &args.trace {
+        Some(path) => trace::replay(&client, args, path).await,
+        None => run_sessions(&client, args).await,
+    };
+    Report::new(
+        args.label.clone(),
+        records,
+        started.elapsed(),
+        args.show_session,
+    )
+}
+
+async fn run_sessions(client: &reqwest::Client, args: &BenchArgs) -> Vec<TurnRecord> {
+    let total = args.sessions * (args.turns + args.subagents * args.subagent_turns);
+    let progress = Arc::new(Progress {
+        done: AtomicUsize::new(0),
+        total,
+        label: args.label.clone(),
+        tty: std::io::stderr().is_terminal(),
+    });
+    let system = Arc::new(filler(usize::MAX, args.system_prompt_bytes));
+    let permits = Arc::new(Semaphore::new(args.concurrency.max(1)));
+    let args = Arc::new(args.clone());
+    let mut tasks = Vec::new();
+    for s in 0..args.sessions {
+        let (client, args, system, permits, progress) = (
+            client.clone(),
+            Arc::clone(&args),
+            Arc::clone(&system),
+            Arc::clone(&permits),
+            Arc::clone(&progress),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            let salt = salt(&args.id_prefix);
+            let mut script = SessionScript {
+                system: Arc::clone(&system),
+                context: filler(salt ^ s, args.context_bytes),
+                messages: Vec::new(),
+            };
+            let session_id = format!("{}-{s}", args.id_prefix);
+            let mut children = Vec::new();
+            for turn in 0..args.turns {
+                let mut user = if turn == 0 && !script.context.is_empty() {
+                    format!("Document:\n{}\n\n", script.context)
+                } else {
+                    String::new()
+                };
+                user.push_str(&format!(
+                    "Turn {turn}: {}",
+                    filler(salt ^ (s * 1000 + turn), args.user_bytes)
+                ));
+                script.messages.push(("user".into(), user));
+                let id = if args.fresh_ids {
+                    format!("{session_id}-t{turn}")
+                } else {
+                    session_id.clone()
+                };
+                let t = Turn {
+                    session: s,
+                    turn,
+                    session_id: id,
+                    parent_id: None,
+                    path: "/v1/chat/completions",
+                    body: script.body(&args, !args.no_stream),
+                };
+                let o = {
+                    let _p = permits.acquire().await.expect("semaphore open");
+                    send(&client, &args, &t).await
+                };
+                progress.tick();
+                script.messages.push(("assistant".into(), o.text.clone()));
+                out.push(record(&t, &o, None));
+                if turn == 0 {
+                    for c in 0..args.subagents {
+                        children.push(tokio::spawn(run_child(
+                            client.clone(),
+                            Arc::clone(&args),
+                            Arc::clone(&permits),
+                            Arc::clone(&progress),
+                            s,
+                            c,
+                            session_id.clone(),
+                            script.messages.clone(),
+                            Arc::clone(&system),
+                        )));
+                    }
+                }
+                if args.think_ms > 0 {
+                    tokio::time::sleep(Duration::from_millis(args.think_ms)).await;
+                }
+            }
+            for c in children {
+                if let Ok(mut recs) = c.await {
+                    out.append(&mut recs);
+                }
+            }
+            out
+        }));
+    }
+    let mut records = Vec::new();
+    for t in tasks {
+        if let Ok(mut r) = t.await {
+            records.append(&mut r);
+        }
+    }
+    records
+}
+
+/// A subagent: starts from its parent's transcript and runs its own turns
+/// under a child session id, sending the parent's id as its parent.
+#[allow(clippy::too_many_arguments)]
+async fn run_child(
+    client: reqwest::Client,
+    args: Arc<BenchArgs>,
+    permits: Arc<Semaphore>,
+    progress: Arc<Progress>,
+    parent: usize,
+    child: usize,
+    parent_id: String,
+    transcript: Vec<(String, String)>,
+    system: Arc<String>,
+) -> Vec<TurnRecord> {
+    let mut script = SessionScript {
+        system,
+        context: String::new(),
+        messages: transcript,
+    };
+    let child_session = 1_000_000 + parent * 1000 + child;
+    let mut out = Vec::new();
+    for turn in 0..args.subagent_turns {
+        script.messages.push((
+            "user".into(),
+            format!(
+                "Subtask {child}.{turn}: {}",
+                filler(child_session + turn, args.user_bytes)
+            ),
+        ));
+        let t = Turn {
+            session: child_session,
+            turn,
+            session_id: format!("{parent_id}-sub{child}"),
+            parent_id: Some(parent_id.clone()),
+            path: "/v1/chat/completions",
+            body: script.body(&args, !args.no_stream),
+        };
+        let o = {
+            let _p = permits.acquire().await.expect("semaphore open");
+            send(&client, &args, &t).await
+        };
+        progress.tick();
+        script.messages.push(("assistant".into(), o.text.clone()));
+        out.push(record(&t, &o, Some(parent)));
+    }
+    out
+}

@@ -1,0 +1,437 @@
+//! What a load run measured, as tables, JSON and an SVG chart.
+
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write;
+use std::time::Duration;
+
+/// One request as the client saw it.
+#[derive(Debug, Clone)]
+pub struct TurnRecord {
+    pub session: usize,
+    pub parent_session: Option<usize>,
+    pub turn: usize,
+    pub status: u16,
+    pub backend: Option<String>,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub ttft: Duration,
+    pub e2e: Duration,
+    pub prefill_us: Option<u64>,
+    /// The gateway's verdict (`x-agent-serve-affinity-hit`), when it sent one.
+    pub affinity_hit: Option<bool>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Percentiles {
+    pub p50_ms: f64,
+    pub p95_ms: f64,
+    pub p99_ms: f64,
+}
+
+fn percentiles(mut v: Vec<Duration>) -> Percentiles {
+    v.sort();
+    let at = |q: f64| {
+        if v.is_empty() {
+            return 0.0;
+        }
+        // Nearest-rank percentile.
+        let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+        v[rank - 1].as_secs_f64() * 1000.0
+    };
+    Percentiles {
+        p50_ms: at(0.50),
+        p95_ms: at(0.95),
+        p99_ms: at(0.99),
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LocalityRow {
+    pub turn: usize,
+    pub backend: Option<String>,
+    pub input_tokens: u64,
+    pub cached_tokens: u64,
+    pub prefill_ms: Option<f64>,
+    pub ttft_ms: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub label: String,
+    pub requests: usize,
+    pub errors: usize,
+    /// Requests the gateway reported as affinity hits (reused a live binding).
+    pub affinity_hit_rate: f64,
+    /// Turns ≥ 2 that landed on the previous turn's backend.
+    pub same_backend_rate: f64,
+    /// Σ cached prompt tokens / Σ prompt tokens.
+    pub prefix_cache_hit_rate: f64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub ttft: Percentiles,
+    pub e2e: Percentiles,
+    pub elapsed_s: f64,
+    pub requests_per_s: f64,
+    pub per_backend: BTreeMap<String, usize>,
+    /// Busiest backend's requests / mean requests per backend.
+    pub balance_max_over_mean: f64,
+    /// Share of subagent turns served by the parent's backend (None: no subagents).
+    pub subagent_colocation: Option<f64>,
+    pub locality: Vec<LocalityRow>,
+}
+
+impl Report {
+    pub fn new(label: String, records: Vec<TurnRecord>, elapsed: Duration, show: usize) -> Report {
+        let ok: Vec<&TurnRecord> = records.iter().filter(|r| r.status == 200).collect();
+        let errors = records.len() - ok.len();
+
+        // Affinity hits as the client sees them: same backend as the previous turn.
+        let mut by_session: HashMap<usize, Vec<&TurnRecord>> = HashMap::new();
+        for r in &ok {
+            by_session.entry(r.session).or_default().push(r);
+        }
+        let (mut later, mut same) = (0usize, 0usize);
+        for turns in by_session.values_mut() {
+            turns.sort_by_key(|r| r.turn);
+            for pair in turns.windows(2) {
+                later += 1;
+                same += (pair[0].backend.is_some() && pair[0].backend == pair[1].backend) as usize;
+            }
+        }
+
+        let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
+        let cached: u64 = ok.iter().map(|r| r.cached_tokens).sum();
+        let mut per_backend = BTreeMap::new();
+        for r in &ok {
+            if let Some(b) = &r.backend {
+                *per_backend.entry(b.clone()).or_insert(0) += 1;
+            }
+        }
+        let balance = if per_backend.is_empty() {
+            0.0
+        } else {
+            let max = *per_backend.values().max().unwrap_or(&0) as f64;
+            let mean = per_backend.values().sum::<usize>() as f64 / per_backend.len() as f64;
+            max / mean
+        };
+
+        let parent_backend = |p: usize| {
+            by_session
+                .get(&p)
+                .and_then(|t| t.first())
+                .and_then(|r| r.backend.clone())
+        };
+        let children: Vec<&&TurnRecord> =
+            ok.iter().filter(|r| r.parent_session.is_some()).collect();
+        let subagent_colocation = (!children.is_empty()).then(|| {
+            let co = children
+                .iter()
+                .filter(|r| {
+                    r.backend.is_some()
+                        && r.backend == parent_backend(r.parent_session.unwrap_or(0))
+                })
+                .count();
+            co as f64 / children.len() as f64
+        });
+
+        let locality = by_session
+            .get(&show)
+            .map(|turns| {
+                turns
+                    .iter()
+                    .map(|r| LocalityRow {
+                        turn: r.turn + 1,
+                        backend: r.backend.clone(),
+                        input_tokens: r.prompt_tokens,
+                        cached_tokens: r.cached_tokens,
+                        prefill_ms: r.prefill_us.map(|us| us as f64 / 1000.0),
+                        ttft_ms: r.ttft.as_secs_f64() * 1000.0,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+
+        Report {
+            label,
+            requests: records.len(),
+            errors,
+            affinity_hit_rate: if ok.is_empty() {
+                0.0
+            } else {
+                ok.iter().filter(|r| r.affinity_hit == Some(true)).count() as f64 / ok.len() as f64
+            },
+            same_backend_rate: if later == 0 {
+                0.0
+            } else {
+                same as f64 / later as f64
+            },
+            prefix_cache_hit_rate: if prompt == 0 {
+                0.0
+            } else {
+                cached as f64 / prompt as f64
+            },
+            prompt_tokens: prompt,
+            cached_tokens: cached,
+            ttft: percentiles(ok.iter().map(|r| r.ttft).collect()),
+            e2e: percentiles(ok.iter().map(|r| r.e2e).collect()),
+            elapsed_s: elapsed.as_secs_f64(),
+            requests_per_s: records.len() as f64 / elapsed.as_secs_f64().max(1e-9),
+            per_backend,
+            balance_max_over_mean: balance,
+            subagent_colocation,
+            locality,
+        }
+    }
+}
+
+/// Side-by-side comparison of runs.
+pub fn comparison_table(reports: &[Report]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| run | requests | errors | affinity hit | same backend as last turn | prefix-cache hit | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | req/s | balance |"
+    );
+    let _ = writeln!(
+        s,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for r in reports {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:.1}% | {:.1}% | {:.1}% | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} | {:.2} |",
+            r.label,
+            r.requests,
+            r.errors,
+            r.affinity_hit_rate * 100.0,
+            r.same_backend_rate * 100.0,
+            r.prefix_cache_hit_rate * 100.0,
+            r.ttft.p50_ms,
+            r.ttft.p99_ms,
+            r.e2e.p50_ms,
+            r.e2e.p99_ms,
+            r.requests_per_s,
+            r.balance_max_over_mean,
+        );
+    }
+    s
+}
+
+/// One run in full: summary, per-backend load, subagents, locality table.
+pub fn detail(r: &Report) -> String {
+    let mut s = comparison_table(std::slice::from_ref(r));
+    let _ = writeln!(s);
+    let loads: Vec<String> = r
+        .per_backend
+        .iter()
+        .map(|(b, n)| format!("{b}: {n}"))
+        .collect();
+    let _ = writeln!(s, "per-backend requests: {}", loads.join(", "));
+    if let Some(c) = r.subagent_colocation {
+        let _ = writeln!(
+            s,
+            "subagent co-location (child turns on the parent's backend): {:.1}%",
+            c * 100.0
+        );
+    }
+    if !r.locality.is_empty() {
+        let _ = writeln!(s, "\nper-turn locality of one session:\n");
+        let _ = writeln!(
+            s,
+            "| turn | backend | input tokens | cached tokens | prefill ms | TTFT ms |"
+        );
+        let _ = writeln!(s, "|---:|---|---:|---:|---:|---:|");
+        for row in &r.locality {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {:.1} |",
+                row.turn,
+                row.backend.as_deref().unwrap_or("-"),
+                row.input_tokens,
+                row.cached_tokens,
+                row.prefill_ms
+                    .map_or("-".to_string(), |m| format!("{m:.1}")),
+                row.ttft_ms,
+            );
+        }
+    }
+    s
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// A chart panel: title, (series name, value of a run) pairs, axis maximum.
+type Panel<'a> = (&'a str, Vec<(&'a str, Box<dyn Fn(&Report) -> f64>)>, f64);
+
+/// A grouped bar chart: hit rates (left panel, %) and TTFT p50/p99 (right panel, ms).
+pub fn svg(reports: &[Report], title: &str) -> String {
+    const COLORS: [&str; 6] = [
+        "#2b6cb0", "#dd6b20", "#38a169", "#805ad5", "#d53f8c", "#718096",
+    ];
+    let (w, h) = (900.0, 380.0);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="24" font-size="16" text-anchor="middle">{}</text>"#,
+        w / 2.0,
+        esc(title)
+    );
+    let panels: [Panel; 2] = [
+        (
+            "hit rates (%)",
+            vec![
+                (
+                    "affinity hit",
+                    Box::new(|r: &Report| r.affinity_hit_rate * 100.0),
+                ),
+                (
+                    "prefix-cache hit",
+                    Box::new(|r: &Report| r.prefix_cache_hit_rate * 100.0),
+                ),
+            ],
+            100.0,
+        ),
+        (
+            "time to first token (ms)",
+            vec![
+                ("TTFT p50", Box::new(|r: &Report| r.ttft.p50_ms)),
+                ("TTFT p99", Box::new(|r: &Report| r.ttft.p99_ms)),
+            ],
+            reports.iter().map(|r| r.ttft.p99_ms).fold(1.0, f64::max) * 1.1,
+        ),
+    ];
+    let (top, bottom) = (50.0, h - 90.0);
+    for (p, (name, metrics, max)) in panels.iter().enumerate() {
+        let x0 = 60.0 + p as f64 * (w / 2.0);
+        let pw = w / 2.0 - 90.0;
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+            x0 + pw / 2.0,
+            top - 8.0,
+            esc(name)
+        );
+        let _ = writeln!(
+            s,
+            r#"<line x1="{x0}" y1="{bottom}" x2="{}" y2="{bottom}" stroke="black"/>"#,
+            x0 + pw
+        );
+        let _ = writeln!(
+            s,
+            r#"<line x1="{x0}" y1="{top}" x2="{x0}" y2="{bottom}" stroke="black"/>"#
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="end">{:.0}</text>"#,
+            x0 - 4.0,
+            top + 4.0,
+            max
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="end">0</text>"#,
+            x0 - 4.0,
+            bottom + 4.0
+        );
+        let group = pw / metrics.len() as f64;
+        let bar = (group * 0.8) / reports.len().max(1) as f64;
+        for (m, (mname, f)) in metrics.iter().enumerate() {
+            let gx = x0 + m as f64 * group + group * 0.1;
+            for (i, r) in reports.iter().enumerate() {
+                let v = f(r);
+                let bh = (v / max).clamp(0.0, 1.0) * (bottom - top);
+                let x = gx + i as f64 * bar;
+                let _ = writeln!(
+                    s,
+                    r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{bh:.1}" fill="{}"><title>{}: {v:.1}</title></rect>"#,
+                    bottom - bh,
+                    bar * 0.9,
+                    COLORS[i % COLORS.len()],
+                    esc(&r.label)
+                );
+                let _ = writeln!(
+                    s,
+                    r#"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="10">{v:.0}</text>"#,
+                    x + bar * 0.45,
+                    bottom - bh - 3.0
+                );
+            }
+            let _ = writeln!(
+                s,
+                r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
+                gx + group * 0.4,
+                bottom + 16.0,
+                esc(mname)
+            );
+        }
+    }
+    for (i, r) in reports.iter().enumerate() {
+        let y = h - 50.0 + (i / 3) as f64 * 16.0;
+        let x = 60.0 + (i % 3) as f64 * 280.0;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{}"/>"#,
+            y - 10.0,
+            COLORS[i % COLORS.len()]
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{y}">{}</text>"#,
+            x + 18.0,
+            esc(&r.label)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(session: usize, turn: usize, backend: &str, prompt: u64, cached: u64) -> TurnRecord {
+        TurnRecord {
+            session,
+            parent_session: None,
+            turn,
+            status: 200,
+            backend: Some(backend.into()),
+            prompt_tokens: prompt,
+            cached_tokens: cached,
+            ttft: Duration::from_millis(10 * (turn as u64 + 1)),
+            e2e: Duration::from_millis(20 * (turn as u64 + 1)),
+            prefill_us: Some(1000),
+            affinity_hit: Some(turn > 0),
+        }
+    }
+
+    #[test]
+    fn hit_rates_and_balance() {
+        let records = vec![
+            rec(0, 0, "a", 100, 0),
+            rec(0, 1, "a", 200, 96),
+            rec(0, 2, "b", 300, 0),
+            rec(1, 0, "b", 100, 0),
+            rec(1, 1, "b", 200, 96),
+        ];
+        let r = Report::new("x".into(), records, Duration::from_secs(1), 0);
+        assert!((r.same_backend_rate - 2.0 / 3.0).abs() < 1e-9);
+        assert!((r.affinity_hit_rate - 3.0 / 5.0).abs() < 1e-9);
+        assert!((r.prefix_cache_hit_rate - 192.0 / 900.0).abs() < 1e-9);
+        assert_eq!(r.per_backend["b"], 3);
+        assert!((r.balance_max_over_mean - 1.2).abs() < 1e-9);
+        assert_eq!(r.locality.len(), 3);
+        assert_eq!(r.ttft.p50_ms, 20.0);
+        assert!(svg(std::slice::from_ref(&r), "t").starts_with("<svg"));
+        assert!(comparison_table(&[r]).contains("| x | 5 | 0 | 60.0% | 66.7% |"));
+    }
+}

@@ -1,0 +1,247 @@
+//! Replaying a Mooncake-format trace: one JSON object a line with `timestamp`
+//! (ms), `input_length`, `output_length` and `hash_ids` (each id one block of
+//! 512 tokens). Prompts are sent as token ids so a prefix cache sees exactly
+//! the trace's reuse. Sessions are inferred: a request whose `hash_ids` start
+//! with the whole `hash_ids` of an earlier request is that request's next turn.
+//! Requests run in timestamp order, a session's turns one after another, at
+//! most `--concurrency` at once (absolute timestamps are not replayed).
+
+use super::report::TurnRecord;
+use super::{send, BenchArgs, Progress, Turn};
+use serde::Deserialize;
+use serde_json::json;
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::path::Path;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+use tokio::sync::Semaphore;
+
+pub const BLOCK_TOKENS: u64 = 512;
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct TraceLine {
+    pub timestamp: f64,
+    pub input_length: u64,
+    pub output_length: u64,
+    pub hash_ids: Vec<u64>,
+}
+
+/// Parse JSON lines; blank lines are skipped, a bad line is an error naming it.
+pub fn parse(text: &str) -> Result<Vec<TraceLine>, String> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("line {}: {e}", i + 1)))
+        .collect()
+}
+
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// (session, turn) of every line, in input order.
+pub fn infer_sessions(lines: &[TraceLine]) -> Vec<(usize, usize)> {
+    // Rolling hash of a full hash_ids list → (session, turns so far).
+    let mut ends: HashMap<u64, usize> = HashMap::new();
+    let mut turns: Vec<usize> = Vec::new();
+    let mut out = Vec::with_capacity(lines.len());
+    for line in lines {
+        let mut prefixes = Vec::with_capacity(line.hash_ids.len());
+        let mut h = 0x51_7cc1_b727_220a_u64;
+        for id in &line.hash_ids {
+            h = mix(h ^ id);
+            prefixes.push(h);
+        }
+        let session = prefixes
+            .iter()
+            .rev()
+            .find_map(|p| ends.get(p).copied())
+            .unwrap_or_else(|| {
+                turns.push(0);
+                turns.len() - 1
+            });
+        out.push((session, turns[session]));
+        turns[session] += 1;
+        if let Some(&full) = prefixes.last() {
+            ends.insert(full, session);
+        }
+    }
+    out
+}
+
+/// The token ids of a trace request: 512 deterministic ids per hash id, cut
+/// (or extended with ids unique to `line_no`) to `input_length`.
+pub fn prompt_ids(line: &TraceLine, line_no: usize) -> Vec<u32> {
+    let mut ids = Vec::with_capacity(line.input_length as usize);
+    'outer: for &h in &line.hash_ids {
+        for j in 0..BLOCK_TOKENS {
+            if ids.len() as u64 >= line.input_length {
+                break 'outer;
+            }
+            ids.push((mix(h.wrapping_mul(1_000_003).wrapping_add(j)) % 50_000) as u32);
+        }
+    }
+    let mut j = 0u64;
+    while (ids.len() as u64) < line.input_length {
+        ids.push((mix((line_no as u64) << 32 | j) % 50_000) as u32);
+        j += 1;
+    }
+    ids
+}
+
+pub async fn replay(client: &reqwest::Client, args: &BenchArgs, path: &Path) -> Vec<TurnRecord> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("cannot read trace {}: {e}", path.display());
+            return Vec::new();
+        }
+    };
+    let mut lines = match parse(&text) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("bad trace {}: {e}", path.display());
+            return Vec::new();
+        }
+    };
+    lines.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
+    let sessions = infer_sessions(&lines);
+    let mut per_session: Vec<Vec<Turn>> = Vec::new();
+    for (i, (line, &(session, turn))) in lines.iter().zip(&sessions).enumerate() {
+        if per_session.len() <= session {
+            per_session.resize_with(session + 1, Vec::new);
+        }
+        let mut body = json!({
+            "model": args.model,
+            "prompt": prompt_ids(line, i),
+            "max_tokens": line.output_length.clamp(1, args.trace_max_output),
+        });
+        if !args.no_stream {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let base = format!("{}-trace-{session}", args.id_prefix);
+        per_session[session].push(Turn {
+            session,
+            turn,
+            session_id: if args.fresh_ids {
+                format!("{base}-t{turn}")
+            } else {
+                base
+            },
+            parent_id: None,
+            path: "/v1/completions",
+            body,
+        });
+    }
+    let progress = Arc::new(Progress {
+        done: AtomicUsize::new(0),
+        total: lines.len(),
+        label: args.label.clone(),
+        tty: std::io::stderr().is_terminal(),
+    });
+    let permits = Arc::new(Semaphore::new(args.concurrency.max(1)));
+    let args = Arc::new(args.clone());
+    let mut tasks = Vec::new();
+    for turns in per_session {
+        let (client, args, permits, progress) = (
+            client.clone(),
+            Arc::clone(&args),
+            Arc::clone(&permits),
+            Arc::clone(&progress),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for t in turns {
+                let o = {
+                    let _p = permits.acquire().await.expect("semaphore open");
+                    send(&client, &args, &t).await
+                };
+                progress.tick();
+                out.push(super::record(&t, &o, None));
+            }
+            out
+        }));
+    }
+    let mut records = Vec::new();
+    for t in tasks {
+        if let Ok(mut r) = t.await {
+            records.append(&mut r);
+        }
+    }
+    records
+}
+
+/// A small synthetic trace in the Mooncake format (for the demo and tests):
+/// `sessions` conversations of `turns` turns sharing a 2-block system prefix.
+pub fn synthetic(sessions: usize, turns: usize) -> String {
+    let mut out = String::new();
+    let mut next_id = 1000u64;
+    for s in 0..sessions {
+        let mut ids = vec![1, 2];
+        for t in 0..turns {
+            for _ in 0..(if t == 0 { 3 } else { 1 }) {
+                ids.push(next_id);
+                next_id += 1;
+            }
+            let line = json!({
+                "timestamp": (t * 10_000 + s * 100) as f64,
+                "input_length": ids.len() as u64 * BLOCK_TOKENS - 100,
+                "output_length": 16,
+                "hash_ids": ids,
+            });
+            out.push_str(&line.to_string());
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sessions_are_inferred_from_prefixes() {
+        let lines = parse(&synthetic(3, 4)).unwrap();
+        let mut sorted = lines.clone();
+        sorted.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
+        let s = infer_sessions(&sorted);
+        let sessions: std::collections::HashSet<usize> = s.iter().map(|x| x.0).collect();
+        assert_eq!(sessions.len(), 3);
+        // Each session's turns are numbered 0..4 in order.
+        for sess in sessions {
+            let turns: Vec<usize> = s.iter().filter(|x| x.0 == sess).map(|x| x.1).collect();
+            assert_eq!(turns, vec![0, 1, 2, 3]);
+        }
+    }
+
+    #[test]
+    fn prompts_share_blocks_where_hash_ids_do() {
+        let a = TraceLine {
+            timestamp: 0.0,
+            input_length: 1024,
+            output_length: 1,
+            hash_ids: vec![7, 8],
+        };
+        let b = TraceLine {
+            timestamp: 1.0,
+            input_length: 1500,
+            output_length: 1,
+            hash_ids: vec![7, 9, 10],
+        };
+        let (pa, pb) = (prompt_ids(&a, 0), prompt_ids(&b, 1));
+        assert_eq!(pa.len(), 1024);
+        assert_eq!(pb.len(), 1500);
+        assert_eq!(pa[..512], pb[..512]);
+        assert_ne!(pa[512..], pb[512..1024]);
+        assert!(parse("{\"timestamp\": 1}\n")
+            .unwrap_err()
+            .starts_with("line 1"));
+    }
+}
