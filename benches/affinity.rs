@@ -8,7 +8,7 @@
 
 use agent_gateway::affinity::hrw::{self, HrwHasher, KeyKind};
 use agent_gateway::affinity::table::{BindingTable, Decision};
-use agent_gateway::affinity::{Affinity, Candidate, SessionRef};
+use agent_gateway::affinity::{Affinity, Candidate, Choice, SessionRef};
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use std::time::Duration;
 
@@ -18,6 +18,9 @@ fn fleet(h: &HrwHasher, n: u32, mixed: bool) -> Vec<Candidate> {
             slot: i,
             seed: h.backend_seed(&format!("vllm-{i}")),
             weight: if mixed { 1 + i % 4 } else { 1 },
+            in_flight: 0,
+            draining: false,
+            move_on_drain: false,
         })
         .collect()
 }
@@ -30,15 +33,23 @@ fn bench_hit(c: &mut Criterion) {
         .map(|i| SessionRef::new(&h, KeyKind::Session, "default", &format!("session-{i}")))
         .collect();
     for s in &sessions {
-        drop(a.select_backend(s, 0, &cands));
+        if let Some(Choice::Go(mut sel)) = a.select_backend(s, 0, &cands, false) {
+            if let Some(l) = sel.lease.as_mut() {
+                l.confirm();
+            }
+        }
     }
     let mut i = 0;
     c.bench_function("select_backend/hit (8 backends, 10k live bindings)", |b| {
         b.iter(|| {
             i = (i + 1) % sessions.len();
-            let sel = a.select_backend(&sessions[i], 0, &cands).unwrap();
-            debug_assert!(sel.affinity_hit);
-            black_box(sel.backend)
+            match a.select_backend(&sessions[i], 0, &cands, false) {
+                Some(Choice::Go(sel)) => {
+                    debug_assert!(sel.affinity_hit);
+                    black_box(sel.backend)
+                }
+                _ => unreachable!("every session is bound"),
+            }
         })
     });
     c.bench_function("session key hashing (fingerprint + HRW hash)", |b| {
@@ -77,7 +88,7 @@ fn bench_table(c: &mut Criterion) {
     let t = BindingTable::new(N);
     let key = |i: u64| (i as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
     for i in 0..N as u64 {
-        t.acquire(key(i), 0, 0, |_| Decision::Bind(1));
+        t.acquire(key(i), 0, 0, true, |_| Decision::Bind(1));
         t.release(key(i), i, 1_000_000_000);
     }
     println!(
@@ -89,7 +100,7 @@ fn bench_table(c: &mut Criterion) {
     c.bench_function("table/insert into a full 1M table (evicts LRU)", |b| {
         b.iter(|| {
             i += 1;
-            t.acquire(key(i), 0, i, |_| Decision::Bind(2));
+            t.acquire(key(i), 0, i, true, |_| Decision::Bind(2));
             t.release(key(i), i, 1_000_000_000);
         })
     });
@@ -98,7 +109,7 @@ fn bench_table(c: &mut Criterion) {
             || {
                 let t = BindingTable::new(N);
                 for i in 0..N as u64 {
-                    t.acquire(key(i), 0, 0, |_| Decision::Bind(1));
+                    t.acquire(key(i), 0, 0, true, |_| Decision::Bind(1));
                     t.release(key(i), 0, 10);
                 }
                 t

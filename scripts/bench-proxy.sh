@@ -22,7 +22,7 @@ trap cleanup EXIT
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 1 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
 
-SIM_PORT=$(port); GW_PORT=$(port); MET_PORT=$(port); NGX_PORT=$(port)
+SIM_PORT=$(port); GW_PORT=$(port); MET_PORT=$(port); ADM_PORT=$(port); NGX_PORT=$(port)
 "$BIN" sim-backend --listen "127.0.0.1:$SIM_PORT" --id bench-0 --prefill-us-per-token 0 \
   --decode-us-per-token 0 --cache-blocks 0 --max-batch 1024 >/dev/null &
 PIDS+=($!)
@@ -40,6 +40,7 @@ tiers:
     backends: [{ id: bench-0, addr: "127.0.0.1:$SIM_PORT" }]
 affinity: { hash_key: "bench-key" }
 metrics: { listen: "127.0.0.1:$MET_PORT" }
+admin: { listen: "127.0.0.1:$ADM_PORT" }
 YAML
 RUST_LOG=error "$BIN" run --config "$WORK/gw.yaml" >/dev/null 2>&1 &
 PIDS+=($!)

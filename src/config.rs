@@ -27,6 +27,25 @@ struct FileConfig {
     health: FileHealth,
     #[serde(default)]
     metrics: FileMetrics,
+    #[serde(default)]
+    admin: FileAdmin,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileAdmin {
+    listen: String,
+    /// When set, every admin request needs `Authorization: Bearer <token>`.
+    token: Option<String>,
+}
+
+impl Default for FileAdmin {
+    fn default() -> Self {
+        FileAdmin {
+            listen: "127.0.0.1:9092".into(),
+            token: None,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -79,6 +98,8 @@ struct FileBackend {
     addr: String,
     #[serde(default = "one")]
     weight: u32,
+    #[serde(default)]
+    draining: bool,
 }
 
 fn one() -> u32 {
@@ -96,6 +117,14 @@ struct FileAffinity {
     body_session_fields: Vec<String>,
     hash_key: String,
     max_bindings: usize,
+    mode: String,
+    soft_max_in_flight: u64,
+    single_flight_wait_ms: u64,
+    session_final_headers: Vec<String>,
+    parent_agent_headers: Vec<String>,
+    allow_explicit_target: bool,
+    tenant_header: Option<String>,
+    tenant_from_authorization: bool,
 }
 
 impl Default for FileAffinity {
@@ -113,6 +142,14 @@ impl Default for FileAffinity {
             body_session_fields: DEFAULT_BODY_FIELDS.iter().map(|s| s.to_string()).collect(),
             hash_key: PLACEHOLDER_HASH_KEY.into(),
             max_bindings: 1_000_000,
+            mode: "hard".into(),
+            soft_max_in_flight: 0,
+            single_flight_wait_ms: 5000,
+            session_final_headers: vec!["x-dynamo-session-final".into()],
+            parent_agent_headers: vec!["x-claude-code-parent-agent-id".into()],
+            allow_explicit_target: false,
+            tenant_header: None,
+            tenant_from_authorization: false,
         }
     }
 }
@@ -122,13 +159,11 @@ pub const DEFAULT_SESSION_HEADERS: &[&str] = &[
     "x-session-id",
     "x-dynamo-session-id",
     "x-claude-code-session-id",
-    "x-codex-thread-id",
+    "x-codex-session-id",
+    "x-codex-conversation-id",
+    "session_id",
 ];
-pub const DEFAULT_PARENT_HEADERS: &[&str] = &[
-    "x-parent-session-id",
-    "x-dynamo-parent-session-id",
-    "x-claude-code-parent-session-id",
-];
+pub const DEFAULT_PARENT_HEADERS: &[&str] = &["x-parent-session-id", "x-dynamo-parent-session-id"];
 pub const DEFAULT_BODY_FIELDS: &[&str] = &["prompt_cache_key", "user", "metadata.user_id"];
 
 #[derive(Debug, Deserialize)]
@@ -179,6 +214,7 @@ pub struct Config {
     pub affinity: AffinityConfig,
     pub health: HealthConfig,
     pub metrics: MetricsConfig,
+    pub admin: AdminConfig,
     /// Things that are allowed but probably a mistake.
     pub warnings: Vec<String>,
 }
@@ -209,6 +245,7 @@ pub struct BackendConfig {
     pub id: String,
     pub addr: SocketAddr,
     pub weight: u32,
+    pub draining: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -220,6 +257,32 @@ pub struct AffinityConfig {
     pub body_session_fields: Vec<Vec<String>>,
     pub hash_key: String,
     pub max_bindings: usize,
+    pub mode: crate::affinity::policy::Mode,
+    /// Soft mode: move a session off a backend with this many requests in flight (0 = never).
+    pub soft_max_in_flight: u64,
+    /// How long concurrent first requests wait for the first one's placement.
+    pub single_flight_wait: Duration,
+    /// A header here with value `true`/`1` closes the session's binding after the request.
+    pub session_final_headers: Vec<String>,
+    /// Headers naming the parent *agent* of a subagent within the request's session.
+    pub parent_agent_headers: Vec<String>,
+    pub allow_explicit_target: bool,
+    pub tenant: TenantSource,
+}
+
+/// Where the tenant that scopes bindings comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TenantSource {
+    None,
+    Header(String),
+    /// A keyed hash of the `Authorization` header (the key is never stored).
+    Authorization,
+}
+
+#[derive(Debug, Clone)]
+pub struct AdminConfig {
+    pub listen: SocketAddr,
+    pub token: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -427,6 +490,7 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
                     id: b.id.clone(),
                     addr,
                     weight: b.weight,
+                    draining: b.draining,
                 });
             }
         }
@@ -497,6 +561,55 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         ));
     }
 
+    let mode = match a.mode.as_str() {
+        "hard" => crate::affinity::policy::Mode::Hard,
+        "soft" => crate::affinity::policy::Mode::Soft,
+        other => {
+            errors.push(err(
+                "affinity.mode",
+                format!("`{other}` is not `hard` or `soft`"),
+            ));
+            crate::affinity::policy::Mode::Hard
+        }
+    };
+    let session_final_headers = validate_headers(
+        "affinity.session_final_headers",
+        &a.session_final_headers,
+        &mut errors,
+    );
+    let parent_agent_headers = validate_headers(
+        "affinity.parent_agent_headers",
+        &a.parent_agent_headers,
+        &mut errors,
+    );
+    let tenant = match (&a.tenant_header, a.tenant_from_authorization) {
+        (Some(_), true) => {
+            errors.push(err(
+                "affinity.tenant_header",
+                "set tenant_header or tenant_from_authorization, not both",
+            ));
+            TenantSource::None
+        }
+        (Some(h), false) => {
+            let h = h.to_ascii_lowercase();
+            if !valid_header_name(&h) {
+                errors.push(err(
+                    "affinity.tenant_header",
+                    format!("`{h}` is not a valid header name"),
+                ));
+            }
+            TenantSource::Header(h)
+        }
+        (None, true) => TenantSource::Authorization,
+        (None, false) => TenantSource::None,
+    };
+
+    // admin
+    let admin_listen = parse_addr("admin.listen", &file.admin.listen, &mut errors);
+    if file.admin.token.as_deref() == Some("") {
+        errors.push(err("admin.token", "must not be empty (omit it to disable)"));
+    }
+
     // health
     let h = &file.health;
     if !h.path.starts_with('/') {
@@ -542,6 +655,13 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             body_session_fields,
             hash_key: a.hash_key.clone(),
             max_bindings: a.max_bindings,
+            mode,
+            soft_max_in_flight: a.soft_max_in_flight,
+            single_flight_wait: Duration::from_millis(a.single_flight_wait_ms),
+            session_final_headers,
+            parent_agent_headers,
+            allow_explicit_target: a.allow_explicit_target,
+            tenant,
         },
         health: HealthConfig {
             path: h.path.clone(),
@@ -552,6 +672,10 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         },
         metrics: MetricsConfig {
             listen: metrics_listen.expect("checked above"),
+        },
+        admin: AdminConfig {
+            listen: admin_listen.expect("checked above"),
+            token: file.admin.token.clone(),
         },
         warnings,
     })

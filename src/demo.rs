@@ -117,11 +117,11 @@ async fn start_fleet(exe: &PathBuf, m: &Model, replicas: usize) -> std::io::Resu
         fleet.children.push(child);
         backends.push_str(&format!("      - {{ id: vllm-{i}, addr: \"{addr}\" }}\n"));
     }
-    let (port, metrics) = (free_port()?, free_port()?);
+    let (port, metrics, admin) = (free_port()?, free_port()?, free_port()?);
     let config = format!(
         "server:\n  listen: [\"127.0.0.1:{port}\"]\n  pid_file: \"{d}/gw.pid\"\n  upgrade_sock: \"{d}/gw.sock\"\n  grace_period_seconds: 0\n  graceful_shutdown_timeout_seconds: 1\n\
          tiers:\n  default:\n    default: true\n    backends:\n{backends}\
-         affinity:\n  hash_key: \"demo-fleet\"\nhealth:\n  interval_ms: 500\nmetrics:\n  listen: \"127.0.0.1:{metrics}\"\n",
+         affinity:\n  hash_key: \"demo-fleet\"\nhealth:\n  interval_ms: 500\nmetrics:\n  listen: \"127.0.0.1:{metrics}\"\nadmin:\n  listen: \"127.0.0.1:{admin}\"\n",
         d = dir_path.display()
     );
     let path = dir_path.join("gateway.yaml");

@@ -2,6 +2,7 @@
 //! table, health and metrics. Services (proxy, metrics, sweeper) hold an
 //! `Arc<Gateway>`; a reload swaps the routing snapshot in place.
 
+use crate::affinity::policy::DefaultPolicy;
 use crate::affinity::Affinity;
 use crate::config::Config;
 use crate::metrics::Metrics;
@@ -29,9 +30,14 @@ impl Gateway {
         let metrics = Arc::new(Metrics::new());
         let slots = Slots::default();
         let routing = Routing::build(Arc::clone(&config), &slots, &health_registry, &metrics)?;
+        let affinity = Affinity::new(config.affinity.max_bindings, config.affinity.sticky_ttl);
+        affinity.set_policy(DefaultPolicy {
+            mode: config.affinity.mode,
+            soft_max_in_flight: config.affinity.soft_max_in_flight,
+        });
         Ok(Arc::new(Gateway {
             routing: ArcSwap::from_pointee(routing),
-            affinity: Affinity::new(config.affinity.max_bindings, config.affinity.sticky_ttl),
+            affinity,
             metrics,
             slots,
             health_registry,

@@ -1,6 +1,7 @@
 //! agent-gateway: a Pingora-based L7 gateway that keeps every turn of an LLM
 //! agent session on the replica that already holds its KV cache.
 
+pub mod admin;
 pub mod affinity;
 pub mod config;
 pub mod demo;

@@ -20,7 +20,7 @@ async fn two_tiers(max_body: Option<u64>) -> (Vec<SimBackend>, Gateway) {
         tier("big", false, &["qwen3-235b"], &[&sims[2]]),
     ];
     let dir = tempfile::tempdir().unwrap();
-    let (port, mport) = (free_port(), free_port());
+    let (port, mport) = (free_port(), free_port_pair());
     let mut yaml = config_yaml(port, mport, dir.path(), &tiers, "");
     if let Some(limit) = max_body {
         yaml = yaml.replacen(

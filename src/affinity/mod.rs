@@ -1,20 +1,26 @@
 //! Session affinity: which backend a session's request goes to.
 //!
 //! [`Affinity::select_backend`] is the whole policy: look the session's binding
-//! up; keep it while its backend is a candidate (a hit); otherwise choose by
-//! keyed rendezvous hashing and bind (a miss, and "broken" when a binding to a
-//! backend that is no longer a candidate was replaced). It needs no network, so
-//! unit tests and benchmarks drive it directly.
+//! up; keep it while its backend is a candidate and the policy agrees (a hit);
+//! otherwise choose by keyed rendezvous hashing and bind (a miss, "broken" when
+//! a binding to a backend that is no longer a candidate was replaced, "moved"
+//! when the policy moved a live one). A new binding is *pending* until its first
+//! request reaches the backend; concurrent requests of that session wait for it
+//! (single-flight). It needs no network, so unit tests and benchmarks drive it.
 
 pub mod hrw;
+pub mod policy;
 pub mod session;
 pub mod table;
 
+use arc_swap::ArcSwap;
 use hrw::{HrwHasher, KeyKind, Scored};
+use policy::{BindingPolicy, DefaultPolicy, Mode, MoveReason};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use table::{Acquired, BindingKey, BindingTable, Decision};
+use tokio::sync::Notify;
 
 /// One backend a request may go to: healthy, in the tier, not excluded.
 #[derive(Clone, Copy, Debug)]
@@ -23,6 +29,11 @@ pub struct Candidate {
     pub slot: u32,
     pub seed: u64,
     pub weight: u32,
+    pub in_flight: u64,
+    /// Takes no new bindings.
+    pub draining: bool,
+    /// Drained with "move sessions": its bindings move on their next turn.
+    pub move_on_drain: bool,
 }
 
 impl Scored for Candidate {
@@ -71,6 +82,10 @@ pub enum Reason {
     TableFull,
     /// The request carried no session key.
     NoSession,
+    /// The policy moved a live binding (soft mode, or a drain that moves sessions).
+    Moved,
+    /// `x-agent-serve-backend-id` named the backend.
+    ExplicitTarget,
 }
 
 impl Reason {
@@ -83,6 +98,8 @@ impl Reason {
             Reason::Disabled => "affinity_disabled",
             Reason::TableFull => "table_full",
             Reason::NoSession => "no_session",
+            Reason::Moved => "moved",
+            Reason::ExplicitTarget => "explicit_target",
         }
     }
 }
@@ -96,16 +113,32 @@ pub struct Selection {
     pub affinity_hit: bool,
     pub reason: Reason,
     pub version: u32,
+    /// Set when `reason` is [`Reason::Moved`].
+    pub moved: Option<MoveReason>,
     /// Held while the request is in flight; dropping it ends the lease.
     pub lease: Option<Lease>,
 }
 
-/// The binding table plus the clock and TTL it is read with.
+/// What [`Affinity::select_backend`] decided.
+#[derive(Debug)]
+pub enum Choice {
+    Go(Selection),
+    /// Another request of this session is placing it: wait on
+    /// [`Affinity::waiter`], then ask again.
+    Wait,
+}
+
+const WAITER_SHARDS: usize = 64;
+
+/// The binding table plus the clock, TTL and policy it is read with.
 pub struct Affinity {
     table: BindingTable,
     epoch: Instant,
     /// 0 disables affinity.
     ttl_ms: AtomicU64,
+    policy: ArcSwap<DefaultPolicy>,
+    /// Woken when a pending binding is confirmed or abandoned.
+    waiters: Box<[Notify]>,
 }
 
 impl Affinity {
@@ -114,7 +147,33 @@ impl Affinity {
             table: BindingTable::new(max_bindings),
             epoch: Instant::now(),
             ttl_ms: AtomicU64::new(ttl.map_or(0, |d| d.as_millis() as u64)),
+            policy: ArcSwap::from_pointee(DefaultPolicy {
+                mode: Mode::Hard,
+                soft_max_in_flight: 0,
+            }),
+            waiters: (0..WAITER_SHARDS).map(|_| Notify::new()).collect(),
         })
+    }
+
+    pub fn set_policy(&self, policy: DefaultPolicy) {
+        self.policy.store(Arc::new(policy));
+    }
+
+    /// Notified when a pending binding of `key` (or one sharing its shard)
+    /// is confirmed or abandoned.
+    pub fn waiter(&self, key: BindingKey) -> &Notify {
+        &self.waiters[(key as usize) % WAITER_SHARDS]
+    }
+
+    fn wake(&self, key: BindingKey) {
+        self.waiter(key).notify_waiters();
+    }
+
+    /// Whether `key`'s binding is still waiting for its first request.
+    pub fn is_pending(&self, key: BindingKey) -> bool {
+        self.table
+            .get(key, self.now_ms())
+            .is_some_and(|b| b.pending)
     }
 
     pub fn set_ttl(&self, ttl: Option<Duration>) {
@@ -147,27 +206,37 @@ impl Affinity {
     ///
     /// `candidates` are the tier's backends that may take this request now
     /// (healthy, not excluded by an earlier connect failure). `None` when there
-    /// is no candidate.
+    /// is no candidate. `join_pending`: follow a pending binding instead of
+    /// waiting (its own first request retrying, or a waiter out of patience).
     pub fn select_backend(
         self: &Arc<Self>,
         session: &SessionRef,
         tier: u16,
         candidates: &[Candidate],
-    ) -> Option<Selection> {
+        join_pending: bool,
+    ) -> Option<Choice> {
         if candidates.is_empty() {
             return None;
         }
+        // New bindings avoid draining backends, unless nothing else is left.
+        let open: Vec<Candidate> = candidates.iter().copied().filter(|c| !c.draining).collect();
+        let open = if open.is_empty() {
+            candidates.to_vec()
+        } else {
+            open
+        };
         let ttl_ms = self.ttl_ms.load(Ordering::Relaxed);
         if ttl_ms == 0 {
-            let index = hrw::choose(session.hash, candidates)?;
-            return Some(Selection {
-                index,
-                backend: candidates[index].slot,
+            let slot = open[hrw::choose(session.hash, &open)?].slot;
+            return Some(Choice::Go(Selection {
+                index: candidates.iter().position(|c| c.slot == slot)?,
+                backend: slot,
                 affinity_hit: false,
                 reason: Reason::Disabled,
                 version: 0,
+                moved: None,
                 lease: None,
-            });
+            }));
         }
         let now = self.now_ms();
         let position = |slot: u32| candidates.iter().position(|c| c.slot == slot);
@@ -176,52 +245,88 @@ impl Affinity {
         let preferred = session
             .parent
             .and_then(|p| self.table.get(p, now))
-            .and_then(|b| position(b.backend));
-        let fresh = || preferred.or_else(|| hrw::choose(session.hash, candidates));
-
-        let acquired = self
-            .table
-            .acquire(session.key, tier, now, |current| match current {
-                Some(c) if position(c.backend).is_some() => Decision::Keep,
-                _ => match fresh() {
-                    Some(i) => Decision::Bind(candidates[i].slot),
-                    None => Decision::Skip,
+            .map(|b| b.backend)
+            .filter(|&slot| open.iter().any(|c| c.slot == slot));
+        let fresh = |exclude: Option<u32>| -> Option<u32> {
+            if let Some(p) = preferred.filter(|&p| Some(p) != exclude) {
+                return Some(p);
+            }
+            let pool: Vec<Candidate> = open
+                .iter()
+                .copied()
+                .filter(|c| Some(c.slot) != exclude)
+                .collect();
+            hrw::choose(session.hash, &pool).map(|i| pool[i].slot)
+        };
+        let policy = self.policy.load();
+        let mut moved = None;
+        let acquired =
+            self.table.acquire(
+                session.key,
+                tier,
+                now,
+                join_pending,
+                |current| match current.and_then(|c| position(c.backend)) {
+                    Some(i) => match policy.review(&candidates[i], candidates) {
+                        None => Decision::Keep,
+                        Some(reason) => match fresh(Some(candidates[i].slot)) {
+                            Some(slot) => {
+                                moved = Some(reason);
+                                Decision::Bind(slot)
+                            }
+                            None => Decision::Keep,
+                        },
+                    },
+                    None => match fresh(None) {
+                        Some(slot) => Decision::Bind(slot),
+                        None => Decision::Skip,
+                    },
                 },
-            });
-        let lease = || {
+            );
+        let lease = |pending_owner| {
             Some(Lease {
                 affinity: Arc::clone(self),
                 key: session.key,
+                pending_owner,
             })
         };
         let (backend, affinity_hit, reason, version, lease) = match acquired {
-            Acquired::Kept { backend, version } => (backend, true, Reason::Hit, version, lease()),
+            Acquired::Kept { backend, version } => {
+                (backend, true, Reason::Hit, version, lease(false))
+            }
             Acquired::Bound {
                 backend,
                 version,
                 previous,
                 expired,
             } => {
-                let reason = if previous.is_some() {
+                let reason = if moved.is_some() {
+                    Reason::Moved
+                } else if previous.is_some() {
                     Reason::Broken
                 } else if expired {
                     Reason::Expired
                 } else {
                     Reason::FirstTurn
                 };
-                (backend, false, reason, version, lease())
+                // Only brand-new bindings are pending (a rebind of a pending
+                // one can only come from its own first request, joining).
+                let owner = previous.is_none() || join_pending;
+                (backend, false, reason, version, lease(owner))
             }
             Acquired::Full { backend } => (backend, false, Reason::TableFull, 0, None),
+            Acquired::Pending { .. } => return Some(Choice::Wait),
             Acquired::Skipped => return None,
         };
-        Some(Selection {
+        Some(Choice::Go(Selection {
             index: position(backend)?,
             backend,
             affinity_hit,
             reason,
             version,
+            moved,
             lease,
-        })
+        }))
     }
 
     /// Forget a session's binding (admin delete, `x-dynamo-session-final`).
@@ -236,15 +341,38 @@ impl Affinity {
 }
 
 /// A request's hold on its binding; released on drop, so a finished, failed or
-/// abandoned request (client gone) all end the lease the same way.
+/// abandoned request (client gone) all end the lease the same way. The first
+/// request of a new binding owns its pending state: it confirms the binding
+/// once it reaches the backend, and dropping it unconfirmed removes the
+/// binding so a waiting request can choose instead.
 pub struct Lease {
     affinity: Arc<Affinity>,
     key: BindingKey,
+    pending_owner: bool,
 }
 
 impl Lease {
     pub fn key(&self) -> BindingKey {
         self.key
+    }
+
+    pub fn owns_pending(&self) -> bool {
+        self.pending_owner
+    }
+
+    /// The request reached its backend: waiters may follow the binding.
+    pub fn confirm(&mut self) {
+        if self.pending_owner {
+            self.pending_owner = false;
+            self.affinity.table.confirm(self.key);
+            self.affinity.wake(self.key);
+        }
+    }
+
+    /// End the lease without giving up a pending binding (its owner is
+    /// retrying under a new lease).
+    pub fn hand_over(mut self) {
+        self.pending_owner = false;
     }
 }
 
@@ -257,8 +385,13 @@ impl std::fmt::Debug for Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         let a = &self.affinity;
-        a.table
-            .release(self.key, a.now_ms(), a.ttl_ms.load(Ordering::Relaxed));
+        let (now, ttl) = (a.now_ms(), a.ttl_ms.load(Ordering::Relaxed));
+        if self.pending_owner {
+            a.table.abandon(self.key, now, ttl);
+            a.wake(self.key);
+        } else {
+            a.table.release(self.key, now, ttl);
+        }
     }
 }
 
@@ -272,8 +405,24 @@ mod tests {
                 slot: i,
                 seed: h.backend_seed(&format!("b{i}")),
                 weight: 1,
+                in_flight: 0,
+                draining: false,
+                move_on_drain: false,
             })
             .collect()
+    }
+
+    /// Select as a dispatched request would: confirm the binding.
+    fn go(a: &Arc<Affinity>, s: &SessionRef, c: &[Candidate]) -> Selection {
+        match a.select_backend(s, 0, c, false) {
+            Some(Choice::Go(mut sel)) => {
+                if let Some(l) = sel.lease.as_mut() {
+                    l.confirm();
+                }
+                sel
+            }
+            other => panic!("expected a selection, got {other:?}"),
+        }
     }
 
     #[test]
@@ -282,13 +431,47 @@ mod tests {
         let a = Affinity::new(1000, Some(Duration::from_secs(60)));
         let c = fleet(&h, 3);
         let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
-        let first = a.select_backend(&s, 0, &c).unwrap();
+        let first = go(&a, &s, &c);
         assert!(!first.affinity_hit);
         assert_eq!(first.reason, Reason::FirstTurn);
         drop(first.lease);
-        let second = a.select_backend(&s, 0, &c).unwrap();
+        let second = go(&a, &s, &c);
         assert!(second.affinity_hit);
         assert_eq!(second.backend, first.backend);
+    }
+
+    #[test]
+    fn concurrent_first_requests_wait_for_the_first_placement() {
+        let h = HrwHasher::new("k");
+        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
+        let c = fleet(&h, 3);
+        let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
+        let Some(Choice::Go(mut first)) = a.select_backend(&s, 0, &c, false) else {
+            panic!("first request places the session");
+        };
+        assert!(matches!(
+            a.select_backend(&s, 0, &c, false),
+            Some(Choice::Wait)
+        ));
+        first.lease.as_mut().unwrap().confirm();
+        let second = go(&a, &s, &c);
+        assert!(second.affinity_hit);
+        assert_eq!(second.backend, first.backend);
+    }
+
+    #[test]
+    fn an_abandoned_first_placement_lets_the_next_request_choose() {
+        let h = HrwHasher::new("k");
+        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
+        let c = fleet(&h, 3);
+        let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
+        let Some(Choice::Go(first)) = a.select_backend(&s, 0, &c, false) else {
+            panic!();
+        };
+        drop(first); // client gone before the backend was reached
+        assert!(a.table().is_empty());
+        let next = go(&a, &s, &c);
+        assert_eq!(next.reason, Reason::FirstTurn);
     }
 
     #[test]
@@ -297,17 +480,52 @@ mod tests {
         let a = Affinity::new(1000, Some(Duration::from_secs(60)));
         let all = fleet(&h, 4);
         let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
-        let winner = a.select_backend(&s, 0, &all).unwrap().backend;
+        let winner = go(&a, &s, &all).backend;
         // Bind while the winner is down...
         let without: Vec<_> = all.iter().copied().filter(|c| c.slot != winner).collect();
-        let b = SessionRef::new(&h, KeyKind::Session, "t", "s1");
-        let rebound = a.select_backend(&b, 0, &without).unwrap();
+        let rebound = go(&a, &s, &without);
         assert_eq!(rebound.reason, Reason::Broken);
         assert_ne!(rebound.backend, winner);
+        assert_eq!(rebound.version, 2);
         // ...and the binding holds after the winner comes back: no flapping.
-        let back = a.select_backend(&b, 0, &all).unwrap();
+        let back = go(&a, &s, &all);
         assert!(back.affinity_hit);
         assert_eq!(back.backend, rebound.backend);
+    }
+
+    #[test]
+    fn draining_takes_no_new_sessions_and_soft_mode_moves_off_it() {
+        let h = HrwHasher::new("k");
+        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
+        let mut c = fleet(&h, 3);
+        let sessions: Vec<SessionRef> = (0..30)
+            .map(|i| SessionRef::new(&h, KeyKind::Session, "t", &format!("s{i}")))
+            .collect();
+        let placed: Vec<u32> = sessions.iter().map(|s| go(&a, s, &c).backend).collect();
+        c[0].draining = true;
+        // Hard mode: existing sessions stay, new ones avoid the draining backend.
+        for (s, &b) in sessions.iter().zip(&placed) {
+            assert_eq!(go(&a, s, &c).backend, b);
+        }
+        for i in 0..30 {
+            let s = SessionRef::new(&h, KeyKind::Session, "t", &format!("new{i}"));
+            assert_ne!(go(&a, &s, &c).backend, 0);
+        }
+        // Soft mode: sessions on the draining backend move, counted as moves.
+        a.set_policy(DefaultPolicy {
+            mode: Mode::Soft,
+            soft_max_in_flight: 0,
+        });
+        for (s, &b) in sessions.iter().zip(&placed) {
+            let sel = go(&a, s, &c);
+            if b == 0 {
+                assert_eq!(sel.reason, Reason::Moved);
+                assert_eq!(sel.moved, Some(MoveReason::Drain));
+                assert_ne!(sel.backend, 0);
+            } else {
+                assert!(sel.affinity_hit);
+            }
+        }
     }
 
     #[test]
@@ -317,7 +535,7 @@ mod tests {
         let c = fleet(&h, 3);
         let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
         for _ in 0..3 {
-            let sel = a.select_backend(&s, 0, &c).unwrap();
+            let sel = go(&a, &s, &c);
             assert!(!sel.affinity_hit);
             assert_eq!(sel.reason, Reason::Disabled);
         }
@@ -336,9 +554,9 @@ mod tests {
             if hrw::choose(parent.hash, &c) == hrw::choose(group.hash, &c) {
                 continue;
             }
-            let p = a.select_backend(&parent, 0, &c).unwrap();
+            let p = go(&a, &parent, &c);
             group.parent = Some(parent.key);
-            let g = a.select_backend(&group, 0, &c).unwrap();
+            let g = go(&a, &group, &c);
             assert_eq!(g.backend, p.backend);
             return;
         }
@@ -350,7 +568,7 @@ mod tests {
         let h = HrwHasher::new("k");
         let a = Affinity::new(10, Some(Duration::from_secs(1)));
         let s = SessionRef::new(&h, KeyKind::Session, "t", "s");
-        assert!(a.select_backend(&s, 0, &[]).is_none());
+        assert!(a.select_backend(&s, 0, &[], false).is_none());
         assert!(a.table().is_empty());
     }
 }

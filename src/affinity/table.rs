@@ -33,6 +33,8 @@ pub struct Binding {
     pub in_flight: u32,
     /// Milliseconds on the table's clock; meaningless while leased.
     pub deadline_ms: u64,
+    /// A new binding whose first request has not yet reached its backend.
+    pub pending: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -45,6 +47,7 @@ struct Entry {
     prev: u32,
     next: u32,
     tier: u16,
+    pending: bool,
 }
 
 /// The key is already a keyed hash: use its low bits as is.
@@ -177,6 +180,11 @@ pub enum Acquired {
     Full {
         backend: u32,
     },
+    /// A new binding's first request is still on its way to `backend`: wait
+    /// for [`BindingTable::confirm`] or [`BindingTable::abandon`], then ask again.
+    Pending {
+        backend: u32,
+    },
     Skipped,
 }
 
@@ -227,12 +235,16 @@ impl BindingTable {
     /// concurrent first requests of one session agree on a single binding.
     ///
     /// `policy` sees the live binding, if any (an expired one is reported as
-    /// absent, with `expired = true` in the result when rebinding).
+    /// absent, with `expired = true` in the result when rebinding). A binding
+    /// created here starts *pending*; other callers get [`Acquired::Pending`]
+    /// until its first request confirms it, unless they pass `join_pending`
+    /// (the binding's own first request, or a waiter that has waited long enough).
     pub fn acquire(
         &self,
         key: BindingKey,
         tier: u16,
         now_ms: u64,
+        join_pending: bool,
         policy: impl FnOnce(Option<Current>) -> Decision,
     ) -> Acquired {
         let mut shard = self.shard(key).lock();
@@ -245,6 +257,12 @@ impl BindingTable {
                 self.count(e.tier, -1);
                 expired = true;
                 idx = None;
+            }
+        }
+        if let Some(i) = idx {
+            let e = &shard.entries[i as usize];
+            if e.pending && !join_pending {
+                return Acquired::Pending { backend: e.backend };
             }
         }
         let current = idx.map(|i| {
@@ -307,6 +325,7 @@ impl BindingTable {
                     prev: NIL,
                     next: NIL,
                     tier,
+                    pending: true,
                 });
                 shard.map.insert(key, i);
                 self.count(tier, 1);
@@ -318,6 +337,33 @@ impl BindingTable {
                 }
             }
         }
+    }
+
+    /// The first request of a pending binding reached its backend: the binding
+    /// is real now and waiters may follow it.
+    pub fn confirm(&self, key: BindingKey) {
+        let mut shard = self.shard(key).lock();
+        if let Some(&i) = shard.map.get(&key) {
+            shard.entries[i as usize].pending = false;
+        }
+    }
+
+    /// End the lease of a pending binding's first request. If the binding was
+    /// never confirmed it is removed, so the next waiter chooses afresh.
+    /// Returns whether it was removed.
+    pub fn abandon(&self, key: BindingKey, now_ms: u64, ttl_ms: u64) -> bool {
+        {
+            let mut shard = self.shard(key).lock();
+            if let Some(&i) = shard.map.get(&key) {
+                if shard.entries[i as usize].pending {
+                    let e = shard.remove(i);
+                    self.count(e.tier, -1);
+                    return true;
+                }
+            }
+        }
+        self.release(key, now_ms, ttl_ms);
+        false
     }
 
     /// End one lease. When the last lease ends the idle deadline restarts.
@@ -351,6 +397,7 @@ impl BindingTable {
             tier: e.tier,
             in_flight: e.in_flight,
             deadline_ms: e.deadline_ms,
+            pending: e.pending,
         })
     }
 
@@ -367,6 +414,7 @@ impl BindingTable {
             tier: e.tier,
             in_flight: e.in_flight,
             deadline_ms: e.deadline_ms,
+            pending: e.pending,
         })
     }
 
@@ -447,6 +495,7 @@ impl BindingTable {
                         tier: e.tier,
                         in_flight: e.in_flight,
                         deadline_ms: e.deadline_ms,
+                        pending: e.pending,
                     },
                 ));
             }
@@ -479,6 +528,7 @@ impl BindingTable {
             prev: NIL,
             next: NIL,
             tier: b.tier,
+            pending: false,
         });
         shard.map.insert(key, i);
         shard.push_head(i);
@@ -504,11 +554,11 @@ mod tests {
     use super::*;
 
     fn bind(t: &BindingTable, key: u128, backend: u32, now: u64) -> Acquired {
-        t.acquire(key, 0, now, |_| Decision::Bind(backend))
+        t.acquire(key, 0, now, true, |_| Decision::Bind(backend))
     }
 
     fn keep_or_bind(t: &BindingTable, key: u128, backend: u32, now: u64) -> Acquired {
-        t.acquire(key, 0, now, |cur| match cur {
+        t.acquire(key, 0, now, true, |cur| match cur {
             Some(_) => Decision::Keep,
             None => Decision::Bind(backend),
         })
@@ -552,6 +602,24 @@ mod tests {
         t.release(5, 100, 5);
         assert!(t.get(5, 104).is_some());
         assert!(t.get(5, 105).is_none());
+    }
+
+    #[test]
+    fn a_pending_binding_makes_others_wait_until_confirmed_or_abandoned() {
+        let t = BindingTable::new(100);
+        keep_or_bind(&t, 1, 4, 0);
+        let other = |t: &BindingTable| t.acquire(1, 0, 0, false, |_| Decision::Keep);
+        assert_eq!(other(&t), Acquired::Pending { backend: 4 });
+        t.confirm(1);
+        assert!(matches!(other(&t), Acquired::Kept { backend: 4, .. }));
+        // A second session whose first request gives up: removed, next one chooses.
+        keep_or_bind(&t, 2, 5, 0);
+        assert!(t.abandon(2, 0, 1000));
+        assert!(t.get(2, 0).is_none());
+        assert!(matches!(
+            t.acquire(2, 0, 0, false, |_| Decision::Bind(6)),
+            Acquired::Bound { backend: 6, .. }
+        ));
     }
 
     #[test]

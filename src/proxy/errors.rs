@@ -73,6 +73,32 @@ impl GatewayError {
             message: format!("every backend of tier `{tier}` failed to accept the request"),
         }
     }
+    pub fn explicit_target_forbidden() -> Self {
+        GatewayError {
+            status: 403,
+            kind: "permission_error",
+            code: "explicit_target_forbidden",
+            message:
+                "x-agent-serve-backend-id is not allowed (affinity.allow_explicit_target is off)"
+                    .into(),
+        }
+    }
+    pub fn unknown_backend(id: &str, tier: &str) -> Self {
+        GatewayError {
+            status: 404,
+            kind: "invalid_request_error",
+            code: "unknown_backend",
+            message: format!("tier `{tier}` has no backend `{id}`"),
+        }
+    }
+    pub fn backend_unavailable(id: &str) -> Self {
+        GatewayError {
+            status: 503,
+            kind: "service_unavailable",
+            code: "backend_unavailable",
+            message: format!("backend `{id}` is not healthy"),
+        }
+    }
     pub fn upstream_failed(detail: String) -> Self {
         GatewayError {
             status: 502,

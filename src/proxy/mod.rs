@@ -14,7 +14,7 @@ pub mod response;
 
 use crate::affinity::hrw::KeyKind;
 use crate::affinity::session::{self, BodyProbe, SessionId};
-use crate::affinity::{Candidate, Lease, Reason, SessionRef};
+use crate::affinity::{Candidate, Choice, Lease, Reason, SessionRef};
 use crate::gateway::Gateway;
 use crate::upstream::{Backend, BackendStats, Routing, Tier};
 use async_trait::async_trait;
@@ -33,6 +33,48 @@ use std::time::Instant;
 pub const TIER_HEADER: &str = "x-agent-serve-tier";
 pub const BACKEND_HEADER: &str = "x-agent-serve-backend";
 pub const HIT_HEADER: &str = "x-agent-serve-affinity-hit";
+pub const TARGET_HEADER: &str = "x-agent-serve-backend-id";
+
+/// The tenant part of a binding's scope: empty when tenants are not configured.
+fn tenant_scope(
+    cfg: &crate::config::Config,
+    headers: &http::HeaderMap,
+    hasher: &crate::affinity::hrw::HrwHasher,
+) -> std::result::Result<String, GatewayError> {
+    use crate::config::TenantSource;
+    let value = match &cfg.affinity.tenant {
+        TenantSource::None => return Ok(String::new()),
+        TenantSource::Header(h) => headers.get(h.as_str()),
+        TenantSource::Authorization => headers.get("authorization"),
+    };
+    let Some(v) = value else {
+        return Ok("\u{0}-".to_string());
+    };
+    if v.len() > 4096 {
+        return Err(GatewayError::bad_session_header(
+            "tenant header is longer than 4096 bytes".into(),
+        ));
+    }
+    // Keyed, so credentials never appear in the table, logs or hashes' inputs as is.
+    let id = hasher.fingerprint(
+        KeyKind::Session,
+        "tenant",
+        &String::from_utf8_lossy(v.as_bytes()),
+    );
+    Ok(format!("\u{0}{id:032x}"))
+}
+
+/// Whether the client has closed its connection (FIN or RST seen). Used while
+/// a request waits, when no read on the socket is in progress.
+fn client_gone(session: &Session) -> bool {
+    const TCP_ESTABLISHED: u8 = 1;
+    session
+        .as_downstream()
+        .digest()
+        .and_then(|d| d.socket_digest.as_ref())
+        .and_then(|s| s.tcp_info())
+        .is_some_and(|info| info.tcpi_state != TCP_ESTABLISHED)
+}
 
 pub struct GatewayProxy {
     gw: Arc<Gateway>,
@@ -86,6 +128,10 @@ pub struct RequestCtx {
     /// Backends that refused a connection for this request.
     excluded: Vec<u32>,
     error: Option<GatewayError>,
+    /// `x-agent-serve-backend-id`, when allowed.
+    explicit_target: Option<String>,
+    /// Close the binding once this request ends.
+    session_final: bool,
     appender: Option<JsonAppender>,
     /// The backend's declared body length and what has arrived of it, so the
     /// metadata is merged into the last chunk rather than sent on its own.
@@ -150,6 +196,20 @@ impl GatewayProxy {
             .map_err(|e| GatewayError::bad_session_header(e.to_string()))?;
         let parent = session::from_headers(headers, &cfg.affinity.parent_session_headers)
             .map_err(|e| GatewayError::bad_session_header(e.to_string()))?;
+        let parent_agent = session::from_headers(headers, &cfg.affinity.parent_agent_headers)
+            .map_err(|e| GatewayError::bad_session_header(e.to_string()))?;
+        ctx.session_final = cfg.affinity.session_final_headers.iter().any(|h| {
+            headers
+                .get(h.as_str())
+                .is_some_and(|v| matches!(v.as_bytes(), b"true" | b"1" | b"TRUE" | b"True"))
+        });
+        if let Some(target) = headers.get(TARGET_HEADER) {
+            if !cfg.affinity.allow_explicit_target {
+                return Err(GatewayError::explicit_target_forbidden());
+            }
+            ctx.explicit_target = Some(String::from_utf8_lossy(target.as_bytes()).into_owned());
+        }
+        let scope_suffix = tenant_scope(cfg, headers, &routing.hasher)?;
         let tier_header = match headers.get(TIER_HEADER) {
             Some(v) => Some(
                 v.to_str()
@@ -198,29 +258,85 @@ impl GatewayProxy {
         }
         let tier = tier.unwrap_or_else(|| Arc::clone(routing.default_tier()));
 
-        ctx.session_ref = match (&parent, &session_id) {
-            (Some(p), _) => {
-                let mut group = SessionRef::new(&routing.hasher, KeyKind::Group, &tier.name, &p.id);
-                group.parent = Some(routing.hasher.fingerprint(
-                    KeyKind::Session,
-                    &tier.name,
-                    &p.id,
-                ));
+        // Bindings are scoped by tier (and tenant, when configured).
+        let scope = format!("{}{scope_suffix}", tier.name);
+        let h = &routing.hasher;
+        ctx.session_ref = match (&parent, &parent_agent, &session_id) {
+            // A subagent (Dynamo style): the group of the parent session.
+            (Some(p), _, _) => {
+                let mut group = SessionRef::new(h, KeyKind::Group, &scope, &p.id);
+                group.parent = Some(h.fingerprint(KeyKind::Session, &scope, &p.id));
                 Some(group)
             }
-            (None, Some(s)) => Some(SessionRef::new(
-                &routing.hasher,
-                KeyKind::Session,
-                &tier.name,
-                &s.id,
-            )),
-            (None, None) => None,
+            // A subagent (Claude Code style): the group of a parent agent within
+            // this session; the session's own binding is the parent to follow.
+            (None, Some(agent), Some(s)) => {
+                let id = format!("{}\u{1f}{}", s.id, agent.id);
+                let mut group = SessionRef::new(h, KeyKind::Group, &scope, &id);
+                group.parent = Some(h.fingerprint(KeyKind::Session, &scope, &s.id));
+                Some(group)
+            }
+            (None, _, Some(s)) => Some(SessionRef::new(h, KeyKind::Session, &scope, &s.id)),
+            (None, _, None) => None,
         };
-        ctx.parent = parent.map(|p| p.id);
+        ctx.parent = parent.or(parent_agent).map(|p| p.id);
         ctx.session = session_id;
         ctx.tier = Some(tier);
         ctx.routing = Some(routing);
         Ok(())
+    }
+
+    /// Record `e` as this request's answer and turn it into a hook error.
+    fn fail(&self, ctx: &mut RequestCtx, e: GatewayError) -> Box<pingora_core::Error> {
+        let pe = e.to_pingora();
+        ctx.error = Some(e);
+        pe
+    }
+
+    /// `select_backend`, waiting (bounded) while another request of the same
+    /// session is placing it; gives up if the client goes away meanwhile.
+    async fn select_waiting(
+        &self,
+        session: &Session,
+        sref: &SessionRef,
+        tier: &Tier,
+        candidates: &[Candidate],
+        owner: bool,
+        wait: std::time::Duration,
+    ) -> Result<crate::affinity::Selection> {
+        let affinity = &self.gw.affinity;
+        let deadline = Instant::now() + wait;
+        let mut join = owner;
+        loop {
+            let notified = affinity.waiter(sref.key).notified();
+            tokio::pin!(notified);
+            // Register before asking, so a confirmation in between is not missed.
+            notified.as_mut().enable();
+            match affinity.select_backend(sref, tier.index, candidates, join) {
+                Some(Choice::Go(sel)) => return Ok(sel),
+                Some(Choice::Wait) => {}
+                None => unreachable!("candidates are not empty"),
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                // Out of patience: follow the pending placement.
+                join = true;
+                continue;
+            }
+            let poll = std::time::Duration::from_millis(25).min(deadline - now);
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep(poll) => {
+                    if client_gone(session) {
+                        return Err(pingora_core::Error::explain(
+                            ErrorType::ConnectionClosed,
+                            "client left while waiting for its session's placement",
+                        )
+                        .into_down());
+                    }
+                }
+            }
+        }
     }
 
     fn least_in_flight(&self, tier: &Tier, candidates: &[Candidate]) -> usize {
@@ -257,6 +373,8 @@ impl ProxyHttp for GatewayProxy {
             in_flight: None,
             excluded: Vec::new(),
             error: None,
+            explicit_target: None,
+            session_final: false,
             appender: None,
             upstream_body_len: None,
             upstream_body_seen: 0,
@@ -279,61 +397,102 @@ impl ProxyHttp for GatewayProxy {
 
     async fn upstream_peer(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         ctx: &mut RequestCtx,
     ) -> Result<Box<HttpPeer>> {
         let tier = Arc::clone(ctx.tier.as_ref().expect("routed in request_filter"));
+        let routing = Arc::clone(ctx.routing.as_ref().expect("routed in request_filter"));
         // A retry after a connect failure starts over: the failed attempt's
-        // lease and in-flight count end here.
-        ctx.lease = None;
+        // in-flight count ends here; its lease is handed over below.
         ctx.in_flight = None;
+        let previous_lease = ctx.lease.take();
+        let owner = previous_lease.as_ref().is_some_and(|l| l.owns_pending());
         let candidates: Vec<Candidate> = tier
             .backends
             .iter()
             .filter(|b| tier.healthy(b) && !ctx.excluded.contains(&b.slot))
             .map(|b| b.candidate())
             .collect();
-        if candidates.is_empty() {
-            let e = if ctx.excluded.is_empty() {
-                GatewayError::no_healthy_backend(&tier.name)
-            } else {
-                GatewayError::all_candidates_failed(&tier.name)
+
+        let backend = if let Some(target) = ctx.explicit_target.clone() {
+            let Some(b) = tier.backend_by_id(&target) else {
+                return Err(self.fail(ctx, GatewayError::unknown_backend(&target, &tier.name)));
             };
-            let pe = e.to_pingora();
-            ctx.error = Some(e);
-            return Err(pe);
-        }
-        let index = match &ctx.session_ref {
-            Some(sref) => {
-                let sel = self
-                    .gw
-                    .affinity
-                    .select_backend(sref, tier.index, &candidates)
-                    .expect("candidates are not empty");
-                if sel.reason == Reason::Broken {
-                    tier.metrics.broken.inc();
+            if !candidates.iter().any(|c| c.slot == b.slot) {
+                return Err(self.fail(ctx, GatewayError::backend_unavailable(&target)));
+            }
+            ctx.reason = Some(Reason::ExplicitTarget);
+            Arc::clone(b)
+        } else {
+            if candidates.is_empty() {
+                let e = if ctx.excluded.is_empty() {
+                    GatewayError::no_healthy_backend(&tier.name)
+                } else {
+                    GatewayError::all_candidates_failed(&tier.name)
+                };
+                return Err(self.fail(ctx, e));
+            }
+            let index = match ctx.session_ref.clone() {
+                Some(sref) => {
+                    let wait = routing.config.affinity.single_flight_wait;
+                    let sel = self
+                        .select_waiting(session, &sref, &tier, &candidates, owner, wait)
+                        .await?;
+                    match sel.reason {
+                        Reason::Broken => tier.metrics.broken.inc(),
+                        Reason::Moved => {
+                            let why = sel.moved.map_or("policy", |m| m.as_str());
+                            self.gw
+                                .metrics
+                                .affinity_moves
+                                .with_label_values(&[&tier.name, why])
+                                .inc();
+                        }
+                        _ => {}
+                    }
+                    ctx.affinity_hit = sel.affinity_hit;
+                    ctx.reason = Some(sel.reason);
+                    ctx.lease = sel.lease;
+                    sel.index
                 }
-                ctx.affinity_hit = sel.affinity_hit;
-                ctx.reason = Some(sel.reason);
-                ctx.lease = sel.lease;
-                sel.index
-            }
-            None => {
-                ctx.reason = Some(Reason::NoSession);
-                self.least_in_flight(&tier, &candidates)
-            }
+                None => {
+                    ctx.reason = Some(Reason::NoSession);
+                    self.least_in_flight(&tier, &candidates)
+                }
+            };
+            Arc::clone(
+                tier.backend_by_slot(candidates[index].slot)
+                    .expect("candidates come from this tier"),
+            )
         };
-        let backend = Arc::clone(
-            tier.backend_by_slot(candidates[index].slot)
-                .expect("candidates come from this tier"),
-        );
+        if let Some(old) = previous_lease {
+            old.hand_over();
+        }
         ctx.in_flight = Some(InFlight::new(&backend.stats));
         let mut peer = HttpPeer::new(backend.addr, false, String::new());
-        let server = &ctx.routing.as_ref().expect("routed").config.server;
+        let server = &routing.config.server;
         peer.options.connection_timeout = Some(server.connect_timeout);
         peer.options.read_timeout = server.read_timeout;
         ctx.backend = Some(backend);
         Ok(Box::new(peer))
+    }
+
+    async fn connected_to_upstream(
+        &self,
+        _session: &mut Session,
+        _reused: bool,
+        _peer: &HttpPeer,
+        #[cfg(unix)] _fd: std::os::unix::io::RawFd,
+        #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
+        _digest: Option<&pingora_core::protocols::Digest>,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        // The first request of a new session reached its backend: requests of
+        // the same session waiting on it may follow now.
+        if let Some(lease) = ctx.lease.as_mut() {
+            lease.confirm();
+        }
+        Ok(())
     }
 
     fn fail_to_connect(
@@ -559,6 +718,11 @@ impl ProxyHttp for GatewayProxy {
                 } else {
                     tier.metrics.misses.inc();
                 }
+            }
+        }
+        if ctx.session_final {
+            if let Some(sref) = &ctx.session_ref {
+                self.gw.affinity.forget(sref.key);
             }
         }
         let backend_id = ctx.backend.as_ref().map_or("none", |b| &*b.id);

@@ -26,8 +26,10 @@ use std::sync::Arc;
 pub struct BackendStats {
     pub id: String,
     pub in_flight: AtomicU64,
-    /// Set by the admin API: no new bindings go here.
+    /// Set by the admin API or config: no new bindings go here.
     pub draining: AtomicBool,
+    /// With `draining`: the backend's sessions move on their next turn.
+    pub move_on_drain: AtomicBool,
 }
 
 /// Backend id → slot, and slot → live state.
@@ -61,6 +63,7 @@ impl Slots {
             id: id.to_string(),
             in_flight: AtomicU64::new(0),
             draining: AtomicBool::new(false),
+            move_on_drain: AtomicBool::new(false),
         });
         w.stats.push(Arc::clone(&stats));
         w.by_id.insert(id.to_string(), slot);
@@ -109,6 +112,9 @@ impl Backend {
             slot: self.slot,
             seed: self.seed,
             weight: self.weight,
+            in_flight: self.in_flight(),
+            draining: self.draining(),
+            move_on_drain: self.stats.move_on_drain.load(Ordering::Relaxed),
         }
     }
 
@@ -240,6 +246,10 @@ impl Routing {
 
 fn make_backend(b: &BackendConfig, slots: &Slots, hasher: &HrwHasher) -> Backend {
     let (slot, stats) = slots.backend(&b.id);
+    if b.draining {
+        // Configured drains add to admin drains; undraining is the admin's call.
+        stats.draining.store(true, Ordering::Relaxed);
+    }
     let mut lb = LbBackend::new_with_weight(&b.addr.to_string(), b.weight as usize)
         .expect("a validated SocketAddr parses");
     lb.ext.insert(slot);

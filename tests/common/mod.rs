@@ -15,6 +15,16 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_agent-gateway");
 /// Longest any readiness wait may take before the test fails.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// A free port whose successor is free too (metrics and admin listeners).
+pub fn free_port_pair() -> u16 {
+    loop {
+        let p = free_port();
+        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -145,6 +155,7 @@ impl Drop for SimBackend {
 pub struct Gateway {
     pub port: u16,
     pub metrics_port: u16,
+    pub admin_port: u16,
     pub dir: tempfile::TempDir,
     pub config_path: PathBuf,
     child: Option<Child>,
@@ -215,7 +226,7 @@ impl Gateway {
     pub async fn start(tiers: &[TierSpec<'_>], extra: &str) -> Gateway {
         let dir = tempfile::tempdir().expect("tempdir");
         let port = free_port();
-        let metrics_port = free_port();
+        let metrics_port = free_port_pair();
         let yaml = config_yaml(port, metrics_port, dir.path(), tiers, extra);
         Self::start_yaml(dir, port, metrics_port, &yaml).await
     }
@@ -242,6 +253,7 @@ impl Gateway {
         let gw = Gateway {
             port,
             metrics_port,
+            admin_port: metrics_port + 1,
             dir,
             config_path,
             child: Some(child),
@@ -267,6 +279,10 @@ impl Gateway {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{}", self.port, path)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.admin_port, path)
     }
 
     pub fn metrics_url(&self, path: &str) -> String {

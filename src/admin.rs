@@ -1,0 +1,251 @@
+//! The admin API, on its own listener (default 127.0.0.1:9092), JSON in and
+//! out, optionally behind a bearer token:
+//!
+//! - `GET    /admin/backends` — every backend: tier, health, draining, in-flight, bindings
+//! - `POST   /admin/backends/{id}/drain` — body `{"move_sessions": bool}` (optional)
+//! - `POST   /admin/backends/{id}/undrain`
+//! - `GET    /admin/sessions/{id}?tier=T&kind=session|group&tenant=X` — a binding
+//! - `DELETE /admin/sessions/{id}?tier=T&kind=...&tenant=...` — forget it
+
+use crate::affinity::hrw::KeyKind;
+use crate::gateway::Gateway;
+use async_trait::async_trait;
+use pingora_core::apps::http_app::ServeHttp;
+use pingora_core::protocols::http::ServerSession;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+pub struct AdminApp(pub Arc<Gateway>);
+
+fn reply(status: u16, v: Value) -> http::Response<Vec<u8>> {
+    let body = v.to_string().into_bytes();
+    http::Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .header("content-length", body.len())
+        .body(body)
+        .expect("static response parts are valid")
+}
+
+fn error(status: u16, code: &str, message: String) -> http::Response<Vec<u8>> {
+    reply(
+        status,
+        json!({"error": {"message": message, "type": "admin_error", "code": code}}),
+    )
+}
+
+fn query(uri: &http::Uri) -> HashMap<String, String> {
+    uri.query()
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            (!k.is_empty()).then(|| (percent_decode(k), percent_decode(v)))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = (bytes[i] == b'%' && i + 3 <= bytes.len())
+            .then(|| std::str::from_utf8(&bytes[i + 1..i + 3]).ok())
+            .flatten()
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match (escaped, bytes[i]) {
+            (Some(b), _) => {
+                out.push(b);
+                i += 3;
+            }
+            (None, b'+') => {
+                out.push(b' ');
+                i += 1;
+            }
+            (None, b) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+impl AdminApp {
+    fn backends(&self) -> http::Response<Vec<u8>> {
+        let routing = self.0.routing();
+        let now = self.0.affinity.now_ms();
+        let mut per_backend: HashMap<(u16, u32), u64> = HashMap::new();
+        for (_, b) in self.0.affinity.table().snapshot(now) {
+            *per_backend.entry((b.tier, b.backend)).or_default() += 1;
+        }
+        let list: Vec<Value> = routing
+            .all_backends()
+            .map(|(t, b)| {
+                json!({
+                    "tier": &*t.name,
+                    "id": &*b.id,
+                    "addr": b.addr.to_string(),
+                    "weight": b.weight,
+                    "healthy": t.healthy(b),
+                    "draining": b.draining(),
+                    "move_sessions": b.stats.move_on_drain.load(Ordering::Relaxed),
+                    "in_flight": b.in_flight(),
+                    "bindings": per_backend.get(&(t.index, b.slot)).copied().unwrap_or(0),
+                })
+            })
+            .collect();
+        reply(200, json!({ "backends": list }))
+    }
+
+    fn drain(&self, id: &str, drain: bool, body: &[u8]) -> http::Response<Vec<u8>> {
+        let move_sessions = if body.iter().all(u8::is_ascii_whitespace) {
+            false
+        } else {
+            match serde_json::from_slice::<Value>(body) {
+                Ok(v) => v["move_sessions"].as_bool().unwrap_or(false),
+                Err(e) => return error(400, "invalid_body", format!("body is not JSON: {e}")),
+            }
+        };
+        let routing = self.0.routing();
+        let Some((_, b)) = routing.all_backends().find(|(_, b)| &*b.id == id) else {
+            return error(404, "unknown_backend", format!("no backend `{id}`"));
+        };
+        b.stats.draining.store(drain, Ordering::Relaxed);
+        b.stats
+            .move_on_drain
+            .store(drain && move_sessions, Ordering::Relaxed);
+        log::info!("admin: backend {id} draining={drain} move_sessions={move_sessions}");
+        reply(
+            200,
+            json!({"id": id, "draining": drain, "move_sessions": drain && move_sessions}),
+        )
+    }
+
+    fn session(
+        &self,
+        id: &str,
+        q: &HashMap<String, String>,
+        delete: bool,
+    ) -> http::Response<Vec<u8>> {
+        let routing = self.0.routing();
+        let tier = match q.get("tier") {
+            Some(t) => match routing.tier_by_name(t) {
+                Some(t) => t,
+                None => return error(404, "unknown_tier", format!("unknown tier `{t}`")),
+            },
+            None => routing.default_tier(),
+        };
+        let kind = match q.get("kind").map(String::as_str) {
+            None | Some("session") => KeyKind::Session,
+            Some("group") => KeyKind::Group,
+            Some(other) => {
+                return error(
+                    400,
+                    "invalid_kind",
+                    format!("kind `{other}` is not session or group"),
+                )
+            }
+        };
+        let mut scope = tier.name.to_string();
+        if let Some(t) = q.get("tenant") {
+            let tid = routing.hasher.fingerprint(KeyKind::Session, "tenant", t);
+            scope.push_str(&format!("\u{0}{tid:032x}"));
+        }
+        let key = routing.hasher.fingerprint(kind, &scope, id);
+        let affinity = &self.0.affinity;
+        let binding = affinity.table().get(key, affinity.now_ms());
+        let Some(b) = binding else {
+            return error(
+                404,
+                "unknown_session",
+                format!("no live binding for `{id}` in tier `{}`", tier.name),
+            );
+        };
+        let backend = self.0.slots.backend_id(b.backend).unwrap_or_default();
+        if delete {
+            affinity.forget(key);
+            return reply(
+                200,
+                json!({"session": id, "tier": &*tier.name, "deleted": true, "backend": backend}),
+            );
+        }
+        let expires_in_ms =
+            (b.in_flight == 0).then(|| affinity.remaining(b.deadline_ms).as_millis() as u64);
+        reply(
+            200,
+            json!({
+                "session": id, "tier": &*tier.name, "backend": backend, "version": b.version,
+                "in_flight": b.in_flight, "pending": b.pending, "expires_in_ms": expires_in_ms,
+            }),
+        )
+    }
+}
+
+#[async_trait]
+impl ServeHttp for AdminApp {
+    async fn response(&self, session: &mut ServerSession) -> http::Response<Vec<u8>> {
+        let token = self.0.routing().config.admin.token.clone();
+        if let Some(token) = token {
+            let expected = format!("Bearer {token}");
+            let given = session
+                .req_header()
+                .headers
+                .get("authorization")
+                .map(|v| v.as_bytes());
+            if given != Some(expected.as_bytes()) {
+                return error(401, "unauthorized", "missing or wrong bearer token".into());
+            }
+        }
+        let method = session.req_header().method.clone();
+        let uri = session.req_header().uri.clone();
+        let mut body = Vec::new();
+        while let Ok(Some(chunk)) = session.read_request_body().await {
+            body.extend_from_slice(&chunk);
+            if body.len() > 64 * 1024 {
+                return error(
+                    413,
+                    "request_too_large",
+                    "admin bodies are at most 64 KiB".into(),
+                );
+            }
+        }
+        let path: Vec<String> = uri
+            .path()
+            .trim_matches('/')
+            .split('/')
+            .map(percent_decode)
+            .collect();
+        let parts: Vec<&str> = path.iter().map(String::as_str).collect();
+        match (method.as_str(), parts.as_slice()) {
+            ("GET", ["admin", "backends"]) => self.backends(),
+            ("POST", ["admin", "backends", id, "drain"]) => self.drain(id, true, &body),
+            ("POST", ["admin", "backends", id, "undrain"]) => self.drain(id, false, &body),
+            ("GET", ["admin", "sessions", id]) => self.session(id, &query(&uri), false),
+            ("DELETE", ["admin", "sessions", id]) => self.session(id, &query(&uri), true),
+            _ => error(
+                404,
+                "not_found",
+                format!("no admin route {method} {}", uri.path()),
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(percent_decode("a%20b+c%2F"), "a b c/");
+        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("%zz"), "%zz");
+        let q = query(&"/x?tier=big&tenant=acme%20co".parse().unwrap());
+        assert_eq!(q["tier"], "big");
+        assert_eq!(q["tenant"], "acme co");
+    }
+}
