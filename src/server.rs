@@ -73,6 +73,11 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
     let metrics_handle = server.add_service(metrics);
     metrics_handle.add_dependency(&health_handle);
 
+    let mut admin = Service::new("admin".into(), crate::admin::AdminApp(Arc::clone(&gw)));
+    admin.add_tcp(&config.admin.listen.to_string());
+    let admin_handle = server.add_service(admin);
+    admin_handle.add_dependency(&health_handle);
+
     server.add_service(background_service(
         "binding sweeper",
         Sweeper(Arc::clone(&gw)),

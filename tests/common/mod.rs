@@ -208,7 +208,8 @@ pub fn config_yaml(
         }
     }
     y.push_str(&format!(
-        "metrics:\n  listen: \"127.0.0.1:{metrics_port}\"\n"
+        "metrics:\n  listen: \"127.0.0.1:{metrics_port}\"\nadmin:\n  listen: \"127.0.0.1:{}\"\n",
+        metrics_port + 1
     ));
     y.push_str(extra);
     y
