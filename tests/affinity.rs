@@ -10,7 +10,7 @@ use common::*;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::collections::HashSet;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::sync::Arc;
 
 async fn fleet(n: usize, extra: &str) -> (Vec<SimBackend>, Gateway) {
@@ -120,7 +120,8 @@ struct Blackhole {
 }
 
 mod socket2_free {
-    pub struct Listener(pub std::os::fd::OwnedFd);
+    /// Owns the socket: dropping it closes the listener.
+    pub struct Listener(#[allow(dead_code)] pub std::os::fd::OwnedFd);
     /// listen(2) with a backlog of 0 on 127.0.0.1:port.
     pub fn listen_tiny(port: u16) -> Listener {
         use std::os::fd::FromRawFd;
