@@ -62,6 +62,9 @@ struct FileServer {
     graceful_shutdown_timeout_seconds: u64,
     pid_file: String,
     upgrade_sock: String,
+    /// Where bindings are saved (atomically) so they survive restarts and upgrades.
+    state_file: Option<String>,
+    state_save_interval_ms: u64,
 }
 
 impl Default for FileServer {
@@ -76,6 +79,8 @@ impl Default for FileServer {
             graceful_shutdown_timeout_seconds: 30,
             pid_file: "/tmp/agent-gateway.pid".into(),
             upgrade_sock: "/tmp/agent-gateway-upgrade.sock".into(),
+            state_file: None,
+            state_save_interval_ms: 5000,
         }
     }
 }
@@ -230,6 +235,8 @@ pub struct ServerConfig {
     pub graceful_shutdown_timeout_seconds: u64,
     pub pid_file: String,
     pub upgrade_sock: String,
+    pub state_file: Option<std::path::PathBuf>,
+    pub state_save_interval: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -645,6 +652,8 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             graceful_shutdown_timeout_seconds: s.graceful_shutdown_timeout_seconds,
             pid_file: s.pid_file.clone(),
             upgrade_sock: s.upgrade_sock.clone(),
+            state_file: s.state_file.as_ref().map(std::path::PathBuf::from),
+            state_save_interval: Duration::from_millis(s.state_save_interval_ms.max(10)),
         },
         tiers,
         affinity: AffinityConfig {

@@ -9,8 +9,22 @@ use crate::metrics::Metrics;
 use crate::upstream::health::ReloadableCheck;
 use crate::upstream::{Routing, Slots, TooManyTiers};
 use arc_swap::ArcSwap;
+use pingora_load_balancing::health_check::HealthCheck;
 use pingora_load_balancing::HealthRegistry;
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+/// What a reload changed.
+#[derive(Debug, Default)]
+pub struct ReloadSummary {
+    pub backends_added: Vec<String>,
+    pub backends_removed: Vec<String>,
+    pub bindings_broken: u64,
+    /// Keys that only a restart applies (listeners, table size, ...).
+    pub needs_restart: Vec<&'static str>,
+}
 
 pub struct Gateway {
     routing: ArcSwap<Routing>,
@@ -19,6 +33,8 @@ pub struct Gateway {
     pub slots: Slots,
     pub health_registry: Arc<HealthRegistry>,
     pub health_check: Arc<ReloadableCheck>,
+    /// The file `run --config` named, re-read on SIGHUP.
+    pub config_path: Option<PathBuf>,
 }
 
 impl Gateway {
@@ -26,6 +42,7 @@ impl Gateway {
         config: Arc<Config>,
         health_registry: Arc<HealthRegistry>,
         health_check: Arc<ReloadableCheck>,
+        config_path: Option<PathBuf>,
     ) -> Result<Arc<Gateway>, TooManyTiers> {
         let metrics = Arc::new(Metrics::new());
         let slots = Slots::default();
@@ -42,7 +59,143 @@ impl Gateway {
             slots,
             health_registry,
             health_check,
+            config_path,
         }))
+    }
+
+    /// Re-read the config file and apply it; on error keep serving the old one.
+    /// Counted in `agentserve_config_reload_total{result}`.
+    pub fn reload_from_file(self: &Arc<Self>) -> Result<ReloadSummary, String> {
+        let result = match &self.config_path {
+            None => Err("no config file to reload".to_string()),
+            Some(path) => Config::load(path)
+                .map_err(|e| e.to_string().replace('\n', "; "))
+                .and_then(|c| self.apply(c)),
+        };
+        let label = if result.is_ok() { "success" } else { "error" };
+        self.metrics
+            .config_reloads
+            .with_label_values(&[label])
+            .inc();
+        match &result {
+            Ok(s) => log::info!(
+                "config reloaded: backends added {:?}, removed {:?}, {} bindings broken{}",
+                s.backends_added,
+                s.backends_removed,
+                s.bindings_broken,
+                if s.needs_restart.is_empty() {
+                    String::new()
+                } else {
+                    format!("; needs a restart to apply: {}", s.needs_restart.join(", "))
+                }
+            ),
+            Err(e) => log::error!("config reload failed, still serving the previous config: {e}"),
+        }
+        result
+    }
+
+    /// Apply a new configuration without touching listeners: surviving
+    /// backends keep their bindings, health and in-flight counts; removed
+    /// backends' bindings are broken (and counted); added backends take new
+    /// sessions only after a health check passes.
+    pub fn apply(self: &Arc<Self>, config: Config) -> Result<ReloadSummary, String> {
+        let config = Arc::new(config);
+        let old = self.routing();
+        let mut summary = ReloadSummary::default();
+        let (o, n) = (&old.config, &config);
+        if o.server.listen != n.server.listen {
+            summary.needs_restart.push("server.listen");
+        }
+        if o.metrics.listen != n.metrics.listen {
+            summary.needs_restart.push("metrics.listen");
+        }
+        if o.admin.listen != n.admin.listen {
+            summary.needs_restart.push("admin.listen");
+        }
+        if o.affinity.max_bindings != n.affinity.max_bindings {
+            summary.needs_restart.push("affinity.max_bindings");
+        }
+        if o.health.interval != n.health.interval {
+            summary.needs_restart.push("health.interval_ms");
+        }
+        if o.server.threads != n.server.threads {
+            summary.needs_restart.push("server.threads");
+        }
+        let new = Routing::build(
+            Arc::clone(&config),
+            &self.slots,
+            &self.health_registry,
+            &self.metrics,
+        )
+        .map_err(|_| "too many tiers".to_string())?;
+        let old_slots: HashSet<u32> = old.all_backends().map(|(_, b)| b.slot).collect();
+        let new_slots: HashSet<u32> = new.all_backends().map(|(_, b)| b.slot).collect();
+        let mut probation = Vec::new();
+        for (_, b) in new.all_backends() {
+            if !old_slots.contains(&b.slot)
+                && !probation
+                    .iter()
+                    .any(|x: &Arc<crate::upstream::Backend>| x.slot == b.slot)
+            {
+                b.stats.admitted.store(false, Ordering::Relaxed);
+                summary.backends_added.push(b.id.to_string());
+                probation.push(Arc::clone(b));
+            }
+        }
+        for (_, b) in old.all_backends() {
+            if !new_slots.contains(&b.slot) && !summary.backends_removed.contains(&b.id.to_string())
+            {
+                summary.backends_removed.push(b.id.to_string());
+            }
+        }
+        self.health_check.update(&config.health);
+        self.affinity.set_ttl(config.affinity.sticky_ttl);
+        self.affinity.set_policy(DefaultPolicy {
+            mode: config.affinity.mode,
+            soft_max_in_flight: config.affinity.soft_max_in_flight,
+        });
+        let live: HashSet<(u16, u32)> = new
+            .tiers
+            .iter()
+            .flat_map(|t| t.backends.iter().map(move |b| (t.index, b.slot)))
+            .collect();
+        let new = Arc::new(new);
+        self.routing.store(Arc::clone(&new));
+        // Bindings to backends that left their tier are broken now.
+        for (tier_index, count) in self
+            .affinity
+            .table()
+            .remove_where(|tier, slot| !live.contains(&(tier, slot)))
+        {
+            summary.bindings_broken += count;
+            if let Some(t) = old.tiers.iter().find(|t| t.index == tier_index) {
+                self.metrics
+                    .affinity_broken
+                    .with_label_values(&[&t.name])
+                    .inc_by(count);
+            }
+        }
+        for b in probation {
+            let gw = Arc::clone(self);
+            tokio::spawn(async move { gw.admit(b).await });
+        }
+        Ok(summary)
+    }
+
+    /// Health-check a newly added backend until it passes, then let it take sessions.
+    async fn admit(self: Arc<Self>, b: Arc<crate::upstream::Backend>) {
+        loop {
+            if !self.routing().all_backends().any(|(_, x)| x.slot == b.slot) {
+                return; // removed again before it was admitted
+            }
+            if self.health_check.check(&b.lb).await.is_ok() {
+                b.stats.admitted.store(true, Ordering::Relaxed);
+                log::info!("backend {} passed its first health check", b.id);
+                return;
+            }
+            let interval = self.routing().config.health.interval;
+            tokio::time::sleep(interval).await;
+        }
     }
 
     /// The routing snapshot requests are served with now.

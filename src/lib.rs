@@ -11,4 +11,5 @@ pub mod metrics;
 pub mod proxy;
 pub mod server;
 pub mod sim;
+pub mod state;
 pub mod upstream;

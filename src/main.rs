@@ -94,6 +94,7 @@ fn main() -> ExitCode {
             let opts = RunOptions {
                 upgrade,
                 daemon: false,
+                config_path: Some(config.clone()),
             };
             match server::build(cfg, &opts) {
                 Ok((srv, _gw)) => srv.run_forever(),

@@ -21,6 +21,8 @@ pub struct RunOptions {
     /// Take over listeners from a running instance (Pingora graceful upgrade).
     pub upgrade: bool,
     pub daemon: bool,
+    /// The config file, re-read on SIGHUP.
+    pub config_path: Option<std::path::PathBuf>,
 }
 
 fn pingora_conf(config: &Config) -> ServerConf {
@@ -50,8 +52,19 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
 
     let check = health::ReloadableCheck::new(&config.health);
     let (registry, health_service) = health::registry_and_service(&config.health, &check);
-    let gw = Gateway::new(Arc::clone(&config), registry, check)
-        .map_err(|_| "too many tiers".to_string())?;
+    let gw = Gateway::new(
+        Arc::clone(&config),
+        registry,
+        check,
+        opts.config_path.clone(),
+    )
+    .map_err(|_| "too many tiers".to_string())?;
+    if let Some(path) = &config.server.state_file {
+        match crate::state::load(&gw, path) {
+            Ok(n) => log::info!("restored {n} bindings from {}", path.display()),
+            Err(e) => log::warn!("cannot read state file {}: {e}", path.display()),
+        }
+    }
 
     let health_handle = server.add_service(background_service("health checks", health_service));
 
@@ -82,7 +95,101 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
         "binding sweeper",
         Sweeper(Arc::clone(&gw)),
     ));
+    let lifecycle = server.add_service(background_service("lifecycle", Lifecycle(Arc::clone(&gw))));
+    lifecycle.add_dependencies([&proxy_handle, &metrics_handle, &admin_handle]);
     Ok((server, gw))
+}
+
+/// Tell systemd (`Type=notify`) something, when it is listening.
+fn sd_notify(state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else {
+        return;
+    };
+    let path = path.to_string_lossy().into_owned();
+    let sent = if let Some(name) = path.strip_prefix('@') {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+            .and_then(|addr| sock.send_to_addr(state.as_bytes(), &addr))
+    } else {
+        sock.send_to(state.as_bytes(), &path)
+    };
+    if let Err(e) = sent {
+        log::warn!("sd_notify({state}) failed: {e}");
+    }
+}
+
+/// Starts once every listener is up: signals readiness to systemd, reloads
+/// on SIGHUP, saves bindings periodically and at shutdown, and for a while
+/// after start merges a state file that another instance (the one being
+/// upgraded from) is still writing.
+struct Lifecycle(Arc<Gateway>);
+
+#[async_trait]
+impl BackgroundService for Lifecycle {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        use tokio::signal::unix::{signal, SignalKind};
+        let gw = &self.0;
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                log::error!("cannot handle SIGHUP, reload disabled: {e}");
+                None
+            }
+        };
+        sd_notify("READY=1");
+        let started = std::time::Instant::now();
+        let state_file = gw.routing().config.server.state_file.clone();
+        let mut seen_mtime = state_file
+            .as_deref()
+            .and_then(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
+        let mut last_save = std::time::Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => break,
+                Some(_) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
+                    sd_notify("RELOADING=1");
+                    let _ = gw.reload_from_file();
+                    sd_notify("READY=1");
+                }
+                _ = tick.tick() => {
+                    let Some(path) = state_file.as_deref() else { continue };
+                    // Merge what a previous instance saves while it drains.
+                    if started.elapsed() < Duration::from_secs(60) {
+                        let mtime = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+                        if mtime.is_some() && mtime != seen_mtime {
+                            seen_mtime = mtime;
+                            match crate::state::load(gw, path) {
+                                Ok(n) if n > 0 => log::info!("merged {n} bindings from {}", path.display()),
+                                Ok(_) => {}
+                                Err(e) => log::warn!("merging {}: {e}", path.display()),
+                            }
+                        }
+                    }
+                    let every = gw.routing().config.server.state_save_interval;
+                    if last_save.elapsed() >= every {
+                        last_save = std::time::Instant::now();
+                        save_state(gw, path);
+                        seen_mtime = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+                    }
+                }
+            }
+        }
+        if let Some(path) = state_file.as_deref() {
+            sd_notify("STOPPING=1");
+            save_state(gw, path);
+        }
+    }
+}
+
+fn save_state(gw: &Gateway, path: &std::path::Path) {
+    match crate::state::save(gw, path) {
+        Ok(n) => log::debug!("saved {n} bindings to {}", path.display()),
+        Err(e) => log::warn!("saving bindings to {}: {e}", path.display()),
+    }
 }
 
 /// `GET /metrics` (Prometheus text format) and `GET /healthz`.

@@ -73,7 +73,14 @@ pub fn registry_and_service(
     cfg: &HealthConfig,
     check: &Arc<ReloadableCheck>,
 ) -> (Arc<HealthRegistry>, HealthCheckService) {
-    let registry = Arc::new(HealthRegistry::new());
+    // Health is keyed by address alone, so a reload that changes a backend's
+    // weight keeps its health state.
+    let registry = Arc::new(HealthRegistry::with_equivalence(|b: &Backend| {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        b.addr.hash(&mut h);
+        h.finish()
+    }));
     registry.set_health_check(Box::new(Shared(Arc::clone(check))));
     let mut service = HealthCheckService::new(Arc::clone(&registry));
     service.health_check_frequency = Some(cfg.interval);

@@ -30,6 +30,8 @@ pub struct BackendStats {
     pub draining: AtomicBool,
     /// With `draining`: the backend's sessions move on their next turn.
     pub move_on_drain: AtomicBool,
+    /// False for a backend added by a reload until a health check passes.
+    pub admitted: AtomicBool,
 }
 
 /// Backend id → slot, and slot → live state.
@@ -64,6 +66,7 @@ impl Slots {
             in_flight: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             move_on_drain: AtomicBool::new(false),
+            admitted: AtomicBool::new(true),
         });
         w.stats.push(Arc::clone(&stats));
         w.by_id.insert(id.to_string(), slot);
@@ -140,8 +143,10 @@ pub struct Tier {
 }
 
 impl Tier {
+    /// Passing health checks (and, for a backend added by a reload, admitted
+    /// by its first successful check).
     pub fn healthy(&self, b: &Backend) -> bool {
-        self.view.ready(&b.lb)
+        b.stats.admitted.load(Ordering::Relaxed) && self.view.ready(&b.lb)
     }
 
     pub fn backend_by_slot(&self, slot: u32) -> Option<&Arc<Backend>> {

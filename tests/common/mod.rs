@@ -422,3 +422,83 @@ pub fn client() -> reqwest::Client {
         .build()
         .expect("client")
 }
+
+/// Send a signal to a process we started.
+pub fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) with a PID this test spawned.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, sig) };
+    assert_eq!(rc, 0, "kill({pid}, {sig})");
+}
+
+/// Requests sent and failed by a background load loop.
+pub struct SteadyLoad {
+    pub stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pub task: tokio::task::JoinHandle<(u64, u64, Vec<String>)>,
+    /// Connection-level errors (no HTTP response at all) that were retried once.
+    pub retried: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SteadyLoad {
+    /// Turns of `sessions` sessions, round-robin, until stopped. Each request
+    /// uses a fresh connection unless `keepalive`.
+    pub fn start(url: String, sessions: usize, keepalive: bool) -> SteadyLoad {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let retried = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let retries = retried.clone();
+        let task = tokio::spawn(async move {
+            let mut b = reqwest::Client::builder().timeout(std::time::Duration::from_secs(30));
+            if !keepalive {
+                b = b.pool_max_idle_per_host(0);
+            }
+            let c = b.build().unwrap();
+            let (mut sent, mut failed, mut errors) = (0u64, 0u64, Vec::new());
+            let mut i = 0usize;
+            while !flag.load(Ordering::Relaxed) {
+                let sid = format!("load-{}", i % sessions);
+                i += 1;
+                sent += 1;
+                let send = || {
+                    c.post(format!("{url}/v1/chat/completions"))
+                        .header("x-session-id", sid.as_str())
+                        .json(&chat_body("m", i))
+                        .send()
+                };
+                // Like the OpenAI SDKs, retry a request that got no HTTP
+                // response at all (the connection was closed under it).
+                let r = match send().await {
+                    Err(e) if e.is_request() || e.is_connect() => {
+                        retries.fetch_add(1, Ordering::Relaxed);
+                        send().await
+                    }
+                    other => other,
+                };
+                match r {
+                    Ok(resp) if resp.status().is_success() => {
+                        let _ = resp.bytes().await;
+                    }
+                    Ok(resp) => {
+                        failed += 1;
+                        errors.push(format!("status {}", resp.status()));
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        errors.push(e.to_string());
+                    }
+                }
+            }
+            (sent, failed, errors)
+        });
+        SteadyLoad {
+            stop,
+            task,
+            retried,
+        }
+    }
+
+    pub async fn finish(self) -> (u64, u64, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.task.await.unwrap()
+    }
+}

@@ -1,0 +1,291 @@
+//! Operating the gateway: hot reload under load, invalid reloads, bindings
+//! surviving a restart (state file) and a graceful upgrade under load.
+
+mod common;
+
+use common::*;
+use std::collections::HashMap;
+use std::process::{Command, Stdio};
+
+async fn bind(gw: &Gateway, prefix: &str, n: usize) -> HashMap<String, String> {
+    let c = client();
+    let mut placement = HashMap::new();
+    for i in 0..n {
+        let sid = format!("{prefix}-{i}");
+        let r = chat(&c, gw, &[("x-session-id", &sid)], &chat_body("m", 0)).await;
+        assert_eq!(r.status, 200);
+        placement.insert(sid, r.backend.unwrap());
+    }
+    placement
+}
+
+fn yaml_for(gw: &Gateway, sims: &[&SimBackend], extra: &str) -> String {
+    config_yaml(
+        gw.port,
+        gw.metrics_port,
+        gw.dir.path(),
+        &[tier("default", true, &[], sims)],
+        extra,
+    )
+}
+
+#[tokio::test]
+async fn reload_changes_backends_under_steady_load() {
+    let sims: Vec<SimBackend> = (0..4)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let extra = format!("{FAST_HEALTH}{}", affinity_yaml(1800));
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &[&sims[0], &sims[1], &sims[2]])],
+        &extra,
+    )
+    .await;
+    let placement = bind(&gw, "keep", 30).await;
+    let load = SteadyLoad::start(gw.url(""), 10, true);
+
+    // Remove vllm-2, add vllm-3, shorten the TTL.
+    let new_yaml = yaml_for(
+        &gw,
+        &[&sims[0], &sims[1], &sims[3]],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(900)),
+    );
+    std::fs::write(&gw.config_path, new_yaml).unwrap();
+    let on_removed_before = gw.metric("agentserve_bindings{tier=\"default\"}").await;
+    signal(gw.pid(), libc::SIGHUP);
+    wait_until("the reload", || async {
+        gw.metric("agentserve_config_reload_total{result=\"success\"}")
+            .await
+            == 1.0
+    })
+    .await;
+    let broken = gw
+        .metric("agentserve_affinity_broken_total{tier=\"default\"}")
+        .await;
+    let on_vllm2 = placement.values().filter(|b| *b == "vllm-2").count() as f64;
+    assert!(
+        broken >= on_vllm2,
+        "every binding to the removed backend is broken ({broken} < {on_vllm2})"
+    );
+    assert!(on_removed_before > 0.0);
+
+    let c = client();
+    for (sid, before) in &placement {
+        let r = chat(&c, &gw, &[("x-session-id", sid)], &chat_body("m", 1)).await;
+        assert_eq!(r.status, 200);
+        if before == "vllm-2" {
+            assert_ne!(r.backend.as_deref(), Some("vllm-2"));
+        } else {
+            assert_eq!(
+                r.backend.as_ref(),
+                Some(before),
+                "{sid} kept its binding across the reload"
+            );
+            assert_eq!(r.hit.as_deref(), Some("true"));
+        }
+    }
+    // The added backend takes new sessions once its health check passed.
+    wait_until("vllm-3 to take new sessions", || async {
+        let mut hit = false;
+        for i in 0..20 {
+            let r = chat(
+                &client(),
+                &gw,
+                &[("x-session-id", &format!("new-{i}"))],
+                &chat_body("m", 0),
+            )
+            .await;
+            hit |= r.backend.as_deref() == Some("vllm-3");
+        }
+        hit
+    })
+    .await;
+    let retried = load.retried.clone();
+    let (sent, failed, errors) = load.finish().await;
+    assert!(sent > 0);
+    assert_eq!(failed, 0, "requests failed across the reload: {errors:?}");
+    // A reload never touches listeners or connections: not even a retry.
+    assert_eq!(retried.load(std::sync::atomic::Ordering::Relaxed), 0);
+    eprintln!("reload under load: {sent} requests, {failed} failed, {broken} bindings broken");
+}
+
+#[tokio::test]
+async fn an_invalid_reload_keeps_serving_the_old_config() {
+    let sims: Vec<SimBackend> = (0..2)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    let before = bind(&gw, "s", 5).await;
+    std::fs::write(
+        &gw.config_path,
+        "tiers: {default: {backends: [{id: x, addr: nowhere}]}}\nbogus: 1\n",
+    )
+    .unwrap();
+    signal(gw.pid(), libc::SIGHUP);
+    wait_until("the failed reload to be counted", || async {
+        gw.metric("agentserve_config_reload_total{result=\"error\"}")
+            .await
+            == 1.0
+    })
+    .await;
+    for (sid, b) in &before {
+        let r = chat(&client(), &gw, &[("x-session-id", sid)], &chat_body("m", 1)).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.backend.as_ref(), Some(b));
+        assert_eq!(r.hit.as_deref(), Some("true"));
+    }
+}
+
+fn state_lines(path: &std::path::Path) -> usize {
+    std::fs::read_to_string(path).map_or(0, |t| t.lines().count().saturating_sub(1))
+}
+
+#[tokio::test]
+async fn bindings_survive_a_restart_through_the_state_file() {
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("bindings.state");
+    let extra = format!("{FAST_HEALTH}{}", affinity_yaml(1800));
+    let (port, mport) = (free_port(), free_port_pair());
+    let yaml = config_yaml(
+        port,
+        mport,
+        dir.path(),
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &extra,
+    )
+    .replacen(
+        "server:\n",
+        &format!(
+            "server:\n  state_file: \"{}\"\n  state_save_interval_ms: 100\n",
+            state.display()
+        ),
+        1,
+    );
+    let mut gw = Gateway::start_yaml(tempfile::tempdir().unwrap(), port, mport, &yaml).await;
+    // Bindings that HRW alone would not reproduce: placed while vllm-0 was drained.
+    let c = client();
+    c.post(gw.admin_url("/admin/backends/vllm-0/drain"))
+        .send()
+        .await
+        .unwrap();
+    let placement = bind(&gw, "durable", 20).await;
+    c.post(gw.admin_url("/admin/backends/vllm-0/undrain"))
+        .send()
+        .await
+        .unwrap();
+    wait_until("the state file to hold every binding", || async {
+        state_lines(&state) == 20
+    })
+    .await;
+
+    // Plain stop (SIGTERM) and start.
+    let mut child = gw.take_child().unwrap();
+    signal(child.id(), libc::SIGTERM);
+    child.wait().unwrap();
+    let gw2 = Gateway::start_yaml(tempfile::tempdir().unwrap(), port, mport, &yaml).await;
+    for (sid, b) in &placement {
+        let r = chat(&c, &gw2, &[("x-session-id", sid)], &chat_body("m", 1)).await;
+        assert_eq!(r.hit.as_deref(), Some("true"), "{sid} was forgotten");
+        assert_eq!(r.backend.as_ref(), Some(b));
+    }
+    eprintln!(
+        "restart: {} bindings before, {} restored hits after",
+        placement.len(),
+        placement.len()
+    );
+    gw.stop();
+}
+
+// Multi-threaded: the test blocks a thread waiting for the old process while
+// the load keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_upgrade_under_load_keeps_bindings_and_fails_nothing() {
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("bindings.state");
+    let (port, mport) = (free_port(), free_port_pair());
+    let yaml = config_yaml(
+        port,
+        mport,
+        dir.path(),
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .replacen(
+        "server:\n",
+        &format!(
+            "server:\n  state_file: \"{}\"\n  state_save_interval_ms: 100\n",
+            state.display()
+        ),
+        1,
+    );
+    let mut old = Gateway::start_yaml(tempfile::tempdir().unwrap(), port, mport, &yaml).await;
+    let c = client();
+    c.post(old.admin_url("/admin/backends/vllm-1/drain"))
+        .send()
+        .await
+        .unwrap();
+    let placement = bind(&old, "up", 20).await;
+    c.post(old.admin_url("/admin/backends/vllm-1/undrain"))
+        .send()
+        .await
+        .unwrap();
+    wait_until("the state file to hold every binding", || async {
+        state_lines(&state) >= 20
+    })
+    .await;
+
+    let load = SteadyLoad::start(old.url(""), 8, false);
+    let retried = load.retried.clone();
+    // The new process takes the listening sockets over, then the old one drains.
+    let config_path = dir.path().join("gateway.yaml");
+    std::fs::write(&config_path, &yaml).unwrap();
+    let mut new = Command::new(BIN)
+        .args(["run", "--upgrade", "--config"])
+        .arg(&config_path)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut old_child = old.take_child().unwrap();
+    // Pingora's handover: the new process waits on the upgrade socket for the
+    // old one, which sends its listeners when it gets SIGQUIT.
+    let sock = dir.path().join("upgrade.sock");
+    wait_until("the new process to wait for the listeners", || {
+        let sock = sock.clone();
+        async move { sock.exists() }
+    })
+    .await;
+    signal(old_child.id(), libc::SIGQUIT);
+    tokio::task::spawn_blocking(move || old_child.wait().unwrap())
+        .await
+        .unwrap();
+    let (sent, failed, errors) = load.finish().await;
+    assert_eq!(failed, 0, "requests failed across the upgrade: {errors:?}");
+
+    for (sid, b) in &placement {
+        let r = chat(&c, &old, &[("x-session-id", sid)], &chat_body("m", 1)).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(
+            r.backend.as_ref(),
+            Some(b),
+            "{sid} moved across the upgrade"
+        );
+        assert_eq!(r.hit.as_deref(), Some("true"));
+    }
+    eprintln!(
+        "upgrade under load: {sent} requests, {failed} failed, {} retried after a connection close, {} bindings kept",
+        retried.load(std::sync::atomic::Ordering::Relaxed),
+        placement.len()
+    );
+    let _ = new.kill();
+    let _ = new.wait();
+}
