@@ -29,6 +29,27 @@ struct FileConfig {
     metrics: FileMetrics,
     #[serde(default)]
     admin: FileAdmin,
+    #[serde(default)]
+    trace: FileTrace,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileTrace {
+    /// JSON-lines request log; absent = off.
+    path: Option<String>,
+    max_bytes: u64,
+    keep: usize,
+}
+
+impl Default for FileTrace {
+    fn default() -> Self {
+        FileTrace {
+            path: None,
+            max_bytes: 100 * 1024 * 1024,
+            keep: 3,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -220,6 +241,7 @@ pub struct Config {
     pub health: HealthConfig,
     pub metrics: MetricsConfig,
     pub admin: AdminConfig,
+    pub trace: TraceConfig,
     /// Things that are allowed but probably a mistake.
     pub warnings: Vec<String>,
 }
@@ -284,6 +306,13 @@ pub enum TenantSource {
     Header(String),
     /// A keyed hash of the `Authorization` header (the key is never stored).
     Authorization,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceConfig {
+    pub path: Option<std::path::PathBuf>,
+    pub max_bytes: u64,
+    pub keep: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -685,6 +714,11 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         admin: AdminConfig {
             listen: admin_listen.expect("checked above"),
             token: file.admin.token.clone(),
+        },
+        trace: TraceConfig {
+            path: file.trace.path.as_ref().map(std::path::PathBuf::from),
+            max_bytes: file.trace.max_bytes,
+            keep: file.trace.keep,
         },
         warnings,
     })

@@ -35,6 +35,8 @@ pub struct Gateway {
     pub health_check: Arc<ReloadableCheck>,
     /// The file `run --config` named, re-read on SIGHUP.
     pub config_path: Option<PathBuf>,
+    /// The request trace log, when `trace.path` is set.
+    pub trace: Option<crate::trace::TraceLog>,
 }
 
 impl Gateway {
@@ -48,6 +50,22 @@ impl Gateway {
         let slots = Slots::default();
         let routing = Routing::build(Arc::clone(&config), &slots, &health_registry, &metrics)?;
         let affinity = Affinity::new(config.affinity.max_bindings, config.affinity.sticky_ttl);
+        let trace = config.trace.path.clone().and_then(|path| {
+            match crate::trace::TraceLog::open(
+                path.clone(),
+                config.trace.max_bytes,
+                config.trace.keep,
+            ) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    log::error!(
+                        "request traces disabled: cannot open {}: {e}",
+                        path.display()
+                    );
+                    None
+                }
+            }
+        });
         affinity.set_policy(DefaultPolicy {
             mode: config.affinity.mode,
             soft_max_in_flight: config.affinity.soft_max_in_flight,
@@ -60,6 +78,7 @@ impl Gateway {
             health_registry,
             health_check,
             config_path,
+            trace,
         }))
     }
 
@@ -120,6 +139,9 @@ impl Gateway {
         }
         if o.server.threads != n.server.threads {
             summary.needs_restart.push("server.threads");
+        }
+        if o.trace != n.trace {
+            summary.needs_restart.push("trace");
         }
         let new = Routing::build(
             Arc::clone(&config),

@@ -12,4 +12,5 @@ pub mod proxy;
 pub mod server;
 pub mod sim;
 pub mod state;
+pub mod trace;
 pub mod upstream;

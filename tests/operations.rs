@@ -289,3 +289,78 @@ async fn graceful_upgrade_under_load_keeps_bindings_and_fails_nothing() {
     let _ = new.kill();
     let _ = new.wait();
 }
+
+#[tokio::test]
+async fn trace_lines_describe_each_turn_of_a_session() {
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}trace:\n  path: \"{}\"\n",
+            affinity_yaml(1800),
+            trace.display()
+        ),
+    )
+    .await;
+    let c = client();
+    let headers = [("x-session-id", "traced")];
+    chat(&c, &gw, &headers, &chat_body("m", 0)).await;
+    chat(&c, &gw, &headers, &chat_body("m", 1)).await;
+    // The third turn streams; its usage comes from the final SSE chunk.
+    let mut body = chat_body("m", 2);
+    body["stream"] = serde_json::json!(true);
+    body["stream_options"] = serde_json::json!({"include_usage": true});
+    let r = c
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-session-id", "traced")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    r.bytes().await.unwrap();
+    let read = || {
+        std::fs::read_to_string(&trace)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("each line is JSON"))
+            .collect::<Vec<_>>()
+    };
+    wait_until("three trace lines", || {
+        let n = read().len();
+        async move { n == 3 }
+    })
+    .await;
+    let lines = read();
+    assert_eq!(lines[0]["reason"], "first_turn");
+    assert_eq!(lines[0]["affinity_hit"], false);
+    assert_eq!(lines[0]["cached_tokens"], 0);
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(l["session"], "traced");
+        assert_eq!(l["tier"], "default");
+        assert_eq!(l["status"], 200);
+        assert_eq!(l["backend"], lines[0]["backend"]);
+        assert!(l["prompt_tokens"].as_u64().unwrap() > 0, "line {i}: {l}");
+        assert!(l["ttfb_ms"].as_f64().unwrap() <= l["total_ms"].as_f64().unwrap());
+        assert_eq!(l["request_id"].as_str().unwrap().len(), 16);
+        if i > 0 {
+            assert_eq!(l["affinity_hit"], true);
+            assert!(
+                l["cached_tokens"].as_u64().unwrap() > 0,
+                "turn {} reused the prefix",
+                i + 1
+            );
+        }
+    }
+    eprintln!(
+        "trace: {}",
+        lines
+            .iter()
+            .map(|l| l.to_string())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}

@@ -80,6 +80,8 @@ pub struct GatewayProxy {
     gw: Arc<Gateway>,
     /// Rotates ties among equally loaded backends for session-less requests.
     tiebreak: AtomicUsize,
+    /// Request ids for traces: a random per-process start, then counting.
+    request_ids: std::sync::atomic::AtomicU64,
 }
 
 impl GatewayProxy {
@@ -87,6 +89,7 @@ impl GatewayProxy {
         GatewayProxy {
             gw,
             tiebreak: AtomicUsize::new(0),
+            request_ids: std::sync::atomic::AtomicU64::new(rand::random::<u64>() & !0xffff_ffff),
         }
     }
 }
@@ -110,6 +113,8 @@ impl Drop for InFlight {
 /// Everything later hooks need to know about one request.
 pub struct RequestCtx {
     start: Instant,
+    /// Wall-clock start, for traces.
+    start_wall: std::time::SystemTime,
     routing: Option<Arc<Routing>>,
     tier: Option<Arc<Tier>>,
     /// The session id as the client sent it (for metadata and traces).
@@ -123,6 +128,7 @@ pub struct RequestCtx {
     backend: Option<Arc<Backend>>,
     affinity_hit: bool,
     reason: Option<Reason>,
+    moved: Option<crate::affinity::policy::MoveReason>,
     lease: Option<Lease>,
     in_flight: Option<InFlight>,
     /// Backends that refused a connection for this request.
@@ -359,6 +365,7 @@ impl ProxyHttp for GatewayProxy {
     fn new_ctx(&self) -> RequestCtx {
         RequestCtx {
             start: Instant::now(),
+            start_wall: std::time::SystemTime::now(),
             routing: None,
             tier: None,
             session: None,
@@ -369,6 +376,7 @@ impl ProxyHttp for GatewayProxy {
             backend: None,
             affinity_hit: false,
             reason: None,
+            moved: None,
             lease: None,
             in_flight: None,
             excluded: Vec::new(),
@@ -452,6 +460,7 @@ impl ProxyHttp for GatewayProxy {
                     }
                     ctx.affinity_hit = sel.affinity_hit;
                     ctx.reason = Some(sel.reason);
+                    ctx.moved = sel.moved;
                     ctx.lease = sel.lease;
                     sel.index
                 }
@@ -729,13 +738,40 @@ impl ProxyHttp for GatewayProxy {
         m.requests
             .with_label_values(&[&tier_name, backend_id, &status.to_string()])
             .inc();
-        if let Some(u) = ctx.usage.as_ref().and_then(UsageScanner::usage) {
+        let usage = ctx.usage.as_ref().and_then(UsageScanner::usage);
+        if let Some(u) = usage {
             m.prompt_tokens
                 .with_label_values(&[&tier_name, backend_id])
                 .inc_by(u.prompt_tokens);
             m.cached_prompt_tokens
                 .with_label_values(&[&tier_name, backend_id])
                 .inc_by(u.cached_tokens);
+        }
+        if let Some(trace) = &self.gw.trace {
+            let req = session.req_header();
+            trace.record(&crate::trace::TraceRecord {
+                time_ms: ctx
+                    .start_wall
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64),
+                request_id: format!("{:016x}", self.request_ids.fetch_add(1, Ordering::Relaxed)),
+                method: req.method.as_str(),
+                path: req.uri.path(),
+                tier: ctx.tier_name(),
+                session: ctx.session.as_ref().map(|s| s.id.as_str()),
+                parent: ctx.parent.as_deref(),
+                backend: ctx.backend.as_ref().map(|b| &*b.id),
+                affinity_hit: ctx.affinity_hit,
+                reason: ctx.reason.map(Reason::as_str),
+                moved_because: ctx.moved.map(|m| m.as_str()),
+                status,
+                prompt_tokens: usage.map(|u| u.prompt_tokens),
+                cached_tokens: usage.map(|u| u.cached_tokens),
+                ttfb_ms: ctx
+                    .first_byte
+                    .map(|fb| fb.duration_since(ctx.start).as_secs_f64() * 1000.0),
+                total_ms: ctx.start.elapsed().as_secs_f64() * 1000.0,
+            });
         }
     }
 }
