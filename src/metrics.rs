@@ -170,6 +170,33 @@ impl Metrics {
         }
     }
 
+    /// Every metric name this gateway can export (families appear in
+    /// `/metrics` once they have a sample).
+    pub fn names(&self) -> Vec<String> {
+        use prometheus::core::Collector;
+        let collectors: [&dyn Collector; 15] = [
+            &self.affinity_hits,
+            &self.affinity_misses,
+            &self.affinity_broken,
+            &self.affinity_moves,
+            &self.bindings_evicted,
+            &self.requests,
+            &self.gateway_errors,
+            &self.request_duration,
+            &self.time_to_first_byte,
+            &self.bindings,
+            &self.backend_healthy,
+            &self.backend_in_flight,
+            &self.prompt_tokens,
+            &self.cached_prompt_tokens,
+            &self.config_reloads,
+        ];
+        collectors
+            .iter()
+            .flat_map(|c| c.desc().into_iter().map(|d| d.fq_name.clone()))
+            .collect()
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
