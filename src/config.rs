@@ -86,6 +86,32 @@ struct FileServer {
     /// Where bindings are saved (atomically) so they survive restarts and upgrades.
     state_file: Option<String>,
     state_save_interval_ms: u64,
+    tls: Option<FileTls>,
+    /// CA bundle for verifying TLS backends (default: the system's roots).
+    upstream_ca_file: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileTls {
+    listen: Vec<String>,
+    #[serde(default = "yes")]
+    h2: bool,
+    certificates: Vec<TlsCertConfig>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// One certificate: PEM chain, PEM key, the SNI names it serves (`*.x` wildcards).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsCertConfig {
+    pub cert: String,
+    pub key: String,
+    #[serde(default)]
+    pub server_names: Vec<String>,
 }
 
 impl Default for FileServer {
@@ -102,6 +128,8 @@ impl Default for FileServer {
             upgrade_sock: "/tmp/agent-gateway-upgrade.sock".into(),
             state_file: None,
             state_save_interval_ms: 5000,
+            tls: None,
+            upstream_ca_file: None,
         }
     }
 }
@@ -126,6 +154,11 @@ struct FileBackend {
     weight: u32,
     #[serde(default)]
     draining: bool,
+    /// Connect to this backend over TLS, verifying its certificate.
+    #[serde(default)]
+    tls: bool,
+    /// Name to send and verify (default: the host part of `addr`).
+    sni: Option<String>,
 }
 
 fn one() -> u32 {
@@ -259,6 +292,16 @@ pub struct ServerConfig {
     pub upgrade_sock: String,
     pub state_file: Option<std::path::PathBuf>,
     pub state_save_interval: Duration,
+    pub tls: Option<TlsConfig>,
+    pub upstream_ca_file: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsConfig {
+    pub listen: Vec<SocketAddr>,
+    pub h2: bool,
+    /// The first is the default for clients that send no (or an unknown) SNI name.
+    pub certificates: Vec<TlsCertConfig>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -275,6 +318,8 @@ pub struct BackendConfig {
     pub addr: SocketAddr,
     pub weight: u32,
     pub draining: bool,
+    /// `Some(sni)` for a TLS backend.
+    pub tls: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -456,8 +501,11 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
 
     // server
     let s = &file.server;
-    if s.listen.is_empty() {
-        errors.push(err("server.listen", "at least one listener is required"));
+    if s.listen.is_empty() && s.tls.is_none() {
+        errors.push(err(
+            "server.listen",
+            "at least one listener (plain or TLS) is required",
+        ));
     }
     let listen: Vec<SocketAddr> = s
         .listen
@@ -465,6 +513,43 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         .enumerate()
         .filter_map(|(i, a)| parse_addr(&format!("server.listen[{i}]"), a, &mut errors))
         .collect();
+    let tls = s.tls.as_ref().map(|t| {
+        if t.listen.is_empty() {
+            errors.push(err(
+                "server.tls.listen",
+                "at least one TLS listener is required",
+            ));
+        }
+        if t.certificates.is_empty() {
+            errors.push(err(
+                "server.tls.certificates",
+                "at least one certificate is required",
+            ));
+        }
+        for (i, c) in t.certificates.iter().enumerate() {
+            if let Err(e) = crate::tls::load_cert(c) {
+                errors.push(err(format!("server.tls.certificates[{i}]"), e));
+            }
+        }
+        TlsConfig {
+            listen: t
+                .listen
+                .iter()
+                .enumerate()
+                .filter_map(|(i, a)| parse_addr(&format!("server.tls.listen[{i}]"), a, &mut errors))
+                .collect(),
+            h2: t.h2,
+            certificates: t.certificates.clone(),
+        }
+    });
+    if let Some(ca) = &s.upstream_ca_file {
+        if std::fs::metadata(ca).is_err() {
+            errors.push(err(
+                "server.upstream_ca_file",
+                format!("cannot read `{ca}`"),
+            ));
+        }
+    }
     if s.max_body_bytes == 0 {
         errors.push(err("server.max_body_bytes", "must be greater than 0"));
     }
@@ -522,11 +607,17 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
                 errors.push(err(format!("{bkey}.weight"), "must be between 1 and 10000"));
             }
             if let Some(addr) = parse_addr(&format!("{bkey}.addr"), &b.addr, &mut errors) {
+                let host = b.addr.rsplit_once(':').map_or(b.addr.as_str(), |(h, _)| h);
                 backends.push(BackendConfig {
                     id: b.id.clone(),
                     addr,
                     weight: b.weight,
                     draining: b.draining,
+                    tls: b.tls.then(|| {
+                        b.sni
+                            .clone()
+                            .unwrap_or_else(|| host.trim_matches(['[', ']']).to_string())
+                    }),
                 });
             }
         }
@@ -683,6 +774,8 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             upgrade_sock: s.upgrade_sock.clone(),
             state_file: s.state_file.as_ref().map(std::path::PathBuf::from),
             state_save_interval: Duration::from_millis(s.state_save_interval_ms.max(10)),
+            tls,
+            upstream_ca_file: s.upstream_ca_file.clone(),
         },
         tiers,
         affinity: AffinityConfig {

@@ -37,6 +37,8 @@ pub struct Gateway {
     pub config_path: Option<PathBuf>,
     /// The request trace log, when `trace.path` is set.
     pub trace: Option<crate::trace::TraceLog>,
+    /// Certificates of the TLS listeners, reloaded on SIGHUP.
+    pub tls: Option<Arc<crate::tls::SniResolver>>,
 }
 
 impl Gateway {
@@ -45,6 +47,7 @@ impl Gateway {
         health_registry: Arc<HealthRegistry>,
         health_check: Arc<ReloadableCheck>,
         config_path: Option<PathBuf>,
+        tls: Option<Arc<crate::tls::SniResolver>>,
     ) -> Result<Arc<Gateway>, TooManyTiers> {
         let metrics = Arc::new(Metrics::new());
         let slots = Slots::default();
@@ -79,6 +82,7 @@ impl Gateway {
             health_check,
             config_path,
             trace,
+            tls,
         }))
     }
 
@@ -143,6 +147,18 @@ impl Gateway {
         if o.trace != n.trace {
             summary.needs_restart.push("trace");
         }
+        if o.server.tls.as_ref().map(|t| (&t.listen, t.h2))
+            != n.server.tls.as_ref().map(|t| (&t.listen, t.h2))
+        {
+            summary.needs_restart.push("server.tls.listen / h2");
+        }
+        if o.server.upstream_ca_file != n.server.upstream_ca_file {
+            summary.needs_restart.push("server.upstream_ca_file");
+        }
+        // New certificates first: if they do not load, nothing changes.
+        if let (Some(resolver), Some(tls)) = (&self.tls, &n.server.tls) {
+            resolver.reload(&tls.certificates)?;
+        }
         let new = Routing::build(
             Arc::clone(&config),
             &self.slots,
@@ -170,7 +186,7 @@ impl Gateway {
                 summary.backends_removed.push(b.id.to_string());
             }
         }
-        self.health_check.update(&config.health);
+        self.health_check.update(&config);
         self.affinity.set_ttl(config.affinity.sticky_ttl);
         self.affinity.set_policy(DefaultPolicy {
             mode: config.affinity.mode,

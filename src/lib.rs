@@ -12,5 +12,6 @@ pub mod proxy;
 pub mod server;
 pub mod sim;
 pub mod state;
+pub mod tls;
 pub mod trace;
 pub mod upstream;

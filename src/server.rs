@@ -36,6 +36,7 @@ fn pingora_conf(config: &Config) -> ServerConf {
     conf.upgrade_sock = config.server.upgrade_sock.clone();
     conf.grace_period_seconds = Some(config.server.grace_period_seconds);
     conf.graceful_shutdown_timeout_seconds = Some(config.server.graceful_shutdown_timeout_seconds);
+    conf.ca_file = config.server.upstream_ca_file.clone();
     conf
 }
 
@@ -50,13 +51,18 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
     let mut server = Server::new_with_opt_and_conf(opt, pingora_conf(&config));
     server.bootstrap();
 
-    let check = health::ReloadableCheck::new(&config.health);
+    let check = health::ReloadableCheck::new(&config);
     let (registry, health_service) = health::registry_and_service(&config.health, &check);
+    let tls = match &config.server.tls {
+        Some(t) => Some(crate::tls::SniResolver::new(&t.certificates)?),
+        None => None,
+    };
     let gw = Gateway::new(
         Arc::clone(&config),
         registry,
         check,
         opts.config_path.clone(),
+        tls.clone(),
     )
     .map_err(|_| "too many tiers".to_string())?;
     if let Some(path) = &config.server.state_file {
@@ -75,6 +81,17 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
     );
     for addr in &config.server.listen {
         proxy.add_tcp(&addr.to_string());
+    }
+    if let (Some(t), Some(resolver)) = (&config.server.tls, &tls) {
+        for addr in &t.listen {
+            let mut settings = pingora_core::listeners::tls::TlsSettings::intermediate("", "")
+                .map_err(|e| format!("TLS listener {addr}: {e}"))?;
+            settings.set_cert_resolver(Arc::clone(resolver) as _);
+            if t.h2 {
+                settings.enable_h2();
+            }
+            proxy.add_tls_with_settings(&addr.to_string(), None, settings);
+        }
     }
     // Listeners open only after the first health pass, so the first request
     // already sees which backends are up.

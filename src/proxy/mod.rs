@@ -478,7 +478,10 @@ impl ProxyHttp for GatewayProxy {
             old.hand_over();
         }
         ctx.in_flight = Some(InFlight::new(&backend.stats));
-        let mut peer = HttpPeer::new(backend.addr, false, String::new());
+        let mut peer = match &backend.tls {
+            Some(sni) => HttpPeer::new(backend.addr, true, sni.clone()),
+            None => HttpPeer::new(backend.addr, false, String::new()),
+        };
         let server = &routing.config.server;
         peer.options.connection_timeout = Some(server.connect_timeout);
         peer.options.read_timeout = server.read_timeout;

@@ -2,24 +2,54 @@
 //! healthy) over one shared registry, behind a wrapper whose settings a reload
 //! can replace (Pingora allows setting a registry's check only once).
 
-use crate::config::HealthConfig;
+use crate::config::{Config, HealthConfig};
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
+use pingora_core::connectors::http::Connector as HttpConnector;
+use pingora_core::connectors::ConnectorOptions;
 use pingora_core::Result;
 use pingora_http::RequestHeader;
 use pingora_load_balancing::health_check::{HealthCheck, HttpHealthCheck};
 use pingora_load_balancing::{Backend, HealthCheckService, HealthRegistry};
+use std::collections::HashMap;
 use std::sync::Arc;
 
-pub struct ReloadableCheck {
-    inner: ArcSwap<HttpHealthCheck>,
+/// The checks in force: one for plain backends, one per TLS backend (each
+/// verifies its own server name).
+struct Checks {
+    plain: HttpHealthCheck,
+    tls: HashMap<std::net::SocketAddr, HttpHealthCheck>,
 }
 
-fn http_check(cfg: &HealthConfig) -> HttpHealthCheck {
-    let mut check = HttpHealthCheck::new("localhost", false);
+pub struct ReloadableCheck {
+    inner: ArcSwap<Checks>,
+}
+
+fn checks(config: &Config) -> Checks {
+    let tls = config
+        .tiers
+        .iter()
+        .flat_map(|t| &t.backends)
+        .filter_map(|b| {
+            let sni = b.tls.as_ref()?;
+            let mut check = http_check(&config.health, sni, true);
+            let mut opts = ConnectorOptions::new(1);
+            opts.ca_file = config.server.upstream_ca_file.clone();
+            check.set_connector(HttpConnector::new(Some(opts)));
+            Some((b.addr, check))
+        })
+        .collect();
+    Checks {
+        plain: http_check(&config.health, "localhost", false),
+        tls,
+    }
+}
+
+fn http_check(cfg: &HealthConfig, host: &str, tls: bool) -> HttpHealthCheck {
+    let mut check = HttpHealthCheck::new(host, tls);
     let mut req = RequestHeader::build("GET", cfg.path.as_bytes(), None)
         .expect("a validated path builds a request");
-    let _ = req.append_header("Host", "localhost");
+    let _ = req.append_header("Host", host);
     let _ = req.append_header("User-Agent", "agent-gateway-health");
     check.req = req;
     check.peer_template.options.connection_timeout = Some(cfg.timeout);
@@ -31,26 +61,30 @@ fn http_check(cfg: &HealthConfig) -> HttpHealthCheck {
 }
 
 impl ReloadableCheck {
-    pub fn new(cfg: &HealthConfig) -> Arc<Self> {
+    pub fn new(config: &Config) -> Arc<Self> {
         Arc::new(ReloadableCheck {
-            inner: ArcSwap::from_pointee(http_check(cfg)),
+            inner: ArcSwap::from_pointee(checks(config)),
         })
     }
 
-    pub fn update(&self, cfg: &HealthConfig) {
-        self.inner.store(Arc::new(http_check(cfg)));
+    pub fn update(&self, config: &Config) {
+        self.inner.store(Arc::new(checks(config)));
     }
 }
 
 #[async_trait]
 impl HealthCheck for ReloadableCheck {
     async fn check(&self, target: &Backend) -> Result<()> {
-        let check = self.inner.load_full();
-        check.check(target).await
+        let checks = self.inner.load_full();
+        let tls = target.addr.as_inet().and_then(|addr| checks.tls.get(addr));
+        match tls {
+            Some(check) => check.check(target).await,
+            None => checks.plain.check(target).await,
+        }
     }
 
     fn health_threshold(&self, success: bool) -> usize {
-        self.inner.load().health_threshold(success)
+        self.inner.load().plain.health_threshold(success)
     }
 }
 

@@ -107,6 +107,8 @@ pub struct Backend {
     /// Pingora's identity for this backend (health is tracked per identity).
     pub lb: LbBackend,
     pub stats: Arc<BackendStats>,
+    /// `Some(sni)`: connect over TLS and verify the certificate for this name.
+    pub tls: Option<String>,
 }
 
 impl Backend {
@@ -266,5 +268,6 @@ fn make_backend(b: &BackendConfig, slots: &Slots, hasher: &HrwHasher) -> Backend
         seed: hasher.backend_seed(&b.id),
         lb,
         stats,
+        tls: b.tls.clone(),
     }
 }
