@@ -126,34 +126,30 @@ impl Gateway {
         let old = self.routing();
         let mut summary = ReloadSummary::default();
         let (o, n) = (&old.config, &config);
-        if o.server.listen != n.server.listen {
-            summary.needs_restart.push("server.listen");
-        }
-        if o.metrics.listen != n.metrics.listen {
-            summary.needs_restart.push("metrics.listen");
-        }
-        if o.admin.listen != n.admin.listen {
-            summary.needs_restart.push("admin.listen");
-        }
-        if o.affinity.max_bindings != n.affinity.max_bindings {
-            summary.needs_restart.push("affinity.max_bindings");
-        }
-        if o.health.interval != n.health.interval {
-            summary.needs_restart.push("health.interval_ms");
-        }
-        if o.server.threads != n.server.threads {
-            summary.needs_restart.push("server.threads");
-        }
-        if o.trace != n.trace {
-            summary.needs_restart.push("trace");
-        }
-        if o.server.tls.as_ref().map(|t| (&t.listen, t.h2))
-            != n.server.tls.as_ref().map(|t| (&t.listen, t.h2))
-        {
-            summary.needs_restart.push("server.tls.listen / h2");
-        }
-        if o.server.upstream_ca_file != n.server.upstream_ca_file {
-            summary.needs_restart.push("server.upstream_ca_file");
+        let tls_listeners = |c: &Config| c.server.tls.as_ref().map(|t| (t.listen.clone(), t.h2));
+        for (changed, key) in [
+            (o.server.listen != n.server.listen, "server.listen"),
+            (o.metrics.listen != n.metrics.listen, "metrics.listen"),
+            (o.admin.listen != n.admin.listen, "admin.listen"),
+            (
+                o.affinity.max_bindings != n.affinity.max_bindings,
+                "affinity.max_bindings",
+            ),
+            (o.health.interval != n.health.interval, "health.interval_ms"),
+            (o.server.threads != n.server.threads, "server.threads"),
+            (o.trace != n.trace, "trace"),
+            (
+                tls_listeners(o) != tls_listeners(n),
+                "server.tls.listen / h2",
+            ),
+            (
+                o.server.upstream_ca_file != n.server.upstream_ca_file,
+                "server.upstream_ca_file",
+            ),
+        ] {
+            if changed {
+                summary.needs_restart.push(key);
+            }
         }
         // New certificates first: if they do not load, nothing changes.
         if let (Some(resolver), Some(tls)) = (&self.tls, &n.server.tls) {

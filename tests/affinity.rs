@@ -13,18 +13,6 @@ use std::collections::HashSet;
 use std::net::TcpStream;
 use std::sync::Arc;
 
-async fn fleet(n: usize, extra: &str) -> (Vec<SimBackend>, Gateway) {
-    let sims: Vec<SimBackend> = (0..n)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &format!("{FAST_HEALTH}{extra}"),
-    )
-    .await;
-    (sims, gw)
-}
-
 fn affinity(extra: &str) -> String {
     format!("{}{extra}", affinity_yaml(1800))
 }

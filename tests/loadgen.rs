@@ -7,18 +7,6 @@ use common::*;
 use serde_json::Value;
 use std::process::Command;
 
-async fn fleet() -> (Vec<SimBackend>, Gateway) {
-    let sims: Vec<SimBackend> = (0..3)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
-    )
-    .await;
-    (sims, gw)
-}
-
 fn bench(gw: &Gateway, extra: &[&str]) -> Value {
     let out = Command::new(BIN)
         .args(["bench", "--json", "--url", &gw.url("")])
@@ -35,7 +23,7 @@ fn bench(gw: &Gateway, extra: &[&str]) -> Value {
 
 #[tokio::test]
 async fn subagents_share_their_parents_backend() {
-    let (_sims, gw) = fleet().await;
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     let r = bench(
         &gw,
         &[
@@ -66,7 +54,7 @@ async fn subagents_share_their_parents_backend() {
 
 #[tokio::test]
 async fn mooncake_trace_replays_with_real_prefix_reuse() {
-    let (_sims, gw) = fleet().await;
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("trace.jsonl");
     std::fs::write(&path, agent_gateway::loadgen::trace::synthetic(5, 4)).unwrap();

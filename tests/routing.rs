@@ -9,22 +9,9 @@ use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-async fn three_backends(extra_affinity: &str) -> (Vec<SimBackend>, Gateway) {
-    let sims: Vec<SimBackend> = (0..3)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
-    let refs: Vec<&SimBackend> = sims.iter().collect();
-    let gw = Gateway::start(
-        &[tier("default", true, &["qwen3-8b"], &refs)],
-        &format!("{FAST_HEALTH}{extra_affinity}"),
-    )
-    .await;
-    (sims, gw)
-}
-
 #[tokio::test]
 async fn turns_of_a_session_stick_and_sessions_spread() {
-    let (_sims, gw) = three_backends(&affinity_yaml(1800)).await;
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     let client = client();
     let mut placement: HashMap<String, String> = HashMap::new();
     for turn in 0..3 {
@@ -83,7 +70,7 @@ async fn turns_of_a_session_stick_and_sessions_spread() {
 /// 72 single-turn sessions with fresh ids → 0 hits.
 #[tokio::test]
 async fn seed_load_study_hit_rates() {
-    let (_sims, gw) = three_backends(&affinity_yaml(1800)).await;
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     let gw = Arc::new(gw);
     let client = client();
     let sem = Arc::new(tokio::sync::Semaphore::new(6));
@@ -151,7 +138,7 @@ async fn seed_load_study_hit_rates() {
 
 #[tokio::test]
 async fn ttl_zero_stores_nothing_and_every_turn_misses() {
-    let (_sims, gw) = three_backends(&affinity_yaml(0)).await;
+    let (_sims, gw) = fleet(3, &affinity_yaml(0)).await;
     let client = client();
     let mut seen = HashSet::new();
     for turn in 0..4 {
@@ -180,7 +167,7 @@ async fn ttl_zero_stores_nothing_and_every_turn_misses() {
 
 #[tokio::test]
 async fn idle_binding_expires_but_never_while_a_request_is_in_flight() {
-    let (sims, gw) = three_backends(&affinity_yaml(1)).await;
+    let (sims, gw) = fleet(3, &affinity_yaml(1)).await;
     let client = client();
     // Turn 1 streams and is held open by its backend past the TTL.
     for s in &sims {
@@ -307,7 +294,7 @@ async fn tier_from_header_then_model_then_default() {
 
 #[tokio::test]
 async fn json_responses_carry_metadata_with_a_correct_length() {
-    let (_sims, gw) = three_backends(&affinity_yaml(1800)).await;
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     let client = client();
     // A session id that needs JSON escaping.
     let sid = r#"me"ta\x"#;
@@ -365,7 +352,7 @@ async fn json_responses_carry_metadata_with_a_correct_length() {
 
 #[tokio::test]
 async fn sse_events_are_not_buffered() {
-    let (sims, gw) = three_backends(&affinity_yaml(1800)).await;
+    let (sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     for s in &sims {
         s.set_faults(json!({"hold_streams": true})).await;
     }
@@ -416,7 +403,7 @@ async fn sse_events_are_not_buffered() {
 
 #[tokio::test]
 async fn requests_without_a_session_are_served_unbound() {
-    let (_sims, gw) = three_backends(&affinity_yaml(1800)).await;
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     let client = client();
     let mut used = HashSet::new();
     for turn in 0..9 {
@@ -440,7 +427,7 @@ async fn requests_without_a_session_are_served_unbound() {
 
 #[tokio::test]
 async fn body_field_is_the_session_key_when_no_header_is_sent() {
-    let (_sims, gw) = three_backends(&affinity_yaml(1800)).await;
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     let client = client();
     let mut body = chat_body("qwen3-8b", 0);
     body["prompt_cache_key"] = json!("from-body");

@@ -71,7 +71,7 @@ impl HrwHasher {
 /// every input bit, so `mix(session ^ seed)` behaves as an independent hash per
 /// (session, backend) pair.
 #[inline]
-fn mix(mut x: u64) -> u64 {
+pub fn mix(mut x: u64) -> u64 {
     x ^= x >> 30;
     x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x ^= x >> 27;

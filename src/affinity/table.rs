@@ -50,6 +50,19 @@ struct Entry {
     pending: bool,
 }
 
+impl Entry {
+    fn binding(&self) -> Binding {
+        Binding {
+            backend: self.backend,
+            version: self.version,
+            tier: self.tier,
+            in_flight: self.in_flight,
+            deadline_ms: self.deadline_ms,
+            pending: self.pending,
+        }
+    }
+}
+
 /// The key is already a keyed hash: use its low bits as is.
 #[derive(Default)]
 struct IdentityHasher(u64);
@@ -391,14 +404,7 @@ impl BindingTable {
         if e.in_flight == 0 && e.deadline_ms <= now_ms {
             return None;
         }
-        Some(Binding {
-            backend: e.backend,
-            version: e.version,
-            tier: e.tier,
-            in_flight: e.in_flight,
-            deadline_ms: e.deadline_ms,
-            pending: e.pending,
-        })
+        Some(e.binding())
     }
 
     /// Drop a binding (admin delete, session closed by the client). Requests
@@ -408,14 +414,7 @@ impl BindingTable {
         let i = *shard.map.get(&key)?;
         let e = shard.remove(i);
         self.count(e.tier, -1);
-        Some(Binding {
-            backend: e.backend,
-            version: e.version,
-            tier: e.tier,
-            in_flight: e.in_flight,
-            deadline_ms: e.deadline_ms,
-            pending: e.pending,
-        })
+        Some(e.binding())
     }
 
     /// Drop every binding whose backend matches `dead`; returns how many per tier.
@@ -487,17 +486,7 @@ impl BindingTable {
                 if e.in_flight == 0 && e.deadline_ms <= now_ms {
                     continue;
                 }
-                out.push((
-                    k,
-                    Binding {
-                        backend: e.backend,
-                        version: e.version,
-                        tier: e.tier,
-                        in_flight: e.in_flight,
-                        deadline_ms: e.deadline_ms,
-                        pending: e.pending,
-                    },
-                ));
+                out.push((k, e.binding()));
             }
         }
         out

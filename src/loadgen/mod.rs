@@ -370,11 +370,7 @@ async fn run_sessions(client: &reqwest::Client, args: &BenchArgs) -> Vec<TurnRec
                     path: "/v1/chat/completions",
                     body: script.body(&args, !args.no_stream),
                 };
-                let o = {
-                    let _p = permits.acquire().await.expect("semaphore open");
-                    send(&client, &args, &t).await
-                };
-                progress.tick();
+                let o = send_limited(&client, &args, &permits, &progress, &t).await;
                 script.messages.push(("assistant".into(), o.text.clone()));
                 out.push(record(&t, &o, None));
                 if turn == 0 {
@@ -396,14 +392,31 @@ async fn run_sessions(client: &reqwest::Client, args: &BenchArgs) -> Vec<TurnRec
                     tokio::time::sleep(Duration::from_millis(args.think_ms)).await;
                 }
             }
-            for c in children {
-                if let Ok(mut recs) = c.await {
-                    out.append(&mut recs);
-                }
-            }
+            out.append(&mut gather(children).await);
             out
         }));
     }
+    gather(tasks).await
+}
+
+/// Send one turn once a concurrency permit is free, and count it done.
+async fn send_limited(
+    client: &reqwest::Client,
+    args: &BenchArgs,
+    permits: &Semaphore,
+    progress: &Progress,
+    t: &Turn,
+) -> Outcome {
+    let o = {
+        let _p = permits.acquire().await.expect("semaphore open");
+        send(client, args, t).await
+    };
+    progress.tick();
+    o
+}
+
+/// The records of every task, in task order (a panicked task contributes none).
+async fn gather(tasks: Vec<tokio::task::JoinHandle<Vec<TurnRecord>>>) -> Vec<TurnRecord> {
     let mut records = Vec::new();
     for t in tasks {
         if let Ok(mut r) = t.await {
@@ -450,11 +463,7 @@ async fn run_child(
             path: "/v1/chat/completions",
             body: script.body(&args, !args.no_stream),
         };
-        let o = {
-            let _p = permits.acquire().await.expect("semaphore open");
-            send(&client, &args, &t).await
-        };
-        progress.tick();
+        let o = send_limited(&client, &args, &permits, &progress, &t).await;
         script.messages.push(("assistant".into(), o.text.clone()));
         out.push(record(&t, &o, Some(parent)));
     }

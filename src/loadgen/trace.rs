@@ -7,7 +7,8 @@
 //! most `--concurrency` at once (absolute timestamps are not replayed).
 
 use super::report::TurnRecord;
-use super::{send, BenchArgs, Progress, Turn};
+use super::{gather, send_limited, BenchArgs, Progress, Turn};
+use crate::affinity::hrw::mix;
 use serde::Deserialize;
 use serde_json::json;
 use std::collections::HashMap;
@@ -34,14 +35,6 @@ pub fn parse(text: &str) -> Result<Vec<TraceLine>, String> {
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("line {}: {e}", i + 1)))
         .collect()
-}
-
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 30;
-    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x ^= x >> 27;
-    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 /// (session, turn) of every line, in input order.
@@ -158,23 +151,13 @@ pub async fn replay(client: &reqwest::Client, args: &BenchArgs, path: &Path) -> 
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
             for t in turns {
-                let o = {
-                    let _p = permits.acquire().await.expect("semaphore open");
-                    send(&client, &args, &t).await
-                };
-                progress.tick();
+                let o = send_limited(&client, &args, &permits, &progress, &t).await;
                 out.push(super::record(&t, &o, None));
             }
             out
         }));
     }
-    let mut records = Vec::new();
-    for t in tasks {
-        if let Ok(mut r) = t.await {
-            records.append(&mut r);
-        }
-    }
-    records
+    gather(tasks).await
 }
 
 /// A small synthetic trace in the Mooncake format (for the demo and tests):
