@@ -219,15 +219,21 @@ impl Affinity {
             return None;
         }
         // New bindings avoid draining backends, unless nothing else is left.
-        let open: Vec<Candidate> = candidates.iter().copied().filter(|c| !c.draining).collect();
-        let open = if open.is_empty() {
-            candidates.to_vec()
+        // (No allocation in the common case where nothing drains.)
+        let undrained: Vec<Candidate>;
+        let open: &[Candidate] = if candidates.iter().any(|c| c.draining) {
+            undrained = candidates.iter().copied().filter(|c| !c.draining).collect();
+            if undrained.is_empty() {
+                candidates
+            } else {
+                &undrained
+            }
         } else {
-            open
+            candidates
         };
         let ttl_ms = self.ttl_ms.load(Ordering::Relaxed);
         if ttl_ms == 0 {
-            let slot = open[hrw::choose(session.hash, &open)?].slot;
+            let slot = open[hrw::choose(session.hash, open)?].slot;
             return Some(Choice::Go(Selection {
                 index: candidates.iter().position(|c| c.slot == slot)?,
                 backend: slot,
@@ -251,12 +257,14 @@ impl Affinity {
             if let Some(p) = preferred.filter(|&p| Some(p) != exclude) {
                 return Some(p);
             }
-            let pool: Vec<Candidate> = open
-                .iter()
-                .copied()
-                .filter(|c| Some(c.slot) != exclude)
-                .collect();
-            hrw::choose(session.hash, &pool).map(|i| pool[i].slot)
+            match exclude {
+                None => hrw::choose(session.hash, open).map(|i| open[i].slot),
+                Some(x) => {
+                    let pool: Vec<Candidate> =
+                        open.iter().copied().filter(|c| c.slot != x).collect();
+                    hrw::choose(session.hash, &pool).map(|i| pool[i].slot)
+                }
+            }
         };
         let policy = self.policy.load();
         let mut moved = None;
