@@ -62,3 +62,49 @@ fn unit_verifies_and_its_config_checks() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn readiness_and_reloads_are_reported_to_systemd() {
+    use std::os::unix::net::UnixDatagram;
+    let sim = common::SimBackend::start("vllm-0", &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let (port, mport) = (common::free_port(), common::free_port_pair());
+    let yaml = common::config_yaml(
+        port,
+        mport,
+        dir.path(),
+        &[common::tier("default", true, &[], &[&sim])],
+        common::FAST_HEALTH,
+    );
+    let config = dir.path().join("gateway.yaml");
+    std::fs::write(&config, yaml).unwrap();
+    let notify = dir.path().join("notify.sock");
+    let sock = UnixDatagram::bind(&notify).unwrap();
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    let mut child = Command::new(common::BIN)
+        .args(["run", "--config"])
+        .arg(&config)
+        .env("NOTIFY_SOCKET", &notify)
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let mut recv = || {
+        let mut buf = [0u8; 256];
+        let n = sock.recv(&mut buf).expect("a notification within 30 s");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    assert_eq!(recv(), "READY=1");
+    // READY means every listener accepts already.
+    for p in [port, mport, mport + 1] {
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", p)).is_ok(),
+            "port {p} not listening at READY"
+        );
+    }
+    common::signal(child.id(), libc::SIGHUP);
+    assert_eq!(recv(), "RELOADING=1");
+    assert_eq!(recv(), "READY=1");
+    let _ = child.kill();
+    let _ = child.wait();
+}
