@@ -89,7 +89,7 @@ fn readiness_and_reloads_are_reported_to_systemd() {
         .env("RUST_LOG", "warn")
         .spawn()
         .unwrap();
-    let mut recv = || {
+    let recv = || {
         let mut buf = [0u8; 256];
         let n = sock.recv(&mut buf).expect("a notification within 30 s");
         String::from_utf8_lossy(&buf[..n]).into_owned()
