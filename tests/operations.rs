@@ -110,14 +110,7 @@ async fn reload_changes_backends_under_steady_load() {
 
 #[tokio::test]
 async fn an_invalid_reload_keeps_serving_the_old_config() {
-    let sims: Vec<SimBackend> = (0..2)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
-    )
-    .await;
+    let (_sims, gw) = fleet(2, &affinity_yaml(1800)).await;
     let before = bind(&gw, "s", 5).await;
     std::fs::write(
         &gw.config_path,

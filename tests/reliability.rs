@@ -21,14 +21,7 @@ async fn bind_sessions(gw: &Gateway, n: usize) -> HashMap<String, String> {
 
 #[tokio::test]
 async fn killed_backend_is_marked_down_and_its_sessions_rebind() {
-    let mut sims: Vec<SimBackend> = (0..3)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
-    )
-    .await;
+    let (mut sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     let placement = bind_sessions(&gw, 30).await;
     let victim = sims[1].id.clone();
     let orphaned: Vec<&String> = placement
@@ -73,12 +66,9 @@ async fn killed_backend_is_marked_down_and_its_sessions_rebind() {
 
 #[tokio::test]
 async fn connect_failure_before_health_checks_notice_is_retried_on_the_next_candidate() {
-    let mut sims: Vec<SimBackend> = (0..3)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
     // Health checks effectively never run again after the first pass.
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+    let (mut sims, gw) = fleet_with(
+        3,
         &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(1800)),
     )
     .await;
@@ -115,14 +105,7 @@ async fn connect_failure_before_health_checks_notice_is_retried_on_the_next_cand
 
 #[tokio::test]
 async fn no_healthy_backend_is_a_503_and_every_candidate_failing_a_502() {
-    let sims: Vec<SimBackend> = (0..2)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
-    )
-    .await;
+    let (sims, gw) = fleet(2, &affinity_yaml(1800)).await;
     for s in &sims {
         s.set_faults(json!({"unhealthy": true})).await;
     }
@@ -173,11 +156,8 @@ async fn no_healthy_backend_is_a_503_and_every_candidate_failing_a_502() {
 
 #[tokio::test]
 async fn every_candidate_refusing_connections_is_a_502() {
-    let mut sims: Vec<SimBackend> = (0..2)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+    let (mut sims, gw) = fleet_with(
+        2,
         &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(1800)),
     )
     .await;
@@ -197,14 +177,7 @@ async fn every_candidate_refusing_connections_is_a_502() {
 
 #[tokio::test]
 async fn backend_errors_after_the_request_was_sent_are_not_retried() {
-    let sims: Vec<SimBackend> = (0..2)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
-    )
-    .await;
+    let (sims, gw) = fleet(2, &affinity_yaml(1800)).await;
     let client = client();
     let first = chat(&client, &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
     let owner = sims

@@ -506,12 +506,17 @@ impl SteadyLoad {
 /// `n` simulated replicas `vllm-0..n` behind a gateway with one default tier,
 /// fast health checks and the extra YAML sections given.
 pub async fn fleet(n: usize, extra: &str) -> (Vec<SimBackend>, Gateway) {
+    fleet_with(n, &format!("{FAST_HEALTH}{extra}")).await
+}
+
+/// Like [`fleet`], with every YAML section after `tiers` given (no default health).
+pub async fn fleet_with(n: usize, sections: &str) -> (Vec<SimBackend>, Gateway) {
     let sims: Vec<SimBackend> = (0..n)
         .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
         .collect();
     let gw = Gateway::start(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &format!("{FAST_HEALTH}{extra}"),
+        sections,
     )
     .await;
     (sims, gw)
