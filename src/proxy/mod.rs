@@ -321,7 +321,8 @@ impl GatewayProxy {
             match affinity.select_backend(sref, tier.index, candidates, join) {
                 Some(Choice::Go(sel)) => return Ok(sel),
                 Some(Choice::Wait) => {}
-                None => unreachable!("candidates are not empty"),
+                // Only for empty candidates, which the caller rules out.
+                None => return Err(GatewayError::no_healthy_backend(&tier.name).to_pingora()),
             }
             let now = Instant::now();
             if now >= deadline {
@@ -556,10 +557,7 @@ impl ProxyHttp for GatewayProxy {
                 .as_ref()
                 .map_or(u64::MAX, |r| r.config.server.max_body_bytes);
             if ctx.body_bytes > limit {
-                let e = GatewayError::body_too_large(limit);
-                let pe = e.to_pingora();
-                ctx.error = Some(e);
-                return Err(pe);
+                return Err(self.fail(ctx, GatewayError::body_too_large(limit)));
             }
         }
         Ok(())
