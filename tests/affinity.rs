@@ -828,6 +828,12 @@ async fn a_flood_of_unique_ids_keeps_the_table_bounded_and_recent_sessions_pinne
             >= (9 * LIMIT) as f64
     );
     let growth = rss_kib(gw.pid()).saturating_sub(baseline_rss);
+    eprintln!(
+        "flood: {} unique ids against max_bindings {LIMIT}: bindings {}, evicted {}, RSS growth {growth} KiB",
+        10 * LIMIT,
+        gw.metric("agentserve_bindings{tier=\"default\"}").await,
+        gw.metric("agentserve_bindings_evicted_total{tier=\"default\"}").await
+    );
     assert!(
         growth < 64 * 1024,
         "RSS grew {growth} KiB under a flood of 10× the table limit"
