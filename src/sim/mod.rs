@@ -544,3 +544,133 @@ impl Sim {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn start() -> SocketAddr {
+        let mut cfg = SimConfig::fast("t");
+        cfg.block_size = 16;
+        spawn(cfg).await.expect("sim starts")
+    }
+
+    fn chat(stream: bool) -> Value {
+        json!({
+            "model": "qwen3-8b",
+            "messages": [{"role": "system", "content": "s".repeat(400)}, {"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": stream,
+            "stream_options": {"include_usage": true},
+        })
+    }
+
+    #[tokio::test]
+    async fn usage_reports_cached_prefix_tokens() {
+        let addr = start().await;
+        let c = reqwest::Client::new();
+        let url = format!("http://{addr}/v1/chat/completions");
+        let first: Value = c
+            .post(&url)
+            .json(&chat(false))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        assert_eq!(first["usage"]["completion_tokens"], 3);
+        assert_eq!(first["usage"]["total_tokens"], prompt + 3);
+        assert_eq!(first["choices"][0]["message"]["content"], "t0 t1 t2 ");
+        let second: Value = c
+            .post(&url)
+            .json(&chat(false))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        // Whole 16-token blocks of the identical prompt are cached.
+        assert_eq!(
+            second["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+            prompt / 16 * 16
+        );
+        let m = c
+            .get(format!("http://{addr}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(m.contains(&format!(
+            "vllm:prefix_cache_queries_total{{model_name=\"qwen3-8b\"}} {}",
+            2 * prompt
+        )));
+        assert!(m.contains("vllm:num_requests_running{model_name=\"qwen3-8b\"} 0"));
+    }
+
+    #[tokio::test]
+    async fn sse_framing_is_openai_compatible() {
+        let addr = start().await;
+        let resp = reqwest::Client::new()
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .json(&chat(true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        let text = resp.text().await.unwrap();
+        let events: Vec<&str> = text.split_terminator("\n\n").collect();
+        assert_eq!(
+            events.len(),
+            3 + 1 + 1,
+            "3 tokens, a usage chunk, [DONE]: {text}"
+        );
+        assert_eq!(*events.last().unwrap(), "data: [DONE]");
+        let chunks: Vec<Value> = events[..4]
+            .iter()
+            .map(|e| serde_json::from_str(e.strip_prefix("data: ").expect("data: prefix")).unwrap())
+            .collect();
+        for c in &chunks[..3] {
+            assert_eq!(c["object"], "chat.completion.chunk");
+            assert!(c["choices"][0]["delta"]["content"].is_string());
+            assert!(c["usage"].is_null());
+        }
+        assert_eq!(chunks[2]["choices"][0]["finish_reason"], "length");
+        assert_eq!(chunks[3]["choices"], json!([]));
+        assert!(chunks[3]["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    }
+
+    #[tokio::test]
+    async fn token_id_prompts_and_bad_requests() {
+        let addr = start().await;
+        let c = reqwest::Client::new();
+        let url = format!("http://{addr}/v1/completions");
+        let ids: Vec<u32> = (0..40).collect();
+        let r: Value = c
+            .post(&url)
+            .json(&json!({"prompt": ids, "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(r["usage"]["prompt_tokens"], 40);
+        let bad = c.post(&url).body("{not json").send().await.unwrap();
+        assert_eq!(bad.status(), 400);
+        let missing = c
+            .post(&url)
+            .json(&json!({"max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(missing.status(), 400);
+    }
+}
