@@ -174,21 +174,16 @@ async fn a_client_leaving_mid_wait_does_not_wedge_its_session() {
     let mut sims: Vec<SimBackend> = (0..2)
         .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
         .collect();
-    let dir = tempfile::tempdir().unwrap();
-    let (gport, mport) = (free_port(), free_port_pair());
-    let yaml = config_yaml(
-        gport,
-        mport,
-        dir.path(),
+    let gw = Gateway::start_with(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        // The first request stays stuck connecting until the test lets it fail.
+        |_| "  connect_timeout_ms: 30000\n".to_string(),
         &format!(
             "health:\n  interval_ms: 3600000\n{}",
             affinity("  single_flight_wait_ms: 30000\n")
         ),
     )
-    // The first request stays stuck connecting until the test lets it fail.
-    .replacen("server:\n", "server:\n  connect_timeout_ms: 30000\n", 1);
-    let gw = Gateway::start_yaml(dir, gport, mport, &yaml).await;
+    .await;
     // A session whose HRW choice is vllm-0, computed as the gateway does.
     let h = HrwHasher::new("test-fleet-key");
     let cands: Vec<Candidate> = ["vllm-0", "vllm-1"]

@@ -136,52 +136,64 @@ fn state_lines(path: &std::path::Path) -> usize {
     std::fs::read_to_string(path).map_or(0, |t| t.lines().count().saturating_sub(1))
 }
 
+/// A gateway over `sims` that saves its bindings every 100 ms, and 20 sessions
+/// bound while `drained` was draining (placements HRW alone would not
+/// reproduce), once the state file holds them all.
+async fn durable_gateway(
+    sims: &[SimBackend],
+    drained: &str,
+    prefix: &str,
+) -> (Gateway, HashMap<String, String>) {
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        |dir| {
+            format!(
+                "  state_file: \"{}\"\n  state_save_interval_ms: 100\n",
+                dir.join("bindings.state").display()
+            )
+        },
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    let c = client();
+    c.post(gw.admin_url(&format!("/admin/backends/{drained}/drain")))
+        .send()
+        .await
+        .unwrap();
+    let placement = bind(&gw, prefix, 20).await;
+    c.post(gw.admin_url(&format!("/admin/backends/{drained}/undrain")))
+        .send()
+        .await
+        .unwrap();
+    let state = gw.dir.path().join("bindings.state");
+    wait_until("the state file to hold every binding", || async {
+        state_lines(&state) == 20
+    })
+    .await;
+    (gw, placement)
+}
+
 #[tokio::test]
 async fn bindings_survive_a_restart_through_the_state_file() {
     let sims: Vec<SimBackend> = (0..3)
         .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
         .collect();
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("bindings.state");
-    let extra = format!("{FAST_HEALTH}{}", affinity_yaml(1800));
-    let (port, mport) = (free_port(), free_port_pair());
-    let yaml = config_yaml(
-        port,
-        mport,
-        dir.path(),
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &extra,
-    )
-    .replacen(
-        "server:\n",
-        &format!(
-            "server:\n  state_file: \"{}\"\n  state_save_interval_ms: 100\n",
-            state.display()
-        ),
-        1,
-    );
-    let mut gw = Gateway::start_yaml(tempfile::tempdir().unwrap(), port, mport, &yaml).await;
     // Bindings that HRW alone would not reproduce: placed while vllm-0 was drained.
+    let (mut gw, placement) = durable_gateway(&sims, "vllm-0", "durable").await;
     let c = client();
-    c.post(gw.admin_url("/admin/backends/vllm-0/drain"))
-        .send()
-        .await
-        .unwrap();
-    let placement = bind(&gw, "durable", 20).await;
-    c.post(gw.admin_url("/admin/backends/vllm-0/undrain"))
-        .send()
-        .await
-        .unwrap();
-    wait_until("the state file to hold every binding", || async {
-        state_lines(&state) == 20
-    })
-    .await;
 
     // Plain stop (SIGTERM) and start.
     let mut child = gw.take_child().unwrap();
     signal(child.id(), libc::SIGTERM);
     child.wait().unwrap();
-    let gw2 = Gateway::start_yaml(tempfile::tempdir().unwrap(), port, mport, &yaml).await;
+    let yaml = std::fs::read_to_string(&gw.config_path).unwrap();
+    let gw2 = Gateway::start_yaml(
+        tempfile::tempdir().unwrap(),
+        gw.port,
+        gw.metrics_port,
+        &yaml,
+    )
+    .await;
     for (sid, b) in &placement {
         let r = chat(&c, &gw2, &[("x-session-id", sid)], &chat_body("m", 1)).await;
         assert_eq!(r.hit.as_deref(), Some("true"), "{sid} was forgotten");
@@ -202,48 +214,15 @@ async fn graceful_upgrade_under_load_keeps_bindings_and_fails_nothing() {
     let sims: Vec<SimBackend> = (0..3)
         .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
         .collect();
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("bindings.state");
-    let (port, mport) = (free_port(), free_port_pair());
-    let yaml = config_yaml(
-        port,
-        mport,
-        dir.path(),
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
-    )
-    .replacen(
-        "server:\n",
-        &format!(
-            "server:\n  state_file: \"{}\"\n  state_save_interval_ms: 100\n",
-            state.display()
-        ),
-        1,
-    );
-    let mut old = Gateway::start_yaml(tempfile::tempdir().unwrap(), port, mport, &yaml).await;
+    let (mut old, placement) = durable_gateway(&sims, "vllm-1", "up").await;
     let c = client();
-    c.post(old.admin_url("/admin/backends/vllm-1/drain"))
-        .send()
-        .await
-        .unwrap();
-    let placement = bind(&old, "up", 20).await;
-    c.post(old.admin_url("/admin/backends/vllm-1/undrain"))
-        .send()
-        .await
-        .unwrap();
-    wait_until("the state file to hold every binding", || async {
-        state_lines(&state) >= 20
-    })
-    .await;
 
     let load = SteadyLoad::start(old.url(""), 8, false);
     let retried = load.retried.clone();
     // The new process takes the listening sockets over, then the old one drains.
-    let config_path = dir.path().join("gateway.yaml");
-    std::fs::write(&config_path, &yaml).unwrap();
     let mut new = Command::new(BIN)
         .args(["run", "--upgrade", "--config"])
-        .arg(&config_path)
+        .arg(&old.config_path)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()
@@ -251,7 +230,7 @@ async fn graceful_upgrade_under_load_keeps_bindings_and_fails_nothing() {
     let mut old_child = old.take_child().unwrap();
     // Pingora's handover: the new process waits on the upgrade socket for the
     // old one, which sends its listeners when it gets SIGQUIT.
-    let sock = dir.path().join("upgrade.sock");
+    let sock = old.dir.path().join("upgrade.sock");
     wait_until("the new process to wait for the listeners", || {
         let sock = sock.clone();
         async move { sock.exists() }

@@ -73,21 +73,14 @@ async fn served_cert(pki: &Pki, port: u16, sni: &str) -> Vec<u8> {
 }
 
 async fn tls_gateway(pki_dir: &Path, sims: &[&SimBackend]) -> (Gateway, u16) {
-    let dir = tempfile::tempdir().unwrap();
-    let (port, mport, tls_port) = (free_port(), free_port_pair(), free_port());
-    let yaml = config_yaml(
-        port,
-        mport,
-        dir.path(),
+    let tls_port = free_port();
+    let gw = Gateway::start_with(
         &[tier("default", true, &[], sims)],
+        |_| tls_section(pki_dir, tls_port),
         &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
     )
-    .replacen(
-        "server:\n",
-        &format!("server:\n{}", tls_section(pki_dir, tls_port)),
-        1,
-    );
-    (Gateway::start_yaml(dir, port, mport, &yaml).await, tls_port)
+    .await;
+    (gw, tls_port)
 }
 
 #[tokio::test]

@@ -565,34 +565,29 @@ mod tests {
         })
     }
 
+    async fn post(c: &reqwest::Client, url: &str, body: &Value) -> Value {
+        c.post(url)
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
     #[tokio::test]
     async fn usage_reports_cached_prefix_tokens() {
         let addr = start().await;
         let c = reqwest::Client::new();
         let url = format!("http://{addr}/v1/chat/completions");
-        let first: Value = c
-            .post(&url)
-            .json(&chat(false))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let first: Value = post(&c, &url, &chat(false)).await;
         let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
         assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
         assert_eq!(first["usage"]["completion_tokens"], 3);
         assert_eq!(first["usage"]["total_tokens"], prompt + 3);
         assert_eq!(first["choices"][0]["message"]["content"], "t0 t1 t2 ");
-        let second: Value = c
-            .post(&url)
-            .json(&chat(false))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let second: Value = post(&c, &url, &chat(false)).await;
         // Whole 16-token blocks of the identical prompt are cached.
         assert_eq!(
             second["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -653,15 +648,7 @@ mod tests {
         let c = reqwest::Client::new();
         let url = format!("http://{addr}/v1/completions");
         let ids: Vec<u32> = (0..40).collect();
-        let r: Value = c
-            .post(&url)
-            .json(&json!({"prompt": ids, "max_tokens": 1}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let r: Value = post(&c, &url, &json!({"prompt": ids, "max_tokens": 1})).await;
         assert_eq!(r["usage"]["prompt_tokens"], 40);
         let bad = c.post(&url).body("{not json").send().await.unwrap();
         assert_eq!(bad.status(), 400);

@@ -225,10 +225,24 @@ pub fn affinity_yaml(ttl: u64) -> String {
 impl Gateway {
     /// Start with the given tiers plus `extra` YAML sections (health, affinity...).
     pub async fn start(tiers: &[TierSpec<'_>], extra: &str) -> Gateway {
+        Self::start_with(tiers, |_| String::new(), extra).await
+    }
+
+    /// Like [`Gateway::start`], with `server_lines` (indented YAML, a
+    /// function of the gateway's own directory) added to the `server` section.
+    pub async fn start_with(
+        tiers: &[TierSpec<'_>],
+        server_lines: impl FnOnce(&std::path::Path) -> String,
+        extra: &str,
+    ) -> Gateway {
         let dir = tempfile::tempdir().expect("tempdir");
         let port = free_port();
         let metrics_port = free_port_pair();
-        let yaml = config_yaml(port, metrics_port, dir.path(), tiers, extra);
+        let yaml = config_yaml(port, metrics_port, dir.path(), tiers, extra).replacen(
+            "server:\n",
+            &format!("server:\n{}", server_lines(dir.path())),
+            1,
+        );
         Self::start_yaml(dir, port, metrics_port, &yaml).await
     }
 
