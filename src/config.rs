@@ -79,6 +79,15 @@ struct FileServer {
     /// Upper bound on one read from a backend; `0` = none (a long prefill may
     /// legitimately take minutes before the first byte).
     read_timeout_ms: u64,
+    /// How long an idle upstream connection is kept for reuse. Below the
+    /// engines' own keep-alive (llama.cpp, uvicorn/vLLM: 5 s) so the gateway
+    /// closes an idle connection before the engine does.
+    upstream_idle_timeout_ms: u64,
+    /// Request bodies up to this size are kept whole until the response
+    /// starts, so a request that meets a dead pooled connection is replayed.
+    replay_body_bytes: u64,
+    /// Bytes all requests together may hold for replay (over it: no replay copy).
+    replay_budget_bytes: u64,
     grace_period_seconds: u64,
     graceful_shutdown_timeout_seconds: u64,
     pid_file: String,
@@ -122,6 +131,9 @@ impl Default for FileServer {
             threads: 0,
             connect_timeout_ms: 1000,
             read_timeout_ms: 0,
+            upstream_idle_timeout_ms: 4000,
+            replay_body_bytes: 4 * 1024 * 1024,
+            replay_budget_bytes: 256 * 1024 * 1024,
             grace_period_seconds: 5,
             graceful_shutdown_timeout_seconds: 30,
             pid_file: "/tmp/agent-gateway.pid".into(),
@@ -286,6 +298,9 @@ pub struct ServerConfig {
     pub threads: usize,
     pub connect_timeout: Duration,
     pub read_timeout: Option<Duration>,
+    pub upstream_idle_timeout: Duration,
+    pub replay_body_bytes: u64,
+    pub replay_budget_bytes: u64,
     pub grace_period_seconds: u64,
     pub graceful_shutdown_timeout_seconds: u64,
     pub pid_file: String,
@@ -556,6 +571,12 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     if s.connect_timeout_ms == 0 {
         errors.push(err("server.connect_timeout_ms", "must be greater than 0"));
     }
+    if s.upstream_idle_timeout_ms == 0 {
+        errors.push(err(
+            "server.upstream_idle_timeout_ms",
+            "must be greater than 0",
+        ));
+    }
 
     // tiers
     if file.tiers.is_empty() {
@@ -768,6 +789,9 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             threads: s.threads,
             connect_timeout: Duration::from_millis(s.connect_timeout_ms),
             read_timeout: (s.read_timeout_ms > 0).then(|| Duration::from_millis(s.read_timeout_ms)),
+            upstream_idle_timeout: Duration::from_millis(s.upstream_idle_timeout_ms),
+            replay_body_bytes: s.replay_body_bytes,
+            replay_budget_bytes: s.replay_budget_bytes,
             grace_period_seconds: s.grace_period_seconds,
             graceful_shutdown_timeout_seconds: s.graceful_shutdown_timeout_seconds,
             pid_file: s.pid_file.clone(),

@@ -39,6 +39,8 @@ pub struct Gateway {
     pub trace: Option<crate::trace::TraceLog>,
     /// Certificates of the TLS listeners, reloaded on SIGHUP.
     pub tls: Option<Arc<crate::tls::SniResolver>>,
+    /// Request bodies held in memory (routing pre-reads, replay copies).
+    pub body_budget: Arc<crate::proxy::request_body::BodyBudget>,
 }
 
 impl Gateway {
@@ -83,6 +85,7 @@ impl Gateway {
             config_path,
             trace,
             tls,
+            body_budget: Default::default(),
         }))
     }
 

@@ -28,6 +28,7 @@ pub struct Metrics {
     pub prompt_tokens: IntCounterVec,
     pub cached_prompt_tokens: IntCounterVec,
     pub config_reloads: IntCounterVec,
+    pub upstream_retries: IntCounterVec,
 }
 
 /// A tier's hot-path counters, resolved once per config load.
@@ -142,6 +143,12 @@ impl Metrics {
                 &r,
                 "agentserve_prompt_tokens_total",
                 "Prompt tokens reported in responses' usage",
+                &["tier", "backend"],
+            ),
+            upstream_retries: counter(
+                &r,
+                "agentserve_upstream_retries_total",
+                "Requests re-sent once on a fresh connection because a reused upstream connection closed before any response byte",
                 &["tier", "backend"],
             ),
             cached_prompt_tokens: counter(

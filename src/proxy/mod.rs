@@ -11,6 +11,7 @@
 pub mod errors;
 pub mod request_body;
 pub mod response;
+pub mod upstream_conn;
 
 use crate::affinity::hrw::KeyKind;
 use crate::affinity::session::{self, BodyProbe, SessionId};
@@ -122,9 +123,13 @@ pub struct RequestCtx {
     parent: Option<String>,
     /// What the binding table is keyed with (the group for subagents).
     session_ref: Option<SessionRef>,
-    /// The whole body, when it was read before routing.
+    /// The whole body, when it was read before routing or kept for a replay.
     body: Option<Bytes>,
+    /// `body` counted against the gateway's body budget.
+    body_hold: Option<request_body::BodyHold>,
     body_bytes: u64,
+    /// The request was re-sent on a fresh connection (see upstream_conn.rs).
+    replayed: bool,
     backend: Option<Arc<Backend>>,
     affinity_hit: bool,
     reason: Option<Reason>,
@@ -241,7 +246,22 @@ impl GatewayProxy {
             && declared != Some(0)
             && ((tier.is_none() && routing.routes_by_model())
                 || (session_id.is_none() && !cfg.affinity.body_session_fields.is_empty()));
-        if needs_body {
+        // A body larger than Pingora's retry buffer is kept whole (within the
+        // budget) so that a request meeting a dead pooled connection can be
+        // re-sent; smaller ones Pingora's own buffer replays.
+        let replay_hold = match declared {
+            Some(len)
+                if !needs_body
+                    && len > request_body::RETRY_BUFFER_BYTES
+                    && len <= cfg.server.replay_body_bytes =>
+            {
+                self.gw
+                    .body_budget
+                    .try_hold(len, cfg.server.replay_budget_bytes)
+            }
+            _ => None,
+        };
+        if needs_body || replay_hold.is_some() {
             let body = match request_body::pre_read(session, declared, limit).await {
                 Ok(b) => b,
                 Err(PreReadError::Refused(e)) => return Err(e),
@@ -250,7 +270,8 @@ impl GatewayProxy {
                 }
             };
             ctx.body_bytes = body.len() as u64;
-            if let Some(probe) = BodyProbe::parse(&body) {
+            ctx.body_hold = replay_hold.or_else(|| Some(self.gw.body_budget.hold(ctx.body_bytes)));
+            if let Some(probe) = needs_body.then(|| BodyProbe::parse(&body)).flatten() {
                 if tier.is_none() {
                     if let Some(model) = probe.model() {
                         tier = routing.tier_by_model(&model).cloned();
@@ -373,7 +394,9 @@ impl ProxyHttp for GatewayProxy {
             parent: None,
             session_ref: None,
             body: None,
+            body_hold: None,
             body_bytes: 0,
+            replayed: false,
             backend: None,
             affinity_hit: false,
             reason: None,
@@ -486,6 +509,14 @@ impl ProxyHttp for GatewayProxy {
         let server = &routing.config.server;
         peer.options.connection_timeout = Some(server.connect_timeout);
         peer.options.read_timeout = server.read_timeout;
+        peer.options.idle_timeout = Some(server.upstream_idle_timeout);
+        if ctx.replayed {
+            peer.group_key = upstream_conn::fresh_group_key();
+        }
+        if ctx.body.is_none() {
+            // A retry streams the body again from Pingora's retry buffer.
+            ctx.body_bytes = 0;
+        }
         ctx.backend = Some(backend);
         Ok(Box::new(peer))
     }
@@ -493,13 +524,17 @@ impl ProxyHttp for GatewayProxy {
     async fn connected_to_upstream(
         &self,
         _session: &mut Session,
-        _reused: bool,
-        _peer: &HttpPeer,
-        #[cfg(unix)] _fd: std::os::unix::io::RawFd,
+        reused: bool,
+        peer: &HttpPeer,
+        #[cfg(unix)] fd: std::os::unix::io::RawFd,
         #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
         _digest: Option<&pingora_core::protocols::Digest>,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
+        #[cfg(unix)]
+        if reused && upstream_conn::peer_closed(fd, peer.is_tls()) {
+            return Err(upstream_conn::closed_in_pool());
+        }
         // The first request of a new session reached its backend: requests of
         // the same session waiting on it may follow now.
         if let Some(lease) = ctx.lease.as_mut() {
@@ -525,6 +560,33 @@ impl ProxyHttp for GatewayProxy {
         e
     }
 
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut RequestCtx,
+        client_reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("Peer: {peer}"));
+        let body_replayable =
+            ctx.body.is_some() || !session.as_downstream().retry_buffer_truncated();
+        let replay = upstream_conn::should_replay(&e, client_reused, ctx.replayed, body_replayable);
+        e.set_retry(replay);
+        if replay {
+            ctx.replayed = true;
+            if let (Some(tier), Some(backend)) = (&ctx.tier, &ctx.backend) {
+                upstream_conn::stop_reusing(&backend.stats);
+                self.gw
+                    .metrics
+                    .upstream_retries
+                    .with_label_values(&[&tier.name, &backend.id])
+                    .inc();
+            }
+        }
+        e
+    }
+
     async fn upstream_request_filter(
         &self,
         _session: &mut Session,
@@ -534,6 +596,13 @@ impl ProxyHttp for GatewayProxy {
         if ctx.body.is_some() {
             // The gateway already answered the client's 100-continue.
             upstream_request.remove_header("expect");
+        }
+        if ctx
+            .backend
+            .as_ref()
+            .is_some_and(|b| upstream_conn::avoid_reuse(&b.stats))
+        {
+            upstream_request.insert_header("connection", "close")?;
         }
         Ok(())
     }

@@ -15,6 +15,8 @@
 use super::errors::GatewayError;
 use bytes::{Bytes, BytesMut};
 use pingora_proxy::Session;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core, h1 and h2).
 pub const RETRY_BUFFER_BYTES: u64 = 64 * 1024;
@@ -110,4 +112,72 @@ pub enum PreReadError {
     Io(Box<pingora_core::Error>),
     /// The body is refused with this error.
     Refused(GatewayError),
+}
+
+/// Bytes of request bodies held in memory at once, across all requests.
+/// Routing pre-reads always count; copies kept only for replay are taken only
+/// while the total stays within `server.replay_budget_bytes`.
+#[derive(Debug, Default)]
+pub struct BodyBudget {
+    held: AtomicU64,
+}
+
+/// Bytes counted against a [`BodyBudget`] until dropped.
+#[derive(Debug)]
+pub struct BodyHold {
+    budget: Arc<BodyBudget>,
+    bytes: u64,
+}
+
+impl BodyBudget {
+    /// Hold `bytes` if the total stays within `limit`.
+    pub fn try_hold(self: &Arc<Self>, bytes: u64, limit: u64) -> Option<BodyHold> {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|&total| total <= limit)
+            })
+            .ok()?;
+        Some(BodyHold {
+            budget: Arc::clone(self),
+            bytes,
+        })
+    }
+
+    /// Hold `bytes` whatever the total (a body routing cannot do without).
+    pub fn hold(self: &Arc<Self>, bytes: u64) -> BodyHold {
+        self.held.fetch_add(bytes, Ordering::AcqRel);
+        BodyHold {
+            budget: Arc::clone(self),
+            bytes,
+        }
+    }
+
+    pub fn held(&self) -> u64 {
+        self.held.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for BodyHold {
+    fn drop(&mut self) {
+        self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_refuses_past_its_limit_and_frees_on_drop() {
+        let budget = Arc::new(BodyBudget::default());
+        let a = budget.try_hold(600, 1000).expect("fits");
+        assert!(budget.try_hold(500, 1000).is_none(), "600 + 500 > 1000");
+        let forced = budget.hold(500);
+        assert_eq!(budget.held(), 1100);
+        drop(a);
+        drop(forced);
+        assert_eq!(budget.held(), 0);
+        assert!(budget.try_hold(1000, 1000).is_some());
+        assert!(budget.try_hold(u64::MAX, u64::MAX).is_some(), "no overflow");
+    }
 }

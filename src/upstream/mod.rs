@@ -32,6 +32,9 @@ pub struct BackendStats {
     pub move_on_drain: AtomicBool,
     /// False for a backend added by a reload until a health check passes.
     pub admitted: AtomicBool,
+    /// Until then (ms on the gateway's clock), requests to this backend ask
+    /// for a fresh connection: it closed a reused one under a request.
+    pub fresh_connections_until_ms: AtomicU64,
 }
 
 /// Backend id → slot, and slot → live state.
@@ -67,6 +70,7 @@ impl Slots {
             draining: AtomicBool::new(false),
             move_on_drain: AtomicBool::new(false),
             admitted: AtomicBool::new(true),
+            fresh_connections_until_ms: AtomicU64::new(0),
         });
         w.stats.push(Arc::clone(&stats));
         w.by_id.insert(id.to_string(), slot);

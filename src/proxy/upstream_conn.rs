@@ -1,0 +1,187 @@
+//! Reusing upstream connections without turning an engine's close into a 502.
+//!
+//! Inference engines close keep-alive connections on their own schedule.
+//! llama.cpp's server (cpp-httplib) shuts a connection down right after every
+//! streamed response while its headers still say `Keep-Alive: timeout=5,
+//! max=100`; uvicorn (vLLM, SGLang) closes one idle for 5 s. Pingora pools the
+//! connection when the response ends; the engine's FIN arrives a moment later.
+//! A request that takes the connection from the pool in between is written
+//! into a closed socket and reads EOF before any response byte: "Upstream
+//! ConnectionClosed while reading response headers, bytes already read: 0".
+//! Under load that was 16% of requests (issue 12), none of which had reached
+//! the engine.
+//!
+//! Four defences, cheapest first:
+//! - idle connections are dropped after `server.upstream_idle_timeout_ms`
+//!   (default 4 s), before the engines' 5 s;
+//! - a reused connection whose FIN (or RST) has already arrived is caught
+//!   before the request is written ([`peer_closed`], one non-blocking peek);
+//! - a request that still fails on a reused connection before any response
+//!   byte is re-sent once on a fresh connection to the same backend, its body
+//!   replayed from what the gateway kept ([`should_replay`]); counted in
+//!   `agentserve_upstream_retries_total`;
+//! - a backend that did that is sent `Connection: close` for a while
+//!   ([`FRESH_CONNECTIONS_FOR`]), so its connections are not pooled at all:
+//!   a connect on a local network costs far less than a replayed request.
+
+use crate::upstream::BackendStats;
+use pingora_core::{Error, ErrorSource, ErrorType, RetryType};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a backend that closed a reused connection under a request gets
+/// unpooled connections before reuse is tried again.
+pub const FRESH_CONNECTIONS_FOR: Duration = Duration::from_secs(60);
+
+fn clock_ms() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64
+}
+
+/// The backend closed a reused connection under a request: stop pooling its
+/// connections for [`FRESH_CONNECTIONS_FOR`].
+pub fn stop_reusing(stats: &BackendStats) {
+    let until = clock_ms() + FRESH_CONNECTIONS_FOR.as_millis() as u64;
+    if stats
+        .fresh_connections_until_ms
+        .swap(until, Ordering::Relaxed)
+        < clock_ms()
+    {
+        log::info!(
+            "backend {} closes connections it advertised as keep-alive; not pooling its connections for {}s",
+            stats.id,
+            FRESH_CONNECTIONS_FOR.as_secs()
+        );
+    }
+}
+
+/// Whether requests to this backend should ask for a fresh, unpooled connection.
+pub fn avoid_reuse(stats: &BackendStats) -> bool {
+    let until = stats.fresh_connections_until_ms.load(Ordering::Relaxed);
+    until != 0 && clock_ms() < until
+}
+
+/// Whether the peer of an idle pooled connection has already closed it (or
+/// sent bytes nobody asked for, which would be misread as the response).
+/// `tls`: encrypted bytes may be a legitimate record, so only EOF and errors count.
+#[cfg(unix)]
+pub fn peer_closed(fd: std::os::unix::io::RawFd, tls: bool) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: `fd` is the live socket Pingora just handed to the hook; a
+    // one-byte MSG_PEEK into a local buffer neither consumes data nor blocks.
+    let n = unsafe {
+        libc::recv(
+            fd,
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    match n {
+        0 => true,
+        n if n > 0 => !tls,
+        _ => {
+            let err = std::io::Error::last_os_error();
+            !matches!(
+                err.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+            )
+        }
+    }
+}
+
+/// The error `connected_to_upstream` returns for a dead pooled connection: the
+/// same kind Pingora reports when it reads EOF there, and retried the same way.
+pub fn closed_in_pool() -> Box<Error> {
+    let mut e = Error::explain(
+        ErrorType::ConnectionClosed,
+        "pooled upstream connection already closed by the backend",
+    );
+    e.retry = RetryType::ReusedOnly;
+    e.into_up()
+}
+
+/// Whether a failed attempt is re-sent: only when the connection was reused,
+/// the failure is the backend's and came before any response byte (Pingora
+/// marks exactly those `ReusedOnly`; a failed request write on a reused
+/// connection is the same case), the request was not already re-sent once,
+/// and its whole body can be replayed.
+pub fn should_replay(
+    e: &Error,
+    reused: bool,
+    already_replayed: bool,
+    body_replayable: bool,
+) -> bool {
+    let before_response =
+        matches!(e.retry, RetryType::ReusedOnly) || matches!(e.etype(), ErrorType::WriteError);
+    reused
+        && !already_replayed
+        && body_replayable
+        && before_response
+        && *e.esource() == ErrorSource::Upstream
+}
+
+/// A pool key no pooled connection has: the replay connects afresh.
+pub fn fresh_group_key() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::unix::io::AsRawFd;
+
+    fn upstream(kind: ErrorType, retry: RetryType) -> Box<Error> {
+        let mut e = Error::new(kind);
+        e.retry = retry;
+        e.into_up()
+    }
+
+    #[test]
+    fn replays_only_a_reused_connection_that_failed_before_the_response() {
+        let closed = upstream(ErrorType::ConnectionClosed, RetryType::ReusedOnly);
+        assert!(should_replay(&closed, true, false, true));
+        assert!(
+            !should_replay(&closed, false, false, true),
+            "fresh connection"
+        );
+        assert!(!should_replay(&closed, true, true, true), "only once");
+        assert!(!should_replay(&closed, true, false, false), "body not kept");
+        let write = upstream(ErrorType::WriteError, false.into());
+        assert!(should_replay(&write, true, false, true));
+        // A response that broke off mid-body is never re-sent.
+        let mid_body = upstream(ErrorType::ReadError, false.into());
+        assert!(!should_replay(&mid_body, true, false, true));
+        let timeout = upstream(ErrorType::ReadTimedout, false.into());
+        assert!(!should_replay(&timeout, true, false, true));
+        let mut downstream = Error::new(ErrorType::ConnectionClosed);
+        downstream.retry = RetryType::ReusedOnly;
+        let downstream = downstream.into_down();
+        assert!(
+            !should_replay(&downstream, true, false, true),
+            "client's error"
+        );
+    }
+
+    #[test]
+    fn peek_sees_a_closed_peer_and_leaves_a_live_one_alone() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        assert!(!peer_closed(client.as_raw_fd(), false), "idle and open");
+        server.write_all(b"x").unwrap();
+        let mut b = [0u8; 1];
+        assert_eq!(client.peek(&mut b).unwrap(), 1);
+        // Unsolicited bytes: dead for plain HTTP, possibly a record for TLS.
+        assert!(peer_closed(client.as_raw_fd(), false));
+        assert!(!peer_closed(client.as_raw_fd(), true));
+        (&client).read_exact(&mut b).unwrap();
+        drop(server);
+        // The FIN arrives asynchronously on loopback; it is there once a read sees it.
+        assert_eq!(client.peek(&mut b).unwrap(), 0);
+        assert!(peer_closed(client.as_raw_fd(), false));
+        assert!(peer_closed(client.as_raw_fd(), true));
+    }
+}
