@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building agent-gateway needs and the machine may lack:
-# cmake (Pingora's zlib-ng build) and a C compiler. Safe to run repeatedly.
+# cmake (Pingora's zlib-ng build) and a C compiler, and the real inference
+# engine the tests and `demo --engine llamacpp` run (scripts/engine/setup.sh).
+# Safe to run repeatedly.
 set -euo pipefail
 need=()
 command -v cmake >/dev/null || need+=(cmake)
@@ -13,3 +15,4 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 command -v cargo >/dev/null || { echo "cargo is required (https://rustup.rs)" >&2; exit 1; }
+"$(dirname "$0")/engine/setup.sh" >/dev/null

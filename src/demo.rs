@@ -6,7 +6,13 @@
 //! per request (what a gateway sees with affinity off), then stops them. The
 //! long study also runs against one replica with an unlimited cache: the
 //! ideal that affinity approaches. Ctrl-C stops everything cleanly.
+//!
+//! `--engine llamacpp` runs the same study on real engines instead: three
+//! llama.cpp servers (see `engine.rs`), with their own cached-token counts and
+//! prefill times, and adds the no-gateway baseline (round robin straight to
+//! the replicas).
 
+use crate::engine::{self, Engine, EngineOptions, ModelShape};
 use crate::loadgen::{self, report, BenchArgs};
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -25,6 +31,34 @@ pub struct DemoArgs {
     /// Print the reports as JSON (for scripts) instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// The replicas: simulated vLLM (`sim`) or real llama.cpp servers (`llamacpp`).
+    #[arg(long, value_enum, default_value_t = EngineKind::Sim)]
+    pub engine: EngineKind,
+    /// Python with the engine installed (default: scripts/engine/setup.sh's venv).
+    #[arg(long)]
+    pub engine_python: Option<PathBuf>,
+    /// llamacpp: sessions per run (default 12; 6 with --quick).
+    #[arg(long)]
+    pub sessions: Option<usize>,
+    /// llamacpp: turns per session (default 6; 4 with --quick).
+    #[arg(long)]
+    pub turns: Option<usize>,
+    /// llamacpp: requests in flight at once (default 3).
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineKind {
+    Sim,
+    Llamacpp,
+}
+
+/// Real llama.cpp replicas: where their scripts and model live, how they run.
+struct RealEngine {
+    work: engine::Workdir,
+    model: PathBuf,
+    opts: EngineOptions,
 }
 
 /// The replica latency model used by the demo.
@@ -39,7 +73,11 @@ struct Model {
 /// Child processes, killed (by PID) when dropped — also on Ctrl-C or panic.
 struct Fleet {
     children: Vec<Child>,
+    engines: Vec<Engine>,
     gateway_url: String,
+    metrics_url: String,
+    /// The replicas' base URLs, for the no-gateway baseline.
+    backend_urls: Vec<String>,
     _dir: tempfile::TempDir,
 }
 
@@ -103,19 +141,39 @@ async fn wait_http(url: &str) -> std::io::Result<()> {
     Err(std::io::Error::other(format!("{url} never became ready")))
 }
 
-async fn start_fleet(exe: &PathBuf, m: &Model, replicas: usize) -> std::io::Result<Fleet> {
+async fn start_fleet(
+    exe: &PathBuf,
+    m: &Model,
+    real: Option<&RealEngine>,
+    replicas: usize,
+) -> std::io::Result<Fleet> {
     let dir = tempfile::tempdir()?;
     let mut fleet = Fleet {
         children: Vec::new(),
+        engines: Vec::new(),
         gateway_url: String::new(),
+        metrics_url: String::new(),
+        backend_urls: Vec::new(),
         _dir: dir,
     };
     let dir_path = fleet._dir.path().to_path_buf();
     let mut backends = String::new();
     for i in 0..replicas {
-        let (child, addr) = start_sim(exe, &format!("vllm-{i}"), m)?;
-        fleet.children.push(child);
-        backends.push_str(&format!("      - {{ id: vllm-{i}, addr: \"{addr}\" }}\n"));
+        let (id, addr) = match real {
+            Some(r) => {
+                let e = Engine::start(&r.work, &r.model, &r.opts)?;
+                let addr = e.addr.clone();
+                fleet.engines.push(e);
+                (format!("llama-{i}"), addr)
+            }
+            None => {
+                let (child, addr) = start_sim(exe, &format!("vllm-{i}"), m)?;
+                fleet.children.push(child);
+                (format!("vllm-{i}"), addr)
+            }
+        };
+        fleet.backend_urls.push(format!("http://{addr}"));
+        backends.push_str(&format!("      - {{ id: {id}, addr: \"{addr}\" }}\n"));
     }
     let (port, metrics, admin) = (free_port()?, free_port()?, free_port()?);
     let config = format!(
@@ -135,6 +193,7 @@ async fn start_fleet(exe: &PathBuf, m: &Model, replicas: usize) -> std::io::Resu
         .spawn()?;
     fleet.children.push(gw);
     wait_http(&format!("http://127.0.0.1:{metrics}/healthz")).await?;
+    fleet.metrics_url = format!("http://127.0.0.1:{metrics}/metrics");
     fleet.gateway_url = format!("http://127.0.0.1:{port}");
     wait_http(&format!("{}/v1/models", fleet.gateway_url)).await?;
     Ok(fleet)
@@ -143,19 +202,37 @@ async fn start_fleet(exe: &PathBuf, m: &Model, replicas: usize) -> std::io::Resu
 async fn study(
     exe: &PathBuf,
     m: &Model,
+    real: Option<&RealEngine>,
     base: &BenchArgs,
     name: &str,
     with_ideal: bool,
 ) -> std::io::Result<Vec<report::Report>> {
     let mut out = Vec::new();
-    for (fresh, label) in [(false, "affinity on"), (true, "affinity off (fresh ids)")] {
-        let fleet = start_fleet(exe, m, 3).await?;
+    let mut runs = vec![
+        (false, false, "affinity on"),
+        (true, false, "affinity off (fresh ids)"),
+    ];
+    if real.is_some() {
+        runs.push((false, true, "round robin, no gateway"));
+    }
+    for (fresh, direct, label) in runs {
+        // Fresh replicas for every run: no run inherits another's cache.
+        let fleet = start_fleet(exe, m, real, 3).await?;
         let mut a = base.clone();
-        a.url = fleet.gateway_url.clone();
+        a.url = if direct {
+            fleet.backend_urls.join(",")
+        } else {
+            fleet.gateway_url.clone()
+        };
         a.fresh_ids = fresh;
         a.label = format!("{name}: {label}");
-        a.id_prefix = format!("{name}-{}", if fresh { "off" } else { "on" });
-        out.push(loadgen::run(&a).await);
+        // The same text in every run (each has fresh replicas): a fair comparison.
+        a.id_prefix = name.to_string();
+        let mut r = loadgen::run(&a).await;
+        if !direct {
+            r.upstream_retries = Some(upstream_retries(&fleet.metrics_url).await);
+        }
+        out.push(r);
     }
     if with_ideal {
         let unlimited = Model {
@@ -173,6 +250,18 @@ async fn study(
         out.push(r);
     }
     Ok(out)
+}
+
+/// `agentserve_upstream_retries_total`, summed over backends.
+async fn upstream_retries(metrics_url: &str) -> u64 {
+    let Ok(resp) = reqwest::get(metrics_url).await else {
+        return 0;
+    };
+    let text = resp.text().await.unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with("agentserve_upstream_retries_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
 
 pub fn run(args: DemoArgs) -> std::io::Result<()> {
@@ -193,6 +282,9 @@ pub fn run(args: DemoArgs) -> std::io::Result<()> {
 }
 
 async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
+    if args.engine == EngineKind::Llamacpp {
+        return demo_llamacpp(exe, args).await;
+    }
     let started = Instant::now();
     let model = if args.quick {
         Model {
@@ -222,8 +314,8 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
         println!("agent-gateway demo: 3 simulated vLLM replicas (prefill {} µs/uncached token, decode {} µs/token, {} KV blocks of 16 tokens each), gateway in front.\n",
             model.prefill_us_per_token, model.decode_us_per_token, model.cache_blocks);
     }
-    let seed_reports = study(exe, &model, &seed, "seed", false).await?;
-    let long_reports = study(exe, &model, &long, "long", true).await?;
+    let seed_reports = study(exe, &model, None, &seed, "seed", false).await?;
+    let long_reports = study(exe, &model, None, &long, "long", true).await?;
     let all: Vec<report::Report> = seed_reports.iter().chain(&long_reports).cloned().collect();
     let svg = report::svg(&all, "agent-gateway demo: affinity on vs off");
     std::fs::write(&args.svg, svg)?;
@@ -236,7 +328,88 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     println!("{}", report::comparison_table(&seed_reports));
     println!("Long study ({} sessions × {} turns, c=6, 3 KB system prompt + 12 KB document per session):\n", long.sessions, long.turns);
     println!("{}", report::comparison_table(&long_reports));
-    for r in &long_reports[..2] {
+    print_turns(&long_reports[..2]);
+    println!("chart: {}", args.svg.display());
+    println!("finished in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// The same study against real llama.cpp replicas, plus the no-gateway baseline.
+async fn demo_llamacpp(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
+    let started = Instant::now();
+    let mut opts = EngineOptions::default();
+    if let Some(p) = &args.engine_python {
+        opts.python = p.clone();
+    }
+    let work = engine::Workdir::new()?;
+    let shape = if args.quick {
+        ModelShape::TINY
+    } else {
+        ModelShape::SMALL
+    };
+    let real = RealEngine {
+        model: work.model(&opts.python, shape)?,
+        work,
+        opts,
+    };
+    // The shape of issue 12's study: 12 sessions × 6 turns at 3 concurrent.
+    let mut study_args = BenchArgs::seed_study("");
+    study_args.model = "tiny".into();
+    study_args.concurrency = 3;
+    study_args.max_tokens = 8;
+    if args.quick {
+        study_args.sessions = 6;
+        study_args.turns = 4;
+        study_args.system_prompt_bytes = 1500;
+    }
+    study_args.sessions = args.sessions.unwrap_or(study_args.sessions);
+    study_args.turns = args.turns.unwrap_or(study_args.turns);
+    study_args.concurrency = args.concurrency.unwrap_or(study_args.concurrency);
+    if !args.json {
+        println!("agent-gateway demo: 3 llama.cpp servers (CPU, 1 thread, {} slots each; a generated {}-layer, width-{} llama model), gateway in front.\n",
+            real.opts.slots, shape.layers, shape.width);
+    }
+    let unused = Model {
+        prefill_us_per_token: 0.0,
+        decode_us_per_token: 0.0,
+        cache_blocks: 0,
+        max_batch: 1,
+    };
+    let reports = study(exe, &unused, Some(&real), &study_args, "llamacpp", false).await?;
+    std::fs::write(
+        &args.svg,
+        report::svg(
+            &reports,
+            "agent-gateway demo on llama.cpp: affinity on vs off vs round robin",
+        ),
+    )?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&reports).unwrap_or_default()
+        );
+        return Ok(());
+    }
+    println!(
+        "{} sessions × {} turns, c={}, {} B system prompt (cached tokens and prefill times as llama.cpp reports them):\n",
+        study_args.sessions, study_args.turns, study_args.concurrency, study_args.system_prompt_bytes
+    );
+    println!("{}", report::comparison_table(&reports));
+    for r in &reports {
+        if let Some(n) = r.upstream_retries {
+            println!("{}: the gateway re-sent {n} request(s) on a fresh connection after llama.cpp closed a reused one", r.label);
+        }
+    }
+    println!();
+    print_turns(&reports);
+    println!("chart: {}", args.svg.display());
+    println!("finished in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Each run's first session, turn by turn: where it went, what was cached.
+fn print_turns(reports: &[report::Report]) {
+    for r in reports {
         println!("{} — one session, turn by turn:\n", r.label);
         let rows: Vec<String> = r
             .locality
@@ -254,7 +427,4 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             .collect();
         println!("| turn | backend | input tokens | cached tokens | prefill ms |\n|---:|---|---:|---:|---:|\n{}\n", rows.join("\n"));
     }
-    println!("chart: {}", args.svg.display());
-    println!("finished in {:.1} s", started.elapsed().as_secs_f64());
-    Ok(())
 }

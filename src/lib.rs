@@ -5,6 +5,7 @@ pub mod admin;
 pub mod affinity;
 pub mod config;
 pub mod demo;
+pub mod engine;
 pub mod gateway;
 pub mod loadgen;
 pub mod metrics;

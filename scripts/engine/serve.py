@@ -16,6 +16,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=16384, help="KV cache tokens, shared by the slots")
+    ap.add_argument("--cache-ram-mib", type=int, default=512,
+                    help="host-RAM prompt cache (llama.cpp's default, 8 GiB, would fill a small box)")
     ap.add_argument("--alias", default="tiny")
     a = ap.parse_args()
 
@@ -29,6 +31,7 @@ def main():
     p.cpuparams.n_threads = a.threads
     p.cpuparams_batch.n_threads = a.threads
     p.cache_prompt = True
+    p.cache_ram_mib = a.cache_ram_mib
     p.endpoint_metrics = True
     p.warmup = False
     p.sampling.seed = 1

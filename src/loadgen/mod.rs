@@ -17,7 +17,8 @@ use tokio::sync::Semaphore;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
-    /// Base URL of the gateway (or any OpenAI-compatible server).
+    /// Base URL of the gateway (or any OpenAI-compatible server). Several,
+    /// comma-separated, are used round-robin per request: the no-gateway baseline.
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub url: String,
     #[arg(long, default_value_t = 12)]
@@ -170,10 +171,27 @@ struct Outcome {
     text: String,
 }
 
+/// The base URL of the next request: `--url`'s one URL, or its list in turn.
+fn next_url(urls: &str) -> &str {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let count = urls.split(',').count();
+    let i = if count > 1 {
+        NEXT.fetch_add(1, Ordering::Relaxed) % count
+    } else {
+        0
+    };
+    urls.split(',')
+        .nth(i)
+        .unwrap_or(urls)
+        .trim()
+        .trim_end_matches('/')
+}
+
 async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
     let started = Instant::now();
+    let base = next_url(&args.url);
     let mut req = client
-        .post(format!("{}{}", args.url.trim_end_matches('/'), t.path))
+        .post(format!("{base}{}", t.path))
         .header(args.session_header.as_str(), t.session_id.as_str())
         .json(&t.body);
     if let Some(p) = &t.parent_id {
@@ -194,11 +212,15 @@ async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
             .and_then(|v| v.to_str().ok())
             .map(str::to_string)
     };
-    out.backend = header("x-agent-serve-backend").or_else(|| header("x-sim-backend"));
+    out.backend = header("x-agent-serve-backend")
+        .or_else(|| header("x-sim-backend"))
+        .or_else(|| Some(base.rsplit('/').next().unwrap_or(base).to_string()));
     out.prefill_us = header("x-sim-prefill-us").and_then(|v| v.parse().ok());
     out.affinity_hit = header("x-agent-serve-affinity-hit").map(|v| v == "true");
     let is_sse = header("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
     let mut usage = Value::Null;
+    // llama.cpp's own account of the request (prompt_ms: its prefill time).
+    let mut timings = Value::Null;
     if is_sse {
         let mut stream = resp.bytes_stream();
         let mut buf: Vec<u8> = Vec::new();
@@ -227,6 +249,9 @@ async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
                     if v["usage"].is_object() {
                         usage = v["usage"].clone();
                     }
+                    if v["timings"].is_object() {
+                        timings = v["timings"].clone();
+                    }
                 }
             }
         }
@@ -234,6 +259,7 @@ async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
         let body: Value = resp.json().await.unwrap_or(Value::Null);
         out.ttft = started.elapsed();
         usage = body["usage"].clone();
+        timings = body["timings"].clone();
         if let Some(c) = body["choices"][0]["message"]["content"].as_str() {
             out.text = c.to_string();
         } else if let Some(c) = body["choices"][0]["text"].as_str() {
@@ -241,6 +267,9 @@ async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
         }
     }
     out.e2e = started.elapsed();
+    if let Some(ms) = timings["prompt_ms"].as_f64() {
+        out.prefill_us.get_or_insert((ms * 1000.0) as u64);
+    }
     out.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
     out.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
         .as_u64()

@@ -79,6 +79,10 @@ pub struct Report {
     /// Share of subagent turns served by the parent's backend (None: no subagents).
     pub subagent_colocation: Option<f64>,
     pub locality: Vec<LocalityRow>,
+    /// Requests the gateway re-sent on a fresh connection
+    /// (`agentserve_upstream_retries_total`), when the run went through one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_retries: Option<u64>,
 }
 
 impl Report {
@@ -181,6 +185,7 @@ impl Report {
             balance_max_over_mean: balance,
             subagent_colocation,
             locality,
+            upstream_retries: None,
         }
     }
 }

@@ -346,14 +346,15 @@ impl Drop for Gateway {
     }
 }
 
-/// Sum of the samples whose name-and-labels text starts with `sample`
-/// (labels given in the order Prometheus prints them). Absent → 0.
+/// Sum of the samples whose name-and-labels text is `sample` (labels given in
+/// the order Prometheus prints them), or, for `sample` ending in `{`, every
+/// sample of that metric. Absent → 0.
 pub fn metric_value(text: &str, sample: &str) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| {
             let (name, value) = l.rsplit_once(' ')?;
-            (name == sample)
+            (name == sample || (sample.ends_with('{') && name.starts_with(sample)))
                 .then(|| value.parse::<f64>().ok())
                 .flatten()
         })
