@@ -31,6 +31,50 @@ struct FileConfig {
     admin: FileAdmin,
     #[serde(default)]
     trace: FileTrace,
+    #[serde(default)]
+    placement: FilePlacement,
+    #[serde(default)]
+    load: FileLoad,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FilePlacement {
+    first: String,
+    balance_factor: f64,
+    load: String,
+}
+
+impl Default for FilePlacement {
+    fn default() -> Self {
+        FilePlacement {
+            first: "bounded_hrw".into(),
+            balance_factor: 1.25,
+            load: "combined".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileLoad {
+    scrape: bool,
+    path: String,
+    interval_ms: u64,
+    timeout_ms: u64,
+    stale_ms: u64,
+}
+
+impl Default for FileLoad {
+    fn default() -> Self {
+        FileLoad {
+            scrape: true,
+            path: "/metrics".into(),
+            interval_ms: 1000,
+            timeout_ms: 500,
+            stale_ms: 5000,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -287,6 +331,8 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub admin: AdminConfig,
     pub trace: TraceConfig,
+    pub placement: PlacementConfig,
+    pub load: LoadConfig,
     /// Things that are allowed but probably a mistake.
     pub warnings: Vec<String>,
 }
@@ -381,7 +427,23 @@ pub struct AdminConfig {
     pub token: Option<String>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlacementConfig {
+    pub first: crate::affinity::placement::FirstKind,
+    pub balance_factor: f64,
+    pub load: crate::affinity::placement::LoadMeasure,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadConfig {
+    pub scrape: bool,
+    pub path: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub stale: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq)]
 pub struct HealthConfig {
     pub path: String,
     pub interval: Duration,
@@ -508,6 +570,60 @@ fn validate_headers(key: &str, list: &[String], errors: &mut Vec<ConfigError>) -
         }
     }
     out
+}
+
+fn validate_placement(
+    p: &FilePlacement,
+    l: &FileLoad,
+    errors: &mut Vec<ConfigError>,
+) -> (PlacementConfig, LoadConfig) {
+    use crate::affinity::placement::{FirstKind, LoadMeasure};
+    let first = FirstKind::parse(&p.first).unwrap_or_else(|| {
+        errors.push(err(
+            "placement.first",
+            format!("`{}` is not one of {}", p.first, FirstKind::NAMES),
+        ));
+        FirstKind::BoundedHrw
+    });
+    if !(p.balance_factor.is_finite() && p.balance_factor >= 1.0) {
+        errors.push(err(
+            "placement.balance_factor",
+            "must be a number ≥ 1 (1.25 is customary)",
+        ));
+    }
+    let measure = LoadMeasure::parse(&p.load).unwrap_or_else(|| {
+        errors.push(err(
+            "placement.load",
+            format!("`{}` is not one of sessions | requests | combined", p.load),
+        ));
+        LoadMeasure::Combined
+    });
+    for (key, v) in [
+        ("load.interval_ms", l.interval_ms),
+        ("load.timeout_ms", l.timeout_ms),
+        ("load.stale_ms", l.stale_ms),
+    ] {
+        if v == 0 {
+            errors.push(err(key, "must be greater than 0"));
+        }
+    }
+    if !l.path.starts_with('/') {
+        errors.push(err("load.path", "must start with `/`"));
+    }
+    (
+        PlacementConfig {
+            first,
+            balance_factor: p.balance_factor,
+            load: measure,
+        },
+        LoadConfig {
+            scrape: l.scrape,
+            path: l.path.clone(),
+            interval: Duration::from_millis(l.interval_ms),
+            timeout: Duration::from_millis(l.timeout_ms),
+            stale: Duration::from_millis(l.stale_ms),
+        },
+    )
 }
 
 fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
@@ -776,6 +892,8 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         ));
     }
 
+    let (placement, load) = validate_placement(&file.placement, &file.load, &mut errors);
+
     // metrics
     let metrics_listen = parse_addr("metrics.listen", &file.metrics.listen, &mut errors);
 
@@ -837,6 +955,8 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             max_bytes: file.trace.max_bytes,
             keep: file.trace.keep,
         },
+        placement,
+        load,
         warnings,
     })
 }

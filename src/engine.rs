@@ -139,7 +139,20 @@ impl Engine {
         opts: &EngineOptions,
         port: u16,
     ) -> std::io::Result<Engine> {
-        let mut child = Command::new(&opts.python)
+        let mut cmd = Command::new(&opts.python);
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl is async-signal-safe; it only asks the kernel to
+            // kill the replica if this process dies first (no orphaned engines).
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+        }
+        let mut child = cmd
             .arg(work.path().join("serve.py"))
             .arg("--model")
             .arg(model)

@@ -26,6 +26,20 @@ pub struct ReloadSummary {
     pub needs_restart: Vec<&'static str>,
 }
 
+/// The affinity policy and placement a configuration asks for.
+fn configure_affinity(affinity: &Affinity, config: &Config) {
+    affinity.set_policy(DefaultPolicy {
+        mode: config.affinity.mode,
+        soft_max_in_flight: config.affinity.soft_max_in_flight,
+    });
+    let p = &config.placement;
+    affinity.set_placement(crate::affinity::Placement::new(
+        p.first,
+        p.balance_factor,
+        p.load,
+    ));
+}
+
 pub struct Gateway {
     routing: ArcSwap<Routing>,
     pub affinity: Arc<Affinity>,
@@ -71,10 +85,7 @@ impl Gateway {
                 }
             }
         });
-        affinity.set_policy(DefaultPolicy {
-            mode: config.affinity.mode,
-            soft_max_in_flight: config.affinity.soft_max_in_flight,
-        });
+        configure_affinity(&affinity, &config);
         Ok(Arc::new(Gateway {
             routing: ArcSwap::from_pointee(routing),
             affinity,
@@ -187,10 +198,7 @@ impl Gateway {
         }
         self.health_check.update(&config);
         self.affinity.set_ttl(config.affinity.sticky_ttl);
-        self.affinity.set_policy(DefaultPolicy {
-            mode: config.affinity.mode,
-            soft_max_in_flight: config.affinity.soft_max_in_flight,
-        });
+        configure_affinity(&self.affinity, &config);
         let live: HashSet<(u16, u32)> = new
             .tiers
             .iter()

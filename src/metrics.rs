@@ -2,8 +2,8 @@
 //! `GET /metrics` listener. Names are fixed: dashboards depend on them.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Request duration buckets: LLM requests run from milliseconds to minutes.
@@ -29,6 +29,10 @@ pub struct Metrics {
     pub cached_prompt_tokens: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub upstream_retries: IntCounterVec,
+    pub backend_bindings: IntGaugeVec,
+    pub backend_engine_requests: IntGaugeVec,
+    pub backend_kv_usage: GaugeVec,
+    pub load_scrape_failures: IntCounterVec,
 }
 
 /// A tier's hot-path counters, resolved once per config load.
@@ -143,6 +147,36 @@ impl Metrics {
                 &r,
                 "agentserve_prompt_tokens_total",
                 "Prompt tokens reported in responses' usage",
+                &["tier", "backend"],
+            ),
+            backend_bindings: gauge(
+                &r,
+                "agentserve_backend_bindings",
+                "Live session bindings per backend (the sessions placement balances)",
+                &["tier", "backend"],
+            ),
+            backend_engine_requests: gauge(
+                &r,
+                "agentserve_backend_engine_requests",
+                "Requests the engine itself reports running or waiting (-1: not reported or stale)",
+                &["tier", "backend", "state"],
+            ),
+            backend_kv_usage: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        "agentserve_backend_kv_usage_ratio",
+                        "KV-cache usage the engine reports, 0..1 (-1: not reported or stale)",
+                    ),
+                    &["tier", "backend"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            load_scrape_failures: counter(
+                &r,
+                "agentserve_load_scrape_failures_total",
+                "Failed or timed-out scrapes of a backend's /metrics (placement then uses local counts)",
                 &["tier", "backend"],
             ),
             upstream_retries: counter(

@@ -112,6 +112,10 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
         "binding sweeper",
         Sweeper(Arc::clone(&gw)),
     ));
+    server.add_service(background_service(
+        "load signals",
+        crate::upstream::load::LoadScraper(Arc::clone(&gw)),
+    ));
     let lifecycle = server.add_service(background_service("lifecycle", Lifecycle(Arc::clone(&gw))));
     lifecycle.add_dependencies([&proxy_handle, &metrics_handle, &admin_handle]);
     Ok((server, gw))

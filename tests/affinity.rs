@@ -194,6 +194,7 @@ async fn a_client_leaving_mid_wait_does_not_wedge_its_session() {
             seed: h.backend_seed(id),
             weight: 1,
             in_flight: 0,
+            engine_requests: 0,
             draining: false,
             move_on_drain: false,
         })

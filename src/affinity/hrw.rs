@@ -97,30 +97,30 @@ pub trait Scored {
 
 /// Index of the HRW winner among `items`, or `None` when empty.
 pub fn choose<T: Scored>(session: u64, items: &[T]) -> Option<usize> {
+    choose_where(session, items, |_| true)
+}
+
+/// Index of the highest-ranked item that `allowed` accepts: the first of the
+/// session's HRW order that passes, found in one pass without sorting.
+pub fn choose_where<T: Scored>(
+    session: u64,
+    items: &[T],
+    allowed: impl Fn(usize) -> bool,
+) -> Option<usize> {
     let first = items.first()?;
     let uniform = items.iter().all(|b| b.weight() == first.weight());
-    let mut best = 0;
+    let allowed_items = items.iter().enumerate().filter(|&(i, _)| allowed(i));
     if uniform {
         // Equal weights: -w/ln(u) is monotonic in u, so the raw hash orders the same.
-        let mut best_h = mix(session ^ first.seed());
-        for (i, b) in items.iter().enumerate().skip(1) {
-            let h = mix(session ^ b.seed());
-            if h > best_h {
-                best_h = h;
-                best = i;
-            }
-        }
+        allowed_items
+            .max_by_key(|&(_, b)| mix(session ^ b.seed()))
+            .map(|(i, _)| i)
     } else {
-        let mut best_s = weighted_score(session, first.seed(), first.weight());
-        for (i, b) in items.iter().enumerate().skip(1) {
-            let s = weighted_score(session, b.seed(), b.weight());
-            if s > best_s {
-                best_s = s;
-                best = i;
-            }
-        }
+        allowed_items
+            .map(|(i, b)| (i, weighted_score(session, b.seed(), b.weight())))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(i, _)| i)
     }
-    Some(best)
 }
 
 /// Candidates in descending HRW order (the failover order for a session).

@@ -9,12 +9,14 @@
 //! (single-flight). It needs no network, so unit tests and benchmarks drive it.
 
 pub mod hrw;
+pub mod placement;
 pub mod policy;
 pub mod session;
 pub mod table;
 
 use arc_swap::ArcSwap;
 use hrw::{HrwHasher, KeyKind, Scored};
+use placement::{FirstKind, FirstPlacement, LoadMeasure};
 use policy::{BindingPolicy, DefaultPolicy, Mode, MoveReason};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -30,6 +32,9 @@ pub struct Candidate {
     pub seed: u64,
     pub weight: u32,
     pub in_flight: u64,
+    /// Running + waiting requests as the engine itself last reported them
+    /// (fresh scrapes only; 0 when unknown).
+    pub engine_requests: u64,
     /// Takes no new bindings.
     pub draining: bool,
     /// Drained with "move sessions": its bindings move on their next turn.
@@ -130,6 +135,21 @@ pub enum Choice {
 
 const WAITER_SHARDS: usize = 64;
 
+/// How sessions without a live binding are placed.
+pub struct Placement {
+    pub first: Box<dyn FirstPlacement>,
+    pub load: LoadMeasure,
+}
+
+impl Placement {
+    pub fn new(kind: FirstKind, balance_factor: f64, load: LoadMeasure) -> Self {
+        Placement {
+            first: placement::build(kind, balance_factor),
+            load,
+        }
+    }
+}
+
 /// The binding table plus the clock, TTL and policy it is read with.
 pub struct Affinity {
     table: BindingTable,
@@ -137,6 +157,7 @@ pub struct Affinity {
     /// 0 disables affinity.
     ttl_ms: AtomicU64,
     policy: ArcSwap<DefaultPolicy>,
+    placement: ArcSwap<Placement>,
     /// Woken when a pending binding is confirmed or abandoned.
     waiters: Box<[Notify]>,
 }
@@ -151,12 +172,49 @@ impl Affinity {
                 mode: Mode::Hard,
                 soft_max_in_flight: 0,
             }),
+            placement: ArcSwap::from_pointee(Placement::new(
+                FirstKind::BoundedHrw,
+                1.25,
+                LoadMeasure::Combined,
+            )),
             waiters: (0..WAITER_SHARDS).map(|_| Notify::new()).collect(),
         })
     }
 
     pub fn set_policy(&self, policy: DefaultPolicy) {
         self.policy.store(Arc::new(policy));
+    }
+
+    pub fn set_placement(&self, placement: Placement) {
+        self.placement.store(Arc::new(placement));
+    }
+
+    /// Live bindings that name `backend` (its sessions).
+    pub fn backend_bindings(&self, backend: u32) -> u64 {
+        self.table.backend_len(backend)
+    }
+
+    /// Where a session without a live binding goes among `pool`: the
+    /// preferred (parent's) backend while it is within the balance bound,
+    /// else the configured first placement.
+    fn place(&self, hash: u64, pool: &[Candidate], preferred: Option<u32>) -> Option<u32> {
+        if pool.is_empty() {
+            return None;
+        }
+        let placement = self.placement.load();
+        let load: Vec<u64> = pool
+            .iter()
+            .map(|c| placement.load.of(c, self.table.backend_len(c.slot)))
+            .collect();
+        if let Some(i) = preferred.and_then(|p| pool.iter().position(|c| c.slot == p)) {
+            if !placement.first.overloaded(i, pool, &load) {
+                return Some(pool[i].slot);
+            }
+        }
+        placement
+            .first
+            .place(hash, pool, &load)
+            .map(|i| pool[i].slot)
     }
 
     /// Notified when a pending binding of `key` (or one sharing its shard)
@@ -233,7 +291,7 @@ impl Affinity {
         };
         let ttl_ms = self.ttl_ms.load(Ordering::Relaxed);
         if ttl_ms == 0 {
-            let slot = open[hrw::choose(session.hash, open)?].slot;
+            let slot = self.place(session.hash, open, None)?;
             return Some(Choice::Go(Selection {
                 index: candidates.iter().position(|c| c.slot == slot)?,
                 backend: slot,
@@ -254,15 +312,12 @@ impl Affinity {
             .map(|b| b.backend)
             .filter(|&slot| open.iter().any(|c| c.slot == slot));
         let fresh = |exclude: Option<u32>| -> Option<u32> {
-            if let Some(p) = preferred.filter(|&p| Some(p) != exclude) {
-                return Some(p);
-            }
             match exclude {
-                None => hrw::choose(session.hash, open).map(|i| open[i].slot),
+                None => self.place(session.hash, open, preferred),
                 Some(x) => {
                     let pool: Vec<Candidate> =
                         open.iter().copied().filter(|c| c.slot != x).collect();
-                    hrw::choose(session.hash, &pool).map(|i| pool[i].slot)
+                    self.place(session.hash, &pool, preferred)
                 }
             }
         };
@@ -414,6 +469,7 @@ mod tests {
                 seed: h.backend_seed(&format!("b{i}")),
                 weight: 1,
                 in_flight: 0,
+                engine_requests: 0,
                 draining: false,
                 move_on_drain: false,
             })

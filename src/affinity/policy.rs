@@ -73,6 +73,7 @@ mod tests {
             seed: slot as u64,
             weight: 1,
             in_flight,
+            engine_requests: 0,
             draining,
             move_on_drain: false,
         }

@@ -22,6 +22,9 @@ pub type BindingKey = u128;
 /// Most tiers a table counts bindings for.
 pub const MAX_TIERS: usize = 256;
 
+/// Most backend slots a table counts bindings for (placement reads these).
+pub const MAX_BACKENDS: usize = 16384;
+
 const NIL: u32 = u32::MAX;
 
 /// What a binding points at.
@@ -212,6 +215,7 @@ pub struct BindingTable {
     shards: Box<[Mutex<Shard>]>,
     shard_bits: u32,
     per_tier: Box<[AtomicI64]>,
+    per_backend: Box<[AtomicI64]>,
     evictions: Box<[AtomicU64]>,
 }
 
@@ -227,6 +231,7 @@ impl BindingTable {
             shards: (0..n).map(|_| Mutex::new(Shard::new(cap))).collect(),
             shard_bits,
             per_tier: (0..MAX_TIERS).map(|_| AtomicI64::new(0)).collect(),
+            per_backend: (0..MAX_BACKENDS).map(|_| AtomicI64::new(0)).collect(),
             evictions: (0..MAX_TIERS).map(|_| AtomicU64::new(0)).collect(),
         }
     }
@@ -240,8 +245,18 @@ impl BindingTable {
         &self.shards[idx]
     }
 
-    fn count(&self, tier: u16, delta: i64) {
+    fn count(&self, tier: u16, backend: u32, delta: i64) {
         self.per_tier[tier as usize].fetch_add(delta, Ordering::Relaxed);
+        if let Some(c) = self.per_backend.get(backend as usize) {
+            c.fetch_add(delta, Ordering::Relaxed);
+        }
+    }
+
+    /// Bindings (sessions) that name `backend`, expired-but-unswept included.
+    pub fn backend_len(&self, backend: u32) -> u64 {
+        self.per_backend
+            .get(backend as usize)
+            .map_or(0, |c| c.load(Ordering::Relaxed).max(0) as u64)
     }
 
     /// Look `key` up and apply `policy` atomically (under the shard lock), so
@@ -267,7 +282,7 @@ impl BindingTable {
             let e = shard.entries[i as usize];
             if e.in_flight == 0 && e.deadline_ms <= now_ms {
                 shard.remove(i);
-                self.count(e.tier, -1);
+                self.count(e.tier, e.backend, -1);
                 expired = true;
                 idx = None;
             }
@@ -305,6 +320,7 @@ impl BindingTable {
                 if let Some(i) = idx {
                     let e = &mut shard.entries[i as usize];
                     let previous = e.backend;
+                    let tier = e.tier;
                     e.backend = backend;
                     e.version = e.version.wrapping_add(1);
                     let version = e.version;
@@ -313,6 +329,8 @@ impl BindingTable {
                     if was_idle {
                         shard.unlink(i);
                     }
+                    self.count(tier, previous, -1);
+                    self.count(tier, backend, 1);
                     return Acquired::Bound {
                         backend,
                         version,
@@ -326,7 +344,7 @@ impl BindingTable {
                         return Acquired::Full { backend };
                     }
                     let e = shard.remove(victim);
-                    self.count(e.tier, -1);
+                    self.count(e.tier, e.backend, -1);
                     self.evictions[e.tier as usize].fetch_add(1, Ordering::Relaxed);
                 }
                 let i = shard.alloc(Entry {
@@ -341,7 +359,7 @@ impl BindingTable {
                     pending: true,
                 });
                 shard.map.insert(key, i);
-                self.count(tier, 1);
+                self.count(tier, backend, 1);
                 Acquired::Bound {
                     backend,
                     version: 1,
@@ -370,7 +388,7 @@ impl BindingTable {
             if let Some(&i) = shard.map.get(&key) {
                 if shard.entries[i as usize].pending {
                     let e = shard.remove(i);
-                    self.count(e.tier, -1);
+                    self.count(e.tier, e.backend, -1);
                     return true;
                 }
             }
@@ -413,7 +431,7 @@ impl BindingTable {
         let mut shard = self.shard(key).lock();
         let i = *shard.map.get(&key)?;
         let e = shard.remove(i);
-        self.count(e.tier, -1);
+        self.count(e.tier, e.backend, -1);
         Some(e.binding())
     }
 
@@ -433,7 +451,7 @@ impl BindingTable {
                 .collect();
             for i in victims {
                 let e = shard.remove(i);
-                self.count(e.tier, -1);
+                self.count(e.tier, e.backend, -1);
                 *removed.entry(e.tier).or_default() += 1;
             }
         }
@@ -452,7 +470,7 @@ impl BindingTable {
                     break;
                 }
                 let e = shard.remove(t);
-                self.count(e.tier, -1);
+                self.count(e.tier, e.backend, -1);
                 swept += 1;
             }
         }
@@ -501,8 +519,11 @@ impl BindingTable {
             if e.version >= b.version {
                 return;
             }
+            let (tier, previous) = (e.tier, e.backend);
             e.backend = b.backend;
             e.version = b.version;
+            self.count(tier, previous, -1);
+            self.count(tier, b.backend, 1);
             return;
         }
         if shard.map.len() >= shard.cap {
@@ -521,7 +542,7 @@ impl BindingTable {
         });
         shard.map.insert(key, i);
         shard.push_head(i);
-        self.count(b.tier, 1);
+        self.count(b.tier, b.backend, 1);
     }
 
     /// Approximate heap bytes held by the table (for the memory benchmark).

@@ -368,15 +368,24 @@ impl GatewayProxy {
     }
 
     fn least_in_flight(&self, tier: &Tier, candidates: &[Candidate]) -> usize {
-        let load = |c: &Candidate| {
-            tier.backend_by_slot(c.slot)
-                .map_or(u64::MAX, |b| b.in_flight())
-        };
-        let min = candidates.iter().map(load).min().unwrap_or(0);
-        let tied: Vec<usize> = (0..candidates.len())
-            .filter(|&i| load(&candidates[i]) == min)
+        // One snapshot: in-flight counts move while we look, and deciding on
+        // two different readings can leave no candidate at the minimum.
+        let loads: Vec<u64> = candidates
+            .iter()
+            .map(|c| {
+                tier.backend_by_slot(c.slot)
+                    .map_or(u64::MAX, |b| b.in_flight())
+            })
             .collect();
-        tied[self.tiebreak.fetch_add(1, Ordering::Relaxed) % tied.len()]
+        let min = loads.iter().copied().min().unwrap_or(0);
+        let tied = loads.iter().filter(|&&l| l == min).count().max(1);
+        let pick = self.tiebreak.fetch_add(1, Ordering::Relaxed) % tied;
+        loads
+            .iter()
+            .enumerate()
+            .filter(|&(_, &l)| l == min)
+            .nth(pick)
+            .map_or(0, |(i, _)| i)
     }
 }
 

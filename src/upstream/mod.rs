@@ -6,6 +6,7 @@
 //! binding table, in-flight counts and health survive a reload.
 
 pub mod health;
+pub mod load;
 
 use crate::affinity::hrw::HrwHasher;
 use crate::affinity::table::MAX_TIERS;
@@ -35,6 +36,8 @@ pub struct BackendStats {
     /// Until then (ms on the gateway's clock), requests to this backend ask
     /// for a fresh connection: it closed a reused one under a request.
     pub fresh_connections_until_ms: AtomicU64,
+    /// What the engine last reported about its own load (see load.rs).
+    pub engine: load::EngineLoad,
 }
 
 /// Backend id → slot, and slot → live state.
@@ -71,6 +74,7 @@ impl Slots {
             move_on_drain: AtomicBool::new(false),
             admitted: AtomicBool::new(true),
             fresh_connections_until_ms: AtomicU64::new(0),
+            engine: Default::default(),
         });
         w.stats.push(Arc::clone(&stats));
         w.by_id.insert(id.to_string(), slot);
@@ -122,6 +126,7 @@ impl Backend {
             seed: self.seed,
             weight: self.weight,
             in_flight: self.in_flight(),
+            engine_requests: self.stats.engine.requests_if_fresh(),
             draining: self.draining(),
             move_on_drain: self.stats.move_on_drain.load(Ordering::Relaxed),
         }

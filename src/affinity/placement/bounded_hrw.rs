@@ -1,0 +1,146 @@
+//! Rendezvous hashing with bounded loads: walk the session's HRW order and
+//! take the first backend whose load, with this session added, stays within
+//! `balance_factor` × its weighted share of the tier's load (Mirrokni et al.,
+//! "Consistent Hashing with Bounded Loads"; the bound includes the new
+//! session, so some backend always qualifies).
+//!
+//! With balanced load every backend qualifies and the choice is plain HRW, so
+//! gateways that see the same fleet agree. A backend that has run ahead (hash
+//! lumpiness, heavy sessions, a slow replica) is skipped until the others
+//! catch up; a replica that comes back empty is below its share and takes new
+//! sessions until it is level, each one's HRW order permitting.
+
+use super::FirstPlacement;
+use crate::affinity::{hrw, Candidate};
+
+pub struct BoundedHrw {
+    /// ≥ 1; 1.25 is the customary choice.
+    pub balance_factor: f64,
+}
+
+impl BoundedHrw {
+    /// How many load units `open[i]` may carry: ⌈factor × (total + 1) × share⌉,
+    /// its weighted share of the tier's load with the new session counted.
+    fn capacity(&self, i: usize, open: &[Candidate], load: &[u64]) -> u64 {
+        let total: u64 = load.iter().sum();
+        let weights: u64 = open.iter().map(|c| c.weight.max(1) as u64).sum();
+        let share = open[i].weight.max(1) as f64 / weights.max(1) as f64;
+        (self.balance_factor * (total + 1) as f64 * share).ceil() as u64
+    }
+
+    /// Whether `open[i]` can take one more unit and stay within capacity.
+    pub fn accepts(&self, i: usize, open: &[Candidate], load: &[u64]) -> bool {
+        load[i] < self.capacity(i, open, load)
+    }
+}
+
+impl FirstPlacement for BoundedHrw {
+    fn place(&self, session: u64, open: &[Candidate], load: &[u64]) -> Option<usize> {
+        hrw::choose_where(session, open, |i| self.accepts(i, open, load))
+            .or_else(|| hrw::choose(session, open))
+    }
+
+    fn overloaded(&self, i: usize, open: &[Candidate], load: &[u64]) -> bool {
+        load[i] > self.capacity(i, open, load)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::affinity::placement::testing::open;
+
+    const B: BoundedHrw = BoundedHrw {
+        balance_factor: 1.25,
+    };
+
+    #[test]
+    fn balanced_load_gives_plain_hrw() {
+        let o = open(4);
+        for s in 0..200u64 {
+            assert_eq!(B.place(s, &o, &[10, 10, 10, 10]), hrw::choose(s, &o));
+            assert_eq!(B.place(s, &o, &[0, 0, 0, 0]), hrw::choose(s, &o));
+        }
+    }
+
+    #[test]
+    fn the_first_sessions_spread_before_any_backend_takes_a_second() {
+        let o = open(3);
+        let mut load = [0u64; 3];
+        for s in 0..3u64 {
+            load[B.place(hrw::mix(s), &o, &load).unwrap()] += 1;
+        }
+        assert_eq!(load, [1, 1, 1]);
+    }
+
+    #[test]
+    fn skips_a_backend_over_its_bound_by_hand() {
+        // Loads 12, 6, 6: total 24, capacity ⌈1.25 × 25 / 3⌉ = ⌈10.42⌉ = 11.
+        // Backend 0 (12) is over it; backends 1 and 2 (6) accept one more.
+        let o = open(3);
+        let load = [12, 6, 6];
+        assert!(!B.accepts(0, &o, &load));
+        assert!(B.overloaded(0, &o, &load));
+        assert!(B.accepts(1, &o, &load));
+        assert!(!B.overloaded(1, &o, &load));
+        // Loads 10, 6, 6: capacity ⌈1.25 × 23 / 3⌉ = ⌈9.58⌉ = 10. Backend 0 is
+        // full but not over: a subagent may still join its parent there.
+        assert!(!B.accepts(0, &o, &[10, 6, 6]));
+        assert!(!B.overloaded(0, &o, &[10, 6, 6]));
+        let s = (0..1000u64)
+            .find(|&s| hrw::choose(s, &o) == Some(0))
+            .expect("a session whose HRW top is backend 0");
+        let second = hrw::ranked(s, &o)[1];
+        assert_eq!(B.place(s, &o, &load), Some(second));
+    }
+
+    #[test]
+    fn an_empty_replica_takes_new_sessions_until_level() {
+        // Two replicas hold 30 sessions each; a third comes back empty.
+        // The full ones accept again once ⌈1.25 × (61 + k) / 3⌉ > 30, i.e.
+        // after k = 12 sessions went to the empty one.
+        let o = open(3);
+        let mut load = [30u64, 30, 0];
+        let picks: Vec<usize> = (0..30u64)
+            .map(|s| {
+                let i = B.place(hrw::mix(s), &o, &load).unwrap();
+                load[i] += 1;
+                i
+            })
+            .collect();
+        assert!(picks[..12].iter().all(|&i| i == 2), "{picks:?}");
+        assert!(
+            picks[12..].iter().any(|&i| i != 2),
+            "then HRW again: {picks:?}"
+        );
+        // And every replica ends within the bound (capacity at 90 sessions: 38).
+        assert!(load.iter().all(|&l| l <= 38), "{load:?}");
+    }
+
+    #[test]
+    fn weights_scale_the_share() {
+        // Backend 0 has weight 3 of 5: capacity ⌈1.25 × 11 × 0.6⌉ = ⌈8.25⌉ = 9.
+        let mut o = open(3);
+        o[0].weight = 3;
+        assert!(B.accepts(0, &o, &[8, 1, 1]));
+        assert!(!B.accepts(0, &o, &[9, 1, 0]));
+        // The same loads on an equal-weight backend: ⌈1.25 × 11 / 5⌉ = 3.
+        assert!(!B.accepts(1, &o, &[6, 3, 1]));
+    }
+
+    #[test]
+    fn no_backend_ends_above_its_capacity() {
+        let o = open(3);
+        for factor in [1.25, 1.1, 1.0] {
+            let b = BoundedHrw {
+                balance_factor: factor,
+            };
+            let mut load = [0u64; 3];
+            for s in 0..64u64 {
+                load[b.place(hrw::mix(s), &o, &load).unwrap()] += 1;
+            }
+            let cap = (factor * 64.0 / 3.0).ceil() as u64;
+            assert!(load.iter().all(|&l| l <= cap), "factor {factor}: {load:?}");
+        }
+    }
+}
