@@ -1,7 +1,8 @@
 //! The admin API, on its own listener (default 127.0.0.1:9092), JSON in and
 //! out, optionally behind a bearer token:
 //!
-//! - `GET    /admin/backends` — every backend: tier, health, draining, in-flight, bindings
+//! - `GET    /admin/backends` — every backend: tier, health, draining, in-flight,
+//!   bindings, and the engine's own load when scraped (`null` when unknown or stale)
 //! - `POST   /admin/backends/{id}/drain` — body `{"move_sessions": bool}` (optional)
 //! - `POST   /admin/backends/{id}/undrain`
 //! - `GET    /admin/sessions/{id}?tier=T&kind=session|group&tenant=X` — a binding
@@ -95,6 +96,11 @@ impl AdminApp {
                     "move_sessions": b.stats.move_on_drain.load(Ordering::Relaxed),
                     "in_flight": b.in_flight(),
                     "bindings": per_backend.get(&(t.index, b.slot)).copied().unwrap_or(0),
+                    "engine": b.stats.engine.snapshot().map(|(running, waiting, kv)| json!({
+                        "running": running,
+                        "waiting": waiting,
+                        "kv_usage": kv,
+                    })),
                 })
             })
             .collect();

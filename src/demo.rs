@@ -37,6 +37,15 @@ pub struct DemoArgs {
     /// Python with the engine installed (default: scripts/engine/setup.sh's venv).
     #[arg(long)]
     pub engine_python: Option<PathBuf>,
+    /// Which studies to run: affinity on vs off, first placement under compute
+    /// contention, or both.
+    #[arg(long, value_enum, default_value_t = Study::All)]
+    pub study: Study,
+    /// The placement study's variants, `;`-separated; each is a
+    /// `placement.first` value, optionally with `,key=value` placement keys
+    /// (e.g. `bounded_hrw,balance_factor=1.25,load=requests`).
+    #[arg(long, default_value = "hrw;round_robin;bounded_hrw")]
+    pub placements: String,
     /// llamacpp: sessions per run (default 12; 6 with --quick).
     #[arg(long)]
     pub sessions: Option<usize>,
@@ -46,6 +55,13 @@ pub struct DemoArgs {
     /// llamacpp: requests in flight at once (default 3).
     #[arg(long)]
     pub concurrency: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Study {
+    Affinity,
+    Placement,
+    All,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -68,6 +84,8 @@ struct Model {
     decode_us_per_token: f64,
     cache_blocks: usize,
     max_batch: usize,
+    /// One prefill at a time per replica (compute contention).
+    serial_prefill: bool,
 }
 
 /// Child processes, killed (by PID) when dropped — also on Ctrl-C or panic.
@@ -104,6 +122,7 @@ fn start_sim(exe: &PathBuf, id: &str, m: &Model) -> std::io::Result<(Child, Stri
         .args(["--decode-us-per-token", &m.decode_us_per_token.to_string()])
         .args(["--cache-blocks", &m.cache_blocks.to_string()])
         .args(["--max-batch", &m.max_batch.to_string()])
+        .args(m.serial_prefill.then_some("--serial-prefill"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()?;
@@ -146,6 +165,7 @@ async fn start_fleet(
     m: &Model,
     real: Option<&RealEngine>,
     replicas: usize,
+    sections: &str,
 ) -> std::io::Result<Fleet> {
     let dir = tempfile::tempdir()?;
     let mut fleet = Fleet {
@@ -179,7 +199,7 @@ async fn start_fleet(
     let config = format!(
         "server:\n  listen: [\"127.0.0.1:{port}\"]\n  pid_file: \"{d}/gw.pid\"\n  upgrade_sock: \"{d}/gw.sock\"\n  grace_period_seconds: 0\n  graceful_shutdown_timeout_seconds: 1\n\
          tiers:\n  default:\n    default: true\n    backends:\n{backends}\
-         affinity:\n  hash_key: \"demo-fleet\"\nhealth:\n  interval_ms: 500\nmetrics:\n  listen: \"127.0.0.1:{metrics}\"\nadmin:\n  listen: \"127.0.0.1:{admin}\"\n",
+         affinity:\n  hash_key: \"demo-fleet\"\nhealth:\n  interval_ms: 500\nmetrics:\n  listen: \"127.0.0.1:{metrics}\"\nadmin:\n  listen: \"127.0.0.1:{admin}\"\n{sections}",
         d = dir_path.display()
     );
     let path = dir_path.join("gateway.yaml");
@@ -217,7 +237,7 @@ async fn study(
     }
     for (fresh, direct, label) in runs {
         // Fresh replicas for every run: no run inherits another's cache.
-        let fleet = start_fleet(exe, m, real, 3).await?;
+        let fleet = start_fleet(exe, m, real, 3, "").await?;
         let mut a = base.clone();
         a.url = if direct {
             fleet.backend_urls.join(",")
@@ -285,6 +305,27 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     if args.engine == EngineKind::Llamacpp {
         return demo_llamacpp(exe, args).await;
     }
+    if args.study == Study::Placement {
+        let started = Instant::now();
+        let reports = placement_study(exe, args).await?;
+        std::fs::write(
+            &args.svg,
+            report::svg(
+                &reports,
+                "agent-gateway demo: first placement under contention",
+            ),
+        )?;
+        if args.json {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&reports).unwrap_or_default()
+            );
+        } else {
+            println!("chart: {}", args.svg.display());
+            println!("finished in {:.1} s", started.elapsed().as_secs_f64());
+        }
+        return Ok(());
+    }
     let started = Instant::now();
     let model = if args.quick {
         Model {
@@ -292,6 +333,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             decode_us_per_token: 500.0,
             cache_blocks: 1200,
             max_batch: 4,
+            serial_prefill: false,
         }
     } else {
         Model {
@@ -299,6 +341,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             decode_us_per_token: 4000.0,
             cache_blocks: 1200,
             max_batch: 4,
+            serial_prefill: false,
         }
     };
     // Seed 000's study: 12 sessions × 6 turns at concurrency 6, 3 KB system prompt.
@@ -316,7 +359,17 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     }
     let seed_reports = study(exe, &model, None, &seed, "seed", false).await?;
     let long_reports = study(exe, &model, None, &long, "long", true).await?;
-    let all: Vec<report::Report> = seed_reports.iter().chain(&long_reports).cloned().collect();
+    let placement_reports = if args.study == Study::All {
+        placement_study(exe, args).await?
+    } else {
+        Vec::new()
+    };
+    let all: Vec<report::Report> = seed_reports
+        .iter()
+        .chain(&long_reports)
+        .chain(&placement_reports)
+        .cloned()
+        .collect();
     let svg = report::svg(&all, "agent-gateway demo: affinity on vs off");
     std::fs::write(&args.svg, svg)?;
 
@@ -332,6 +385,71 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     println!("chart: {}", args.svg.display());
     println!("finished in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// First placement when replicas contend for compute (prefill runs one
+/// request at a time, as on a GPU): the load-blind HRW of today, the
+/// round-robin first request of a sticky-table proxy, and bounded-load HRW.
+/// The same workload on fresh replicas for each.
+async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    let model = Model {
+        prefill_us_per_token: if args.quick { 25.0 } else { 50.0 },
+        decode_us_per_token: 500.0,
+        cache_blocks: 0,
+        max_batch: 16,
+        serial_prefill: true,
+    };
+    let mut base = BenchArgs::seed_study("");
+    base.sessions = 64;
+    base.turns = 8;
+    base.concurrency = 16;
+    base.context_bytes = 2000;
+    base.user_bytes = 2000;
+    let mut sub = BenchArgs::seed_study("");
+    sub.sessions = 12;
+    sub.turns = 6;
+    sub.subagents = 2;
+    sub.user_bytes = 2000;
+    let mut out = Vec::new();
+    let mut tables = Vec::new();
+    for (name, a) in [("64x8 c=16", &base), ("12x6 + 2 subagents", &sub)] {
+        let mut reports = Vec::new();
+        for first in args.placements.split(';').filter(|v| !v.is_empty()) {
+            let yaml = first
+                .split(',')
+                .fold(String::from("placement:\n"), |mut y, kv| {
+                    let (k, v) = kv.split_once('=').unwrap_or(("first", kv));
+                    y.push_str(&format!("  {k}: {v}\n"));
+                    y
+                });
+            let fleet = start_fleet(exe, &model, None, 3, &yaml).await?;
+            let mut a = a.clone();
+            a.url = fleet.gateway_url.clone();
+            a.label = format!("contention {name}: {first}");
+            a.id_prefix = "contention".into();
+            reports.push(loadgen::run(&a).await);
+        }
+        tables.push((name, report::comparison_table(&reports)));
+        out.extend(reports);
+    }
+    if !args.json {
+        println!(
+            "First placement under compute contention (3 replicas, serial prefill {} µs/token):\n",
+            model.prefill_us_per_token
+        );
+        for (name, t) in tables {
+            println!("{name}:\n\n{t}");
+        }
+        for r in out.iter().filter(|r| r.subagent_colocation.is_some()) {
+            println!(
+                "{}: subagent co-location {:.2}",
+                r.label,
+                r.subagent_colocation.unwrap_or(0.0)
+            );
+        }
+        println!();
+    }
+    Ok(out)
 }
 
 /// The same study against real llama.cpp replicas, plus the no-gateway baseline.
@@ -374,6 +492,7 @@ async fn demo_llamacpp(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
         decode_us_per_token: 0.0,
         cache_blocks: 0,
         max_batch: 1,
+        serial_prefill: false,
     };
     let reports = study(exe, &unused, Some(&real), &study_args, "llamacpp", false).await?;
     std::fs::write(

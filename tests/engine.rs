@@ -50,7 +50,7 @@ impl EngineFleet {
         let trace = trace_dir.path().join("trace.jsonl");
         // A slow probe on a busy 2-core box must not flip a backend.
         let extra = format!(
-            "health:\n  path: /health\n  interval_ms: 500\n  timeout_ms: 3000\n{}trace:\n  path: \"{}\"\n",
+            "health:\n  path: /health\n  interval_ms: 500\n  timeout_ms: 3000\n{}trace:\n  path: \"{}\"\nload:\n  interval_ms: 200\n  timeout_ms: 2000\n",
             affinity_yaml(600),
             trace.display()
         );
@@ -430,4 +430,37 @@ async fn concurrent_sessions_through_the_gateway_see_no_errors() {
     assert_eq!(through.errors, 0, "the gateway failed requests");
     assert_eq!(through.same_backend_rate, 1.0);
     assert!(through.prefix_cache_hit_rate > baseline.prefix_cache_hit_rate);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_own_load_gauges_are_read_and_shown() {
+    let fleet = EngineFleet::start(1).await;
+    // llama.cpp's `llamacpp:requests_processing` / `requests_deferred`,
+    // scraped from its /metrics, in the admin API and the gateway's gauges.
+    let admin = fleet.gw.admin_url("/admin/backends");
+    wait_until("a scrape of llama.cpp's /metrics", || {
+        let admin = admin.clone();
+        async move {
+            let v: Value = match reqwest::get(&admin).await {
+                Ok(r) => r.json().await.unwrap_or(Value::Null),
+                Err(_) => Value::Null,
+            };
+            v["backends"][0]["engine"]["running"].is_u64()
+                && v["backends"][0]["engine"]["waiting"].is_u64()
+        }
+    })
+    .await;
+    let running = "agentserve_backend_engine_requests{backend=\"llama-0\",state=\"running\",tier=\"default\"}";
+    wait_until("the running gauge exported", || {
+        let gw = &fleet.gw;
+        async move { gw.metric(running).await >= 0.0 }
+    })
+    .await;
+    assert_eq!(
+        fleet
+            .gw
+            .metric("agentserve_load_scrape_failures_total{")
+            .await,
+        0.0
+    );
 }

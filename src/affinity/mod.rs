@@ -174,8 +174,8 @@ impl Affinity {
             }),
             placement: ArcSwap::from_pointee(Placement::new(
                 FirstKind::BoundedHrw,
-                1.25,
-                LoadMeasure::Combined,
+                1.1,
+                LoadMeasure::Sessions,
             )),
             waiters: (0..WAITER_SHARDS).map(|_| Notify::new()).collect(),
         })

@@ -55,6 +55,13 @@ pub struct SimConfig {
     /// Exit the process after serving this many completion requests.
     #[arg(long)]
     pub exit_after: Option<u64>,
+    /// Prefill one request at a time (compute contention: a GPU's prefill
+    /// is compute-bound, so concurrent prefills queue rather than overlap).
+    #[arg(long)]
+    pub serial_prefill: bool,
+    /// Multiply prefill and decode times (a slow replica); also `POST /sim/config`.
+    #[arg(long, default_value_t = 1.0)]
+    pub slowdown: f64,
 }
 
 impl SimConfig {
@@ -70,6 +77,8 @@ impl SimConfig {
             max_batch: 64,
             fail_rate: 0.0,
             exit_after: None,
+            serial_prefill: false,
+            slowdown: 1.0,
         }
     }
 }
@@ -85,12 +94,16 @@ pub struct Faults {
     pub unhealthy: bool,
     /// Streams pause after their first token until `POST /sim/release`.
     pub hold_streams: bool,
+    /// Multiplies prefill and decode times; 0 is taken as 1.
+    pub slowdown: f64,
 }
 
 struct Sim {
     cfg: SimConfig,
     cache: Mutex<PrefixCache>,
     batch: Arc<Semaphore>,
+    /// Held through each prefill with `--serial-prefill`.
+    prefill: tokio::sync::Mutex<()>,
     running: AtomicU64,
     waiting: AtomicU64,
     requests: AtomicU64,
@@ -128,12 +141,14 @@ pub async fn spawn(cfg: SimConfig) -> std::io::Result<SocketAddr> {
     let sim = Arc::new(Sim {
         cache: Mutex::new(PrefixCache::new(cfg.block_size, cfg.cache_blocks)),
         batch: Arc::new(Semaphore::new(cfg.max_batch.max(1))),
+        prefill: tokio::sync::Mutex::new(()),
         running: AtomicU64::new(0),
         waiting: AtomicU64::new(0),
         requests: AtomicU64::new(0),
         active_streams: AtomicU64::new(0),
         faults: Mutex::new(Faults {
             fail_rate: cfg.fail_rate,
+            slowdown: cfg.slowdown,
             ..Faults::default()
         }),
         release: Notify::new(),
@@ -397,9 +412,17 @@ impl Sim {
         self.running.fetch_add(1, Ordering::Relaxed);
 
         let cached = self.cache.lock().lookup(&tokens);
+        let slowdown = self.slowdown();
         let prefill_started = std::time::Instant::now();
-        if let Some(s) = sleep_us((tokens.len() - cached) as f64 * self.cfg.prefill_us_per_token) {
-            s.await;
+        {
+            let _serial = match self.cfg.serial_prefill {
+                true => Some(self.prefill.lock().await),
+                false => None,
+            };
+            let us = (tokens.len() - cached) as f64 * self.cfg.prefill_us_per_token * slowdown;
+            if let Some(s) = sleep_us(us) {
+                s.await;
+            }
         }
         let prefill_us = prefill_started.elapsed().as_micros() as u64;
         self.cache.lock().insert(&tokens);
@@ -418,7 +441,7 @@ impl Sim {
         let id = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, served);
 
         if !req.stream {
-            if let Some(s) = sleep_us(max_out as f64 * self.cfg.decode_us_per_token) {
+            if let Some(s) = sleep_us(max_out as f64 * self.cfg.decode_us_per_token * slowdown) {
                 s.await;
             }
             let text: String = (0..max_out).map(output_token).collect();
@@ -456,7 +479,7 @@ impl Sim {
             };
             for i in 0..max_out {
                 if i > 0 {
-                    if let Some(s) = sleep_us(sim.cfg.decode_us_per_token) {
+                    if let Some(s) = sleep_us(sim.cfg.decode_us_per_token * slowdown) {
                         s.await;
                     }
                 }
@@ -500,6 +523,13 @@ impl Sim {
                 .body(StreamBody::new(stream).boxed())
                 .expect("static parts"),
         )
+    }
+
+    fn slowdown(&self) -> f64 {
+        match self.faults.lock().slowdown {
+            s if s > 0.0 && s.is_finite() => s,
+            _ => 1.0,
+        }
     }
 
     async fn batch_permit(&self) -> tokio::sync::OwnedSemaphorePermit {

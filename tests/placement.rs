@@ -1,0 +1,152 @@
+//! First placement that sees load (bounded-load rendezvous hashing), against
+//! real gateway and simulated-replica processes.
+
+mod common;
+
+use agent_gateway::affinity::hrw::{self, HrwHasher, KeyKind};
+use agent_gateway::affinity::Candidate;
+use common::*;
+use serde_json::Value;
+use std::collections::HashMap;
+
+/// The gateway's HRW ranking of `ids` for a session, computed as it does.
+fn hrw_top(session: &str, ids: &[&str]) -> usize {
+    let h = HrwHasher::new("test-fleet-key");
+    let cands: Vec<Candidate> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| Candidate {
+            slot: i as u32,
+            seed: h.backend_seed(id),
+            weight: 1,
+            in_flight: 0,
+            engine_requests: 0,
+            draining: false,
+            move_on_drain: false,
+        })
+        .collect();
+    hrw::choose(h.session_hash(KeyKind::Session, "default", session), &cands).unwrap()
+}
+
+/// Sessions whose plain-HRW backend would be `ids[want]`.
+fn sessions_hashing_to(want: usize, ids: &[&str], n: usize, prefix: &str) -> Vec<String> {
+    (0..)
+        .map(|i| format!("{prefix}-{i}"))
+        .filter(|s| hrw_top(s, ids) == want)
+        .take(n)
+        .collect()
+}
+
+async fn first_turn(c: &reqwest::Client, gw: &Gateway, session: &str) -> String {
+    let r = chat(
+        c,
+        gw,
+        &[("x-session-id", session)],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    r.backend.expect("backend header")
+}
+
+const IDS: [&str; 3] = ["vllm-0", "vllm-1", "vllm-2"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_that_all_hash_to_one_backend_are_spread_within_the_bound() {
+    let (_sims, gw) = fleet(3, &affinity_yaml(600)).await;
+    let c = client();
+    // Twelve sessions plain HRW would all put on vllm-0.
+    let mut count: HashMap<String, usize> = HashMap::new();
+    for s in sessions_hashing_to(0, &IDS, 12, "lumpy") {
+        *count.entry(first_turn(&c, &gw, &s).await).or_default() += 1;
+    }
+    // Default bounded_hrw, factor 1.1: no backend above ⌈1.1 × 12 / 3⌉ = 5.
+    assert!(count.values().all(|&n| n <= 5), "{count:?}");
+    assert_eq!(count.values().sum::<usize>(), 12);
+    // And the bindings gauge agrees with where they went.
+    for (backend, n) in &count {
+        let sample =
+            format!("agentserve_backend_bindings{{backend=\"{backend}\",tier=\"default\"}}");
+        wait_until("bindings gauge", || {
+            let gw = &gw;
+            let sample = sample.clone();
+            async move { gw.metric(&sample).await as usize == *n }
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_hrw_is_still_available_and_load_blind() {
+    let (_sims, gw) = fleet(
+        3,
+        &format!("{}placement:\n  first: hrw\n", affinity_yaml(600)),
+    )
+    .await;
+    let c = client();
+    for s in sessions_hashing_to(0, &IDS, 6, "blind") {
+        assert_eq!(first_turn(&c, &gw, &s).await, "vllm-0");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_back_from_the_dead_takes_new_sessions_first() {
+    let (mut sims, gw) = fleet(3, &affinity_yaml(600)).await;
+    let c = client();
+    let old: Vec<String> = (0..20).map(|i| format!("old-{i}")).collect();
+    for s in &old {
+        first_turn(&c, &gw, s).await;
+    }
+    sims[2].kill();
+    wait_until("vllm-2 marked down", || {
+        let gw = &gw;
+        async move {
+            gw.metric("agentserve_backend_healthy{backend=\"vllm-2\",tier=\"default\"}")
+                .await
+                == 0.0
+        }
+    })
+    .await;
+    // Every old session's next turn rebinds off the dead replica.
+    for s in &old {
+        assert_ne!(first_turn(&c, &gw, s).await, "vllm-2");
+    }
+    sims[2].restart(&[]);
+    wait_until("vllm-2 healthy again", || {
+        let gw = &gw;
+        async move {
+            gw.metric("agentserve_backend_healthy{backend=\"vllm-2\",tier=\"default\"}")
+                .await
+                == 1.0
+        }
+    })
+    .await;
+    // 20 sessions on two replicas (≥ 9 each), capacity ⌈1.1 × 21 / 3⌉ = 8:
+    // both are full, so the next new sessions go to the empty one — whatever
+    // their hash — until ⌈1.1 × (21 + k) / 3⌉ ≥ 10, i.e. for k < 4.
+    for i in 0..4 {
+        assert_eq!(first_turn(&c, &gw, &format!("new-{i}")).await, "vllm-2");
+    }
+    // No old session moved back just because its old replica returned.
+    for s in &old {
+        assert_ne!(first_turn(&c, &gw, s).await, "vllm-2");
+    }
+    let admin: Value = reqwest::get(gw.admin_url("/admin/backends"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let bindings = |id: &str| {
+        admin["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["id"] == id)
+            .unwrap()["bindings"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(bindings("vllm-2"), 4);
+    assert_eq!(bindings("vllm-0") + bindings("vllm-1"), 20);
+}
