@@ -1,6 +1,8 @@
 //! Criterion benchmarks of the affinity core (no network):
 //! - a hit on a live binding (lookup + lease + release),
 //! - HRW choice over 8, 64 and 1,024 backends (equal and mixed weights),
+//! - a first-placement decision with load signals (read every candidate's
+//!   bindings and requests, then bounded-load HRW) over 8 and 1,024 backends,
 //! - binding-table insert into, and sweep of, a table holding 1M bindings,
 //! - table memory per binding (printed).
 //!
@@ -84,6 +86,44 @@ fn bench_hrw(c: &mut Criterion) {
     g.finish();
 }
 
+fn bench_placement(c: &mut Criterion) {
+    use agent_gateway::affinity::placement::{self, FirstKind, LoadMeasure};
+    let h = HrwHasher::new("bench");
+    let a = Affinity::new(100_000, Some(Duration::from_secs(1800)));
+    let mut g = c.benchmark_group("placement_with_load");
+    for n in [8u32, 1024] {
+        let mut cands = fleet(&h, n, true);
+        for (i, c) in cands.iter_mut().enumerate() {
+            c.in_flight = (i % 7) as u64;
+            c.engine_requests = (i % 5) as u64;
+        }
+        // Live bindings spread over the fleet, so the load reads are real.
+        for i in 0..20_000u32 {
+            let s = SessionRef::new(&h, KeyKind::Session, "default", &format!("pre-{i}"));
+            let _ = a.select_backend(&s, 0, &cands, true);
+        }
+        for kind in [FirstKind::BoundedHrw, FirstKind::LeastLoaded] {
+            let first = placement::build(kind, 1.1);
+            let mut k = 0u64;
+            g.bench_with_input(
+                BenchmarkId::new(format!("{kind:?}"), n),
+                &cands,
+                |b, cands| {
+                    b.iter(|| {
+                        k = k.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                        let load: Vec<u64> = cands
+                            .iter()
+                            .map(|c| LoadMeasure::Combined.of(c, a.backend_bindings(c.slot)))
+                            .collect();
+                        black_box(first.place(k, cands, &load))
+                    })
+                },
+            );
+        }
+    }
+    g.finish();
+}
+
 fn bench_table(c: &mut Criterion) {
     const N: usize = 1_000_000;
     let t = BindingTable::new(N);
@@ -124,6 +164,6 @@ fn bench_table(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
-    targets = bench_hit, bench_hrw, bench_table
+    targets = bench_hit, bench_hrw, bench_placement, bench_table
 }
 criterion_main!(benches);

@@ -174,7 +174,7 @@ impl Affinity {
             }),
             placement: ArcSwap::from_pointee(Placement::new(
                 FirstKind::BoundedHrw,
-                1.1,
+                1.0,
                 LoadMeasure::Sessions,
             )),
             waiters: (0..WAITER_SHARDS).map(|_| Notify::new()).collect(),

@@ -491,9 +491,13 @@ impl ProxyHttp for GatewayProxy {
                         }
                         _ => {}
                     }
-                    ctx.affinity_hit = sel.affinity_hit;
-                    ctx.reason = Some(sel.reason);
-                    ctx.moved = sel.moved;
+                    // A replay finds the binding its own first attempt made:
+                    // the request is still what that attempt said it was.
+                    if !(ctx.replayed && sel.affinity_hit) {
+                        ctx.affinity_hit = sel.affinity_hit;
+                        ctx.reason = Some(sel.reason);
+                        ctx.moved = sel.moved;
+                    }
                     ctx.lease = sel.lease;
                     sel.index
                 }

@@ -18,30 +18,46 @@ pub struct BoundedHrw {
     pub balance_factor: f64,
 }
 
+/// The tier-wide sums every backend's capacity is a share of.
+struct Totals {
+    load: u64,
+    weight: u64,
+}
+
+impl Totals {
+    fn of(open: &[Candidate], load: &[u64]) -> Totals {
+        Totals {
+            load: load.iter().sum(),
+            weight: open.iter().map(|c| c.weight.max(1) as u64).sum(),
+        }
+    }
+}
+
 impl BoundedHrw {
-    /// How many load units `open[i]` may carry: ⌈factor × (total + 1) × share⌉,
+    /// How many load units `c` may carry: ⌈factor × (total + 1) × share⌉,
     /// its weighted share of the tier's load with the new session counted.
-    fn capacity(&self, i: usize, open: &[Candidate], load: &[u64]) -> u64 {
-        let total: u64 = load.iter().sum();
-        let weights: u64 = open.iter().map(|c| c.weight.max(1) as u64).sum();
-        let share = open[i].weight.max(1) as f64 / weights.max(1) as f64;
-        (self.balance_factor * (total + 1) as f64 * share).ceil() as u64
+    fn capacity(&self, c: &Candidate, t: &Totals) -> u64 {
+        let share = c.weight.max(1) as f64 / t.weight.max(1) as f64;
+        (self.balance_factor * (t.load + 1) as f64 * share).ceil() as u64
     }
 
     /// Whether `open[i]` can take one more unit and stay within capacity.
     pub fn accepts(&self, i: usize, open: &[Candidate], load: &[u64]) -> bool {
-        load[i] < self.capacity(i, open, load)
+        load[i] < self.capacity(&open[i], &Totals::of(open, load))
     }
 }
 
 impl FirstPlacement for BoundedHrw {
     fn place(&self, session: u64, open: &[Candidate], load: &[u64]) -> Option<usize> {
-        hrw::choose_where(session, open, |i| self.accepts(i, open, load))
-            .or_else(|| hrw::choose(session, open))
+        let totals = Totals::of(open, load);
+        hrw::choose_where(session, open, |i| {
+            load[i] < self.capacity(&open[i], &totals)
+        })
+        .or_else(|| hrw::choose(session, open))
     }
 
     fn overloaded(&self, i: usize, open: &[Candidate], load: &[u64]) -> bool {
-        load[i] > self.capacity(i, open, load)
+        load[i] > self.capacity(&open[i], &Totals::of(open, load))
     }
 }
 
