@@ -5,7 +5,6 @@
 mod common;
 
 use agent_gateway::affinity::hrw::{self, HrwHasher, KeyKind};
-use agent_gateway::affinity::Candidate;
 use common::*;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
@@ -186,19 +185,7 @@ async fn a_client_leaving_mid_wait_does_not_wedge_its_session() {
     .await;
     // A session whose HRW choice is vllm-0, computed as the gateway does.
     let h = HrwHasher::new("test-fleet-key");
-    let cands: Vec<Candidate> = ["vllm-0", "vllm-1"]
-        .iter()
-        .enumerate()
-        .map(|(i, id)| Candidate {
-            slot: i as u32,
-            seed: h.backend_seed(id),
-            weight: 1,
-            in_flight: 0,
-            engine_requests: 0,
-            draining: false,
-            move_on_drain: false,
-        })
-        .collect();
+    let cands = hrw_candidates(&["vllm-0", "vllm-1"]);
     let sid = (0..)
         .map(|i| format!("wedge-{i}"))
         .find(|s| hrw::choose(h.session_hash(KeyKind::Session, "default", s), &cands) == Some(0))

@@ -4,28 +4,15 @@
 mod common;
 
 use agent_gateway::affinity::hrw::{self, HrwHasher, KeyKind};
-use agent_gateway::affinity::Candidate;
 use common::*;
 use serde_json::Value;
 use std::collections::HashMap;
 
-/// The gateway's HRW ranking of `ids` for a session, computed as it does.
+/// The gateway's plain-HRW choice among `ids` for a session, computed as it does.
 fn hrw_top(session: &str, ids: &[&str]) -> usize {
     let h = HrwHasher::new("test-fleet-key");
-    let cands: Vec<Candidate> = ids
-        .iter()
-        .enumerate()
-        .map(|(i, id)| Candidate {
-            slot: i as u32,
-            seed: h.backend_seed(id),
-            weight: 1,
-            in_flight: 0,
-            engine_requests: 0,
-            draining: false,
-            move_on_drain: false,
-        })
-        .collect();
-    hrw::choose(h.session_hash(KeyKind::Session, "default", session), &cands).unwrap()
+    let session = h.session_hash(KeyKind::Session, "default", session);
+    hrw::choose(session, &hrw_candidates(ids)).unwrap()
 }
 
 /// Sessions whose plain-HRW backend would be `ids[want]`.

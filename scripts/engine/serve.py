@@ -16,7 +16,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=16384, help="KV cache tokens, shared by the slots")
-    ap.add_argument("--cache-ram-mib", type=int, default=512,
+    ap.add_argument("--cache-ram-mib", type=int, default=2048,
                     help="host-RAM prompt cache (llama.cpp's default, 8 GiB, would fill a small box)")
     ap.add_argument("--alias", default="tiny")
     a = ap.parse_args()

@@ -536,3 +536,21 @@ pub async fn fleet_with(n: usize, sections: &str) -> (Vec<SimBackend>, Gateway) 
     .await;
     (sims, gw)
 }
+
+/// Candidates for backends `ids` (slots 0..), seeded as the gateway seeds
+/// them with the test fleet's hash key: for computing its HRW choices.
+pub fn hrw_candidates(ids: &[&str]) -> Vec<agent_gateway::affinity::Candidate> {
+    let h = agent_gateway::affinity::hrw::HrwHasher::new("test-fleet-key");
+    ids.iter()
+        .enumerate()
+        .map(|(i, id)| agent_gateway::affinity::Candidate {
+            slot: i as u32,
+            seed: h.backend_seed(id),
+            weight: 1,
+            in_flight: 0,
+            engine_requests: 0,
+            draining: false,
+            move_on_drain: false,
+        })
+        .collect()
+}
