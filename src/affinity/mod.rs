@@ -2,7 +2,8 @@
 //!
 //! [`Affinity::select_backend`] is the whole policy: look the session's binding
 //! up; keep it while its backend is a candidate and the policy agrees (a hit);
-//! otherwise choose by keyed rendezvous hashing and bind (a miss, "broken" when
+//! otherwise choose by first placement ([`placement`]: bounded-load keyed
+//! rendezvous hashing by default) and bind (a miss, "broken" when
 //! a binding to a backend that is no longer a candidate was replaced, "moved"
 //! when the policy moved a live one). A new binding is *pending* until its first
 //! request reaches the backend; concurrent requests of that session wait for it

@@ -378,14 +378,10 @@ impl GatewayProxy {
             })
             .collect();
         let min = loads.iter().copied().min().unwrap_or(0);
-        let tied = loads.iter().filter(|&&l| l == min).count().max(1);
-        let pick = self.tiebreak.fetch_add(1, Ordering::Relaxed) % tied;
-        loads
-            .iter()
-            .enumerate()
-            .filter(|&(_, &l)| l == min)
-            .nth(pick)
-            .map_or(0, |(i, _)| i)
+        let tied: Vec<usize> = (0..loads.len()).filter(|&i| loads[i] == min).collect();
+        let pick = self.tiebreak.fetch_add(1, Ordering::Relaxed);
+        // Never empty for the non-empty candidates the caller passes.
+        tied.get(pick % tied.len().max(1)).copied().unwrap_or(0)
     }
 }
 
