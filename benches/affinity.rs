@@ -24,6 +24,7 @@ fn fleet(h: &HrwHasher, n: u32, mixed: bool) -> Vec<Candidate> {
             engine_requests: 0,
             draining: false,
             move_on_drain: false,
+            ..Default::default()
         })
         .collect()
 }

@@ -235,7 +235,14 @@ struct FileAffinity {
     hash_key: String,
     max_bindings: usize,
     mode: String,
+    /// `cost` or `in_flight`; absent: `in_flight` when `soft_max_in_flight`
+    /// is set, else `cost`.
+    soft_policy: Option<String>,
     soft_max_in_flight: u64,
+    move_hysteresis_ms: u64,
+    move_cooldown_ms: u64,
+    max_moves_per_session: u8,
+    prior_prefill_us_per_token: f64,
     single_flight_wait_ms: u64,
     session_final_headers: Vec<String>,
     parent_agent_headers: Vec<String>,
@@ -260,7 +267,12 @@ impl Default for FileAffinity {
             hash_key: PLACEHOLDER_HASH_KEY.into(),
             max_bindings: 1_000_000,
             mode: "hard".into(),
+            soft_policy: None,
             soft_max_in_flight: 0,
+            move_hysteresis_ms: 50,
+            move_cooldown_ms: 30_000,
+            max_moves_per_session: 3,
+            prior_prefill_us_per_token: 100.0,
             single_flight_wait_ms: 5000,
             session_final_headers: vec!["x-dynamo-session-final".into()],
             parent_agent_headers: vec!["x-claude-code-parent-agent-id".into()],
@@ -397,6 +409,8 @@ pub struct AffinityConfig {
     pub mode: crate::affinity::policy::Mode,
     /// Soft mode: move a session off a backend with this many requests in flight (0 = never).
     pub soft_max_in_flight: u64,
+    pub soft_policy: crate::affinity::policy::SoftPolicy,
+    pub cost: crate::affinity::policy::CostParams,
     /// How long concurrent first requests wait for the first one's placement.
     pub single_flight_wait: Duration,
     /// A header here with value `true`/`1` closes the session's binding after the request.
@@ -838,6 +852,28 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             crate::affinity::policy::Mode::Hard
         }
     };
+    let soft_policy = {
+        use crate::affinity::policy::SoftPolicy;
+        match a.soft_policy.as_deref() {
+            Some("cost") => SoftPolicy::Cost,
+            Some("in_flight") => SoftPolicy::InFlight,
+            None if a.soft_max_in_flight > 0 => SoftPolicy::InFlight,
+            None => SoftPolicy::Cost,
+            Some(other) => {
+                errors.push(err(
+                    "affinity.soft_policy",
+                    format!("`{other}` is not `cost` or `in_flight`"),
+                ));
+                SoftPolicy::Cost
+            }
+        }
+    };
+    if !(a.prior_prefill_us_per_token.is_finite() && a.prior_prefill_us_per_token > 0.0) {
+        errors.push(err(
+            "affinity.prior_prefill_us_per_token",
+            "must be a number greater than 0",
+        ));
+    }
     let session_final_headers = validate_headers(
         "affinity.session_final_headers",
         &a.session_final_headers,
@@ -932,6 +968,13 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             max_bindings: a.max_bindings,
             mode,
             soft_max_in_flight: a.soft_max_in_flight,
+            soft_policy,
+            cost: crate::affinity::policy::CostParams {
+                prior_prefill_us_per_token: a.prior_prefill_us_per_token,
+                hysteresis_us: a.move_hysteresis_ms.saturating_mul(1000),
+                cooldown_ms: a.move_cooldown_ms,
+                max_moves: a.max_moves_per_session,
+            },
             single_flight_wait: Duration::from_millis(a.single_flight_wait_ms),
             session_final_headers,
             parent_agent_headers,

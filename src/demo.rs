@@ -46,6 +46,9 @@ pub struct DemoArgs {
     /// (e.g. `bounded_hrw,balance_factor=1.25,load=requests`).
     #[arg(long, default_value = "hrw;round_robin;bounded_hrw")]
     pub placements: String,
+    /// The soft study's extra YAML sections (e.g. a `placement:` section).
+    #[arg(long, default_value = "")]
+    pub soft_placement: String,
     /// llamacpp: sessions per run (default 12; 6 with --quick).
     #[arg(long)]
     pub sessions: Option<usize>,
@@ -61,6 +64,8 @@ pub struct DemoArgs {
 pub enum Study {
     Affinity,
     Placement,
+    /// Hard vs cost-aware soft affinity with a skewed mix and a slow replica.
+    Soft,
     All,
 }
 
@@ -86,6 +91,8 @@ struct Model {
     max_batch: usize,
     /// One prefill at a time per replica (compute contention).
     serial_prefill: bool,
+    /// Replica 0 runs this many times slower (1: none).
+    first_slowdown: f64,
 }
 
 /// Child processes, killed (by PID) when dropped — also on Ctrl-C or panic.
@@ -123,6 +130,7 @@ fn start_sim(exe: &PathBuf, id: &str, m: &Model) -> std::io::Result<(Child, Stri
         .args(["--cache-blocks", &m.cache_blocks.to_string()])
         .args(["--max-batch", &m.max_batch.to_string()])
         .args(m.serial_prefill.then_some("--serial-prefill"))
+        .args(["--slowdown", &m.first_slowdown.to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()?;
@@ -165,6 +173,7 @@ async fn start_fleet(
     m: &Model,
     real: Option<&RealEngine>,
     replicas: usize,
+    affinity_lines: &str,
     sections: &str,
 ) -> std::io::Result<Fleet> {
     let dir = tempfile::tempdir()?;
@@ -179,6 +188,10 @@ async fn start_fleet(
     let dir_path = fleet._dir.path().to_path_buf();
     let mut backends = String::new();
     for i in 0..replicas {
+        let mut m = *m;
+        if i > 0 {
+            m.first_slowdown = 1.0;
+        }
         let (id, addr) = match real {
             Some(r) => {
                 let e = Engine::start(&r.work, &r.model, &r.opts)?;
@@ -187,7 +200,7 @@ async fn start_fleet(
                 (format!("llama-{i}"), addr)
             }
             None => {
-                let (child, addr) = start_sim(exe, &format!("vllm-{i}"), m)?;
+                let (child, addr) = start_sim(exe, &format!("vllm-{i}"), &m)?;
                 fleet.children.push(child);
                 (format!("vllm-{i}"), addr)
             }
@@ -199,7 +212,7 @@ async fn start_fleet(
     let config = format!(
         "server:\n  listen: [\"127.0.0.1:{port}\"]\n  pid_file: \"{d}/gw.pid\"\n  upgrade_sock: \"{d}/gw.sock\"\n  grace_period_seconds: 0\n  graceful_shutdown_timeout_seconds: 1\n\
          tiers:\n  default:\n    default: true\n    backends:\n{backends}\
-         affinity:\n  hash_key: \"demo-fleet\"\nhealth:\n  interval_ms: 500\nmetrics:\n  listen: \"127.0.0.1:{metrics}\"\nadmin:\n  listen: \"127.0.0.1:{admin}\"\n{sections}",
+         affinity:\n  hash_key: \"demo-fleet\"\n{affinity_lines}health:\n  interval_ms: 500\nmetrics:\n  listen: \"127.0.0.1:{metrics}\"\nadmin:\n  listen: \"127.0.0.1:{admin}\"\n{sections}",
         d = dir_path.display()
     );
     let path = dir_path.join("gateway.yaml");
@@ -237,7 +250,7 @@ async fn study(
     }
     for (fresh, direct, label) in runs {
         // Fresh replicas for every run: no run inherits another's cache.
-        let fleet = start_fleet(exe, m, real, 3, "").await?;
+        let fleet = start_fleet(exe, m, real, 3, "", "").await?;
         let mut a = base.clone();
         a.url = if direct {
             fleet.backend_urls.join(",")
@@ -250,7 +263,8 @@ async fn study(
         a.id_prefix = name.to_string();
         let mut r = loadgen::run(&a).await;
         if !direct {
-            r.upstream_retries = Some(upstream_retries(&fleet.metrics_url).await);
+            r.upstream_retries =
+                Some(metric_sum(&fleet.metrics_url, "agentserve_upstream_retries_total{").await);
         }
         out.push(r);
     }
@@ -272,14 +286,14 @@ async fn study(
     Ok(out)
 }
 
-/// `agentserve_upstream_retries_total`, summed over backends.
-async fn upstream_retries(metrics_url: &str) -> u64 {
+/// The sum of a metric's samples (`prefix` is its name and `{`).
+async fn metric_sum(metrics_url: &str, prefix: &str) -> u64 {
     let Ok(resp) = reqwest::get(metrics_url).await else {
         return 0;
     };
     let text = resp.text().await.unwrap_or_default();
     text.lines()
-        .filter(|l| l.starts_with("agentserve_upstream_retries_total{"))
+        .filter(|l| l.starts_with(prefix))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64
 }
@@ -305,9 +319,13 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     if args.engine == EngineKind::Llamacpp {
         return demo_llamacpp(exe, args).await;
     }
-    if args.study == Study::Placement {
+    if matches!(args.study, Study::Placement | Study::Soft) {
         let started = Instant::now();
-        let reports = placement_study(exe, args).await?;
+        let reports = if args.study == Study::Soft {
+            soft_study(exe, args).await?
+        } else {
+            placement_study(exe, args).await?
+        };
         std::fs::write(
             &args.svg,
             report::svg(
@@ -334,6 +352,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             cache_blocks: 1200,
             max_batch: 4,
             serial_prefill: false,
+            first_slowdown: 1.0,
         }
     } else {
         Model {
@@ -342,6 +361,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             cache_blocks: 1200,
             max_batch: 4,
             serial_prefill: false,
+            first_slowdown: 1.0,
         }
     };
     // Seed 000's study: 12 sessions × 6 turns at concurrency 6, 3 KB system prompt.
@@ -398,6 +418,7 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
         cache_blocks: 0,
         max_batch: 16,
         serial_prefill: true,
+        first_slowdown: 1.0,
     };
     let mut base = BenchArgs::seed_study("");
     base.sessions = 64;
@@ -422,7 +443,7 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
                     y.push_str(&format!("  {k}: {v}\n"));
                     y
                 });
-            let fleet = start_fleet(exe, &model, None, 3, &yaml).await?;
+            let fleet = start_fleet(exe, &model, None, 3, "", &yaml).await?;
             let mut a = a.clone();
             a.url = fleet.gateway_url.clone();
             a.label = format!("contention {name}: {first}");
@@ -446,6 +467,55 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
                 r.label,
                 r.subagent_colocation.unwrap_or(0.0)
             );
+        }
+        println!();
+    }
+    Ok(out)
+}
+
+/// Hard affinity against the cost-aware soft policy when one replica of three
+/// runs 3× slower and a few sessions are much heavier than the rest (compute
+/// contention as in the placement study). Moves are read from the gateway.
+async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    let model = Model {
+        prefill_us_per_token: if args.quick { 25.0 } else { 50.0 },
+        decode_us_per_token: 500.0,
+        cache_blocks: 0,
+        max_batch: 16,
+        serial_prefill: true,
+        first_slowdown: 3.0,
+    };
+    let mut a = BenchArgs::seed_study("");
+    a.sessions = 48;
+    a.turns = 8;
+    a.concurrency = 12;
+    a.context_bytes = 1000;
+    a.user_bytes = 1000;
+    a.heavy_sessions = 4;
+    a.heavy_context_bytes = 24_000;
+    let mut out = Vec::new();
+    let mut moves = Vec::new();
+    for (label, yaml) in [
+        ("hard", "  mode: hard\n"),
+        ("soft (cost)", "  mode: soft\n  soft_policy: cost\n"),
+    ] {
+        let fleet = start_fleet(exe, &model, None, 3, yaml, &args.soft_placement).await?;
+        let mut run = a.clone();
+        run.url = fleet.gateway_url.clone();
+        run.label = format!("slow replica + skewed mix: {label}");
+        run.id_prefix = "soft".into();
+        let r = loadgen::run(&run).await;
+        moves.push((
+            r.label.clone(),
+            metric_sum(&fleet.metrics_url, "agentserve_affinity_moves_total{").await,
+        ));
+        out.push(r);
+    }
+    if !args.json {
+        println!("Hard vs cost-aware soft affinity (3 replicas, replica 0 3× slower, serial prefill; 48 sessions × 8 turns at c=12, 4 of them with 24 KB documents):\n");
+        println!("{}", report::comparison_table(&out));
+        for (label, m) in moves {
+            println!("{label}: {m} bindings moved");
         }
         println!();
     }
@@ -493,6 +563,7 @@ async fn demo_llamacpp(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
         cache_blocks: 0,
         max_batch: 1,
         serial_prefill: false,
+        first_slowdown: 1.0,
     };
     let reports = study(exe, &unused, Some(&real), &study_args, "llamacpp", false).await?;
     std::fs::write(

@@ -30,7 +30,9 @@ pub struct ReloadSummary {
 fn configure_affinity(affinity: &Affinity, config: &Config) {
     affinity.set_policy(DefaultPolicy {
         mode: config.affinity.mode,
+        soft: config.affinity.soft_policy,
         soft_max_in_flight: config.affinity.soft_max_in_flight,
+        cost: config.affinity.cost,
     });
     let p = &config.placement;
     affinity.set_placement(crate::affinity::Placement::new(

@@ -18,7 +18,7 @@ pub mod table;
 use arc_swap::ArcSwap;
 use hrw::{HrwHasher, KeyKind, Scored};
 use placement::{FirstKind, FirstPlacement, LoadMeasure};
-use policy::{BindingPolicy, DefaultPolicy, Mode, MoveReason};
+use policy::{BindingPolicy, DefaultPolicy, MoveReason};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,7 +26,7 @@ use table::{Acquired, BindingKey, BindingTable, Decision};
 use tokio::sync::Notify;
 
 /// One backend a request may go to: healthy, in the tier, not excluded.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Candidate {
     /// Stable process-wide backend number (see `upstream::Slots`).
     pub slot: u32,
@@ -40,6 +40,10 @@ pub struct Candidate {
     pub draining: bool,
     /// Drained with "move sessions": its bindings move on their next turn.
     pub move_on_drain: bool,
+    /// Learned prefill cost per uncached token, µs (0: not enough samples yet).
+    pub prefill_us_per_token: f64,
+    /// Learned queueing delay before a request starts, µs.
+    pub queue_us: u64,
 }
 
 impl Scored for Candidate {
@@ -169,10 +173,7 @@ impl Affinity {
             table: BindingTable::new(max_bindings),
             epoch: Instant::now(),
             ttl_ms: AtomicU64::new(ttl.map_or(0, |d| d.as_millis() as u64)),
-            policy: ArcSwap::from_pointee(DefaultPolicy {
-                mode: Mode::Hard,
-                soft_max_in_flight: 0,
-            }),
+            policy: ArcSwap::from_pointee(DefaultPolicy::hard()),
             placement: ArcSwap::from_pointee(Placement::new(
                 FirstKind::BoundedHrw,
                 1.0,
@@ -188,6 +189,11 @@ impl Affinity {
 
     pub fn set_placement(&self, placement: Placement) {
         self.placement.store(Arc::new(placement));
+    }
+
+    /// Remember what a session's turn found cached (the cost-aware policy's p_hit).
+    pub fn record_usage(&self, key: BindingKey, prompt: u64, cached: u64) {
+        self.table.record_usage(key, prompt, cached);
     }
 
     /// Live bindings that name `backend` (its sessions).
@@ -330,17 +336,19 @@ impl Affinity {
                 tier,
                 now,
                 join_pending,
-                |current| match current.and_then(|c| position(c.backend)) {
-                    Some(i) => match policy.review(&candidates[i], candidates) {
-                        None => Decision::Keep,
-                        Some(reason) => match fresh(Some(candidates[i].slot)) {
-                            Some(slot) => {
-                                moved = Some(reason);
-                                Decision::Bind(slot)
-                            }
+                |current| match current.and_then(|c| Some((position(c.backend)?, c.turns))) {
+                    Some((i, turns)) => {
+                        match policy.review(&candidates[i], candidates, &turns, now) {
                             None => Decision::Keep,
-                        },
-                    },
+                            Some(reason) => match fresh(Some(candidates[i].slot)) {
+                                Some(slot) => {
+                                    moved = Some(reason);
+                                    Decision::Bind(slot)
+                                }
+                                None => Decision::Keep,
+                            },
+                        }
+                    }
                     None => match fresh(None) {
                         Some(slot) => Decision::Bind(slot),
                         None => Decision::Skip,
@@ -473,6 +481,7 @@ mod tests {
                 engine_requests: 0,
                 draining: false,
                 move_on_drain: false,
+                ..Default::default()
             })
             .collect()
     }
@@ -578,8 +587,8 @@ mod tests {
         }
         // Soft mode: sessions on the draining backend move, counted as moves.
         a.set_policy(DefaultPolicy {
-            mode: Mode::Soft,
-            soft_max_in_flight: 0,
+            mode: policy::Mode::Soft,
+            ..DefaultPolicy::hard()
         });
         for (s, &b) in sessions.iter().zip(&placed) {
             let sel = go(&a, s, &c);

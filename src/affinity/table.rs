@@ -51,6 +51,20 @@ struct Entry {
     next: u32,
     tier: u16,
     pending: bool,
+    turns: Turns,
+}
+
+/// What the session's last turn found cached on its backend, and how often
+/// (and when) the binding moved: what a cost-aware policy weighs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Turns {
+    /// Prompt and cached tokens of the last turn with usage (0: none yet).
+    pub prompt: u32,
+    pub cached: u32,
+    /// Rebinds of this binding so far (moves and broken).
+    pub moves: u8,
+    /// When it last moved, in seconds on the table's clock.
+    pub moved_s: u32,
 }
 
 impl Entry {
@@ -209,6 +223,7 @@ pub enum Acquired {
 pub struct Current {
     pub backend: u32,
     pub version: u32,
+    pub turns: Turns,
 }
 
 pub struct BindingTable {
@@ -298,6 +313,7 @@ impl BindingTable {
             Current {
                 backend: e.backend,
                 version: e.version,
+                turns: e.turns,
             }
         });
         match policy(current) {
@@ -322,6 +338,13 @@ impl BindingTable {
                     let previous = e.backend;
                     let tier = e.tier;
                     e.backend = backend;
+                    // The new backend has cached nothing of this session yet.
+                    e.turns = Turns {
+                        prompt: 0,
+                        cached: 0,
+                        moves: e.turns.moves.saturating_add(1),
+                        moved_s: (now_ms / 1000) as u32,
+                    };
                     e.version = e.version.wrapping_add(1);
                     let version = e.version;
                     let was_idle = e.in_flight == 0;
@@ -357,6 +380,7 @@ impl BindingTable {
                     next: NIL,
                     tier,
                     pending: true,
+                    turns: Turns::default(),
                 });
                 shard.map.insert(key, i);
                 self.count(tier, backend, 1);
@@ -412,6 +436,25 @@ impl BindingTable {
             e.deadline_ms = now_ms.saturating_add(ttl_ms);
             shard.push_head(i);
         }
+    }
+
+    /// Remember what the session's turn found cached on its backend.
+    pub fn record_usage(&self, key: BindingKey, prompt: u64, cached: u64) {
+        let mut shard = self.shard(key).lock();
+        if let Some(&i) = shard.map.get(&key) {
+            let t = &mut shard.entries[i as usize].turns;
+            t.prompt = prompt.min(u32::MAX as u64) as u32;
+            t.cached = cached.min(prompt).min(u32::MAX as u64) as u32;
+        }
+    }
+
+    /// What the policy sees of a binding: its turns and move history.
+    pub fn turns(&self, key: BindingKey) -> Option<Turns> {
+        let shard = self.shard(key).lock();
+        shard
+            .map
+            .get(&key)
+            .map(|&i| shard.entries[i as usize].turns)
     }
 
     /// The binding as it stands, without a lease. Expired bindings are absent.
@@ -539,6 +582,7 @@ impl BindingTable {
             next: NIL,
             tier: b.tier,
             pending: false,
+            turns: Turns::default(),
         });
         shard.map.insert(key, i);
         shard.push_head(i);

@@ -34,6 +34,12 @@ pub struct BenchArgs {
     /// Size of a per-session document in the first user message, in bytes.
     #[arg(long, default_value_t = 0)]
     pub context_bytes: usize,
+    /// The first this-many sessions are heavy: their document is
+    /// `--heavy-context-bytes` instead (a skewed mix of long and short sessions).
+    #[arg(long, default_value_t = 0)]
+    pub heavy_sessions: usize,
+    #[arg(long, default_value_t = 24_000)]
+    pub heavy_context_bytes: usize,
     /// Size of each new user message, in bytes.
     #[arg(long, default_value_t = 200)]
     pub user_bytes: usize,
@@ -370,7 +376,14 @@ async fn run_sessions(client: &reqwest::Client, args: &BenchArgs) -> Vec<TurnRec
             let salt = salt(&args.id_prefix);
             let mut script = SessionScript {
                 system: Arc::clone(&system),
-                context: filler(salt ^ s, args.context_bytes),
+                context: filler(
+                    salt ^ s,
+                    if s < args.heavy_sessions {
+                        args.heavy_context_bytes
+                    } else {
+                        args.context_bytes
+                    },
+                ),
                 messages: Vec::new(),
             };
             let session_id = format!("{}-{s}", args.id_prefix);

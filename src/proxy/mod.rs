@@ -818,6 +818,20 @@ impl ProxyHttp for GatewayProxy {
             .with_label_values(&[&tier_name, backend_id, &status.to_string()])
             .inc();
         let usage = ctx.usage.as_ref().and_then(UsageScanner::usage);
+        // What the backend's answer teaches: its prefill cost and queueing,
+        // and how much of this session it still had cached.
+        if let (Some(u), Some(b), Some(fb), 200) = (usage, &ctx.backend, ctx.first_byte, status) {
+            b.stats.cost.observe(
+                fb.duration_since(ctx.start),
+                u.prompt_tokens,
+                u.cached_tokens,
+            );
+            if let Some(sref) = ctx.session_ref.as_ref().filter(|_| !ctx.session_final) {
+                self.gw
+                    .affinity
+                    .record_usage(sref.key, u.prompt_tokens, u.cached_tokens);
+            }
+        }
         if let Some(u) = usage {
             m.prompt_tokens
                 .with_label_values(&[&tier_name, backend_id])

@@ -155,6 +155,69 @@ impl EngineLoad {
     }
 }
 
+/// What a backend's responses teach about its speed, learned online from the
+/// time to first byte and the `usage` the gateway reads: prefill cost per
+/// uncached token, and the queueing delay before a request starts. The
+/// cost-aware soft policy weighs these (ΔQ against p_hit · T_saved).
+#[derive(Debug, Default)]
+pub struct CostEstimate {
+    /// EWMA, nanoseconds per uncached prompt token (0: no sample yet).
+    prefill_ns_per_token: AtomicU64,
+    /// EWMA, microseconds between request start and the start of its prefill.
+    queue_us: AtomicU64,
+    samples: AtomicU64,
+}
+
+/// Responses a backend must have answered before its learned cost is used.
+pub const COST_MIN_SAMPLES: u64 = 5;
+
+/// Weight of a new sample in the moving averages.
+const EWMA_ALPHA: f64 = 0.3;
+
+fn ewma(cell: &AtomicU64, sample: f64) {
+    let old = cell.load(Ordering::Relaxed);
+    let next = if old == 0 {
+        sample
+    } else {
+        old as f64 + EWMA_ALPHA * (sample - old as f64)
+    };
+    cell.store(next.max(0.0).round() as u64, Ordering::Relaxed);
+}
+
+impl CostEstimate {
+    /// One response: its time to first byte and its prompt / cached tokens.
+    pub fn observe(&self, ttfb: Duration, prompt: u64, cached: u64) {
+        let uncached = prompt.saturating_sub(cached);
+        let ttfb_ns = ttfb.as_nanos() as f64;
+        // The cost per token is learned from prefills that dominate their TTFB;
+        // what the estimate does not explain is queueing.
+        if uncached >= 64 {
+            ewma(&self.prefill_ns_per_token, ttfb_ns / uncached as f64);
+        }
+        let per_token = self.prefill_ns_per_token.load(Ordering::Relaxed) as f64;
+        if per_token > 0.0 {
+            let queue_ns = (ttfb_ns - per_token * uncached as f64).max(0.0);
+            ewma(&self.queue_us, queue_ns / 1000.0);
+        }
+        self.samples.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Prefill cost per uncached token, µs: learned after `min_samples`
+    /// responses, `prior` until then.
+    pub fn prefill_us_per_token(&self, prior: f64, min_samples: u64) -> f64 {
+        let ns = self.prefill_ns_per_token.load(Ordering::Relaxed);
+        if ns == 0 || self.samples.load(Ordering::Relaxed) < min_samples {
+            prior
+        } else {
+            ns as f64 / 1000.0
+        }
+    }
+
+    pub fn queue_us(&self) -> u64 {
+        self.queue_us.load(Ordering::Relaxed)
+    }
+}
+
 /// Scrapes every backend's `/metrics` on `load.interval_ms` and refreshes the
 /// per-backend load gauges (gateway-local ones too, scraping or not).
 pub struct LoadScraper(pub std::sync::Arc<crate::gateway::Gateway>);
@@ -296,5 +359,32 @@ mod tests {
         l.scraped_ms
             .store(clock_ms().saturating_sub(10), Ordering::Relaxed);
         assert_eq!(l.requests_if_fresh(), 0, "too old to count");
+    }
+
+    #[test]
+    fn costs_are_learned_from_ttfb_and_usage() {
+        let c = CostEstimate::default();
+        assert_eq!(
+            c.prefill_us_per_token(100.0, 1),
+            100.0,
+            "prior until a sample"
+        );
+        // 1,000 uncached tokens in 200 ms, nothing queued: 200 µs a token.
+        c.observe(Duration::from_millis(200), 1_000, 0);
+        assert_eq!(c.prefill_us_per_token(100.0, 1), 200.0);
+        assert_eq!(c.queue_us(), 0);
+        // A mostly cached turn that waited: 10 uncached tokens (2 ms) in 52 ms.
+        c.observe(Duration::from_millis(52), 1_010, 1_000);
+        assert_eq!(
+            c.prefill_us_per_token(100.0, 1),
+            200.0,
+            "too few tokens to learn cost"
+        );
+        assert_eq!(c.queue_us(), 50_000);
+        assert_eq!(
+            c.prefill_us_per_token(100.0, 5),
+            100.0,
+            "prior until 5 samples"
+        );
     }
 }

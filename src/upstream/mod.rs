@@ -38,6 +38,8 @@ pub struct BackendStats {
     pub fresh_connections_until_ms: AtomicU64,
     /// What the engine last reported about its own load (see load.rs).
     pub engine: load::EngineLoad,
+    /// Prefill cost and queueing learned from its responses.
+    pub cost: load::CostEstimate,
 }
 
 /// Backend id → slot, and slot → live state.
@@ -75,6 +77,7 @@ impl Slots {
             admitted: AtomicBool::new(true),
             fresh_connections_until_ms: AtomicU64::new(0),
             engine: Default::default(),
+            cost: Default::default(),
         });
         w.stats.push(Arc::clone(&stats));
         w.by_id.insert(id.to_string(), slot);
@@ -129,6 +132,11 @@ impl Backend {
             engine_requests: self.stats.engine.requests_if_fresh(),
             draining: self.draining(),
             move_on_drain: self.stats.move_on_drain.load(Ordering::Relaxed),
+            prefill_us_per_token: self
+                .stats
+                .cost
+                .prefill_us_per_token(0.0, load::COST_MIN_SAMPLES),
+            queue_us: self.stats.cost.queue_us(),
         }
     }
 

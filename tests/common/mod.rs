@@ -551,6 +551,7 @@ pub fn hrw_candidates(ids: &[&str]) -> Vec<agent_gateway::affinity::Candidate> {
             engine_requests: 0,
             draining: false,
             move_on_drain: false,
+            ..Default::default()
         })
         .collect()
 }

@@ -113,6 +113,7 @@ pub(crate) mod testing {
                 engine_requests: 0,
                 draining: false,
                 move_on_drain: false,
+                ..Default::default()
             })
             .collect()
     }
