@@ -66,6 +66,8 @@ pub enum Study {
     Placement,
     /// Hard vs cost-aware soft affinity with a skewed mix and a slow replica.
     Soft,
+    /// A replica taken out at 1/3 of a run and back, empty, at 2/3.
+    Recovery,
     All,
 }
 
@@ -120,8 +122,17 @@ fn free_port() -> std::io::Result<u16> {
 }
 
 fn start_sim(exe: &PathBuf, id: &str, m: &Model) -> std::io::Result<(Child, String)> {
+    start_sim_on(exe, id, m, "127.0.0.1:0")
+}
+
+fn start_sim_on(
+    exe: &PathBuf,
+    id: &str,
+    m: &Model,
+    listen: &str,
+) -> std::io::Result<(Child, String)> {
     let mut child = Command::new(exe)
-        .args(["sim-backend", "--listen", "127.0.0.1:0", "--id", id])
+        .args(["sim-backend", "--listen", listen, "--id", id])
         .args([
             "--prefill-us-per-token",
             &m.prefill_us_per_token.to_string(),
@@ -319,12 +330,12 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     if args.engine == EngineKind::Llamacpp {
         return demo_llamacpp(exe, args).await;
     }
-    if matches!(args.study, Study::Placement | Study::Soft) {
+    if matches!(args.study, Study::Placement | Study::Soft | Study::Recovery) {
         let started = Instant::now();
-        let reports = if args.study == Study::Soft {
-            soft_study(exe, args).await?
-        } else {
-            placement_study(exe, args).await?
+        let reports = match args.study {
+            Study::Soft => soft_study(exe, args).await?,
+            Study::Recovery => recovery_study(exe, args).await?,
+            _ => placement_study(exe, args).await?,
         };
         std::fs::write(
             &args.svg,
@@ -518,6 +529,85 @@ async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repor
             println!("{label}: {m} bindings moved");
         }
         println!();
+    }
+    Ok(out)
+}
+
+/// A replica is taken out at a third of the run (health check fails, its
+/// requests drain, then SIGKILL) and started again, empty, at two thirds,
+/// while sessions keep arriving; replicas' KV caches are bounded. Load-blind
+/// HRW against bounded-load HRW.
+async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    let model = Model {
+        prefill_us_per_token: if args.quick { 20.0 } else { 50.0 },
+        decode_us_per_token: 500.0,
+        cache_blocks: 500,
+        max_batch: 8,
+        serial_prefill: true,
+        first_slowdown: 1.0,
+    };
+    let mut a = BenchArgs::seed_study("");
+    a.sessions = 60;
+    a.turns = 8;
+    a.concurrency = 8;
+    a.context_bytes = 4000;
+    a.user_bytes = 500;
+    a.arrival_ms = if args.quick { 60 } else { 120 };
+    let total = (a.sessions * a.turns) as u64;
+    let mut out = Vec::new();
+    for first in ["hrw", "bounded_hrw"] {
+        let mut fleet = start_fleet(
+            exe,
+            &model,
+            None,
+            3,
+            "",
+            &format!("placement:\n  first: {first}\n"),
+        )
+        .await?;
+        let mut run = a.clone();
+        run.url = fleet.gateway_url.clone();
+        run.label = format!("replica out at 1/3, back empty at 2/3: {first}");
+        run.id_prefix = "recovery".into();
+        let bench = tokio::spawn(async move { loadgen::run(&run).await });
+        let served =
+            |url: String| async move { metric_sum(&url, "agentserve_requests_total{").await };
+        while served(fleet.metrics_url.clone()).await < total / 3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Out of service: health fails, in-flight requests finish, then it dies.
+        let victim = fleet.backend_urls[2].clone();
+        let client = reqwest::Client::new();
+        let _ = client
+            .post(format!("{victim}/sim/config"))
+            .json(&serde_json::json!({"unhealthy": true}))
+            .send()
+            .await;
+        let in_flight =
+            format!("agentserve_backend_in_flight{{backend=\"vllm-2\",tier=\"default\"}}");
+        let healthy = "agentserve_backend_healthy{backend=\"vllm-2\",tier=\"default\"}";
+        while metric_sum(&fleet.metrics_url, healthy).await > 0
+            || metric_sum(&fleet.metrics_url, &in_flight).await > 0
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = fleet.children[2].kill();
+        let _ = fleet.children[2].wait();
+        while served(fleet.metrics_url.clone()).await < 2 * total / 3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let listen = victim.trim_start_matches("http://").to_string();
+        let m = Model {
+            cache_blocks: model.cache_blocks,
+            ..model
+        };
+        fleet.children[2] = start_sim_on(exe, "vllm-2", &m, &listen)?.0;
+        let r = bench.await.map_err(std::io::Error::other)?;
+        out.push(r);
+    }
+    if !args.json {
+        println!("A replica out at 1/3 of the run and back empty at 2/3 (60 sessions arriving over the run, 8 turns, c=8, {} KV blocks per replica):\n", model.cache_blocks);
+        println!("{}", report::comparison_table(&out));
     }
     Ok(out)
 }

@@ -48,6 +48,9 @@ pub struct BenchArgs {
     /// Pause between a session's turns (tool time), milliseconds.
     #[arg(long, default_value_t = 0)]
     pub think_ms: u64,
+    /// Sessions arrive this far apart (ms) instead of all at once.
+    #[arg(long, default_value_t = 0)]
+    pub arrival_ms: u64,
     /// Child sessions (subagents) each session spawns after its first turn.
     #[arg(long, default_value_t = 0)]
     pub subagents: usize,
@@ -372,6 +375,9 @@ async fn run_sessions(client: &reqwest::Client, args: &BenchArgs) -> Vec<TurnRec
             Arc::clone(&progress),
         );
         tasks.push(tokio::spawn(async move {
+            if args.arrival_ms > 0 {
+                tokio::time::sleep(Duration::from_millis(args.arrival_ms * s as u64)).await;
+            }
             let mut out = Vec::new();
             let salt = salt(&args.id_prefix);
             let mut script = SessionScript {
