@@ -583,11 +583,10 @@ async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<r
             .json(&serde_json::json!({"unhealthy": true}))
             .send()
             .await;
-        let in_flight =
-            format!("agentserve_backend_in_flight{{backend=\"vllm-2\",tier=\"default\"}}");
+        let in_flight = "agentserve_backend_in_flight{backend=\"vllm-2\",tier=\"default\"}";
         let healthy = "agentserve_backend_healthy{backend=\"vllm-2\",tier=\"default\"}";
         while metric_sum(&fleet.metrics_url, healthy).await > 0
-            || metric_sum(&fleet.metrics_url, &in_flight).await > 0
+            || metric_sum(&fleet.metrics_url, in_flight).await > 0
         {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
