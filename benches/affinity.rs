@@ -20,10 +20,6 @@ fn fleet(h: &HrwHasher, n: u32, mixed: bool) -> Vec<Candidate> {
             slot: i,
             seed: h.backend_seed(&format!("vllm-{i}")),
             weight: if mixed { 1 + i % 4 } else { 1 },
-            in_flight: 0,
-            engine_requests: 0,
-            draining: false,
-            move_on_drain: false,
             ..Default::default()
         })
         .collect()

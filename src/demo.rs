@@ -418,19 +418,24 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     Ok(())
 }
 
-/// First placement when replicas contend for compute (prefill runs one
-/// request at a time, as on a GPU): the load-blind HRW of today, the
-/// round-robin first request of a sticky-table proxy, and bounded-load HRW.
-/// The same workload on fresh replicas for each.
-async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
-    let model = Model {
+/// Replicas that contend for compute: prefill runs one request at a time (as
+/// on a GPU), decode is batched, the prefix cache is unlimited.
+fn contention(args: &DemoArgs) -> Model {
+    Model {
         prefill_us_per_token: if args.quick { 25.0 } else { 50.0 },
         decode_us_per_token: 500.0,
         cache_blocks: 0,
         max_batch: 16,
         serial_prefill: true,
         first_slowdown: 1.0,
-    };
+    }
+}
+
+/// First placement when replicas contend for compute: the load-blind HRW of
+/// before, the round-robin first request of a sticky-table proxy, and
+/// bounded-load HRW. The same workload on fresh replicas for each.
+async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    let model = contention(args);
     let mut base = BenchArgs::seed_study("");
     base.sessions = 64;
     base.turns = 8;
@@ -489,12 +494,8 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
 /// contention as in the placement study). Moves are read from the gateway.
 async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
     let model = Model {
-        prefill_us_per_token: if args.quick { 25.0 } else { 50.0 },
-        decode_us_per_token: 500.0,
-        cache_blocks: 0,
-        max_batch: 16,
-        serial_prefill: true,
         first_slowdown: 3.0,
+        ..contention(args)
     };
     let mut a = BenchArgs::seed_study("");
     a.sessions = 48;
@@ -539,12 +540,9 @@ async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repor
 /// HRW against bounded-load HRW.
 async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
     let model = Model {
-        prefill_us_per_token: if args.quick { 20.0 } else { 50.0 },
-        decode_us_per_token: 500.0,
         cache_blocks: 500,
         max_batch: 8,
-        serial_prefill: true,
-        first_slowdown: 1.0,
+        ..contention(args)
     };
     let mut a = BenchArgs::seed_study("");
     a.sessions = 60;
@@ -596,11 +594,7 @@ async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<r
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let listen = victim.trim_start_matches("http://").to_string();
-        let m = Model {
-            cache_blocks: model.cache_blocks,
-            ..model
-        };
-        fleet.children[2] = start_sim_on(exe, "vllm-2", &m, &listen)?.0;
+        fleet.children[2] = start_sim_on(exe, "vllm-2", &model, &listen)?.0;
         let r = bench.await.map_err(std::io::Error::other)?;
         out.push(r);
     }

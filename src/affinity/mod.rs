@@ -477,10 +477,6 @@ mod tests {
                 slot: i,
                 seed: h.backend_seed(&format!("b{i}")),
                 weight: 1,
-                in_flight: 0,
-                engine_requests: 0,
-                draining: false,
-                move_on_drain: false,
                 ..Default::default()
             })
             .collect()

@@ -547,10 +547,6 @@ pub fn hrw_candidates(ids: &[&str]) -> Vec<agent_gateway::affinity::Candidate> {
             slot: i as u32,
             seed: h.backend_seed(id),
             weight: 1,
-            in_flight: 0,
-            engine_requests: 0,
-            draining: false,
-            move_on_drain: false,
             ..Default::default()
         })
         .collect()

@@ -109,10 +109,6 @@ pub(crate) mod testing {
                 slot,
                 seed: crate::affinity::hrw::mix(0x5eed ^ slot as u64),
                 weight: 1,
-                in_flight: 0,
-                engine_requests: 0,
-                draining: false,
-                move_on_drain: false,
                 ..Default::default()
             })
             .collect()
