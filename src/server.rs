@@ -121,6 +121,34 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
     Ok((server, gw))
 }
 
+/// Wait (at most 10 s) until every configured listener accepts a connection.
+async fn wait_listening(config: &crate::config::Config) {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+    let mut addrs: Vec<SocketAddr> = config.server.listen.clone();
+    if let Some(t) = &config.server.tls {
+        addrs.extend(&t.listen);
+    }
+    addrs.push(config.metrics.listen);
+    addrs.push(config.admin.listen);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for mut addr in addrs {
+        // A wildcard address is reached through loopback.
+        if addr.ip().is_unspecified() {
+            addr.set_ip(match addr.ip() {
+                IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+                IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+            });
+        }
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            if tokio::time::Instant::now() >= deadline {
+                log::warn!("listener {addr} is not accepting yet; reporting ready anyway");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
 /// Tell systemd (`Type=notify`) something, when it is listening.
 fn sd_notify(state: &str) {
     let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
@@ -160,6 +188,9 @@ impl BackgroundService for Lifecycle {
                 None
             }
         };
+        // Pingora marks a listening service ready when it starts, before its
+        // sockets are bound: READY waits until each listener accepts.
+        wait_listening(&gw.routing().config).await;
         sd_notify("READY=1");
         let started = std::time::Instant::now();
         let state_file = gw.routing().config.server.state_file.clone();

@@ -82,13 +82,23 @@ fn readiness_and_reloads_are_reported_to_systemd() {
     let sock = UnixDatagram::bind(&notify).unwrap();
     sock.set_read_timeout(Some(std::time::Duration::from_secs(30)))
         .unwrap();
-    let mut child = Command::new(common::BIN)
-        .args(["run", "--config"])
-        .arg(&config)
-        .env("NOTIFY_SOCKET", &notify)
-        .env("RUST_LOG", "warn")
-        .spawn()
-        .unwrap();
+    // Killed by PID when the test ends, passing or not.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let child = Killed(
+        Command::new(common::BIN)
+            .args(["run", "--config"])
+            .arg(&config)
+            .env("NOTIFY_SOCKET", &notify)
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .unwrap(),
+    );
     let recv = || {
         let mut buf = [0u8; 256];
         let n = sock.recv(&mut buf).expect("a notification within 30 s");
@@ -102,9 +112,7 @@ fn readiness_and_reloads_are_reported_to_systemd() {
             "port {p} not listening at READY"
         );
     }
-    common::signal(child.id(), libc::SIGHUP);
+    common::signal(child.0.id(), libc::SIGHUP);
     assert_eq!(recv(), "RELOADING=1");
     assert_eq!(recv(), "READY=1");
-    let _ = child.kill();
-    let _ = child.wait();
 }
