@@ -129,16 +129,6 @@ pub struct Engine {
 impl Engine {
     /// Start a replica on a free port and wait until `/health` answers 200.
     pub fn start(work: &Workdir, model: &Path, opts: &EngineOptions) -> std::io::Result<Engine> {
-        Self::start_on(work, model, opts, 0)
-    }
-
-    /// Start on `port` (0: any free one), e.g. to restart a killed replica in place.
-    pub fn start_on(
-        work: &Workdir,
-        model: &Path,
-        opts: &EngineOptions,
-        port: u16,
-    ) -> std::io::Result<Engine> {
         let mut cmd = Command::new(&opts.python);
         #[cfg(target_os = "linux")]
         {
@@ -156,7 +146,7 @@ impl Engine {
             .arg(work.path().join("serve.py"))
             .arg("--model")
             .arg(model)
-            .args(["--port", &port.to_string()])
+            .args(["--port", "0"])
             .args(["--threads", &opts.threads.to_string()])
             .args(["--slots", &opts.slots.to_string()])
             .args(["--ctx", &opts.ctx_tokens.to_string()])
@@ -198,14 +188,6 @@ impl Engine {
             "llama.cpp at {} never became healthy",
             self.addr
         )))
-    }
-
-    pub fn port(&self) -> u16 {
-        self.addr
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(0)
     }
 
     pub fn url(&self) -> String {

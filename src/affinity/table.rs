@@ -448,15 +448,6 @@ impl BindingTable {
         }
     }
 
-    /// What the policy sees of a binding: its turns and move history.
-    pub fn turns(&self, key: BindingKey) -> Option<Turns> {
-        let shard = self.shard(key).lock();
-        shard
-            .map
-            .get(&key)
-            .map(|&i| shard.entries[i as usize].turns)
-    }
-
     /// The binding as it stands, without a lease. Expired bindings are absent.
     pub fn get(&self, key: BindingKey, now_ms: u64) -> Option<Binding> {
         let shard = self.shard(key).lock();

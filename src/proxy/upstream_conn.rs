@@ -24,19 +24,15 @@
 //!   ([`FRESH_CONNECTIONS_FOR`]), so its connections are not pooled at all:
 //!   a connect on a local network costs far less than a replayed request.
 
+use crate::upstream::load::clock_ms;
 use crate::upstream::BackendStats;
 use pingora_core::{Error, ErrorSource, ErrorType, RetryType};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long a backend that closed a reused connection under a request gets
 /// unpooled connections before reuse is tried again.
 pub const FRESH_CONNECTIONS_FOR: Duration = Duration::from_secs(60);
-
-fn clock_ms() -> u64 {
-    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_millis() as u64
-}
 
 /// The backend closed a reused connection under a request: stop pooling its
 /// connections for [`FRESH_CONNECTIONS_FOR`].

@@ -100,9 +100,9 @@ impl Default for EngineLoad {
     }
 }
 
-fn clock_ms() -> u64 {
+/// Milliseconds on a process-wide monotonic clock; never 0, so 0 can mean "never".
+pub(crate) fn clock_ms() -> u64 {
     static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    // +1 so that 0 can mean "never".
     START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
 }
 
