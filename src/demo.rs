@@ -163,7 +163,7 @@ fn start_sim_on(
 }
 
 async fn wait_http(url: &str) -> std::io::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(10);
     let client = reqwest::Client::new();
     while Instant::now() < deadline {
         if client
@@ -219,28 +219,47 @@ async fn start_fleet(
         fleet.backend_urls.push(format!("http://{addr}"));
         backends.push_str(&format!("      - {{ id: {id}, addr: \"{addr}\" }}\n"));
     }
-    let (port, metrics, admin) = (free_port()?, free_port()?, free_port()?);
-    let config = format!(
-        "server:\n  listen: [\"127.0.0.1:{port}\"]\n  pid_file: \"{d}/gw.pid\"\n  upgrade_sock: \"{d}/gw.sock\"\n  grace_period_seconds: 0\n  graceful_shutdown_timeout_seconds: 1\n\
-         tiers:\n  default:\n    default: true\n    backends:\n{backends}\
-         affinity:\n  hash_key: \"demo-fleet\"\n{affinity_lines}health:\n  interval_ms: 500\nmetrics:\n  listen: \"127.0.0.1:{metrics}\"\nadmin:\n  listen: \"127.0.0.1:{admin}\"\n{sections}",
-        d = dir_path.display()
-    );
-    let path = dir_path.join("gateway.yaml");
-    std::fs::write(&path, config)?;
-    let gw = Command::new(exe)
-        .args(["run", "--config"])
-        .arg(&path)
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    fleet.children.push(gw);
-    wait_http(&format!("http://127.0.0.1:{metrics}/healthz")).await?;
-    fleet.metrics_url = format!("http://127.0.0.1:{metrics}/metrics");
-    fleet.gateway_url = format!("http://127.0.0.1:{port}");
-    wait_http(&format!("{}/v1/models", fleet.gateway_url)).await?;
-    Ok(fleet)
+    // A port picked free can be taken (by another process's outgoing
+    // connection) before the gateway binds it: then start again on new ones.
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let (port, metrics, admin) = (free_port()?, free_port()?, free_port()?);
+        let config = format!(
+            "server:\n  listen: [\"127.0.0.1:{port}\"]\n  pid_file: \"{d}/gw.pid\"\n  upgrade_sock: \"{d}/gw.sock\"\n  grace_period_seconds: 0\n  graceful_shutdown_timeout_seconds: 1\n\
+             tiers:\n  default:\n    default: true\n    backends:\n{backends}\
+             affinity:\n  hash_key: \"demo-fleet\"\n{affinity_lines}health:\n  interval_ms: 500\nmetrics:\n  listen: \"127.0.0.1:{metrics}\"\nadmin:\n  listen: \"127.0.0.1:{admin}\"\n{sections}",
+            d = dir_path.display()
+        );
+        let path = dir_path.join("gateway.yaml");
+        std::fs::write(&path, config)?;
+        let mut gw = Command::new(exe)
+            .args(["run", "--config"])
+            .arg(&path)
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        fleet.metrics_url = format!("http://127.0.0.1:{metrics}/metrics");
+        fleet.gateway_url = format!("http://127.0.0.1:{port}");
+        let ready = async {
+            wait_http(&format!("http://127.0.0.1:{metrics}/healthz")).await?;
+            wait_http(&format!("{}/v1/models", fleet.gateway_url)).await
+        };
+        match ready.await {
+            Ok(()) => {
+                fleet.children.push(gw);
+                return Ok(fleet);
+            }
+            Err(e) => {
+                let _ = gw.kill();
+                let _ = gw.wait();
+                if attempts == 3 {
+                    return Err(e);
+                }
+            }
+        }
+    }
 }
 
 async fn study(
