@@ -92,6 +92,8 @@ impl AdminApp {
                     "addr": b.addr.to_string(),
                     "weight": b.weight,
                     "healthy": t.healthy(b),
+                    "health_checks_pass": t.checks_pass(b),
+                    "ejected_ms_left": b.stats.outlier.remaining_ms(crate::upstream::load::clock_ms()),
                     "draining": b.draining(),
                     "move_sessions": b.stats.move_on_drain.load(Ordering::Relaxed),
                     "in_flight": b.in_flight(),
@@ -118,9 +120,13 @@ impl AdminApp {
         };
         let routing = self.0.routing();
         let Some((_, b)) = routing.all_backends().find(|(_, b)| &*b.id == id) else {
-            return error(404, "unknown_backend", format!("no backend `{id}`"));
+            return error(404, "unknown_backend", format!("no backend `{}`", clip(id)));
         };
         b.stats.draining.store(drain, Ordering::Relaxed);
+        if !drain {
+            // Undrain is the operator's "put it back": ejection ends too.
+            b.stats.outlier.reset();
+        }
         b.stats
             .move_on_drain
             .store(drain && move_sessions, Ordering::Relaxed);
@@ -141,7 +147,7 @@ impl AdminApp {
         let tier = match q.get("tier") {
             Some(t) => match routing.tier_by_name(t) {
                 Some(t) => t,
-                None => return error(404, "unknown_tier", format!("unknown tier `{t}`")),
+                None => return error(404, "unknown_tier", format!("unknown tier `{}`", clip(t))),
             },
             None => routing.default_tier(),
         };
@@ -152,7 +158,7 @@ impl AdminApp {
                 return error(
                     400,
                     "invalid_kind",
-                    format!("kind `{other}` is not session or group"),
+                    format!("kind `{}` is not session or group", clip(other)),
                 )
             }
         };
@@ -168,7 +174,7 @@ impl AdminApp {
             return error(
                 404,
                 "unknown_session",
-                format!("no live binding for `{id}` in tier `{}`", tier.name),
+                format!("no live binding for `{}` in tier `{}`", clip(id), tier.name),
             );
         };
         let backend = self.0.slots.backend_id(b.backend).unwrap_or_default();
@@ -235,7 +241,7 @@ impl ServeHttp for AdminApp {
             _ => error(
                 404,
                 "not_found",
-                format!("no admin route {method} {}", uri.path()),
+                format!("no admin route {} {}", clip(method.as_str()), clip(uri.path())),
             ),
         }
     }
@@ -253,5 +259,14 @@ mod tests {
         let q = query(&"/x?tier=big&tenant=acme%20co".parse().unwrap());
         assert_eq!(q["tier"], "big");
         assert_eq!(q["tenant"], "acme co");
+    }
+}
+
+/// Client input quoted in an error: at most 64 characters of it.
+fn clip(s: &str) -> String {
+    const MAX: usize = 64;
+    match s.char_indices().nth(MAX) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
     }
 }

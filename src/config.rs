@@ -35,6 +35,31 @@ struct FileConfig {
     placement: FilePlacement,
     #[serde(default)]
     load: FileLoad,
+    #[serde(default)]
+    outlier: FileOutlier,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileOutlier {
+    enabled: bool,
+    consecutive_failures: u32,
+    base_ejection_ms: u64,
+    max_ejection_ms: u64,
+    max_ejected_percent: u32,
+}
+
+impl Default for FileOutlier {
+    fn default() -> Self {
+        let d = crate::upstream::outlier::OutlierConfig::default();
+        FileOutlier {
+            enabled: d.enabled,
+            consecutive_failures: d.consecutive_failures,
+            base_ejection_ms: d.base_ejection.as_millis() as u64,
+            max_ejection_ms: d.max_ejection.as_millis() as u64,
+            max_ejected_percent: d.max_ejected_percent,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -104,6 +129,9 @@ struct FileAdmin {
     listen: String,
     /// When set, every admin request needs `Authorization: Bearer <token>`.
     token: Option<String>,
+    /// Allow a non-loopback admin listener without a token (not recommended:
+    /// anyone who reaches it can drain backends and delete sessions).
+    insecure: bool,
 }
 
 impl Default for FileAdmin {
@@ -111,6 +139,7 @@ impl Default for FileAdmin {
         FileAdmin {
             listen: "127.0.0.1:9092".into(),
             token: None,
+            insecure: false,
         }
     }
 }
@@ -122,9 +151,27 @@ struct FileServer {
     max_body_bytes: u64,
     threads: usize,
     connect_timeout_ms: u64,
-    /// Upper bound on one read from a backend; `0` = none (a long prefill may
-    /// legitimately take minutes before the first byte).
+    /// TCP connect plus TLS handshake to a TLS backend, in all.
+    tls_handshake_timeout_ms: u64,
+    /// The longest a backend may stay silent: before its first byte (queue
+    /// plus prefill, which can take minutes) and between stream chunks.
+    /// `0` = none.
     read_timeout_ms: u64,
+    /// A client's request headers, from its first byte (or from accepting a
+    /// new connection) to the end of the headers, in all: 408 after that.
+    header_timeout_ms: u64,
+    /// The longest a client may pause while sending its body.
+    body_idle_timeout_ms: u64,
+    /// Slower bodies are cut with a 408, measured from `body_rate_grace_ms`
+    /// into the body; `0` = no minimum.
+    body_min_rate_bytes_per_s: u64,
+    body_rate_grace_ms: u64,
+    /// The longest one write to a client may block (a client that stops
+    /// reading a stream is cut, and its backend connection released).
+    client_write_timeout_ms: u64,
+    /// Open client connections over all proxy listeners; over it a new
+    /// connection is answered 503 and closed. `0` = no limit.
+    max_connections: usize,
     /// How long an idle upstream connection is kept for reuse. Below the
     /// engines' own keep-alive (llama.cpp, uvicorn/vLLM: 5 s) so the gateway
     /// closes an idle connection before the engine does.
@@ -176,7 +223,14 @@ impl Default for FileServer {
             max_body_bytes: 32 * 1024 * 1024,
             threads: 0,
             connect_timeout_ms: 1000,
-            read_timeout_ms: 0,
+            tls_handshake_timeout_ms: 5000,
+            read_timeout_ms: 600_000,
+            header_timeout_ms: 30_000,
+            body_idle_timeout_ms: 30_000,
+            body_min_rate_bytes_per_s: 1024,
+            body_rate_grace_ms: 10_000,
+            client_write_timeout_ms: 60_000,
+            max_connections: 10_000,
             upstream_idle_timeout_ms: 4000,
             replay_body_bytes: 4 * 1024 * 1024,
             replay_budget_bytes: 256 * 1024 * 1024,
@@ -347,6 +401,7 @@ pub struct Config {
     pub trace: TraceConfig,
     pub placement: PlacementConfig,
     pub load: LoadConfig,
+    pub outlier: crate::upstream::outlier::OutlierConfig,
     /// Things that are allowed but probably a mistake.
     pub warnings: Vec<String>,
 }
@@ -357,7 +412,9 @@ pub struct ServerConfig {
     pub max_body_bytes: u64,
     pub threads: usize,
     pub connect_timeout: Duration,
+    pub tls_handshake_timeout: Duration,
     pub read_timeout: Option<Duration>,
+    pub client: ClientLimits,
     pub upstream_idle_timeout: Duration,
     pub replay_body_bytes: u64,
     pub replay_budget_bytes: u64,
@@ -369,6 +426,17 @@ pub struct ServerConfig {
     pub state_save_interval: Duration,
     pub tls: Option<TlsConfig>,
     pub upstream_ca_file: Option<String>,
+}
+
+/// What a client connection may take (see `proxy::conn_guard`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClientLimits {
+    pub header_timeout: Duration,
+    pub body_idle_timeout: Duration,
+    pub body_min_rate_bytes_per_s: u64,
+    pub body_rate_grace: Duration,
+    pub write_timeout: Duration,
+    pub max_connections: usize,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -642,6 +710,34 @@ fn validate_placement(
     )
 }
 
+fn validate_outlier(
+    o: &FileOutlier,
+    errors: &mut Vec<ConfigError>,
+) -> crate::upstream::outlier::OutlierConfig {
+    if o.consecutive_failures == 0 {
+        errors.push(err("outlier.consecutive_failures", "must be at least 1"));
+    }
+    if o.base_ejection_ms == 0 {
+        errors.push(err("outlier.base_ejection_ms", "must be greater than 0"));
+    }
+    if o.max_ejection_ms < o.base_ejection_ms {
+        errors.push(err(
+            "outlier.max_ejection_ms",
+            "must be at least outlier.base_ejection_ms",
+        ));
+    }
+    if o.max_ejected_percent > 100 {
+        errors.push(err("outlier.max_ejected_percent", "must be 0..=100"));
+    }
+    crate::upstream::outlier::OutlierConfig {
+        enabled: o.enabled,
+        consecutive_failures: o.consecutive_failures.max(1),
+        base_ejection: Duration::from_millis(o.base_ejection_ms),
+        max_ejection: Duration::from_millis(o.max_ejection_ms),
+        max_ejected_percent: o.max_ejected_percent.min(100),
+    }
+}
+
 fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     let mut errors = Vec::new();
     let mut warnings = Vec::new();
@@ -700,8 +796,16 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     if s.max_body_bytes == 0 {
         errors.push(err("server.max_body_bytes", "must be greater than 0"));
     }
-    if s.connect_timeout_ms == 0 {
-        errors.push(err("server.connect_timeout_ms", "must be greater than 0"));
+    for (key, v) in [
+        ("server.connect_timeout_ms", s.connect_timeout_ms),
+        ("server.tls_handshake_timeout_ms", s.tls_handshake_timeout_ms),
+        ("server.header_timeout_ms", s.header_timeout_ms),
+        ("server.body_idle_timeout_ms", s.body_idle_timeout_ms),
+        ("server.client_write_timeout_ms", s.client_write_timeout_ms),
+    ] {
+        if v == 0 {
+            errors.push(err(key, "must be greater than 0"));
+        }
     }
     if s.upstream_idle_timeout_ms == 0 {
         errors.push(err(
@@ -744,10 +848,11 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         let mut backends = Vec::new();
         for (i, b) in t.backends.iter().enumerate() {
             let bkey = format!("{key}.backends[{i}]");
-            if b.id.is_empty() || b.id.len() > 128 || b.id.chars().any(|c| c.is_control()) {
+            // It travels in the x-agent-serve-backend response header.
+            if b.id.is_empty() || b.id.len() > 128 || !b.id.bytes().all(|c| c.is_ascii_graphic()) {
                 errors.push(err(
                     format!("{bkey}.id"),
-                    "must be 1-128 printable characters",
+                    "must be 1-128 printable ASCII characters without spaces (it is sent in a header)",
                 ));
             }
             if !seen_ids.insert(b.id.clone()) {
@@ -911,6 +1016,18 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     if file.admin.token.as_deref() == Some("") {
         errors.push(err("admin.token", "must not be empty (omit it to disable)"));
     }
+    if let Some(a) = admin_listen {
+        if !a.ip().is_loopback() && file.admin.token.is_none() && !file.admin.insecure {
+            errors.push(err(
+                "admin.listen",
+                format!(
+                    "{a} is reachable from other hosts and admin.token is not set: anyone \
+                     could drain backends and delete sessions (set admin.token, listen on \
+                     127.0.0.1, or set admin.insecure: true)"
+                ),
+            ));
+        }
+    }
 
     // health
     let h = &file.health;
@@ -931,6 +1048,7 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     }
 
     let (placement, load) = validate_placement(&file.placement, &file.load, &mut errors);
+    let outlier = validate_outlier(&file.outlier, &mut errors);
 
     // metrics
     let metrics_listen = parse_addr("metrics.listen", &file.metrics.listen, &mut errors);
@@ -944,6 +1062,15 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             max_body_bytes: s.max_body_bytes,
             threads: s.threads,
             connect_timeout: Duration::from_millis(s.connect_timeout_ms),
+            tls_handshake_timeout: Duration::from_millis(s.tls_handshake_timeout_ms),
+            client: ClientLimits {
+                header_timeout: Duration::from_millis(s.header_timeout_ms),
+                body_idle_timeout: Duration::from_millis(s.body_idle_timeout_ms),
+                body_min_rate_bytes_per_s: s.body_min_rate_bytes_per_s,
+                body_rate_grace: Duration::from_millis(s.body_rate_grace_ms),
+                write_timeout: Duration::from_millis(s.client_write_timeout_ms),
+                max_connections: s.max_connections,
+            },
             read_timeout: (s.read_timeout_ms > 0).then(|| Duration::from_millis(s.read_timeout_ms)),
             upstream_idle_timeout: Duration::from_millis(s.upstream_idle_timeout_ms),
             replay_body_bytes: s.replay_body_bytes,
@@ -1002,6 +1129,7 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         },
         placement,
         load,
+        outlier,
         warnings,
     })
 }

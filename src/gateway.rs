@@ -57,6 +57,7 @@ pub struct Gateway {
     pub tls: Option<Arc<crate::tls::SniResolver>>,
     /// Request bodies held in memory (routing pre-reads, replay copies).
     pub body_budget: Arc<crate::proxy::request_body::BodyBudget>,
+    gauge_refresh: parking_lot::Mutex<()>,
 }
 
 impl Gateway {
@@ -99,6 +100,7 @@ impl Gateway {
             trace,
             tls,
             body_budget: Default::default(),
+            gauge_refresh: Default::default(),
         }))
     }
 
@@ -142,6 +144,13 @@ impl Gateway {
         let old = self.routing();
         let mut summary = ReloadSummary::default();
         let (o, n) = (&old.config, &config);
+        if o.affinity.hash_key != n.affinity.hash_key {
+            // Every binding key and HRW order derives from it: applying it
+            // live would orphan every session. A restart starts over cleanly.
+            return Err("affinity.hash_key changed: that needs a restart (a reload would \
+                        orphan every binding); nothing was applied"
+                .to_string());
+        }
         let tls_listeners = |c: &Config| c.server.tls.as_ref().map(|t| (t.listen.clone(), t.h2));
         for (changed, key) in [
             (o.server.listen != n.server.listen, "server.listen"),
@@ -208,6 +217,14 @@ impl Gateway {
             .collect();
         let new = Arc::new(new);
         self.routing.store(Arc::clone(&new));
+        for (t, b) in old.all_backends() {
+            if !new
+                .tier_by_name(&t.name)
+                .is_some_and(|nt| nt.backend_by_slot(b.slot).is_some())
+            {
+                self.metrics.forget_backend(&t.name, &b.id);
+            }
+        }
         // Bindings to backends that left their tier are broken now.
         for (tier_index, count) in self
             .affinity
@@ -252,6 +269,9 @@ impl Gateway {
 
     /// Bring gauges up to date before a scrape.
     pub fn refresh_gauges(&self) {
+        // One scrape at a time: the eviction counter catches up by a
+        // difference, which two concurrent scrapes would both add.
+        let _one = self.gauge_refresh.lock();
         let routing = self.routing();
         let m = &self.metrics;
         let table = self.affinity.table();
@@ -272,6 +292,9 @@ impl Gateway {
                 m.backend_in_flight
                     .with_label_values(&labels)
                     .set(b.in_flight() as i64);
+                m.backend_ejected
+                    .with_label_values(&labels)
+                    .set(b.stats.outlier.ejected(crate::upstream::load::clock_ms()) as i64);
             }
         }
     }

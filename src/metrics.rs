@@ -33,6 +33,10 @@ pub struct Metrics {
     pub backend_engine_requests: IntGaugeVec,
     pub backend_kv_usage: GaugeVec,
     pub load_scrape_failures: IntCounterVec,
+    pub backend_ejections: IntCounterVec,
+    pub backend_ejected: IntGaugeVec,
+    pub timeouts: IntCounterVec,
+    pub connections_refused: IntCounterVec,
 }
 
 /// A tier's hot-path counters, resolved once per config load.
@@ -179,6 +183,30 @@ impl Metrics {
                 "Failed or timed-out scrapes of a backend's /metrics (placement then uses local counts)",
                 &["tier", "backend"],
             ),
+            backend_ejections: counter(
+                &r,
+                "agentserve_backend_ejections_total",
+                "Backends ejected by passive health (consecutive failed requests while health checks passed)",
+                &["tier", "backend"],
+            ),
+            backend_ejected: gauge(
+                &r,
+                "agentserve_backend_ejected",
+                "1 while a backend is ejected by passive health",
+                &["tier", "backend"],
+            ),
+            timeouts: counter(
+                &r,
+                "agentserve_timeouts_total",
+                "Requests cut by a timeout, by kind (header, body_idle, body_rate, client_write, upstream_connect, upstream_read)",
+                &["kind"],
+            ),
+            connections_refused: counter(
+                &r,
+                "agentserve_connections_refused_total",
+                "Client connections refused because server.max_connections were open",
+                &["reason"],
+            ),
             upstream_retries: counter(
                 &r,
                 "agentserve_upstream_retries_total",
@@ -198,6 +226,27 @@ impl Metrics {
                 &["result"],
             ),
             registry: r,
+        }
+    }
+
+    /// Drop the gauges of a backend that left a tier (a reload removed it),
+    /// so dashboards stop showing its last values. Counters stay: they are
+    /// history.
+    pub fn forget_backend(&self, tier: &str, backend: &str) {
+        let labels = [tier, backend];
+        for g in [
+            &self.backend_healthy,
+            &self.backend_in_flight,
+            &self.backend_bindings,
+            &self.backend_ejected,
+        ] {
+            let _ = g.remove_label_values(&labels);
+        }
+        let _ = self.backend_kv_usage.remove_label_values(&labels);
+        for state in ["running", "waiting"] {
+            let _ = self
+                .backend_engine_requests
+                .remove_label_values(&[tier, backend, state]);
         }
     }
 

@@ -107,6 +107,14 @@ impl GatewayError {
             message: detail,
         }
     }
+    pub fn upstream_timeout(detail: String) -> Self {
+        GatewayError {
+            status: 504,
+            kind: "gateway_timeout",
+            code: "backend_timeout",
+            message: detail,
+        }
+    }
 
     pub fn body(&self) -> Bytes {
         let v = serde_json::json!({

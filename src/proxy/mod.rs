@@ -17,6 +17,7 @@ use crate::affinity::hrw::KeyKind;
 use crate::affinity::session::{self, BodyProbe, SessionId};
 use crate::affinity::{Candidate, Choice, Lease, Reason, SessionRef};
 use crate::gateway::Gateway;
+use crate::upstream::outlier::Outcome;
 use crate::upstream::{Backend, BackendStats, Routing, Tier};
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -367,6 +368,50 @@ impl GatewayProxy {
         }
     }
 
+    /// Feed one request's outcome to its backend's passive health; eject it
+    /// when that was one failure too many (and the tier can spare it).
+    fn record_outcome(&self, ctx: &RequestCtx, backend: &Backend, outcome: Outcome) {
+        let (Some(tier), Some(routing)) = (&ctx.tier, &ctx.routing) else {
+            return;
+        };
+        let cfg = &routing.config.outlier;
+        let now = crate::upstream::load::clock_ms();
+        let ejected = backend
+            .stats
+            .outlier
+            .record(outcome, cfg, now, || tier.may_eject(cfg.max_ejected_percent));
+        if let Some(span) = ejected {
+            log::warn!(
+                "backend {} ejected for {} s after {} failed requests in a row",
+                backend.id,
+                span.as_secs(),
+                cfg.consecutive_failures
+            );
+            self.gw
+                .metrics
+                .backend_ejections
+                .with_label_values(&[&tier.name, &backend.id])
+                .inc();
+        }
+    }
+
+    /// What a finished request says about its backend: `None` when the
+    /// backend was not at fault either way (the client left, bad input).
+    fn outcome(session: &Session, e: Option<&Error>, ctx: &RequestCtx) -> Option<Outcome> {
+        if let Some(g) = &ctx.error {
+            return matches!(g.code, "backend_error" | "backend_timeout").then_some(Outcome::Failure);
+        }
+        if e.is_some_and(|e| e.esource() == &ErrorSource::Upstream) {
+            return Some(Outcome::Failure);
+        }
+        let status = session.response_written()?.status.as_u16();
+        Some(if status >= 500 {
+            Outcome::Failure
+        } else {
+            Outcome::Success
+        })
+    }
+
     fn least_in_flight(&self, tier: &Tier, candidates: &[Candidate]) -> usize {
         // One snapshot: in-flight counts move while we look, and deciding on
         // two different readings can leave no candidate at the minimum.
@@ -517,6 +562,12 @@ impl ProxyHttp for GatewayProxy {
         };
         let server = &routing.config.server;
         peer.options.connection_timeout = Some(server.connect_timeout);
+        if backend.tls.is_some() {
+            // A backend that accepts TCP and stalls the handshake must not
+            // hold the request (and its session's waiters) forever.
+            peer.options.total_connection_timeout =
+                Some(server.connect_timeout + server.tls_handshake_timeout);
+        }
         peer.options.read_timeout = server.read_timeout;
         peer.options.idle_timeout = Some(server.upstream_idle_timeout);
         if ctx.replayed {
@@ -561,9 +612,10 @@ impl ProxyHttp for GatewayProxy {
     ) -> Box<Error> {
         // Nothing reached the backend: try the next candidate. upstream_peer
         // rebinds the session (counted broken) or answers 502 when none is left.
-        if let Some(b) = &ctx.backend {
+        if let Some(b) = ctx.backend.clone() {
             log::warn!("backend {} ({}) refused connection: {e}", b.id, b.addr);
             ctx.excluded.push(b.slot);
+            self.record_outcome(ctx, &b, Outcome::Failure);
         }
         e.set_retry(true);
         e
@@ -744,6 +796,16 @@ impl ProxyHttp for GatewayProxy {
                 code: "gateway_error",
                 message: e.to_string(),
             }),
+            (None, ErrorType::ReadTimedout) if e.esource() == &ErrorSource::Upstream => {
+                Some(GatewayError::upstream_timeout(format!(
+                    "backend {} sent nothing for {} ms",
+                    ctx.backend.as_ref().map_or("?", |b| &*b.id),
+                    ctx.routing
+                        .as_ref()
+                        .and_then(|r| r.config.server.read_timeout)
+                        .map_or(0, |t| t.as_millis())
+                )))
+            }
             (None, _) => match e.esource() {
                 ErrorSource::Upstream => Some(GatewayError::upstream_failed(format!(
                     "backend {} failed: {}",
@@ -778,7 +840,12 @@ impl ProxyHttp for GatewayProxy {
         }
     }
 
-    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut RequestCtx) {
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        if let Some(backend) = ctx.backend.clone() {
+            if let Some(outcome) = Self::outcome(session, e, ctx) {
+                self.record_outcome(ctx, &backend, outcome);
+            }
+        }
         let tier_name = ctx.tier_name().unwrap_or("none").to_string();
         let status = session
             .response_written()

@@ -7,6 +7,7 @@
 
 pub mod health;
 pub mod load;
+pub mod outlier;
 
 use crate::affinity::hrw::HrwHasher;
 use crate::affinity::table::MAX_TIERS;
@@ -40,6 +41,8 @@ pub struct BackendStats {
     pub engine: load::EngineLoad,
     /// Prefill cost and queueing learned from its responses.
     pub cost: load::CostEstimate,
+    /// Passive health: ejected after consecutive failed requests.
+    pub outlier: outlier::OutlierState,
 }
 
 /// Backend id → slot, and slot → live state.
@@ -78,6 +81,7 @@ impl Slots {
             fresh_connections_until_ms: AtomicU64::new(0),
             engine: Default::default(),
             cost: Default::default(),
+            outlier: Default::default(),
         });
         w.stats.push(Arc::clone(&stats));
         w.by_id.insert(id.to_string(), slot);
@@ -163,9 +167,21 @@ pub struct Tier {
 
 impl Tier {
     /// Passing health checks (and, for a backend added by a reload, admitted
-    /// by its first successful check).
+    /// by its first successful check), and not ejected for failing requests.
     pub fn healthy(&self, b: &Backend) -> bool {
+        self.checks_pass(b) && !b.stats.outlier.ejected(load::clock_ms())
+    }
+
+    /// What the active health checks alone say.
+    pub fn checks_pass(&self, b: &Backend) -> bool {
         b.stats.admitted.load(Ordering::Relaxed) && self.view.ready(&b.lb)
+    }
+
+    /// Whether ejecting one more backend keeps this tier within the
+    /// outlier panic threshold (never empties it).
+    pub fn may_eject(&self, max_percent: u32) -> bool {
+        let out = self.backends.iter().filter(|b| !self.healthy(b)).count();
+        outlier::may_eject(self.backends.len(), out, max_percent)
     }
 
     pub fn backend_by_slot(&self, slot: u32) -> Option<&Arc<Backend>> {
