@@ -39,6 +39,7 @@ pub struct TraceRecord<'a> {
 pub struct TraceLog {
     tx: SyncSender<Vec<u8>>,
     pub dropped: Arc<AtomicU64>,
+    writer: std::thread::JoinHandle<()>,
 }
 
 const QUEUE: usize = 16_384;
@@ -50,7 +51,7 @@ impl TraceLog {
         let size = file.metadata()?.len();
         let (tx, rx) = sync_channel::<Vec<u8>>(QUEUE);
         let dropped = Arc::new(AtomicU64::new(0));
-        std::thread::Builder::new()
+        let writer = std::thread::Builder::new()
             .name("trace writer".into())
             .spawn(move || {
                 let mut w = Writer {
@@ -73,7 +74,17 @@ impl TraceLog {
                     }
                 }
             })?;
-        Ok(TraceLog { tx, dropped })
+        Ok(TraceLog {
+            tx,
+            dropped,
+            writer,
+        })
+    }
+
+    /// Stop accepting lines and wait until every queued line is on disk.
+    pub fn close(self) {
+        drop(self.tx);
+        let _ = self.writer.join();
     }
 
     pub fn record(&self, r: &TraceRecord<'_>) {
@@ -169,12 +180,7 @@ mod tests {
         for i in 0..200 {
             log.record(&rec(i));
         }
-        drop(log);
-        // The writer thread drains and exits when the sender is gone.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while !numbered(&path, 2).exists() && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        log.close();
         assert!(numbered(&path, 1).exists() && numbered(&path, 2).exists());
         assert!(!numbered(&path, 3).exists(), "only `keep` old files");
         for p in [path.clone(), numbered(&path, 1)] {
