@@ -169,6 +169,8 @@ struct FileServer {
     /// The longest one write to a client may block (a client that stops
     /// reading a stream is cut, and its backend connection released).
     client_write_timeout_ms: u64,
+    /// A request's line and headers together; over it: 431.
+    max_header_bytes: usize,
     /// Open client connections over all proxy listeners; over it a new
     /// connection is answered 503 and closed. `0` = no limit.
     max_connections: usize,
@@ -230,6 +232,7 @@ impl Default for FileServer {
             body_min_rate_bytes_per_s: 1024,
             body_rate_grace_ms: 10_000,
             client_write_timeout_ms: 60_000,
+            max_header_bytes: 64 * 1024,
             max_connections: 10_000,
             upstream_idle_timeout_ms: 4000,
             replay_body_bytes: 4 * 1024 * 1024,
@@ -436,6 +439,7 @@ pub struct ClientLimits {
     pub body_min_rate_bytes_per_s: u64,
     pub body_rate_grace: Duration,
     pub write_timeout: Duration,
+    pub max_header_bytes: usize,
     pub max_connections: usize,
 }
 
@@ -802,6 +806,7 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         ("server.header_timeout_ms", s.header_timeout_ms),
         ("server.body_idle_timeout_ms", s.body_idle_timeout_ms),
         ("server.client_write_timeout_ms", s.client_write_timeout_ms),
+        ("server.max_header_bytes", s.max_header_bytes as u64),
     ] {
         if v == 0 {
             errors.push(err(key, "must be greater than 0"));
@@ -1069,6 +1074,7 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
                 body_min_rate_bytes_per_s: s.body_min_rate_bytes_per_s,
                 body_rate_grace: Duration::from_millis(s.body_rate_grace_ms),
                 write_timeout: Duration::from_millis(s.client_write_timeout_ms),
+                max_header_bytes: s.max_header_bytes,
                 max_connections: s.max_connections,
             },
             read_timeout: (s.read_timeout_ms > 0).then(|| Duration::from_millis(s.read_timeout_ms)),

@@ -74,10 +74,14 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
 
     let health_handle = server.add_service(background_service("health checks", health_service));
 
-    let mut proxy = pingora_proxy::http_proxy_service_with_name(
-        &server.configuration,
+    let mut http = pingora_proxy::HttpProxy::new(
         GatewayProxy::new(Arc::clone(&gw)),
-        "agent-gateway proxy",
+        Arc::clone(&server.configuration),
+    );
+    http.handle_init_modules();
+    let mut proxy = Service::new(
+        "agent-gateway proxy".to_string(),
+        crate::proxy::conn_guard::GuardedApp::new(http, Arc::clone(&gw)),
     );
     for addr in &config.server.listen {
         proxy.add_tcp(&addr.to_string());

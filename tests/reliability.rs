@@ -92,15 +92,24 @@ async fn connect_failure_before_health_checks_notice_is_retried_on_the_next_cand
             .await,
         broken as f64
     );
-    // The backend still counts as healthy (no check ran): it was the connect
-    // failure, not the health check, that moved these sessions.
-    assert_eq!(
-        gw.metric(&format!(
-            "agentserve_backend_healthy{{backend=\"{victim}\",tier=\"default\"}}"
-        ))
-        .await,
-        1.0
-    );
+    // No health check ran: it was the connect failures, not the health
+    // check, that moved these sessions (and, after enough of them in a row,
+    // passive health ejected the backend).
+    let v: serde_json::Value = reqwest::get(gw.admin_url("/admin/backends"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let b = v["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["id"] == victim.as_str())
+        .unwrap()
+        .clone();
+    assert_eq!(b["health_checks_pass"], true, "{b}");
+    assert_eq!(b["healthy"], broken < 5, "{b}");
 }
 
 #[tokio::test]

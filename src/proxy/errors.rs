@@ -107,6 +107,37 @@ impl GatewayError {
             message: detail,
         }
     }
+    pub fn headers_too_large(limit: usize) -> Self {
+        GatewayError {
+            status: 431,
+            kind: "invalid_request_error",
+            code: "headers_too_large",
+            message: format!("request line and headers are larger than the gateway's limit of {limit} bytes"),
+        }
+    }
+    pub fn missing_host() -> Self {
+        GatewayError {
+            status: 400,
+            kind: "invalid_request_error",
+            code: "missing_host",
+            message: "an HTTP/1.1 request needs a Host header (RFC 9112 §3.2)".into(),
+        }
+    }
+
+    pub fn request_timeout(kind: &str) -> Self {
+        GatewayError {
+            status: 408,
+            kind: "invalid_request_error",
+            code: "request_timeout",
+            message: match kind {
+                "body_rate" => "the request body arrived below the gateway's minimum rate",
+                "body_idle" => "the request body stalled",
+                _ => "the request did not arrive in time",
+            }
+            .into(),
+        }
+    }
+
     pub fn upstream_timeout(detail: String) -> Self {
         GatewayError {
             status: 504,
@@ -130,13 +161,22 @@ impl GatewayError {
 
     /// Write this error as the whole response. The connection is not reused
     /// when the request body may not have been read.
-    pub async fn write(&self, session: &mut Session, tier: Option<&str>) -> Result<()> {
+    /// `backend`: the one that failed, when it did (a 502 or 504).
+    pub async fn write(
+        &self,
+        session: &mut Session,
+        tier: Option<&str>,
+        backend: Option<&str>,
+    ) -> Result<()> {
         let body = self.body();
         let mut resp = ResponseHeader::build(self.status, Some(4))?;
         resp.insert_header("content-type", "application/json")?;
         resp.insert_header("content-length", body.len().to_string())?;
         if let Some(t) = tier {
             resp.insert_header("x-agent-serve-tier", t)?;
+        }
+        if let Some(b) = backend {
+            resp.insert_header("x-agent-serve-backend", b)?;
         }
         if !session.is_body_done() {
             session.set_keepalive(None);

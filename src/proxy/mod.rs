@@ -8,6 +8,7 @@
 //! - `response_filter` / `response_body_filter`: response metadata, usage;
 //! - `logging`: metrics. The lease and in-flight count end when the context drops.
 
+pub mod conn_guard;
 pub mod errors;
 pub mod request_body;
 pub mod response;
@@ -151,6 +152,8 @@ pub struct RequestCtx {
     upstream_body_seen: usize,
     usage: Option<UsageScanner>,
     first_byte: Option<Instant>,
+    /// The client connection's limits (HTTP/1 on a proxy listener).
+    conn: Option<Arc<conn_guard::ConnState>>,
 }
 
 impl RequestCtx {
@@ -187,6 +190,19 @@ impl RequestCtx {
     }
 }
 
+/// About what the request line and headers took on the wire.
+fn header_bytes(req: &RequestHeader) -> usize {
+    let uri = req.uri.path_and_query().map_or(1, |p| p.as_str().len())
+        + req.uri.authority().map_or(0, |a| a.as_str().len());
+    fields_bytes(&req.headers, req.method.as_str().len() + uri + 12)
+}
+
+fn fields_bytes(headers: &http::HeaderMap, start: usize) -> usize {
+    headers
+        .iter()
+        .fold(start, |n, (k, v)| n + k.as_str().len() + v.len() + 4)
+}
+
 fn method_has_body(req: &RequestHeader) -> bool {
     !matches!(
         req.method,
@@ -203,7 +219,15 @@ impl GatewayProxy {
     ) -> std::result::Result<(), GatewayError> {
         let routing = self.gw.routing();
         let cfg = &routing.config;
-        let headers = &session.req_header().headers;
+        let req = session.req_header();
+        if req.version == http::Version::HTTP_11 && !req.headers.contains_key(http::header::HOST) {
+            return Err(GatewayError::missing_host());
+        }
+        let limit = cfg.server.client.max_header_bytes;
+        if header_bytes(req) > limit {
+            return Err(GatewayError::headers_too_large(limit));
+        }
+        let headers = &req.headers;
         let session_id = session::from_headers(headers, &cfg.affinity.session_headers)
             .map_err(|e| GatewayError::bad_session_header(e.to_string()))?;
         let parent = session::from_headers(headers, &cfg.affinity.parent_session_headers)
@@ -267,9 +291,14 @@ impl GatewayProxy {
                 Ok(b) => b,
                 Err(PreReadError::Refused(e)) => return Err(e),
                 Err(PreReadError::Io(e)) => {
-                    return Err(GatewayError::bad_body(format!("reading the body: {e}")))
+                    return Err(self
+                        .client_timeout(ctx, &e)
+                        .unwrap_or_else(|| GatewayError::bad_body(format!("reading the body: {e}"))))
                 }
             };
+            if let Some(conn) = &ctx.conn {
+                conn.body_done();
+            }
             ctx.body_bytes = body.len() as u64;
             ctx.body_hold = replay_hold.or_else(|| Some(self.gw.body_budget.hold(ctx.body_bytes)));
             if let Some(probe) = needs_body.then(|| BodyProbe::parse(&body)).flatten() {
@@ -368,6 +397,19 @@ impl GatewayProxy {
         }
     }
 
+    /// The 408 for a client that was too slow (its body stalled or crawled),
+    /// counted by kind; `None` when `e` is not that.
+    fn client_timeout(&self, ctx: &RequestCtx, e: &Error) -> Option<GatewayError> {
+        let kind = match ctx.conn.as_ref().and_then(|c| c.cut()) {
+            // The wrapper counted its own cut.
+            Some(cut) => return Some(GatewayError::request_timeout(cut.as_str())),
+            None if e.etype() == &ErrorType::ReadTimedout => "body_idle",
+            None => return None,
+        };
+        self.gw.metrics.timeouts.with_label_values(&[kind]).inc();
+        Some(GatewayError::request_timeout(kind))
+    }
+
     /// Feed one request's outcome to its backend's passive health; eject it
     /// when that was one failure too many (and the tier can spare it).
     fn record_outcome(&self, ctx: &RequestCtx, backend: &Backend, outcome: Outcome) {
@@ -462,15 +504,27 @@ impl ProxyHttp for GatewayProxy {
             upstream_body_seen: 0,
             usage: None,
             first_byte: None,
+            conn: None,
         }
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        let limits = self.gw.routing().config.server.client;
+        // Pingora's per-read timers: a body that stalls, a client that stops
+        // reading its response (the lease and backend connection go with it).
+        session.set_read_timeout(Some(limits.body_idle_timeout));
+        session.set_write_timeout(Some(limits.write_timeout));
+        // Pipelined requests are answered in order instead of dropped.
+        session.set_pipelining_enabled(true);
+        ctx.conn = conn_guard::GuardedStream::of(session.stream()).cloned();
+        if let Some(conn) = &ctx.conn {
+            conn.headers_done(!session.is_body_empty());
+        }
         match self.route_request(session, ctx).await {
             Ok(()) => Ok(false),
             Err(e) => {
                 let tier = ctx.tier_name().map(str::to_string);
-                e.write(session, tier.as_deref()).await?;
+                e.write(session, tier.as_deref(), None).await?;
                 ctx.error = Some(e);
                 Ok(true)
             }
@@ -614,6 +668,13 @@ impl ProxyHttp for GatewayProxy {
         // rebinds the session (counted broken) or answers 502 when none is left.
         if let Some(b) = ctx.backend.clone() {
             log::warn!("backend {} ({}) refused connection: {e}", b.id, b.addr);
+            if matches!(e.etype(), ErrorType::ConnectTimedout | ErrorType::TLSHandshakeTimedout) {
+                self.gw
+                    .metrics
+                    .timeouts
+                    .with_label_values(&["upstream_connect"])
+                    .inc();
+            }
             ctx.excluded.push(b.slot);
             self.record_outcome(ctx, &b, Outcome::Failure);
         }
@@ -672,9 +733,14 @@ impl ProxyHttp for GatewayProxy {
         &self,
         _session: &mut Session,
         body: &mut Option<Bytes>,
-        _end_of_stream: bool,
+        end_of_stream: bool,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
+        if end_of_stream {
+            if let Some(conn) = &ctx.conn {
+                conn.body_done();
+            }
+        }
         if let Some(full) = &ctx.body {
             // See request_body.rs: this is the replayed tail; send everything.
             *body = Some(full.clone());
@@ -702,6 +768,17 @@ impl ProxyHttp for GatewayProxy {
         let (Some(backend), Some(tier)) = (ctx.backend.clone(), ctx.tier.clone()) else {
             return Ok(());
         };
+        let limit = ctx
+            .routing
+            .as_ref()
+            .map_or(usize::MAX, |r| r.config.server.client.max_header_bytes);
+        if fields_bytes(&resp.headers, 0) > limit {
+            let e = GatewayError::upstream_failed(format!(
+                "backend {} sent response headers over the gateway's limit of {limit} bytes",
+                backend.id
+            ));
+            return Err(self.fail(ctx, e));
+        }
         resp.insert_header(BACKEND_HEADER, &*backend.id)?;
         resp.insert_header(HIT_HEADER, if ctx.affinity_hit { "true" } else { "false" })?;
         resp.insert_header(TIER_HEADER, &*tier.name)?;
@@ -788,8 +865,17 @@ impl ProxyHttp for GatewayProxy {
     where
         RequestCtx: Send + Sync,
     {
+        let downstream = e.esource() == &ErrorSource::Downstream;
+        let too_slow = match ctx.error {
+            None if downstream => self.client_timeout(ctx, e),
+            _ => None,
+        };
+        if downstream && e.etype() == &ErrorType::WriteTimedout {
+            self.gw.metrics.timeouts.with_label_values(&["client_write"]).inc();
+        }
         let gateway_error = match (&ctx.error, e.etype()) {
             (Some(g), _) => Some(g.clone()),
+            (None, _) if too_slow.is_some() => too_slow,
             (None, ErrorType::HTTPStatus(code)) => Some(GatewayError {
                 status: *code,
                 kind: "gateway_error",
@@ -797,6 +883,7 @@ impl ProxyHttp for GatewayProxy {
                 message: e.to_string(),
             }),
             (None, ErrorType::ReadTimedout) if e.esource() == &ErrorSource::Upstream => {
+                self.gw.metrics.timeouts.with_label_values(&["upstream_read"]).inc();
                 Some(GatewayError::upstream_timeout(format!(
                     "backend {} sent nothing for {} ms",
                     ctx.backend.as_ref().map_or("?", |b| &*b.id),
@@ -824,9 +911,13 @@ impl ProxyHttp for GatewayProxy {
         let code = match gateway_error {
             // A response already started cannot be replaced: just end it.
             Some(g) if session.response_written().is_none() => {
+                // The connection closes after this answer (below): say so,
+                // or a client reusing it races the close.
+                session.set_keepalive(None);
                 let tier = ctx.tier_name().map(str::to_string);
                 let status = g.status;
-                if let Err(we) = g.write(session, tier.as_deref()).await {
+                let backend = ctx.backend.as_ref().map(|b| Arc::clone(&b.id));
+                if let Err(we) = g.write(session, tier.as_deref(), backend.as_deref()).await {
                     log::debug!("writing error response failed: {we}");
                 }
                 ctx.error = Some(g);
@@ -841,6 +932,9 @@ impl ProxyHttp for GatewayProxy {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        if let Some(conn) = &ctx.conn {
+            conn.request_done();
+        }
         if let Some(backend) = ctx.backend.clone() {
             if let Some(outcome) = Self::outcome(session, e, ctx) {
                 self.record_outcome(ctx, &backend, outcome);

@@ -1,0 +1,403 @@
+//! Limits on client connections that no Pingora hook can enforce, applied by
+//! wrapping each accepted connection before Pingora's HTTP code sees it:
+//!
+//! - `server.max_connections`: a connection over the limit gets a 503 and is
+//!   closed at once;
+//! - `server.header_timeout_ms`: a request's headers must arrive in full
+//!   within this time of its first byte (for a new connection: of accepting
+//!   it) — Pingora's own timer restarts on every byte, so a client dripping a
+//!   byte every few seconds would hold the connection forever. Answered 408;
+//! - `server.body_min_rate_bytes_per_s`: after `body_rate_grace_ms`, a body
+//!   arriving slower than this is cut (the proxy answers 408).
+//!
+//! The proxy tells the wrapper where a request is ([`ConnState`], reached
+//! through `Session::stream()`): headers done (body expected or not), body
+//! done, request done. Per-read timeouts (body idle, client write) are
+//! Pingora's own, set per request by the proxy.
+
+use crate::metrics::Metrics;
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use pingora_core::apps::ServerApp;
+use pingora_core::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, Ssl, Stream, UniqueID,
+    UniqueIDType, ALPN,
+};
+use pingora_core::server::ShutdownWatch;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::future::Future;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::time::{Instant, Sleep};
+
+/// Which limit cut a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    Header,
+    BodyRate,
+}
+
+impl Cut {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cut::Header => "header",
+            Cut::BodyRate => "body_rate",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    /// Between requests on a kept-alive connection (Pingora's keep-alive
+    /// timeout applies).
+    Idle,
+    /// Reading a request's headers: must be done by `deadline`.
+    Header { deadline: Instant },
+    /// Reading its body.
+    Body { since: Instant, bytes: u64 },
+    /// Body done, the response is on its way.
+    Response,
+}
+
+/// Where the current request on one connection is; shared by the wrapper
+/// and the proxy hooks.
+#[derive(Debug)]
+pub struct ConnState {
+    phase: Mutex<Phase>,
+    cut: Mutex<Option<Cut>>,
+    header_timeout: Duration,
+    min_rate: u64,
+    grace: Duration,
+}
+
+impl ConnState {
+    /// The request's headers are in; `body` says whether a body follows.
+    pub fn headers_done(&self, body: bool) {
+        *self.phase.lock() = if body {
+            Phase::Body {
+                since: Instant::now(),
+                bytes: 0,
+            }
+        } else {
+            Phase::Response
+        };
+    }
+
+    pub fn body_done(&self) {
+        *self.phase.lock() = Phase::Response;
+    }
+
+    /// The response is complete: the next byte starts a new request.
+    pub fn request_done(&self) {
+        *self.phase.lock() = Phase::Idle;
+    }
+
+    /// Whether (and why) the wrapper cut this connection.
+    pub fn cut(&self) -> Option<Cut> {
+        *self.cut.lock()
+    }
+
+    /// Bytes just read: start a header clock, or check the body's rate.
+    fn on_read(&self, n: usize) -> Result<(), Cut> {
+        let mut phase = self.phase.lock();
+        match &mut *phase {
+            Phase::Idle => {
+                *phase = Phase::Header {
+                    deadline: Instant::now() + self.header_timeout,
+                }
+            }
+            Phase::Body { since, bytes } => {
+                *bytes += n as u64;
+                let elapsed = since.elapsed();
+                if self.min_rate > 0
+                    && elapsed > self.grace
+                    && (*bytes as u128) * 1000 < self.min_rate as u128 * elapsed.as_millis()
+                {
+                    return Err(Cut::BodyRate);
+                }
+            }
+            Phase::Header { .. } | Phase::Response => {}
+        }
+        Ok(())
+    }
+
+    fn header_deadline(&self) -> Option<Instant> {
+        match *self.phase.lock() {
+            Phase::Header { deadline } => Some(deadline),
+            _ => None,
+        }
+    }
+}
+
+/// An accepted client connection, wrapped.
+#[derive(Debug)]
+pub struct GuardedStream {
+    inner: Stream,
+    pub state: Arc<ConnState>,
+    timer: Option<Pin<Box<Sleep>>>,
+    /// The 408 still to be written when the header clock ran out.
+    farewell: &'static [u8],
+    timeouts: prometheus::IntCounterVec,
+}
+
+const HEADER_TIMEOUT_RESPONSE: &[u8] = b"HTTP/1.1 408 Request Timeout\r\n\
+content-type: application/json\r\n\
+content-length: 117\r\n\
+connection: close\r\n\
+\r\n\
+{\"error\":{\"message\":\"request headers did not arrive in time\",\"type\":\"invalid_request_error\",\"code\":\"request_timeout\"}}";
+
+impl GuardedStream {
+    /// The wrapper of `session`'s connection, when it has one (HTTP/1 on a
+    /// proxy listener).
+    pub fn of(stream: Option<&Stream>) -> Option<&Arc<ConnState>> {
+        stream?
+            .as_any()
+            .downcast_ref::<GuardedStream>()
+            .map(|g| &g.state)
+    }
+
+    fn cut_now(&mut self, cut: Cut) -> std::io::Error {
+        *self.state.cut.lock() = Some(cut);
+        self.timeouts.with_label_values(&[cut.as_str()]).inc();
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            match cut {
+                Cut::Header => "request headers did not arrive in time",
+                Cut::BodyRate => "request body arrived below the minimum rate",
+            },
+        )
+    }
+
+    /// Write what is left of the 408 without waiting: a client that does
+    /// not read does not get to hold the connection for it.
+    fn say_farewell(&mut self, cx: &mut Context<'_>) {
+        while !self.farewell.is_empty() {
+            match Pin::new(&mut self.inner).poll_write(cx, self.farewell) {
+                Poll::Ready(Ok(n)) if n > 0 => self.farewell = &self.farewell[n..],
+                _ => return,
+            }
+        }
+        let _ = Pin::new(&mut self.inner).poll_flush(cx);
+    }
+}
+
+impl AsyncRead for GuardedStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(deadline) = this.state.header_deadline() {
+            let timer = this
+                .timer
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+            if timer.deadline() != deadline {
+                timer.as_mut().reset(deadline);
+            }
+            if timer.as_mut().poll(cx).is_ready() {
+                this.farewell = HEADER_TIMEOUT_RESPONSE;
+                this.say_farewell(cx);
+                return Poll::Ready(Err(this.cut_now(Cut::Header)));
+            }
+        }
+        let before = buf.filled().len();
+        let res = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = &res {
+            let n = buf.filled().len() - before;
+            if n > 0 {
+                if let Err(cut) = this.state.on_read(n) {
+                    return Poll::Ready(Err(this.cut_now(cut)));
+                }
+            }
+        }
+        res
+    }
+}
+
+impl AsyncWrite for GuardedStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[async_trait]
+impl Shutdown for GuardedStream {
+    async fn shutdown(&mut self) {
+        Shutdown::shutdown(&mut *self.inner).await
+    }
+}
+
+impl UniqueID for GuardedStream {
+    fn id(&self) -> UniqueIDType {
+        self.inner.id()
+    }
+}
+
+impl Ssl for GuardedStream {
+    fn get_ssl(&self) -> Option<&pingora_core::protocols::tls::TlsRef> {
+        self.inner.get_ssl()
+    }
+    fn get_ssl_digest(&self) -> Option<Arc<pingora_core::protocols::tls::SslDigest>> {
+        self.inner.get_ssl_digest()
+    }
+    fn selected_alpn_proto(&self) -> Option<ALPN> {
+        self.inner.selected_alpn_proto()
+    }
+}
+
+impl GetTimingDigest for GuardedStream {
+    fn get_timing_digest(&self) -> Vec<Option<pingora_core::protocols::TimingDigest>> {
+        self.inner.get_timing_digest()
+    }
+    fn get_read_pending_time(&self) -> Duration {
+        self.inner.get_read_pending_time()
+    }
+    fn get_write_pending_time(&self) -> Duration {
+        self.inner.get_write_pending_time()
+    }
+}
+
+impl GetProxyDigest for GuardedStream {
+    fn get_proxy_digest(&self) -> Option<Arc<pingora_core::protocols::raw_connect::ProxyDigest>> {
+        self.inner.get_proxy_digest()
+    }
+    fn set_proxy_digest(&mut self, d: pingora_core::protocols::raw_connect::ProxyDigest) {
+        self.inner.set_proxy_digest(d)
+    }
+}
+
+impl GetSocketDigest for GuardedStream {
+    fn get_socket_digest(&self) -> Option<Arc<pingora_core::protocols::SocketDigest>> {
+        self.inner.get_socket_digest()
+    }
+    fn set_socket_digest(&mut self, d: pingora_core::protocols::SocketDigest) {
+        self.inner.set_socket_digest(d)
+    }
+}
+
+#[async_trait]
+impl Peek for GuardedStream {
+    async fn try_peek(&mut self, buf: &mut [u8]) -> std::io::Result<bool> {
+        self.inner.try_peek(buf).await
+    }
+}
+
+
+/// The proxy application with every connection wrapped and counted.
+pub struct GuardedApp<A> {
+    inner: Arc<A>,
+    gw: Arc<crate::gateway::Gateway>,
+    open: AtomicUsize,
+}
+
+impl<A> GuardedApp<A> {
+    pub fn new(inner: A, gw: Arc<crate::gateway::Gateway>) -> Self {
+        GuardedApp {
+            inner: Arc::new(inner),
+            gw,
+            open: AtomicUsize::new(0),
+        }
+    }
+}
+
+struct OpenCount<'a>(&'a AtomicUsize);
+
+impl Drop for OpenCount<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+const BUSY_RESPONSE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
+content-type: application/json\r\n\
+retry-after: 1\r\n\
+content-length: 126\r\n\
+connection: close\r\n\
+\r\n\
+{\"error\":{\"message\":\"the gateway has too many open connections\",\"type\":\"service_unavailable\",\"code\":\"too_many_connections\"}}";
+
+fn metrics(gw: &crate::gateway::Gateway) -> &Metrics {
+    &gw.metrics
+}
+
+#[async_trait]
+impl<A: ServerApp + Send + Sync + 'static> ServerApp for GuardedApp<A> {
+    async fn process_new(
+        self: &Arc<Self>,
+        mut stream: Stream,
+        shutdown: &ShutdownWatch,
+    ) -> Option<Stream> {
+        let limits = self.gw.routing().config.server.client;
+        let open = self.open.fetch_add(1, Ordering::Relaxed) + 1;
+        let _count = OpenCount(&self.open);
+        if limits.max_connections > 0 && open > limits.max_connections {
+            metrics(&self.gw)
+                .connections_refused
+                .with_label_values(&["max_connections"])
+                .inc();
+            let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                stream.write_all(BUSY_RESPONSE).await?;
+                stream.flush().await
+            })
+            .await;
+            return None;
+        }
+        // HTTP/2 multiplexes requests on one connection and has its own
+        // timers; the header clock is for HTTP/1.
+        let h1 = !matches!(stream.selected_alpn_proto(), Some(ALPN::H2));
+        let state = Arc::new(ConnState {
+            phase: Mutex::new(if h1 {
+                Phase::Header {
+                    deadline: Instant::now() + limits.header_timeout,
+                }
+            } else {
+                Phase::Response
+            }),
+            cut: Mutex::new(None),
+            header_timeout: limits.header_timeout,
+            min_rate: if h1 { limits.body_min_rate_bytes_per_s } else { 0 },
+            grace: limits.body_rate_grace,
+        });
+        let guarded = GuardedStream {
+            inner: stream,
+            state,
+            timer: None,
+            farewell: &[],
+            timeouts: metrics(&self.gw).timeouts.clone(),
+        };
+        self.inner.process_new(Box::new(guarded), shutdown).await
+    }
+
+    async fn cleanup(&self) {
+        self.inner.cleanup().await
+    }
+}

@@ -1,0 +1,402 @@
+//! Sick backends and hostile clients (issue 9): passive health ejects a
+//! backend that fails real requests while its health endpoint says 200, a hung
+//! backend times out, slow clients are cut with a 408, connections are
+//! capped, pipelined requests are all answered. Real gateway and replica
+//! processes, raw sockets where a well-behaved client library would not do it.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+const SESSION: &str = "x-session-id";
+
+/// A fleet of 3 with passive health set to eject after `failures`.
+async fn fleet_ejecting(failures: u32, server: &str) -> (Vec<SimBackend>, Gateway) {
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let extra = format!(
+        "{FAST_HEALTH}{}outlier:\n  consecutive_failures: {failures}\n  base_ejection_ms: 600000\n  max_ejection_ms: 600000\n",
+        affinity_yaml(1800)
+    );
+    let server = server.to_string();
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        move |_| server,
+        &extra,
+    )
+    .await;
+    (sims, gw)
+}
+
+fn sim<'a>(sims: &'a [SimBackend], id: &str) -> &'a SimBackend {
+    sims.iter().find(|s| s.id == id).expect("a backend of the fleet")
+}
+
+async fn admin_backend(gw: &Gateway, id: &str) -> Value {
+    let v: Value = reqwest::get(gw.admin_url("/admin/backends"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["id"] == id)
+        .cloned()
+        .expect("listed")
+}
+
+#[tokio::test]
+async fn a_backend_failing_requests_is_ejected_and_its_sessions_rebind_once() {
+    let (sims, gw) = fleet_ejecting(3, "").await;
+    let client = client();
+    let first = chat(&client, &gw, &[(SESSION, "s-eject")], &chat_body("m", 0)).await;
+    assert_eq!(first.status, 200);
+    let bound = first.backend.clone().unwrap();
+    // The bound replica now answers 500 to every request; /health stays 200.
+    sim(&sims, &bound)
+        .set_faults(json!({"fail_rate": 1.0}))
+        .await;
+    let mut statuses = Vec::new();
+    let mut backends = Vec::new();
+    for turn in 1..=8 {
+        let r = chat(&client, &gw, &[(SESSION, "s-eject")], &chat_body("m", turn)).await;
+        statuses.push(r.status);
+        backends.push(r.backend.clone().unwrap_or_default());
+    }
+    // Three failures pass through (the gateway cannot know sooner), then the
+    // session moves once and stays.
+    assert_eq!(statuses, vec![500, 500, 500, 200, 200, 200, 200, 200]);
+    let moved_to = &backends[3];
+    assert_ne!(moved_to, &bound);
+    assert!(backends[3..].iter().all(|b| b == moved_to), "{backends:?}");
+    let admin = admin_backend(&gw, &bound).await;
+    assert_eq!(admin["healthy"], false, "{admin}");
+    assert_eq!(admin["health_checks_pass"], true, "{admin}");
+    assert!(admin["ejected_ms_left"].as_u64().unwrap() > 0);
+    let labels = format!("{{backend=\"{bound}\",tier=\"default\"}}");
+    assert_eq!(
+        gw.metric(&format!("agentserve_backend_ejections_total{labels}"))
+            .await,
+        1.0
+    );
+    assert_eq!(
+        gw.metric("agentserve_affinity_broken_total{tier=\"default\"}")
+            .await,
+        1.0
+    );
+    // New sessions avoid it too, while it is out.
+    for i in 0..12 {
+        let r = chat(
+            &client,
+            &gw,
+            &[(SESSION, &format!("new-{i}"))],
+            &chat_body("m", 0),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert_ne!(r.backend.unwrap(), bound);
+    }
+    // Undrain is the operator's "put it back".
+    let r = client
+        .post(gw.admin_url(&format!("/admin/backends/{bound}/undrain")))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success());
+    assert_eq!(admin_backend(&gw, &bound).await["healthy"], true);
+}
+
+#[tokio::test]
+async fn a_hung_backend_times_out_with_504_and_is_ejected() {
+    let (sims, gw) = fleet_ejecting(2, "  read_timeout_ms: 1500\n").await;
+    let client = client();
+    let first = chat(&client, &gw, &[(SESSION, "s-hang")], &chat_body("m", 0)).await;
+    let bound = first.backend.clone().unwrap();
+    sim(&sims, &bound).set_faults(json!({"hang": true})).await;
+    let mut seen = Vec::new();
+    for turn in 1..=4 {
+        let r = chat(&client, &gw, &[(SESSION, "s-hang")], &chat_body("m", turn)).await;
+        if r.status == 504 {
+            assert_eq!(r.json()["error"]["code"], "backend_timeout");
+        }
+        seen.push((r.status, r.backend.unwrap_or_default() == bound));
+    }
+    assert_eq!(
+        seen,
+        vec![(504, true), (504, true), (200, false), (200, false)]
+    );
+    assert_eq!(
+        gw.metric("agentserve_timeouts_total{kind=\"upstream_read\"}")
+            .await,
+        2.0
+    );
+}
+
+#[tokio::test]
+async fn ejection_never_takes_the_last_backend_of_a_tier() {
+    let sim0 = SimBackend::start("only-0", &[]);
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &[&sim0])],
+        &format!(
+            "{FAST_HEALTH}{}outlier:\n  consecutive_failures: 1\n",
+            affinity_yaml(1800)
+        ),
+    )
+    .await;
+    sim0.set_faults(json!({"fail_rate": 1.0})).await;
+    let client = client();
+    for turn in 0..5 {
+        let r = chat(&client, &gw, &[(SESSION, "s-one")], &chat_body("m", turn)).await;
+        // The backend's own answer, never "no healthy backend".
+        assert_eq!(r.status, 500);
+    }
+    sim0.set_faults(json!({})).await;
+    let r = chat(&client, &gw, &[(SESSION, "s-one")], &chat_body("m", 9)).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.hit.as_deref(), Some("true"));
+}
+
+/// Read from `s` until EOF (or an error); what arrived.
+fn read_all(s: &mut TcpStream) -> String {
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test]
+async fn headers_dripped_byte_by_byte_get_a_408_and_the_connection_closes() {
+    let sims: Vec<SimBackend> = vec![SimBackend::start("vllm-0", &[])];
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &[&sims[0]])],
+        |_| "  header_timeout_ms: 1000\n".to_string(),
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    let port = gw.port;
+    // A client that drips one header byte every 200 ms, forever (Pingora's own
+    // timer restarts on every byte).
+    let dripper = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let mut reader = s.try_clone().unwrap();
+        let reading = std::thread::spawn(move || read_all(&mut reader));
+        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n").unwrap();
+        for _ in 0..300 {
+            if s.write_all(b"a").is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        reading.join().unwrap()
+    });
+    // A client that connects and says nothing at all.
+    let mut silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let silent_got = read_all(&mut silent);
+    let dripped_got = tokio::task::spawn_blocking(move || dripper.join().unwrap())
+        .await
+        .unwrap();
+    for got in [&dripped_got, &silent_got] {
+        assert!(got.starts_with("HTTP/1.1 408"), "{got:?}");
+        assert!(got.contains("\"code\":\"request_timeout\""), "{got:?}");
+    }
+    assert_eq!(
+        gw.metric("agentserve_timeouts_total{kind=\"header\"}").await,
+        2.0
+    );
+    // Well-behaved clients are unaffected.
+    let r = chat(&client(), &gw, &[(SESSION, "fine")], &chat_body("m", 0)).await;
+    assert_eq!(r.status, 200);
+}
+
+#[tokio::test]
+async fn a_body_sent_at_a_crawl_gets_a_408() {
+    let sims = vec![SimBackend::start("vllm-0", &[])];
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &[&sims[0]])],
+        |_| "  body_min_rate_bytes_per_s: 1000\n  body_rate_grace_ms: 1000\n".to_string(),
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    let port = gw.port;
+    let got = tokio::task::spawn_blocking(move || {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let mut reader = s.try_clone().unwrap();
+        let reading = std::thread::spawn(move || read_all(&mut reader));
+        s.write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-session-id: crawl\r\n\
+              content-type: application/json\r\ncontent-length: 100000\r\n\r\n{\"model\":\"m\",",
+        )
+        .unwrap();
+        // 10 bytes every 100 ms: 100 B/s, a tenth of the minimum.
+        for _ in 0..600 {
+            if s.write_all(b"          ").is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        reading.join().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(got.starts_with("HTTP/1.1 408"), "{got:?}");
+    assert!(got.contains("request_timeout"), "{got:?}");
+    assert_eq!(
+        gw.metric("agentserve_timeouts_total{kind=\"body_rate\"}")
+            .await,
+        1.0
+    );
+    // Nothing of it is still held.
+    wait_until("in-flight back to 0", || async {
+        gw.metric("agentserve_backend_in_flight{backend=\"vllm-0\",tier=\"default\"}")
+            .await
+            == 0.0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn connections_over_the_limit_get_a_503_and_the_rest_are_served() {
+    let sims = vec![SimBackend::start("vllm-0", &[])];
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &[&sims[0]])],
+        |_| "  max_connections: 2\n".to_string(),
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    let get = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n";
+    // Two kept-alive connections, each known to be open: each got an answer.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        s.write_all(get).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut buf = [0u8; 1024];
+        let n = s.read(&mut buf).unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+        held.push(s);
+    }
+    let mut third = TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    let got = read_all(&mut third);
+    assert!(got.starts_with("HTTP/1.1 503"), "{got:?}");
+    assert!(got.contains("too_many_connections"), "{got:?}");
+    assert_eq!(
+        gw.metric("agentserve_connections_refused_total{reason=\"max_connections\"}")
+            .await,
+        1.0
+    );
+    // One closes; a new connection is served again.
+    drop(held.pop());
+    wait_until("a connection slot frees up", || async {
+        let mut s = TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nconnection: close\r\n\r\n")
+            .unwrap();
+        read_all(&mut s).starts_with("HTTP/1.1 200")
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn pipelined_requests_are_all_answered_in_order() {
+    let (_sims, gw) = fleet(1, &affinity_yaml(1800)).await;
+    let mut s = TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    let body = serde_json::to_vec(&chat_body("m", 0)).unwrap();
+    let mut wire = Vec::new();
+    for (i, close) in [(0, false), (1, false), (2, true)] {
+        wire.extend_from_slice(
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-session-id: pipe-{i}\r\n\
+                 content-type: application/json\r\ncontent-length: {}\r\n{}\r\n",
+                body.len(),
+                if close { "connection: close\r\n" } else { "" }
+            )
+            .as_bytes(),
+        );
+        wire.extend_from_slice(&body);
+    }
+    // All three in one write.
+    s.write_all(&wire).unwrap();
+    let got = read_all(&mut s);
+    assert_eq!(got.matches("HTTP/1.1 200").count(), 3, "{got}");
+    let sessions: Vec<usize> = (0..3)
+        .map(|i| got.find(&format!("\"session\":\"pipe-{i}\"")).unwrap())
+        .collect();
+    assert!(sessions.windows(2).all(|w| w[0] < w[1]), "answered in order");
+}
+
+#[tokio::test]
+async fn requests_without_host_or_with_huge_headers_are_refused() {
+    let (_sims, gw) = fleet(1, &affinity_yaml(1800)).await;
+    let mut s = TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    s.write_all(b"GET /v1/models HTTP/1.1\r\nx-session-id: nohost\r\n\r\n")
+        .unwrap();
+    let got = read_all(&mut s);
+    assert!(got.starts_with("HTTP/1.1 400"), "{got:?}");
+    assert!(got.contains("missing_host"));
+
+    let big = "a".repeat(100 * 1024);
+    let r = client()
+        .get(gw.url("/v1/models"))
+        .header("x-padding", &big)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 431);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "headers_too_large");
+    // Neither reached the backend's binding table.
+    assert_eq!(
+        gw.metric("agentserve_bindings{tier=\"default\"}").await,
+        0.0
+    );
+}
+
+#[tokio::test]
+async fn admin_errors_do_not_echo_unbounded_input() {
+    let (_sims, gw) = fleet(1, &affinity_yaml(1800)).await;
+    let long = "x".repeat(60 * 1024);
+    let r = client()
+        .get(gw.admin_url(&format!("/admin/sessions/{long}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let body = r.text().await.unwrap();
+    assert!(body.len() < 1024, "{} bytes", body.len());
+}
+
+#[tokio::test]
+async fn a_reload_that_changes_the_hash_key_is_refused_and_bindings_survive() {
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let client = client();
+    let first = chat(&client, &gw, &[(SESSION, "keep")], &chat_body("m", 0)).await;
+    let yaml = std::fs::read_to_string(&gw.config_path).unwrap();
+    std::fs::write(
+        &gw.config_path,
+        yaml.replace("test-fleet-key", "another-key"),
+    )
+    .unwrap();
+    signal(gw.pid(), libc::SIGHUP);
+    wait_until("the reload is counted", || async {
+        gw.metric("agentserve_config_reload_total{result=\"error\"}")
+            .await
+            == 1.0
+    })
+    .await;
+    let again = chat(&client, &gw, &[(SESSION, "keep")], &chat_body("m", 1)).await;
+    assert_eq!(again.backend, first.backend);
+    assert_eq!(again.hit.as_deref(), Some("true"));
+}
