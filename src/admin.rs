@@ -241,9 +241,22 @@ impl ServeHttp for AdminApp {
             _ => error(
                 404,
                 "not_found",
-                format!("no admin route {} {}", clip(method.as_str()), clip(uri.path())),
+                format!(
+                    "no admin route {} {}",
+                    clip(method.as_str()),
+                    clip(uri.path())
+                ),
             ),
         }
+    }
+}
+
+/// Client input quoted in an error: at most 64 characters of it.
+fn clip(s: &str) -> String {
+    const MAX: usize = 64;
+    match s.char_indices().nth(MAX) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
     }
 }
 
@@ -259,14 +272,5 @@ mod tests {
         let q = query(&"/x?tier=big&tenant=acme%20co".parse().unwrap());
         assert_eq!(q["tier"], "big");
         assert_eq!(q["tenant"], "acme co");
-    }
-}
-
-/// Client input quoted in an error: at most 64 characters of it.
-fn clip(s: &str) -> String {
-    const MAX: usize = 64;
-    match s.char_indices().nth(MAX) {
-        Some((i, _)) => format!("{}…", &s[..i]),
-        None => s.to_string(),
     }
 }

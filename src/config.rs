@@ -802,7 +802,10 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     }
     for (key, v) in [
         ("server.connect_timeout_ms", s.connect_timeout_ms),
-        ("server.tls_handshake_timeout_ms", s.tls_handshake_timeout_ms),
+        (
+            "server.tls_handshake_timeout_ms",
+            s.tls_handshake_timeout_ms,
+        ),
         ("server.header_timeout_ms", s.header_timeout_ms),
         ("server.body_idle_timeout_ms", s.body_idle_timeout_ms),
         ("server.client_write_timeout_ms", s.client_write_timeout_ms),

@@ -147,9 +147,11 @@ impl Gateway {
         if o.affinity.hash_key != n.affinity.hash_key {
             // Every binding key and HRW order derives from it: applying it
             // live would orphan every session. A restart starts over cleanly.
-            return Err("affinity.hash_key changed: that needs a restart (a reload would \
+            return Err(
+                "affinity.hash_key changed: that needs a restart (a reload would \
                         orphan every binding); nothing was applied"
-                .to_string());
+                    .to_string(),
+            );
         }
         let tls_listeners = |c: &Config| c.server.tls.as_ref().map(|t| (t.listen.clone(), t.h2));
         for (changed, key) in [
@@ -218,9 +220,9 @@ impl Gateway {
         let new = Arc::new(new);
         self.routing.store(Arc::clone(&new));
         for (t, b) in old.all_backends() {
-            if !new
+            if new
                 .tier_by_name(&t.name)
-                .is_some_and(|nt| nt.backend_by_slot(b.slot).is_some())
+                .is_none_or(|nt| nt.backend_by_slot(b.slot).is_none())
             {
                 self.metrics.forget_backend(&t.name, &b.id);
             }

@@ -34,7 +34,9 @@ async fn fleet_ejecting(failures: u32, server: &str) -> (Vec<SimBackend>, Gatewa
 }
 
 fn sim<'a>(sims: &'a [SimBackend], id: &str) -> &'a SimBackend {
-    sims.iter().find(|s| s.id == id).expect("a backend of the fleet")
+    sims.iter()
+        .find(|s| s.id == id)
+        .expect("a backend of the fleet")
 }
 
 async fn admin_backend(gw: &Gateway, id: &str) -> Value {
@@ -180,7 +182,7 @@ fn read_all(s: &mut TcpStream) -> String {
 
 #[tokio::test]
 async fn headers_dripped_byte_by_byte_get_a_408_and_the_connection_closes() {
-    let sims: Vec<SimBackend> = vec![SimBackend::start("vllm-0", &[])];
+    let sims = [SimBackend::start("vllm-0", &[])];
     let gw = Gateway::start_with(
         &[tier("default", true, &[], &[&sims[0]])],
         |_| "  header_timeout_ms: 1000\n".to_string(),
@@ -194,7 +196,8 @@ async fn headers_dripped_byte_by_byte_get_a_408_and_the_connection_closes() {
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
         let mut reader = s.try_clone().unwrap();
         let reading = std::thread::spawn(move || read_all(&mut reader));
-        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n").unwrap();
+        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+            .unwrap();
         for _ in 0..300 {
             if s.write_all(b"a").is_err() {
                 break;
@@ -214,7 +217,8 @@ async fn headers_dripped_byte_by_byte_get_a_408_and_the_connection_closes() {
         assert!(got.contains("\"code\":\"request_timeout\""), "{got:?}");
     }
     assert_eq!(
-        gw.metric("agentserve_timeouts_total{kind=\"header\"}").await,
+        gw.metric("agentserve_timeouts_total{kind=\"header\"}")
+            .await,
         2.0
     );
     // Well-behaved clients are unaffected.
@@ -224,7 +228,7 @@ async fn headers_dripped_byte_by_byte_get_a_408_and_the_connection_closes() {
 
 #[tokio::test]
 async fn a_body_sent_at_a_crawl_gets_a_408() {
-    let sims = vec![SimBackend::start("vllm-0", &[])];
+    let sims = [SimBackend::start("vllm-0", &[])];
     let gw = Gateway::start_with(
         &[tier("default", true, &[], &[&sims[0]])],
         |_| "  body_min_rate_bytes_per_s: 1000\n  body_rate_grace_ms: 1000\n".to_string(),
@@ -270,7 +274,7 @@ async fn a_body_sent_at_a_crawl_gets_a_408() {
 
 #[tokio::test]
 async fn connections_over_the_limit_get_a_503_and_the_rest_are_served() {
-    let sims = vec![SimBackend::start("vllm-0", &[])];
+    let sims = [SimBackend::start("vllm-0", &[])];
     let gw = Gateway::start_with(
         &[tier("default", true, &[], &[&sims[0]])],
         |_| "  max_connections: 2\n".to_string(),
@@ -334,7 +338,10 @@ async fn pipelined_requests_are_all_answered_in_order() {
     let sessions: Vec<usize> = (0..3)
         .map(|i| got.find(&format!("\"session\":\"pipe-{i}\"")).unwrap())
         .collect();
-    assert!(sessions.windows(2).all(|w| w[0] < w[1]), "answered in order");
+    assert!(
+        sessions.windows(2).all(|w| w[0] < w[1]),
+        "answered in order"
+    );
 }
 
 #[tokio::test]

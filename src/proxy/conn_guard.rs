@@ -24,11 +24,11 @@ use pingora_core::protocols::{
     UniqueIDType, ALPN,
 };
 use pingora_core::server::ShutdownWatch;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::future::Future;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::{Instant, Sleep};
@@ -311,7 +311,6 @@ impl Peek for GuardedStream {
     }
 }
 
-
 /// The proxy application with every connection wrapped and counted.
 pub struct GuardedApp<A> {
     inner: Arc<A>,
@@ -384,7 +383,11 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for GuardedApp<A> {
             }),
             cut: Mutex::new(None),
             header_timeout: limits.header_timeout,
-            min_rate: if h1 { limits.body_min_rate_bytes_per_s } else { 0 },
+            min_rate: if h1 {
+                limits.body_min_rate_bytes_per_s
+            } else {
+                0
+            },
             grace: limits.body_rate_grace,
         });
         let guarded = GuardedStream {

@@ -112,7 +112,9 @@ impl GatewayError {
             status: 431,
             kind: "invalid_request_error",
             code: "headers_too_large",
-            message: format!("request line and headers are larger than the gateway's limit of {limit} bytes"),
+            message: format!(
+                "request line and headers are larger than the gateway's limit of {limit} bytes"
+            ),
         }
     }
     pub fn missing_host() -> Self {

@@ -291,9 +291,9 @@ impl GatewayProxy {
                 Ok(b) => b,
                 Err(PreReadError::Refused(e)) => return Err(e),
                 Err(PreReadError::Io(e)) => {
-                    return Err(self
-                        .client_timeout(ctx, &e)
-                        .unwrap_or_else(|| GatewayError::bad_body(format!("reading the body: {e}"))))
+                    return Err(self.client_timeout(ctx, &e).unwrap_or_else(|| {
+                        GatewayError::bad_body(format!("reading the body: {e}"))
+                    }))
                 }
             };
             if let Some(conn) = &ctx.conn {
@@ -418,10 +418,9 @@ impl GatewayProxy {
         };
         let cfg = &routing.config.outlier;
         let now = crate::upstream::load::clock_ms();
-        let ejected = backend
-            .stats
-            .outlier
-            .record(outcome, cfg, now, || tier.may_eject(cfg.max_ejected_percent));
+        let ejected = backend.stats.outlier.record(outcome, cfg, now, || {
+            tier.may_eject(cfg.max_ejected_percent)
+        });
         if let Some(span) = ejected {
             log::warn!(
                 "backend {} ejected for {} s after {} failed requests in a row",
@@ -441,7 +440,8 @@ impl GatewayProxy {
     /// backend was not at fault either way (the client left, bad input).
     fn outcome(session: &Session, e: Option<&Error>, ctx: &RequestCtx) -> Option<Outcome> {
         if let Some(g) = &ctx.error {
-            return matches!(g.code, "backend_error" | "backend_timeout").then_some(Outcome::Failure);
+            return matches!(g.code, "backend_error" | "backend_timeout")
+                .then_some(Outcome::Failure);
         }
         if e.is_some_and(|e| e.esource() == &ErrorSource::Upstream) {
             return Some(Outcome::Failure);
@@ -668,7 +668,10 @@ impl ProxyHttp for GatewayProxy {
         // rebinds the session (counted broken) or answers 502 when none is left.
         if let Some(b) = ctx.backend.clone() {
             log::warn!("backend {} ({}) refused connection: {e}", b.id, b.addr);
-            if matches!(e.etype(), ErrorType::ConnectTimedout | ErrorType::TLSHandshakeTimedout) {
+            if matches!(
+                e.etype(),
+                ErrorType::ConnectTimedout | ErrorType::TLSHandshakeTimedout
+            ) {
                 self.gw
                     .metrics
                     .timeouts
@@ -871,7 +874,11 @@ impl ProxyHttp for GatewayProxy {
             _ => None,
         };
         if downstream && e.etype() == &ErrorType::WriteTimedout {
-            self.gw.metrics.timeouts.with_label_values(&["client_write"]).inc();
+            self.gw
+                .metrics
+                .timeouts
+                .with_label_values(&["client_write"])
+                .inc();
         }
         let gateway_error = match (&ctx.error, e.etype()) {
             (Some(g), _) => Some(g.clone()),
@@ -883,7 +890,11 @@ impl ProxyHttp for GatewayProxy {
                 message: e.to_string(),
             }),
             (None, ErrorType::ReadTimedout) if e.esource() == &ErrorSource::Upstream => {
-                self.gw.metrics.timeouts.with_label_values(&["upstream_read"]).inc();
+                self.gw
+                    .metrics
+                    .timeouts
+                    .with_label_values(&["upstream_read"])
+                    .inc();
                 Some(GatewayError::upstream_timeout(format!(
                     "backend {} sent nothing for {} ms",
                     ctx.backend.as_ref().map_or("?", |b| &*b.id),
