@@ -183,6 +183,10 @@ struct FileServer {
     replay_body_bytes: u64,
     /// Bytes all requests together may hold for replay (over it: no replay copy).
     replay_budget_bytes: u64,
+    /// Bytes all requests together may hold while the gateway reads bodies
+    /// to route them (by `model`, or a body session field); over it new such
+    /// requests get a 503 with `Retry-After`.
+    preread_budget_bytes: u64,
     grace_period_seconds: u64,
     graceful_shutdown_timeout_seconds: u64,
     pid_file: String,
@@ -237,6 +241,7 @@ impl Default for FileServer {
             upstream_idle_timeout_ms: 4000,
             replay_body_bytes: 4 * 1024 * 1024,
             replay_budget_bytes: 256 * 1024 * 1024,
+            preread_budget_bytes: 256 * 1024 * 1024,
             grace_period_seconds: 5,
             graceful_shutdown_timeout_seconds: 30,
             pid_file: "/tmp/agent-gateway.pid".into(),
@@ -421,6 +426,7 @@ pub struct ServerConfig {
     pub upstream_idle_timeout: Duration,
     pub replay_body_bytes: u64,
     pub replay_budget_bytes: u64,
+    pub preread_budget_bytes: u64,
     pub grace_period_seconds: u64,
     pub graceful_shutdown_timeout_seconds: u64,
     pub pid_file: String,
@@ -598,6 +604,9 @@ impl Config {
     }
 
     pub fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {
+        if let Err(message) = shape_check(text) {
+            return Err(ConfigErrors(vec![err("", message)]));
+        }
         let de = serde_yaml::Deserializer::from_str(text);
         let file: FileConfig = serde_path_to_error::deserialize(de).map_err(|e| {
             let key = e.path().to_string();
@@ -613,6 +622,49 @@ impl Config {
             .find(|t| t.default)
             .expect("validated config has a default tier")
     }
+}
+
+/// Refuse, before parsing, what no real config looks like and what would
+/// make the YAML parser work for minutes (its cost grows with the square of
+/// the nesting depth).
+fn shape_check(text: &str) -> Result<(), String> {
+    const MAX_BYTES: usize = 1024 * 1024;
+    const MAX_DEPTH: usize = 32;
+    const MAX_INDENT: usize = 128;
+    if text.len() > MAX_BYTES {
+        return Err(format!("the file is over {MAX_BYTES} bytes"));
+    }
+    for (i, line) in text.lines().enumerate() {
+        let indent = line.len() - line.trim_start_matches([' ', '-']).len();
+        if indent > MAX_INDENT {
+            return Err(format!(
+                "line {}: nested deeper than any config needs ({indent} columns of indentation)",
+                i + 1
+            ));
+        }
+    }
+    let (mut depth, mut quote) = (0usize, None::<char>);
+    for c in text.chars() {
+        match (quote, c) {
+            // A comment runs to the end of its line.
+            (Some('#'), '\n') => quote = None,
+            (None, '#') => quote = Some('#'),
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+            (None, '"' | '\'') => quote = Some(c),
+            (None, '[' | '{') => {
+                depth += 1;
+                if depth > MAX_DEPTH {
+                    return Err(format!(
+                        "brackets nested deeper than {MAX_DEPTH} levels: no config needs that"
+                    ));
+                }
+            }
+            (None, ']' | '}') => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 fn parse_addr(key: &str, value: &str, errors: &mut Vec<ConfigError>) -> Option<SocketAddr> {
@@ -1084,6 +1136,7 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             upstream_idle_timeout: Duration::from_millis(s.upstream_idle_timeout_ms),
             replay_body_bytes: s.replay_body_bytes,
             replay_budget_bytes: s.replay_budget_bytes,
+            preread_budget_bytes: s.preread_budget_bytes,
             grace_period_seconds: s.grace_period_seconds,
             graceful_shutdown_timeout_seconds: s.graceful_shutdown_timeout_seconds,
             pid_file: s.pid_file.clone(),

@@ -407,3 +407,34 @@ async fn a_reload_that_changes_the_hash_key_is_refused_and_bindings_survive() {
     assert_eq!(again.backend, first.backend);
     assert_eq!(again.hit.as_deref(), Some("true"));
 }
+
+#[tokio::test]
+async fn bodies_read_to_route_are_bounded_by_a_memory_budget() {
+    // Two tiers: the gateway must read bodies to find `model`.
+    let sims = [
+        SimBackend::start("small-0", &[]),
+        SimBackend::start("big-0", &[]),
+    ];
+    let gw = Gateway::start_with(
+        &[
+            tier("small", true, &["m-small"], &[&sims[0]]),
+            tier("big", false, &["m-big"], &[&sims[1]]),
+        ],
+        |_| "  preread_budget_bytes: 100000\n".to_string(),
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    let body = |bytes: usize| {
+        json!({"model": "m-big", "max_tokens": 2,
+               "messages": [{"role": "user", "content": "a".repeat(bytes)}]})
+    };
+    let client = client();
+    let over = chat(&client, &gw, &[(SESSION, "big")], &body(150_000)).await;
+    assert_eq!(over.status, 503);
+    assert_eq!(over.json()["error"]["code"], "gateway_busy");
+    assert_eq!(over.headers.get("retry-after").unwrap(), "1");
+    // Within the budget, the same request is routed by its model.
+    let fits = chat(&client, &gw, &[(SESSION, "big")], &body(50_000)).await;
+    assert_eq!(fits.status, 200);
+    assert_eq!(fits.tier.as_deref(), Some("big"));
+}

@@ -107,6 +107,14 @@ impl GatewayError {
             message: detail,
         }
     }
+    pub fn busy_reading_bodies() -> Self {
+        GatewayError {
+            status: 503,
+            kind: "service_unavailable",
+            code: "gateway_busy",
+            message: "the gateway is holding as many request bodies as its memory budget allows; retry shortly".into(),
+        }
+    }
     pub fn headers_too_large(limit: usize) -> Self {
         GatewayError {
             status: 431,
@@ -179,6 +187,9 @@ impl GatewayError {
         }
         if let Some(b) = backend {
             resp.insert_header("x-agent-serve-backend", b)?;
+        }
+        if self.status == 503 {
+            resp.insert_header("retry-after", "1")?;
         }
         if !session.is_body_done() {
             session.set_keepalive(None);

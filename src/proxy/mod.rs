@@ -286,6 +286,21 @@ impl GatewayProxy {
             }
             _ => None,
         };
+        // Bodies read to route count against a global budget: a burst of
+        // large ones is refused (retry later) instead of exhausting memory.
+        let route_hold = if needs_body {
+            let reserve = declared.unwrap_or(request_body::UNKNOWN_LENGTH_RESERVE);
+            match self
+                .gw
+                .body_budget
+                .try_hold(reserve.min(limit), cfg.server.preread_budget_bytes)
+            {
+                Some(h) => Some(h),
+                None => return Err(GatewayError::busy_reading_bodies()),
+            }
+        } else {
+            None
+        };
         if needs_body || replay_hold.is_some() {
             let body = match request_body::pre_read(session, declared, limit).await {
                 Ok(b) => b,
@@ -300,7 +315,11 @@ impl GatewayProxy {
                 conn.body_done();
             }
             ctx.body_bytes = body.len() as u64;
-            ctx.body_hold = replay_hold.or_else(|| Some(self.gw.body_budget.hold(ctx.body_bytes)));
+            ctx.body_hold = replay_hold.or_else(|| {
+                // What the body turned out to be, not what was reserved.
+                drop(route_hold);
+                Some(self.gw.body_budget.hold(ctx.body_bytes))
+            });
             if let Some(probe) = needs_body.then(|| BodyProbe::parse(&body)).flatten() {
                 if tier.is_none() {
                     if let Some(model) = probe.model() {
@@ -803,14 +822,19 @@ impl ProxyHttp for GatewayProxy {
             || resp.status.as_u16() == 304;
         if is_json && !encoded && !bodyless {
             let appender = JsonAppender::new(ctx.metadata_member(&backend, &tier));
-            if let Some(len) = resp
+            let declared = resp
                 .headers
                 .get("content-length")
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<usize>().ok())
-            {
-                resp.insert_header("content-length", (len + appender.extra_len()).to_string())?;
-                ctx.upstream_body_len = Some(len);
+                .and_then(|v| v.parse::<usize>().ok());
+            match declared.map(|len| (len, len.checked_add(appender.extra_len()))) {
+                // A length no body can have: pass the response on untouched.
+                Some((_, None)) => return Ok(()),
+                Some((len, Some(total))) => {
+                    resp.insert_header("content-length", total.to_string())?;
+                    ctx.upstream_body_len = Some(len);
+                }
+                None => {}
             }
             ctx.appender = Some(appender);
         }

@@ -114,9 +114,13 @@ pub enum PreReadError {
     Refused(GatewayError),
 }
 
+/// Reserved for a body of unknown length (chunked) the gateway reads to route.
+pub const UNKNOWN_LENGTH_RESERVE: u64 = 1024 * 1024;
+
 /// Bytes of request bodies held in memory at once, across all requests.
-/// Routing pre-reads always count; copies kept only for replay are taken only
-/// while the total stays within `server.replay_budget_bytes`.
+/// Routing pre-reads are taken while the total stays within
+/// `server.preread_budget_bytes` (else the request gets a 503); copies kept
+/// only for replay while it stays within `server.replay_budget_bytes`.
 #[derive(Debug, Default)]
 pub struct BodyBudget {
     held: AtomicU64,
