@@ -133,7 +133,7 @@ pub fn load(gw: &Gateway, path: &Path) -> std::io::Result<usize> {
     let routing = gw.routing();
     let affinity = &gw.affinity;
     let now = affinity.now_ms();
-    let mut restored = 0;
+    let mut saved = Vec::new();
     for line in lines {
         let Ok(l) = serde_json::from_str::<Line>(line) else {
             continue;
@@ -151,7 +151,7 @@ pub fn load(gw: &Gateway, path: &Path) -> std::io::Result<usize> {
         if ttl == 0 {
             continue;
         }
-        affinity.table().restore(
+        saved.push((
             key,
             Binding {
                 backend: backend.slot,
@@ -161,8 +161,14 @@ pub fn load(gw: &Gateway, path: &Path) -> std::io::Result<usize> {
                 deadline_ms: now + ttl,
                 pending: false,
             },
-        );
-        restored += 1;
+        ));
+    }
+    // The table keeps idle bindings in expiry order (its sweep stops at the
+    // first live one): insert soonest-expiring first.
+    saved.sort_by_key(|(_, b)| b.deadline_ms);
+    let restored = saved.len();
+    for (key, b) in saved {
+        affinity.table().restore(key, b);
     }
     Ok(restored)
 }

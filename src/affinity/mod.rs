@@ -241,9 +241,14 @@ impl Affinity {
             .is_some_and(|b| b.pending)
     }
 
+    /// A shorter TTL applies to idle bindings at once (and keeps their
+    /// expiry order); a longer one to bindings released from now on.
     pub fn set_ttl(&self, ttl: Option<Duration>) {
-        self.ttl_ms
-            .store(ttl.map_or(0, |d| d.as_millis() as u64), Ordering::Relaxed);
+        let ms = ttl.map_or(0, |d| d.as_millis() as u64);
+        let old = self.ttl_ms.swap(ms, Ordering::Relaxed);
+        if ms > 0 && ms < old {
+            self.table.clamp_deadlines(self.now_ms() + ms);
+        }
     }
 
     pub fn ttl(&self) -> Option<Duration> {
@@ -355,20 +360,30 @@ impl Affinity {
                     },
                 },
             );
-        let lease = |pending_owner| {
+        let lease = |generation, pending_owner| {
             Some(Lease {
                 affinity: Arc::clone(self),
                 key: session.key,
+                generation,
                 pending_owner,
             })
         };
         let (backend, affinity_hit, reason, version, lease) = match acquired {
-            Acquired::Kept { backend, version } => {
-                (backend, true, Reason::Hit, version, lease(false))
-            }
+            Acquired::Kept {
+                backend,
+                version,
+                generation,
+            } => (
+                backend,
+                true,
+                Reason::Hit,
+                version,
+                lease(generation, false),
+            ),
             Acquired::Bound {
                 backend,
                 version,
+                generation,
                 previous,
                 expired,
             } => {
@@ -384,10 +399,18 @@ impl Affinity {
                 // Only brand-new bindings are pending (a rebind of a pending
                 // one can only come from its own first request, joining).
                 let owner = previous.is_none() || join_pending;
-                (backend, false, reason, version, lease(owner))
+                (backend, false, reason, version, lease(generation, owner))
             }
             Acquired::Full { backend } => (backend, false, Reason::TableFull, 0, None),
-            Acquired::Pending { .. } => return Some(Choice::Wait),
+            // The first request is still on its way to a backend that can
+            // take it: wait for it. If that backend stopped being a candidate
+            // (down, ejected, refused this request), waiting is pointless.
+            Acquired::Pending { backend } if candidates.iter().any(|c| c.slot == backend) => {
+                return Some(Choice::Wait)
+            }
+            Acquired::Pending { .. } => {
+                return self.select_backend(session, tier, candidates, true);
+            }
             Acquired::Skipped => return None,
         };
         Some(Choice::Go(Selection {
@@ -420,6 +443,8 @@ impl Affinity {
 pub struct Lease {
     affinity: Arc<Affinity>,
     key: BindingKey,
+    /// The binding's incarnation this lease is on (see the table).
+    generation: u32,
     pending_owner: bool,
 }
 
@@ -436,7 +461,7 @@ impl Lease {
     pub fn confirm(&mut self) {
         if self.pending_owner {
             self.pending_owner = false;
-            self.affinity.table.confirm(self.key);
+            self.affinity.table.confirm(self.key, self.generation);
             self.affinity.wake(self.key);
         }
     }
@@ -459,10 +484,10 @@ impl Drop for Lease {
         let a = &self.affinity;
         let (now, ttl) = (a.now_ms(), a.ttl_ms.load(Ordering::Relaxed));
         if self.pending_owner {
-            a.table.abandon(self.key, now, ttl);
+            a.table.abandon(self.key, self.generation, now, ttl);
             a.wake(self.key);
         } else {
-            a.table.release(self.key, now, ttl);
+            a.table.release(self.key, self.generation, now, ttl);
         }
     }
 }
@@ -527,6 +552,38 @@ mod tests {
         let second = go(&a, &s, &c);
         assert!(second.affinity_hit);
         assert_eq!(second.backend, first.backend);
+    }
+
+    #[test]
+    fn a_waiter_stops_waiting_when_the_pending_backend_is_no_longer_a_candidate() {
+        let h = HrwHasher::new("k");
+        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
+        let c = fleet(&h, 3);
+        let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
+        let Some(Choice::Go(first)) = a.select_backend(&s, 0, &c, false) else {
+            panic!("first request places the session");
+        };
+        // Its backend goes down while its first request is still connecting.
+        let rest: Vec<Candidate> = c
+            .iter()
+            .filter(|x| x.slot != first.backend)
+            .cloned()
+            .collect();
+        let Some(Choice::Go(second)) = a.select_backend(&s, 0, &rest, false) else {
+            panic!("no point waiting for a backend that is gone");
+        };
+        assert_ne!(second.backend, first.backend);
+        assert_eq!(second.reason, Reason::Broken);
+        // The first request gives up: the second one's binding stays.
+        let (first_backend, second_backend) = (first.backend, second.backend);
+        drop(first);
+        let mut second = second;
+        second.lease.as_mut().unwrap().confirm();
+        drop(second);
+        let third = go(&a, &s, &rest);
+        assert!(third.affinity_hit);
+        assert_eq!(third.backend, second_backend);
+        assert_ne!(third.backend, first_backend);
     }
 
     #[test]

@@ -43,6 +43,9 @@ pub struct Binding {
 #[derive(Clone, Copy)]
 struct Entry {
     key: BindingKey,
+    /// Which incarnation of the key this is: a lease of a removed binding
+    /// must not end a lease of the key's next binding.
+    generation: u32,
     deadline_ms: u64,
     backend: u32,
     version: u32,
@@ -109,6 +112,7 @@ struct Shard {
     /// Least recently released unleased binding: the next to expire or evict.
     tail: u32,
     cap: usize,
+    generations: u32,
 }
 
 impl Shard {
@@ -120,7 +124,19 @@ impl Shard {
             head: NIL,
             tail: NIL,
             cap,
+            generations: 0,
         }
+    }
+
+    fn next_generation(&mut self) -> u32 {
+        self.generations = self.generations.wrapping_add(1);
+        self.generations
+    }
+
+    /// `key`'s entry, if it is still the incarnation `generation`.
+    fn find(&self, key: BindingKey, generation: u32) -> Option<u32> {
+        let i = *self.map.get(&key)?;
+        (self.entries[i as usize].generation == generation).then_some(i)
     }
 
     fn unlink(&mut self, i: u32) {
@@ -196,12 +212,14 @@ pub enum Acquired {
     Kept {
         backend: u32,
         version: u32,
+        generation: u32,
     },
     /// A binding was written; a lease was taken. `previous` is the binding
     /// this one replaced (a rebind), `expired` whether an expired one was found.
     Bound {
         backend: u32,
         version: u32,
+        generation: u32,
         previous: Option<u32>,
         expired: bool,
     },
@@ -328,13 +346,25 @@ impl BindingTable {
                     Acquired::Kept {
                         backend: e.backend,
                         version: e.version,
+                        generation: e.generation,
                     }
                 }
                 None => Acquired::Skipped,
             },
             Decision::Bind(backend) => {
                 if let Some(i) = idx {
+                    // Rebinding a binding whose first request never arrived
+                    // (its backend went away): a new incarnation, so that
+                    // request ending cannot remove or release this one.
+                    let fresh = shard.entries[i as usize]
+                        .pending
+                        .then(|| shard.next_generation());
                     let e = &mut shard.entries[i as usize];
+                    let was_idle = e.in_flight == 0;
+                    if let Some(g) = fresh {
+                        e.generation = g;
+                        e.in_flight = 0;
+                    }
                     let previous = e.backend;
                     let tier = e.tier;
                     e.backend = backend;
@@ -347,7 +377,7 @@ impl BindingTable {
                     };
                     e.version = e.version.wrapping_add(1);
                     let version = e.version;
-                    let was_idle = e.in_flight == 0;
+                    let generation = e.generation;
                     e.in_flight += 1;
                     if was_idle {
                         shard.unlink(i);
@@ -357,6 +387,7 @@ impl BindingTable {
                     return Acquired::Bound {
                         backend,
                         version,
+                        generation,
                         previous: Some(previous),
                         expired,
                     };
@@ -370,8 +401,10 @@ impl BindingTable {
                     self.count(e.tier, e.backend, -1);
                     self.evictions[e.tier as usize].fetch_add(1, Ordering::Relaxed);
                 }
+                let generation = shard.next_generation();
                 let i = shard.alloc(Entry {
                     key,
+                    generation,
                     deadline_ms: 0,
                     backend,
                     version: 1,
@@ -387,6 +420,7 @@ impl BindingTable {
                 Acquired::Bound {
                     backend,
                     version: 1,
+                    generation,
                     previous: None,
                     expired,
                 }
@@ -396,9 +430,9 @@ impl BindingTable {
 
     /// The first request of a pending binding reached its backend: the binding
     /// is real now and waiters may follow it.
-    pub fn confirm(&self, key: BindingKey) {
+    pub fn confirm(&self, key: BindingKey, generation: u32) {
         let mut shard = self.shard(key).lock();
-        if let Some(&i) = shard.map.get(&key) {
+        if let Some(i) = shard.find(key, generation) {
             shard.entries[i as usize].pending = false;
         }
     }
@@ -406,10 +440,10 @@ impl BindingTable {
     /// End the lease of a pending binding's first request. If the binding was
     /// never confirmed it is removed, so the next waiter chooses afresh.
     /// Returns whether it was removed.
-    pub fn abandon(&self, key: BindingKey, now_ms: u64, ttl_ms: u64) -> bool {
+    pub fn abandon(&self, key: BindingKey, generation: u32, now_ms: u64, ttl_ms: u64) -> bool {
         {
             let mut shard = self.shard(key).lock();
-            if let Some(&i) = shard.map.get(&key) {
+            if let Some(i) = shard.find(key, generation) {
                 if shard.entries[i as usize].pending {
                     let e = shard.remove(i);
                     self.count(e.tier, e.backend, -1);
@@ -417,14 +451,16 @@ impl BindingTable {
                 }
             }
         }
-        self.release(key, now_ms, ttl_ms);
+        self.release(key, generation, now_ms, ttl_ms);
         false
     }
 
     /// End one lease. When the last lease ends the idle deadline restarts.
-    pub fn release(&self, key: BindingKey, now_ms: u64, ttl_ms: u64) {
+    /// A lease of a binding that was removed meanwhile (and perhaps made
+    /// again) ends nothing.
+    pub fn release(&self, key: BindingKey, generation: u32, now_ms: u64, ttl_ms: u64) {
         let mut shard = self.shard(key).lock();
-        let Some(&i) = shard.map.get(&key) else {
+        let Some(i) = shard.find(key, generation) else {
             return;
         };
         let e = &mut shard.entries[i as usize];
@@ -563,8 +599,10 @@ impl BindingTable {
         if shard.map.len() >= shard.cap {
             return;
         }
+        let generation = shard.next_generation();
         let i = shard.alloc(Entry {
             key,
+            generation,
             deadline_ms: b.deadline_ms,
             backend: b.backend,
             version: b.version,
@@ -578,6 +616,20 @@ impl BindingTable {
         shard.map.insert(key, i);
         shard.push_head(i);
         self.count(b.tier, b.backend, 1);
+    }
+
+    /// Bring every idle binding's deadline forward to `latest` at most (the
+    /// TTL was shortened). Expiry order, which the sweep relies on, is kept:
+    /// deadlines only shrink, and never below a later-released one's.
+    pub fn clamp_deadlines(&self, latest: u64) {
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock();
+            for e in shard.entries.iter_mut() {
+                if e.in_flight == 0 && e.deadline_ms > latest {
+                    e.deadline_ms = latest;
+                }
+            }
+        }
     }
 
     /// Approximate heap bytes held by the table (for the memory benchmark).
@@ -602,6 +654,49 @@ mod tests {
         t.acquire(key, 0, now, true, |_| Decision::Bind(backend))
     }
 
+    /// The generation of `key`'s current binding.
+    fn gen(t: &BindingTable, key: u128) -> u32 {
+        let shard = t.shard(key).lock();
+        shard.entries[shard.map[&key] as usize].generation
+    }
+
+    /// End a lease on `key`'s current binding.
+    fn rel(t: &BindingTable, key: u128, now: u64, ttl: u64) {
+        t.release(key, gen(t, key), now, ttl)
+    }
+
+    #[test]
+    fn a_lease_of_a_removed_binding_does_not_end_a_lease_of_its_successor() {
+        let t = BindingTable::new(100);
+        let Acquired::Bound {
+            generation: old, ..
+        } = bind(&t, 1, 7, 0)
+        else {
+            panic!()
+        };
+        // Removed while leased (admin delete, session-final, reload), then
+        // the next turn binds again and is in flight.
+        t.remove(1);
+        let Acquired::Bound {
+            generation: new, ..
+        } = bind(&t, 1, 8, 0)
+        else {
+            panic!()
+        };
+        assert_ne!(old, new);
+        // The old request ends: the new binding keeps its lease.
+        t.release(1, old, 10, 5);
+        assert!(!t.abandon(1, old, 10, 5));
+        assert_eq!(t.get(1, 1_000).unwrap().in_flight, 1);
+        t.confirm(1, old);
+        assert!(
+            t.get(1, 1_000).unwrap().pending,
+            "only its own request confirms it"
+        );
+        t.release(1, new, 10, 5);
+        assert!(t.get(1, 1_000).is_none());
+    }
+
     fn keep_or_bind(t: &BindingTable, key: u128, backend: u32, now: u64) -> Acquired {
         t.acquire(key, 0, now, true, |cur| match cur {
             Some(_) => Decision::Keep,
@@ -619,7 +714,7 @@ mod tests {
         // Far past any deadline while the lease is held: still live.
         assert_eq!(t.get(1, 1_000_000).unwrap().in_flight, 1);
         assert_eq!(t.sweep(1_000_000, 100), 0);
-        t.release(1, 1_000_000, 50);
+        rel(&t, 1, 1_000_000, 50);
         assert!(t.get(1, 1_000_049).is_some());
         assert!(t.get(1, 1_000_050).is_none());
         // An expired binding is reported as absent and rebinding says so.
@@ -642,9 +737,9 @@ mod tests {
             keep_or_bind(&t, 5, 2, 0),
             Acquired::Kept { backend: 1, .. }
         ));
-        t.release(5, 10, 5);
+        rel(&t, 5, 10, 5);
         assert!(t.get(5, 100).is_some(), "one lease still held");
-        t.release(5, 100, 5);
+        rel(&t, 5, 100, 5);
         assert!(t.get(5, 104).is_some());
         assert!(t.get(5, 105).is_none());
     }
@@ -655,11 +750,11 @@ mod tests {
         keep_or_bind(&t, 1, 4, 0);
         let other = |t: &BindingTable| t.acquire(1, 0, 0, false, |_| Decision::Keep);
         assert_eq!(other(&t), Acquired::Pending { backend: 4 });
-        t.confirm(1);
+        t.confirm(1, gen(&t, 1));
         assert!(matches!(other(&t), Acquired::Kept { backend: 4, .. }));
         // A second session whose first request gives up: removed, next one chooses.
         keep_or_bind(&t, 2, 5, 0);
-        assert!(t.abandon(2, 0, 1000));
+        assert!(t.abandon(2, gen(&t, 2), 0, 1000));
         assert!(t.get(2, 0).is_none());
         assert!(matches!(
             t.acquire(2, 0, 0, false, |_| Decision::Bind(6)),
@@ -671,7 +766,7 @@ mod tests {
     fn rebind_bumps_version() {
         let t = BindingTable::new(100);
         keep_or_bind(&t, 9, 1, 0);
-        t.release(9, 0, 1000);
+        rel(&t, 9, 0, 1000);
         match bind(&t, 9, 2, 1) {
             Acquired::Bound {
                 version, previous, ..
@@ -691,8 +786,8 @@ mod tests {
         }
         // All three leased: a fourth session is served unpinned.
         assert!(matches!(keep_or_bind(&t, 3, 0, 0), Acquired::Full { .. }));
-        t.release(1, 10, 1000);
-        t.release(0, 20, 1000);
+        rel(&t, 1, 10, 1000);
+        rel(&t, 0, 20, 1000);
         // Key 1 was released first: it is the one evicted.
         assert!(matches!(keep_or_bind(&t, 3, 0, 30), Acquired::Bound { .. }));
         assert!(t.get(1, 30).is_none());
@@ -703,11 +798,26 @@ mod tests {
     }
 
     #[test]
+    fn a_shortened_ttl_keeps_the_sweep_going() {
+        let t = BindingTable::new(100);
+        // Released under a long TTL, then the TTL is cut to 10 ms at time 5
+        // and another binding is released under it.
+        keep_or_bind(&t, 1, 0, 0);
+        rel(&t, 1, 0, 1000);
+        t.clamp_deadlines(5 + 10);
+        keep_or_bind(&t, 2, 0, 5);
+        rel(&t, 2, 5, 10);
+        // Both are due at 15; the older one no longer blocks the sweep.
+        assert_eq!(t.sweep(20, 100), 2);
+        assert!(t.is_empty());
+    }
+
+    #[test]
     fn sweep_removes_only_expired() {
         let t = BindingTable::new(10_000);
         for k in 0..100u128 {
             keep_or_bind(&t, k << 100 | k, 0, 0);
-            t.release(k << 100 | k, k as u64, 10);
+            rel(&t, k << 100 | k, k as u64, 10);
         }
         // Released at time k with ttl 10: expired at 60 are k <= 50.
         let swept = t.sweep(60, 1000);
@@ -724,11 +834,11 @@ mod tests {
         for (n, k) in (0..(10 * limit) as u128).enumerate() {
             let key = k.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
             keep_or_bind(&t, key, 0, n as u64);
-            t.release(key, n as u64, 1_000_000);
+            rel(&t, key, n as u64, 1_000_000);
             if n % 500 == 0 {
                 for &r in &recent {
                     keep_or_bind(&t, r, 3, n as u64);
-                    t.release(r, n as u64, 1_000_000);
+                    rel(&t, r, n as u64, 1_000_000);
                 }
             }
             assert!(t.len() <= limit + 64);
