@@ -121,13 +121,22 @@ fn bench_placement(c: &mut Criterion) {
     g.finish();
 }
 
+/// The generation a lease on what `acquire` returned would carry.
+fn generation(a: agent_gateway::affinity::table::Acquired) -> u32 {
+    use agent_gateway::affinity::table::Acquired;
+    match a {
+        Acquired::Kept { generation, .. } | Acquired::Bound { generation, .. } => generation,
+        _ => 0,
+    }
+}
+
 fn bench_table(c: &mut Criterion) {
     const N: usize = 1_000_000;
     let t = BindingTable::new(N);
     let key = |i: u64| (i as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
     for i in 0..N as u64 {
-        t.acquire(key(i), 0, 0, true, |_| Decision::Bind(1));
-        t.release(key(i), i, 1_000_000_000);
+        let g = generation(t.acquire(key(i), 0, 0, true, |_| Decision::Bind(1)));
+        t.release(key(i), g, i, 1_000_000_000);
     }
     println!(
         "binding table: {} bindings, ~{} heap bytes per binding",
@@ -138,8 +147,8 @@ fn bench_table(c: &mut Criterion) {
     c.bench_function("table/insert into a full 1M table (evicts LRU)", |b| {
         b.iter(|| {
             i += 1;
-            t.acquire(key(i), 0, i, true, |_| Decision::Bind(2));
-            t.release(key(i), i, 1_000_000_000);
+            let g = generation(t.acquire(key(i), 0, i, true, |_| Decision::Bind(2)));
+            t.release(key(i), g, i, 1_000_000_000);
         })
     });
     c.bench_function("table/sweep 4096 expired of 1M", |b| {
@@ -147,8 +156,8 @@ fn bench_table(c: &mut Criterion) {
             || {
                 let t = BindingTable::new(N);
                 for i in 0..N as u64 {
-                    t.acquire(key(i), 0, 0, true, |_| Decision::Bind(1));
-                    t.release(key(i), 0, 10);
+                    let g = generation(t.acquire(key(i), 0, 0, true, |_| Decision::Bind(1)));
+                    t.release(key(i), g, 0, 10);
                 }
                 t
             },
