@@ -120,7 +120,13 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
         "load signals",
         crate::upstream::load::LoadScraper(Arc::clone(&gw)),
     ));
-    let lifecycle = server.add_service(background_service("lifecycle", Lifecycle(Arc::clone(&gw))));
+    let lifecycle = server.add_service(background_service(
+        "lifecycle",
+        Lifecycle {
+            gw: Arc::clone(&gw),
+            upgraded: opts.upgrade,
+        },
+    ));
     lifecycle.add_dependencies([&proxy_handle, &metrics_handle, &admin_handle]);
     Ok((server, gw))
 }
@@ -178,13 +184,18 @@ fn sd_notify(state: &str) {
 /// on SIGHUP, saves bindings periodically and at shutdown, and for a while
 /// after start merges a state file that another instance (the one being
 /// upgraded from) is still writing.
-struct Lifecycle(Arc<Gateway>);
+struct Lifecycle {
+    gw: Arc<Gateway>,
+    /// Started with `--upgrade`: this process takes over from the unit's
+    /// main process, and tells systemd so (`MAINPID=`).
+    upgraded: bool,
+}
 
 #[async_trait]
 impl BackgroundService for Lifecycle {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         use tokio::signal::unix::{signal, SignalKind};
-        let gw = &self.0;
+        let gw = &self.gw;
         let mut hup = match signal(SignalKind::hangup()) {
             Ok(s) => Some(s),
             Err(e) => {
@@ -195,7 +206,13 @@ impl BackgroundService for Lifecycle {
         // Pingora marks a listening service ready when it starts, before its
         // sockets are bound: READY waits until each listener accepts.
         wait_listening(&gw.routing().config).await;
-        sd_notify("READY=1");
+        if self.upgraded {
+            // The unit's main process is draining away: this one is main now
+            // (the unit needs NotifyAccess=all to accept it from here).
+            sd_notify(&format!("MAINPID={}\nREADY=1", std::process::id()));
+        } else {
+            sd_notify("READY=1");
+        }
         let started = std::time::Instant::now();
         let state_file = gw.routing().config.server.state_file.clone();
         let mut seen_mtime = state_file

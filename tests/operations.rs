@@ -220,9 +220,16 @@ async fn graceful_upgrade_under_load_keeps_bindings_and_fails_nothing() {
     let load = SteadyLoad::start(old.url(""), 8, false);
     let retried = load.retried.clone();
     // The new process takes the listening sockets over, then the old one drains.
+    // As under systemd: the new process must tell the unit it is main now.
+    let notify_path = old.dir.path().join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    notify
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
     let mut new = Command::new(BIN)
         .args(["run", "--upgrade", "--config"])
         .arg(&old.config_path)
+        .env("NOTIFY_SOCKET", &notify_path)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()
@@ -242,6 +249,12 @@ async fn graceful_upgrade_under_load_keeps_bindings_and_fails_nothing() {
         .unwrap();
     let (sent, failed, errors) = load.finish().await;
     assert_eq!(failed, 0, "requests failed across the upgrade: {errors:?}");
+    let mut buf = [0u8; 256];
+    let n = notify.recv(&mut buf).expect("the new process notifies");
+    assert_eq!(
+        String::from_utf8_lossy(&buf[..n]),
+        format!("MAINPID={}\nREADY=1", new.id())
+    );
 
     for (sid, b) in &placement {
         let r = chat(&c, &old, &[("x-session-id", sid)], &chat_body("m", 1)).await;
