@@ -770,10 +770,17 @@ async fn a_flood_of_unique_ids_keeps_the_table_bounded_and_recent_sessions_pinne
                 .unwrap(),
         );
     }
-    let baseline_rss = rss_kib(gw.pid());
+    let mut baseline_rss = 0;
     let sem = Arc::new(tokio::sync::Semaphore::new(16));
     // 20 waves of half the limit: 10× the limit in unique ids overall.
     for wave in 0..20 {
+        if wave == 10 {
+            // Warmed up: the table is full and turning over, allocator pools
+            // and connection buffers are at their working size. From here on
+            // memory must stay flat; 10,000 more requests leaking even 400
+            // bytes each would show.
+            baseline_rss = rss_kib(gw.pid());
+        }
         let mut tasks = Vec::new();
         for i in 0..LIMIT / 2 {
             let (gw, c, sem) = (Arc::clone(&gw), c.clone(), Arc::clone(&sem));
@@ -818,7 +825,7 @@ async fn a_flood_of_unique_ids_keeps_the_table_bounded_and_recent_sessions_pinne
         gw.metric("agentserve_bindings_evicted_total{tier=\"default\"}").await
     );
     assert!(
-        growth < 64 * 1024,
-        "RSS grew {growth} KiB under a flood of 10× the table limit"
+        growth < 4 * 1024,
+        "RSS grew {growth} KiB over the last 10,000 requests of a flood of 10× the table limit"
     );
 }

@@ -438,3 +438,77 @@ async fn bodies_read_to_route_are_bounded_by_a_memory_budget() {
     assert_eq!(fits.status, 200);
     assert_eq!(fits.tier.as_deref(), Some("big"));
 }
+
+/// Send `head` then `body_bytes` of chunked body (64 KiB chunks) while
+/// reading; what the gateway answered.
+fn upload(port: u16, head: &str, body_bytes: usize) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut reader = s.try_clone().unwrap();
+    let reading = std::thread::spawn(move || read_all(&mut reader));
+    let _ = s.write_all(head.as_bytes());
+    let chunk = vec![b' '; 64 * 1024];
+    let mut sent = 0;
+    while sent < body_bytes {
+        let mut frame = format!("{:x}\r\n", chunk.len()).into_bytes();
+        frame.extend_from_slice(&chunk);
+        frame.extend_from_slice(b"\r\n");
+        if s.write_all(&frame).is_err() {
+            break;
+        }
+        sent += chunk.len();
+    }
+    let _ = s.write_all(b"0\r\n\r\n");
+    reading.join().unwrap()
+}
+
+#[tokio::test]
+async fn oversized_uploads_get_a_413_not_a_reset() {
+    let sims = [SimBackend::start("vllm-0", &[])];
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &[&sims[0]])],
+        |_| "  max_body_bytes: 1048576\n".to_string(),
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    let port = gw.port;
+    let answers = tokio::task::spawn_blocking(move || {
+        // Declared too large, asking to continue: refused before any body.
+        let declared = {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.write_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-session-id: up-1\r\n\
+                  content-type: application/json\r\ncontent-length: 41943040\r\n\
+                  expect: 100-continue\r\n\r\n",
+            )
+            .unwrap();
+            read_all(&mut s)
+        };
+        let chunked =
+            |session: &str, expect: bool| {
+                upload(
+                    port,
+                    &format!(
+                    "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-session-id: {session}\r\n\
+                     content-type: application/json\r\ntransfer-encoding: chunked\r\n{}\r\n",
+                    if expect { "expect: 100-continue\r\n" } else { "" }
+                ),
+                    40 * 1024 * 1024,
+                )
+            };
+        (declared, chunked("up-2", true), chunked("up-3", false))
+    })
+    .await
+    .unwrap();
+    let (declared, chunked_expect, chunked_plain) = answers;
+    assert!(declared.starts_with("HTTP/1.1 413"), "{declared:?}");
+    for got in [&declared, &chunked_expect, &chunked_plain] {
+        let final_status = got
+            .split("\r\n\r\n")
+            .flat_map(|part| part.lines().next())
+            .find(|l| l.starts_with("HTTP/1.1 ") && !l.starts_with("HTTP/1.1 100"))
+            .unwrap_or_default()
+            .to_string();
+        assert!(final_status.starts_with("HTTP/1.1 413"), "{got:.300}");
+        assert!(got.contains("request_too_large"), "{got:.300}");
+    }
+}

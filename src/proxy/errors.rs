@@ -5,6 +5,9 @@ use pingora_core::{Error, ErrorType, Result};
 use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
 
+/// How long a refused request's remaining body is read and discarded.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// An error the gateway answers itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GatewayError {
@@ -191,10 +194,19 @@ impl GatewayError {
         if self.status == 503 {
             resp.insert_header("retry-after", "1")?;
         }
-        if !session.is_body_done() {
+        let unread_body = !session.is_body_done();
+        if unread_body {
             session.set_keepalive(None);
         }
         session.write_response_header(Box::new(resp), false).await?;
-        session.write_response_body(Some(body), true).await
+        session.write_response_body(Some(body), true).await?;
+        if unread_body {
+            // Lingering close (as nginx does): a client still sending a body
+            // we refused would otherwise meet a reset, which can destroy the
+            // answer before it reads it. Read and discard for a short while.
+            session.set_total_drain_timeout(Some(LINGER));
+            let _ = session.drain_request_body().await;
+        }
+        Ok(())
     }
 }

@@ -945,7 +945,12 @@ impl ProxyHttp for GatewayProxy {
         };
         let code = match gateway_error {
             // A response already started cannot be replaced: just end it.
-            Some(g) if session.response_written().is_none() => {
+            // (A forwarded `100 Continue` is no answer: the final one can follow.)
+            Some(g)
+                if session
+                    .response_written()
+                    .is_none_or(|r| r.status.is_informational()) =>
+            {
                 // The connection closes after this answer (below): say so,
                 // or a client reusing it races the close.
                 session.set_keepalive(None);
