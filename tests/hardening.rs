@@ -512,3 +512,35 @@ async fn oversized_uploads_get_a_413_not_a_reset() {
         assert!(got.contains("request_too_large"), "{got:.300}");
     }
 }
+
+#[tokio::test]
+async fn a_malformed_chunked_body_gets_a_400_and_leaves_no_binding() {
+    let (_sims, gw) = fleet(1, &affinity_yaml(1800)).await;
+    let port = gw.port;
+    let got = tokio::task::spawn_blocking(move || {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-session-id: bad-chunks\r\n\
+              content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n\
+              5\r\n{\"mod\r\nzz-not-hex\r\nxxxx\r\n",
+        )
+        .unwrap();
+        read_all(&mut s)
+    })
+    .await
+    .unwrap();
+    let final_line = got
+        .split("\r\n\r\n")
+        .flat_map(|part| part.lines().next())
+        .find(|l| l.starts_with("HTTP/1.1 ") && !l.starts_with("HTTP/1.1 100"))
+        .unwrap_or_default()
+        .to_string();
+    assert!(final_line.starts_with("HTTP/1.1 400"), "{got:?}");
+    assert!(got.contains("invalid_body"), "{got:?}");
+    let r = client()
+        .get(gw.admin_url("/admin/sessions/bad-chunks"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404, "no binding for a request that was never valid");
+}

@@ -904,9 +904,25 @@ impl ProxyHttp for GatewayProxy {
                 .with_label_values(&["client_write"])
                 .inc();
         }
+        let malformed = downstream
+            && ctx.error.is_none()
+            && matches!(e.etype().as_str(), "InvalidChunk" | "InvalidTrailerEnd");
+        if malformed {
+            // Bad input never leaves a binding behind: drop the one this
+            // request made (a binding that existed before stays).
+            if let (Some(sref), Some(Reason::FirstTurn | Reason::Expired)) =
+                (&ctx.session_ref, ctx.reason)
+            {
+                self.gw.affinity.forget(sref.key);
+            }
+        }
         let gateway_error = match (&ctx.error, e.etype()) {
             (Some(g), _) => Some(g.clone()),
             (None, _) if too_slow.is_some() => too_slow,
+            (None, _) if malformed => Some(GatewayError::bad_body(format!(
+                "malformed request body: {}",
+                e.etype().as_str()
+            ))),
             (None, ErrorType::HTTPStatus(code)) => Some(GatewayError {
                 status: *code,
                 kind: "gateway_error",
