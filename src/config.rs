@@ -373,7 +373,9 @@ impl Default for FileHealth {
             path: "/health".into(),
             interval_ms: 1000,
             timeout_ms: 1000,
-            consecutive_failures: 1,
+            // One slow probe on a busy host must not take a backend out;
+            // requests that fail are caught sooner by passive health.
+            consecutive_failures: 3,
             consecutive_successes: 1,
         }
     }

@@ -215,8 +215,12 @@ pub fn config_yaml(
     y
 }
 
-/// The default test config's `health` and `affinity` sections.
-pub const FAST_HEALTH: &str = "health:\n  path: /health\n  interval_ms: 100\n  timeout_ms: 500\n";
+/// The tests' `health` section (their `affinity` one is [`affinity_yaml`]).
+/// Fast enough for tests to see a backend go down within a second, and two
+/// probes in a row must fail: one slow probe on a busy 2-core box must not
+/// flip a backend.
+pub const FAST_HEALTH: &str =
+    "health:\n  path: /health\n  interval_ms: 200\n  timeout_ms: 1000\n  consecutive_failures: 2\n";
 
 pub fn affinity_yaml(ttl: u64) -> String {
     format!("affinity:\n  sticky_ttl_seconds: {ttl}\n  hash_key: \"test-fleet-key\"\n")
