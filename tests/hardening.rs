@@ -542,5 +542,9 @@ async fn a_malformed_chunked_body_gets_a_400_and_leaves_no_binding() {
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 404, "no binding for a request that was never valid");
+    assert_eq!(
+        r.status(),
+        404,
+        "no binding for a request that was never valid"
+    );
 }

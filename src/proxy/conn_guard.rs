@@ -161,8 +161,11 @@ impl GuardedStream {
     }
 
     fn cut_now(&mut self, cut: Cut) -> std::io::Error {
-        *self.state.cut.lock() = Some(cut);
-        self.timeouts.with_label_values(&[cut.as_str()]).inc();
+        // Counted once per connection (later reads, e.g. draining the
+        // refused body, meet the same cut).
+        if self.state.cut.lock().replace(cut).is_none() {
+            self.timeouts.with_label_values(&[cut.as_str()]).inc();
+        }
         std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             match cut {

@@ -256,6 +256,17 @@ impl Gateway {
         metrics_port: u16,
         yaml: &str,
     ) -> Gateway {
+        Self::start_yaml_logging_to(dir, port, metrics_port, yaml, Stdio::inherit()).await
+    }
+
+    /// Like [`Gateway::start_yaml`], with the gateway's stderr (its log) sent to `stderr`.
+    pub async fn start_yaml_logging_to(
+        dir: tempfile::TempDir,
+        port: u16,
+        metrics_port: u16,
+        yaml: &str,
+        stderr: Stdio,
+    ) -> Gateway {
         let config_path = dir.path().join("gateway.yaml");
         std::fs::write(&config_path, yaml).expect("write config");
         let child = Command::new(BIN)
@@ -266,7 +277,7 @@ impl Gateway {
                 std::env::var("GW_LOG").unwrap_or_else(|_| "warn".into()),
             )
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("spawn gateway");
         let gw = Gateway {
