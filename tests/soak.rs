@@ -66,7 +66,7 @@ async fn soak_with_flapping_backends_and_hostile_clients() {
         .unwrap_or(120);
     let run = Duration::from_secs(seconds);
     let sims: Vec<SimBackend> = (0..3)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &["--decode-us-per-token", "2000"]))
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
         .collect();
     let dir = tempfile::tempdir().unwrap();
     let (port, mport) = (free_port(), free_port_pair());
@@ -122,7 +122,7 @@ async fn soak_with_flapping_backends_and_hostile_clients() {
                 let sid = format!("soak-{}", (worker * 5 + turn % 5));
                 let mut body = chat_body("m", turn);
                 body["max_tokens"] = json!(8);
-                let stream = turn % 2 == 0;
+                let stream = turn.is_multiple_of(2);
                 body["stream"] = json!(stream);
                 let sent = c
                     .post(gw.url("/v1/chat/completions"))
@@ -183,7 +183,7 @@ async fn soak_with_flapping_backends_and_hostile_clients() {
                     continue;
                 };
                 let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-                if n % 2 == 0 {
+                if n.is_multiple_of(2) {
                     let _ = s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n");
                     for _ in 0..40 {
                         if s.write_all(b"x").is_err() {
@@ -232,7 +232,7 @@ async fn soak_with_flapping_backends_and_hostile_clients() {
                     0 => {
                         sims[i].kill();
                         tokio::time::sleep(Duration::from_secs(2)).await;
-                        sims[i].restart(&["--decode-us-per-token", "2000"]);
+                        sims[i].restart(&[]);
                     }
                     1 => {
                         sims[i].set_faults(json!({"hang": true})).await;
