@@ -1,0 +1,210 @@
+//! The end of a request: the answer to a failure (SPEC §8 JSON errors),
+//! then metrics, passive health, usage and the trace record.
+
+use super::*;
+
+impl GatewayProxy {
+    pub(super) async fn answer_failure(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut RequestCtx,
+    ) -> FailToProxy {
+        let downstream = e.esource() == &ErrorSource::Downstream;
+        let too_slow = match ctx.error {
+            None if downstream => self.client_timeout(ctx, e),
+            _ => None,
+        };
+        if downstream && e.etype() == &ErrorType::WriteTimedout {
+            self.gw
+                .metrics
+                .timeouts
+                .with_label_values(&["client_write"])
+                .inc();
+        }
+        let malformed = downstream
+            && ctx.error.is_none()
+            && matches!(e.etype().as_str(), "InvalidChunk" | "InvalidTrailerEnd");
+        if malformed {
+            // Bad input never leaves a binding behind: drop the one this
+            // request made (a binding that existed before stays).
+            if let (Some(sref), Some(Reason::FirstTurn | Reason::Expired)) =
+                (&ctx.session_ref, ctx.reason)
+            {
+                self.gw.affinity.forget(sref.key);
+            }
+        }
+        let gateway_error = match (&ctx.error, e.etype()) {
+            (Some(g), _) => Some(g.clone()),
+            (None, _) if too_slow.is_some() => too_slow,
+            (None, _) if malformed => Some(GatewayError::bad_body(format!(
+                "malformed request body: {}",
+                e.etype().as_str()
+            ))),
+            (None, ErrorType::HTTPStatus(code)) => Some(GatewayError {
+                status: *code,
+                kind: "gateway_error",
+                code: "gateway_error",
+                message: e.to_string(),
+            }),
+            (None, ErrorType::ReadTimedout) if e.esource() == &ErrorSource::Upstream => {
+                self.gw
+                    .metrics
+                    .timeouts
+                    .with_label_values(&["upstream_read"])
+                    .inc();
+                Some(GatewayError::upstream_timeout(format!(
+                    "backend {} sent nothing for {} ms",
+                    ctx.backend.as_ref().map_or("?", |b| &*b.id),
+                    ctx.routing
+                        .as_ref()
+                        .and_then(|r| r.config.server.read_timeout)
+                        .map_or(0, |t| t.as_millis())
+                )))
+            }
+            (None, _) => match e.esource() {
+                ErrorSource::Upstream => Some(GatewayError::upstream_failed(format!(
+                    "backend {} failed: {}",
+                    ctx.backend.as_ref().map_or("?", |b| &*b.id),
+                    e.etype().as_str()
+                ))),
+                ErrorSource::Downstream => None,
+                _ => Some(GatewayError {
+                    status: 500,
+                    kind: "internal_error",
+                    code: "internal_error",
+                    message: "internal gateway error".into(),
+                }),
+            },
+        };
+        let code = match gateway_error {
+            // A response already started cannot be replaced: just end it.
+            // (A forwarded `100 Continue` is no answer: the final one can follow.)
+            Some(g)
+                if session
+                    .response_written()
+                    .is_none_or(|r| r.status.is_informational()) =>
+            {
+                // The connection closes after this answer (below): say so,
+                // or a client reusing it races the close.
+                session.set_keepalive(None);
+                let tier = ctx.tier_name().map(str::to_string);
+                let status = g.status;
+                let backend = ctx.backend.as_ref().map(|b| Arc::clone(&b.id));
+                if let Err(we) = g.write(session, tier.as_deref(), backend.as_deref()).await {
+                    log::debug!("writing error response failed: {we}");
+                }
+                ctx.error = Some(g);
+                status
+            }
+            _ => 0,
+        };
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    pub(super) async fn finish(
+        &self,
+        session: &mut Session,
+        e: Option<&Error>,
+        ctx: &mut RequestCtx,
+    ) {
+        if let Some(conn) = &ctx.conn {
+            conn.request_done();
+        }
+        if let Some(backend) = ctx.backend.clone() {
+            if let Some(outcome) = Self::outcome(session, e, ctx) {
+                self.record_outcome(ctx, &backend, outcome);
+            }
+        }
+        let tier_name = ctx.tier_name().unwrap_or("none").to_string();
+        let status = session
+            .response_written()
+            .map(|r| r.status.as_u16())
+            .or(ctx.error.as_ref().map(|g| g.status))
+            .unwrap_or(0);
+        let m = &self.gw.metrics;
+        if let Some(g) = &ctx.error {
+            m.gateway_errors
+                .with_label_values(&[&tier_name, &g.status.to_string()])
+                .inc();
+        }
+        if let Some(tier) = &ctx.tier {
+            tier.metrics
+                .duration
+                .observe(ctx.start.elapsed().as_secs_f64());
+            if let Some(fb) = ctx.first_byte {
+                tier.metrics
+                    .ttfb
+                    .observe(fb.duration_since(ctx.start).as_secs_f64());
+            }
+            if ctx.backend.is_some() && ctx.session_ref.is_some() {
+                if ctx.affinity_hit {
+                    tier.metrics.hits.inc();
+                } else {
+                    tier.metrics.misses.inc();
+                }
+            }
+        }
+        if ctx.session_final {
+            if let Some(sref) = &ctx.session_ref {
+                self.gw.affinity.forget(sref.key);
+            }
+        }
+        let backend_id = ctx.backend.as_ref().map_or("none", |b| &*b.id);
+        m.requests
+            .with_label_values(&[&tier_name, backend_id, &status.to_string()])
+            .inc();
+        let usage = ctx.usage.as_ref().and_then(UsageScanner::usage);
+        // What the backend's answer teaches: its prefill cost and queueing,
+        // and how much of this session it still had cached.
+        if let (Some(u), Some(b), Some(fb), 200) = (usage, &ctx.backend, ctx.first_byte, status) {
+            b.stats.cost.observe(
+                fb.duration_since(ctx.start),
+                u.prompt_tokens,
+                u.cached_tokens,
+            );
+            if let Some(sref) = ctx.session_ref.as_ref().filter(|_| !ctx.session_final) {
+                self.gw
+                    .affinity
+                    .record_usage(sref.key, u.prompt_tokens, u.cached_tokens);
+            }
+        }
+        if let Some(u) = usage {
+            m.prompt_tokens
+                .with_label_values(&[&tier_name, backend_id])
+                .inc_by(u.prompt_tokens);
+            m.cached_prompt_tokens
+                .with_label_values(&[&tier_name, backend_id])
+                .inc_by(u.cached_tokens);
+        }
+        if let Some(trace) = &self.gw.trace {
+            let req = session.req_header();
+            trace.record(&crate::trace::TraceRecord {
+                time_ms: ctx
+                    .start_wall
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64),
+                request_id: format!("{:016x}", self.request_ids.fetch_add(1, Ordering::Relaxed)),
+                method: req.method.as_str(),
+                path: req.uri.path(),
+                tier: ctx.tier_name(),
+                session: ctx.session.as_ref().map(|s| s.id.as_str()),
+                parent: ctx.parent.as_deref(),
+                backend: ctx.backend.as_ref().map(|b| &*b.id),
+                affinity_hit: ctx.affinity_hit,
+                reason: ctx.reason.map(Reason::as_str),
+                moved_because: ctx.moved.map(|m| m.as_str()),
+                status,
+                prompt_tokens: usage.map(|u| u.prompt_tokens),
+                cached_tokens: usage.map(|u| u.cached_tokens),
+                ttfb_ms: ctx
+                    .first_byte
+                    .map(|fb| fb.duration_since(ctx.start).as_secs_f64() * 1000.0),
+                total_ms: ctx.start.elapsed().as_secs_f64() * 1000.0,
+            });
+        }
+    }
+}

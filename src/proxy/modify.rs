@@ -1,0 +1,129 @@
+//! Request and response modifiers: headers to the backend, response
+//! metadata (headers and the `x_agent_serve` member), usage read on the way.
+
+use super::request::fields_bytes;
+use super::*;
+
+impl GatewayProxy {
+    pub(super) async fn modify_upstream_request(
+        &self,
+        _session: &mut Session,
+        upstream_request: &mut RequestHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        if ctx.body.is_some() {
+            // The gateway already answered the client's 100-continue.
+            upstream_request.remove_header("expect");
+        }
+        if ctx
+            .backend
+            .as_ref()
+            .is_some_and(|b| upstream_conn::avoid_reuse(&b.stats))
+        {
+            upstream_request.insert_header("connection", "close")?;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn modify_response(
+        &self,
+        session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        let (Some(backend), Some(tier)) = (ctx.backend.clone(), ctx.tier.clone()) else {
+            return Ok(());
+        };
+        let limit = ctx
+            .routing
+            .as_ref()
+            .map_or(usize::MAX, |r| r.config.server.client.max_header_bytes);
+        if fields_bytes(&resp.headers, 0) > limit {
+            let e = GatewayError::upstream_failed(format!(
+                "backend {} sent response headers over the gateway's limit of {limit} bytes",
+                backend.id
+            ));
+            return Err(self.fail(ctx, e));
+        }
+        resp.insert_header(BACKEND_HEADER, &*backend.id)?;
+        resp.insert_header(HIT_HEADER, if ctx.affinity_hit { "true" } else { "false" })?;
+        resp.insert_header(TIER_HEADER, &*tier.name)?;
+
+        let content_type = resp
+            .headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_ascii_lowercase();
+        let is_json = content_type.starts_with("application/json");
+        let is_sse = content_type.starts_with("text/event-stream");
+        let encoded = resp.headers.get("content-encoding").is_some();
+        if (is_json || is_sse) && !encoded {
+            ctx.usage = Some(UsageScanner::default());
+        }
+        let bodyless = session.req_header().method == http::Method::HEAD
+            || resp.status.as_u16() == 204
+            || resp.status.as_u16() == 304;
+        if is_json && !encoded && !bodyless {
+            let appender = JsonAppender::new(ctx.metadata_member(&backend, &tier));
+            let declared = resp
+                .headers
+                .get("content-length")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<usize>().ok());
+            match declared.map(|len| (len, len.checked_add(appender.extra_len()))) {
+                // A length no body can have: pass the response on untouched.
+                Some((_, None)) => return Ok(()),
+                Some((len, Some(total))) => {
+                    resp.insert_header("content-length", total.to_string())?;
+                    ctx.upstream_body_len = Some(len);
+                }
+                None => {}
+            }
+            ctx.appender = Some(appender);
+        }
+        Ok(())
+    }
+
+    pub(super) fn modify_response_body(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<Option<std::time::Duration>> {
+        if let Some(chunk) = body.as_ref() {
+            if ctx.first_byte.is_none() && !chunk.is_empty() {
+                ctx.first_byte = Some(Instant::now());
+            }
+            if let Some(scanner) = ctx.usage.as_mut() {
+                scanner.push(chunk);
+            }
+        }
+        if let Some(appender) = ctx.appender.as_mut() {
+            let mut out = match body.take() {
+                Some(chunk) => {
+                    ctx.upstream_body_seen += chunk.len();
+                    appender.push(chunk)
+                }
+                None => Bytes::new(),
+            };
+            let complete = ctx
+                .upstream_body_len
+                .is_some_and(|len| ctx.upstream_body_seen >= len);
+            if end_of_stream || complete {
+                let tail = appender.finish();
+                out = if out.is_empty() {
+                    tail
+                } else {
+                    let mut joined = Vec::with_capacity(out.len() + tail.len());
+                    joined.extend_from_slice(&out);
+                    joined.extend_from_slice(&tail);
+                    Bytes::from(joined)
+                };
+            }
+            *body = (!out.is_empty()).then_some(out);
+        }
+        Ok(None)
+    }
+}

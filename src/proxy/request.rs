@@ -1,0 +1,276 @@
+//! Request filters: what the request is (tier, session, parent, body when
+//! routing needs it) and whether it is acceptable at all.
+
+use super::*;
+
+/// The tenant part of a binding's scope: empty when tenants are not configured.
+fn tenant_scope(
+    cfg: &crate::config::Config,
+    headers: &http::HeaderMap,
+    hasher: &crate::affinity::hrw::HrwHasher,
+) -> std::result::Result<String, GatewayError> {
+    use crate::config::TenantSource;
+    let value = match &cfg.affinity.tenant {
+        TenantSource::None => return Ok(String::new()),
+        TenantSource::Header(h) => headers.get(h.as_str()),
+        TenantSource::Authorization => headers.get("authorization"),
+    };
+    let Some(v) = value else {
+        return Ok("\u{0}-".to_string());
+    };
+    if v.len() > 4096 {
+        return Err(GatewayError::bad_session_header(
+            "tenant header is longer than 4096 bytes".into(),
+        ));
+    }
+    // Keyed, so credentials never appear in the table, logs or hashes' inputs as is.
+    let id = hasher.fingerprint(
+        KeyKind::Session,
+        "tenant",
+        &String::from_utf8_lossy(v.as_bytes()),
+    );
+    Ok(format!("\u{0}{id:032x}"))
+}
+
+/// About what the request line and headers took on the wire.
+fn header_bytes(req: &RequestHeader) -> usize {
+    let uri = req.uri.path_and_query().map_or(1, |p| p.as_str().len())
+        + req.uri.authority().map_or(0, |a| a.as_str().len());
+    fields_bytes(&req.headers, req.method.as_str().len() + uri + 12)
+}
+
+pub(super) fn fields_bytes(headers: &http::HeaderMap, start: usize) -> usize {
+    headers
+        .iter()
+        .fold(start, |n, (k, v)| n + k.as_str().len() + v.len() + 4)
+}
+
+fn method_has_body(req: &RequestHeader) -> bool {
+    !matches!(
+        req.method,
+        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS | http::Method::DELETE
+    )
+}
+
+impl GatewayProxy {
+    pub(super) async fn on_request(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<bool> {
+        let limits = self.gw.routing().config.server.client;
+        // Pingora's per-read timers: a body that stalls, a client that stops
+        // reading its response (the lease and backend connection go with it).
+        session.set_read_timeout(Some(limits.body_idle_timeout));
+        session.set_write_timeout(Some(limits.write_timeout));
+        // Pipelined requests are answered in order instead of dropped.
+        session.set_pipelining_enabled(true);
+        ctx.conn = conn_guard::GuardedStream::of(session.stream()).cloned();
+        if let Some(conn) = &ctx.conn {
+            conn.headers_done(!session.is_body_empty());
+        }
+        match self.route_request(session, ctx).await {
+            Ok(()) => Ok(false),
+            Err(e) => {
+                let tier = ctx.tier_name().map(str::to_string);
+                e.write(session, tier.as_deref(), None).await?;
+                ctx.error = Some(e);
+                Ok(true)
+            }
+        }
+    }
+
+    /// Everything `request_filter` decides; `Err` is answered to the client.
+    pub(super) async fn route_request(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> std::result::Result<(), GatewayError> {
+        let routing = self.gw.routing();
+        let cfg = &routing.config;
+        let req = session.req_header();
+        if req.version == http::Version::HTTP_11 && !req.headers.contains_key(http::header::HOST) {
+            return Err(GatewayError::missing_host());
+        }
+        let limit = cfg.server.client.max_header_bytes;
+        if header_bytes(req) > limit {
+            return Err(GatewayError::headers_too_large(limit));
+        }
+        let headers = &req.headers;
+        let session_id = session::from_headers(headers, &cfg.affinity.session_headers)
+            .map_err(|e| GatewayError::bad_session_header(e.to_string()))?;
+        let parent = session::from_headers(headers, &cfg.affinity.parent_session_headers)
+            .map_err(|e| GatewayError::bad_session_header(e.to_string()))?;
+        let parent_agent = session::from_headers(headers, &cfg.affinity.parent_agent_headers)
+            .map_err(|e| GatewayError::bad_session_header(e.to_string()))?;
+        ctx.session_final = cfg.affinity.session_final_headers.iter().any(|h| {
+            headers
+                .get(h.as_str())
+                .is_some_and(|v| matches!(v.as_bytes(), b"true" | b"1" | b"TRUE" | b"True"))
+        });
+        if let Some(target) = headers.get(TARGET_HEADER) {
+            if !cfg.affinity.allow_explicit_target {
+                return Err(GatewayError::explicit_target_forbidden());
+            }
+            ctx.explicit_target = Some(String::from_utf8_lossy(target.as_bytes()).into_owned());
+        }
+        let scope_suffix = tenant_scope(cfg, headers, &routing.hasher)?;
+        let tier_header = match headers.get(TIER_HEADER) {
+            Some(v) => Some(
+                v.to_str()
+                    .map_err(|_| GatewayError::unknown_tier("invalid tier header".into()))?
+                    .to_string(),
+            ),
+            None => None,
+        };
+        let declared = request_body::content_length(session)?;
+        let limit = cfg.server.max_body_bytes;
+        if declared.is_some_and(|len| len > limit) {
+            return Err(GatewayError::body_too_large(limit));
+        }
+
+        let mut tier = match &tier_header {
+            Some(name) => Some(Arc::clone(routing.tier_by_name(name).ok_or_else(|| {
+                GatewayError::unknown_tier(format!("unknown tier `{name}`"))
+            })?)),
+            None => None,
+        };
+        let mut session_id = session_id;
+        let needs_body = method_has_body(session.req_header())
+            && declared != Some(0)
+            && ((tier.is_none() && routing.routes_by_model())
+                || (session_id.is_none() && !cfg.affinity.body_session_fields.is_empty()));
+        // A body larger than Pingora's retry buffer is kept whole (within the
+        // budget) so that a request meeting a dead pooled connection can be
+        // re-sent; smaller ones Pingora's own buffer replays.
+        let replay_hold = match declared {
+            Some(len)
+                if !needs_body
+                    && len > request_body::RETRY_BUFFER_BYTES
+                    && len <= cfg.server.replay_body_bytes =>
+            {
+                self.gw
+                    .body_budget
+                    .try_hold(len, cfg.server.replay_budget_bytes)
+            }
+            _ => None,
+        };
+        // Bodies read to route count against a global budget: a burst of
+        // large ones is refused (retry later) instead of exhausting memory.
+        let route_hold = if needs_body {
+            let reserve = declared.unwrap_or(request_body::UNKNOWN_LENGTH_RESERVE);
+            match self
+                .gw
+                .body_budget
+                .try_hold(reserve.min(limit), cfg.server.preread_budget_bytes)
+            {
+                Some(h) => Some(h),
+                None => return Err(GatewayError::busy_reading_bodies()),
+            }
+        } else {
+            None
+        };
+        if needs_body || replay_hold.is_some() {
+            let body = match request_body::pre_read(session, declared, limit).await {
+                Ok(b) => b,
+                Err(PreReadError::Refused(e)) => return Err(e),
+                Err(PreReadError::Io(e)) => {
+                    return Err(self.client_timeout(ctx, &e).unwrap_or_else(|| {
+                        GatewayError::bad_body(format!("reading the body: {e}"))
+                    }))
+                }
+            };
+            if let Some(conn) = &ctx.conn {
+                conn.body_done();
+            }
+            ctx.body_bytes = body.len() as u64;
+            ctx.body_hold = replay_hold.or_else(|| {
+                // What the body turned out to be, not what was reserved.
+                drop(route_hold);
+                Some(self.gw.body_budget.hold(ctx.body_bytes))
+            });
+            if let Some(probe) = needs_body.then(|| BodyProbe::parse(&body)).flatten() {
+                if tier.is_none() {
+                    if let Some(model) = probe.model() {
+                        tier = routing.tier_by_model(&model).cloned();
+                    }
+                }
+                if session_id.is_none() {
+                    session_id = probe.session(&cfg.affinity.body_session_fields);
+                }
+            }
+            ctx.body = Some(body);
+        }
+        let tier = tier.unwrap_or_else(|| Arc::clone(routing.default_tier()));
+
+        // Bindings are scoped by tier (and tenant, when configured).
+        let scope = format!("{}{scope_suffix}", tier.name);
+        let h = &routing.hasher;
+        ctx.session_ref = match (&parent, &parent_agent, &session_id) {
+            // A subagent (Dynamo style): the group of the parent session.
+            (Some(p), _, _) => {
+                let mut group = SessionRef::new(h, KeyKind::Group, &scope, &p.id);
+                group.parent = Some(h.fingerprint(KeyKind::Session, &scope, &p.id));
+                Some(group)
+            }
+            // A subagent (Claude Code style): the group of a parent agent within
+            // this session; the session's own binding is the parent to follow.
+            (None, Some(agent), Some(s)) => {
+                let id = format!("{}\u{1f}{}", s.id, agent.id);
+                let mut group = SessionRef::new(h, KeyKind::Group, &scope, &id);
+                group.parent = Some(h.fingerprint(KeyKind::Session, &scope, &s.id));
+                Some(group)
+            }
+            (None, _, Some(s)) => Some(SessionRef::new(h, KeyKind::Session, &scope, &s.id)),
+            (None, _, None) => None,
+        };
+        ctx.parent = parent.or(parent_agent).map(|p| p.id);
+        ctx.session = session_id;
+        ctx.tier = Some(tier);
+        ctx.routing = Some(routing);
+        Ok(())
+    }
+
+    /// The 408 for a client that was too slow (its body stalled or crawled),
+    /// counted by kind; `None` when `e` is not that.
+    pub(super) fn client_timeout(&self, ctx: &RequestCtx, e: &Error) -> Option<GatewayError> {
+        let kind = match ctx.conn.as_ref().and_then(|c| c.cut()) {
+            // The wrapper counted its own cut.
+            Some(cut) => return Some(GatewayError::request_timeout(cut.as_str())),
+            None if e.etype() == &ErrorType::ReadTimedout => "body_idle",
+            None => return None,
+        };
+        self.gw.metrics.timeouts.with_label_values(&[kind]).inc();
+        Some(GatewayError::request_timeout(kind))
+    }
+
+    pub(super) async fn on_request_body(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        if end_of_stream {
+            if let Some(conn) = &ctx.conn {
+                conn.body_done();
+            }
+        }
+        if let Some(full) = &ctx.body {
+            // See request_body.rs: this is the replayed tail; send everything.
+            *body = Some(full.clone());
+            return Ok(());
+        }
+        if let Some(chunk) = body {
+            ctx.body_bytes += chunk.len() as u64;
+            let limit = ctx
+                .routing
+                .as_ref()
+                .map_or(u64::MAX, |r| r.config.server.max_body_bytes);
+            if ctx.body_bytes > limit {
+                return Err(self.fail(ctx, GatewayError::body_too_large(limit)));
+            }
+        }
+        Ok(())
+    }
+}
