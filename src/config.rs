@@ -8,6 +8,9 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::Path;
 use std::time::Duration;
 
+/// Certificates are TLS's business; the config only names them.
+pub use crate::tls::TlsCertConfig;
+
 /// The hash key shipped in the example config; running with it is allowed but warned about.
 pub const PLACEHOLDER_HASH_KEY: &str = "change-me";
 
@@ -210,16 +213,6 @@ struct FileTls {
 
 fn yes() -> bool {
     true
-}
-
-/// One certificate: PEM chain, PEM key, the SNI names it serves (`*.x` wildcards).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TlsCertConfig {
-    pub cert: String,
-    pub key: String,
-    #[serde(default)]
-    pub server_names: Vec<String>,
 }
 
 impl Default for FileServer {
@@ -796,12 +789,49 @@ fn validate_outlier(
     }
 }
 
+/// Every section checked, every problem collected (not just the first).
 fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     let mut errors = Vec::new();
     let mut warnings = Vec::new();
+    let server = validate_server(&file.server, &mut errors);
+    let tiers = validate_tiers(&file.tiers, &mut errors);
+    let affinity = validate_affinity(&file.affinity, &mut errors, &mut warnings);
+    let admin = validate_admin(&file.admin, &mut errors);
+    let health = validate_health(&file.health, &mut errors);
+    let (placement, load) = validate_placement(&file.placement, &file.load, &mut errors);
+    let outlier = validate_outlier(&file.outlier, &mut errors);
+    let metrics = MetricsConfig {
+        listen: parse_addr("metrics.listen", &file.metrics.listen, &mut errors)
+            .unwrap_or(UNSPECIFIED),
+    };
+    if !errors.is_empty() {
+        return Err(ConfigErrors(errors));
+    }
+    Ok(Config {
+        server,
+        tiers,
+        affinity,
+        health,
+        metrics,
+        admin,
+        trace: TraceConfig {
+            path: file.trace.path.as_ref().map(std::path::PathBuf::from),
+            max_bytes: file.trace.max_bytes,
+            keep: file.trace.keep,
+        },
+        placement,
+        load,
+        outlier,
+        warnings,
+    })
+}
 
-    // server
-    let s = &file.server;
+/// Stands in for an address that did not parse (the config is refused anyway).
+const UNSPECIFIED: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
+
+/// `server`: listeners, limits and timeouts.
+fn validate_server(s: &FileServer, errors: &mut Vec<ConfigError>) -> ServerConfig {
     if s.listen.is_empty() && s.tls.is_none() {
         errors.push(err(
             "server.listen",
@@ -812,7 +842,7 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         .listen
         .iter()
         .enumerate()
-        .filter_map(|(i, a)| parse_addr(&format!("server.listen[{i}]"), a, &mut errors))
+        .filter_map(|(i, a)| parse_addr(&format!("server.listen[{i}]"), a, errors))
         .collect();
     let tls = s.tls.as_ref().map(|t| {
         if t.listen.is_empty() {
@@ -837,7 +867,7 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
                 .listen
                 .iter()
                 .enumerate()
-                .filter_map(|(i, a)| parse_addr(&format!("server.tls.listen[{i}]"), a, &mut errors))
+                .filter_map(|(i, a)| parse_addr(&format!("server.tls.listen[{i}]"), a, errors))
                 .collect(),
             h2: t.h2,
             certificates: t.certificates.clone(),
@@ -876,14 +906,49 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         ));
     }
 
-    // tiers
-    if file.tiers.is_empty() {
+    ServerConfig {
+        listen,
+        max_body_bytes: s.max_body_bytes,
+        threads: s.threads,
+        connect_timeout: Duration::from_millis(s.connect_timeout_ms),
+        tls_handshake_timeout: Duration::from_millis(s.tls_handshake_timeout_ms),
+        client: ClientLimits {
+            header_timeout: Duration::from_millis(s.header_timeout_ms),
+            body_idle_timeout: Duration::from_millis(s.body_idle_timeout_ms),
+            body_min_rate_bytes_per_s: s.body_min_rate_bytes_per_s,
+            body_rate_grace: Duration::from_millis(s.body_rate_grace_ms),
+            write_timeout: Duration::from_millis(s.client_write_timeout_ms),
+            max_header_bytes: s.max_header_bytes,
+            max_connections: s.max_connections,
+        },
+        read_timeout: (s.read_timeout_ms > 0).then(|| Duration::from_millis(s.read_timeout_ms)),
+        upstream_idle_timeout: Duration::from_millis(s.upstream_idle_timeout_ms),
+        replay_body_bytes: s.replay_body_bytes,
+        replay_budget_bytes: s.replay_budget_bytes,
+        preread_budget_bytes: s.preread_budget_bytes,
+        grace_period_seconds: s.grace_period_seconds,
+        graceful_shutdown_timeout_seconds: s.graceful_shutdown_timeout_seconds,
+        pid_file: s.pid_file.clone(),
+        upgrade_sock: s.upgrade_sock.clone(),
+        state_file: s.state_file.as_ref().map(std::path::PathBuf::from),
+        state_save_interval: Duration::from_millis(s.state_save_interval_ms.max(10)),
+        tls,
+        upstream_ca_file: s.upstream_ca_file.clone(),
+    }
+}
+
+/// `tiers`: names, models and backends; exactly one default.
+fn validate_tiers(
+    file_tiers: &BTreeMap<String, FileTier>,
+    errors: &mut Vec<ConfigError>,
+) -> Vec<TierConfig> {
+    if file_tiers.is_empty() {
         errors.push(err("tiers", "at least one tier is required"));
     }
     let mut tiers = Vec::new();
     let mut seen_ids: HashSet<String> = HashSet::new();
     let mut model_owner: BTreeMap<String, String> = BTreeMap::new();
-    for (name, t) in &file.tiers {
+    for (name, t) in file_tiers {
         let key = format!("tiers.{name}");
         if !valid_tier_name(name) {
             errors.push(err(
@@ -926,7 +991,7 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             if b.weight == 0 || b.weight > 10_000 {
                 errors.push(err(format!("{bkey}.weight"), "must be between 1 and 10000"));
             }
-            if let Some(addr) = parse_addr(&format!("{bkey}.addr"), &b.addr, &mut errors) {
+            if let Some(addr) = parse_addr(&format!("{bkey}.addr"), &b.addr, errors) {
                 let host = b.addr.rsplit_once(':').map_or(b.addr.as_str(), |(h, _)| h);
                 backends.push(BackendConfig {
                     id: b.id.clone(),
@@ -961,14 +1026,20 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         errors.push(err("tiers", "more than one tier is marked `default: true`"));
     }
 
-    // affinity
-    let a = &file.affinity;
-    let session_headers =
-        validate_headers("affinity.session_headers", &a.session_headers, &mut errors);
+    tiers
+}
+
+/// `affinity`: session keys, TTL, mode and policy, tenants.
+fn validate_affinity(
+    a: &FileAffinity,
+    errors: &mut Vec<ConfigError>,
+    warnings: &mut Vec<String>,
+) -> AffinityConfig {
+    let session_headers = validate_headers("affinity.session_headers", &a.session_headers, errors);
     let parent_session_headers = validate_headers(
         "affinity.parent_session_headers",
         &a.parent_session_headers,
-        &mut errors,
+        errors,
     );
     for h in &parent_session_headers {
         if session_headers.contains(h) {
@@ -1044,12 +1115,12 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     let session_final_headers = validate_headers(
         "affinity.session_final_headers",
         &a.session_final_headers,
-        &mut errors,
+        errors,
     );
     let parent_agent_headers = validate_headers(
         "affinity.parent_agent_headers",
         &a.parent_agent_headers,
-        &mut errors,
+        errors,
     );
     let tenant = match (&a.tenant_header, a.tenant_from_authorization) {
         (Some(_), true) => {
@@ -1073,17 +1144,42 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         (None, false) => TenantSource::None,
     };
 
-    // admin
-    let admin_listen = parse_addr("admin.listen", &file.admin.listen, &mut errors);
-    if file.admin.token.as_deref() == Some("") {
+    AffinityConfig {
+        sticky_ttl: (a.sticky_ttl_seconds > 0).then(|| Duration::from_secs(a.sticky_ttl_seconds)),
+        session_headers,
+        parent_session_headers,
+        body_session_fields,
+        hash_key: a.hash_key.clone(),
+        max_bindings: a.max_bindings,
+        mode,
+        soft_max_in_flight: a.soft_max_in_flight,
+        soft_policy,
+        cost: crate::affinity::policy::CostParams {
+            prior_prefill_us_per_token: a.prior_prefill_us_per_token,
+            hysteresis_us: a.move_hysteresis_ms.saturating_mul(1000),
+            cooldown_ms: a.move_cooldown_ms,
+            max_moves: a.max_moves_per_session,
+        },
+        single_flight_wait: Duration::from_millis(a.single_flight_wait_ms),
+        session_final_headers,
+        parent_agent_headers,
+        allow_explicit_target: a.allow_explicit_target,
+        tenant,
+    }
+}
+
+/// `admin`: where the admin API listens and who may use it.
+fn validate_admin(a: &FileAdmin, errors: &mut Vec<ConfigError>) -> AdminConfig {
+    let admin_listen = parse_addr("admin.listen", &a.listen, errors);
+    if a.token.as_deref() == Some("") {
         errors.push(err("admin.token", "must not be empty (omit it to disable)"));
     }
-    if let Some(a) = admin_listen {
-        if !a.ip().is_loopback() && file.admin.token.is_none() && !file.admin.insecure {
+    if let Some(addr) = admin_listen {
+        if !addr.ip().is_loopback() && a.token.is_none() && !a.insecure {
             errors.push(err(
                 "admin.listen",
                 format!(
-                    "{a} is reachable from other hosts and admin.token is not set: anyone \
+                    "{addr} is reachable from other hosts and admin.token is not set: anyone \
                      could drain backends and delete sessions (set admin.token, listen on \
                      127.0.0.1, or set admin.insecure: true)"
                 ),
@@ -1091,8 +1187,14 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         }
     }
 
-    // health
-    let h = &file.health;
+    AdminConfig {
+        listen: admin_listen.unwrap_or(UNSPECIFIED),
+        token: a.token.clone(),
+    }
+}
+
+/// `health`: the active health checks.
+fn validate_health(h: &FileHealth, errors: &mut Vec<ConfigError>) -> HealthConfig {
     if !h.path.starts_with('/') {
         errors.push(err("health.path", "must start with `/`"));
     }
@@ -1109,93 +1211,13 @@ fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         ));
     }
 
-    let (placement, load) = validate_placement(&file.placement, &file.load, &mut errors);
-    let outlier = validate_outlier(&file.outlier, &mut errors);
-
-    // metrics
-    let metrics_listen = parse_addr("metrics.listen", &file.metrics.listen, &mut errors);
-
-    if !errors.is_empty() {
-        return Err(ConfigErrors(errors));
+    HealthConfig {
+        path: h.path.clone(),
+        interval: Duration::from_millis(h.interval_ms),
+        timeout: Duration::from_millis(h.timeout_ms),
+        consecutive_failures: h.consecutive_failures,
+        consecutive_successes: h.consecutive_successes,
     }
-    Ok(Config {
-        server: ServerConfig {
-            listen,
-            max_body_bytes: s.max_body_bytes,
-            threads: s.threads,
-            connect_timeout: Duration::from_millis(s.connect_timeout_ms),
-            tls_handshake_timeout: Duration::from_millis(s.tls_handshake_timeout_ms),
-            client: ClientLimits {
-                header_timeout: Duration::from_millis(s.header_timeout_ms),
-                body_idle_timeout: Duration::from_millis(s.body_idle_timeout_ms),
-                body_min_rate_bytes_per_s: s.body_min_rate_bytes_per_s,
-                body_rate_grace: Duration::from_millis(s.body_rate_grace_ms),
-                write_timeout: Duration::from_millis(s.client_write_timeout_ms),
-                max_header_bytes: s.max_header_bytes,
-                max_connections: s.max_connections,
-            },
-            read_timeout: (s.read_timeout_ms > 0).then(|| Duration::from_millis(s.read_timeout_ms)),
-            upstream_idle_timeout: Duration::from_millis(s.upstream_idle_timeout_ms),
-            replay_body_bytes: s.replay_body_bytes,
-            replay_budget_bytes: s.replay_budget_bytes,
-            preread_budget_bytes: s.preread_budget_bytes,
-            grace_period_seconds: s.grace_period_seconds,
-            graceful_shutdown_timeout_seconds: s.graceful_shutdown_timeout_seconds,
-            pid_file: s.pid_file.clone(),
-            upgrade_sock: s.upgrade_sock.clone(),
-            state_file: s.state_file.as_ref().map(std::path::PathBuf::from),
-            state_save_interval: Duration::from_millis(s.state_save_interval_ms.max(10)),
-            tls,
-            upstream_ca_file: s.upstream_ca_file.clone(),
-        },
-        tiers,
-        affinity: AffinityConfig {
-            sticky_ttl: (a.sticky_ttl_seconds > 0)
-                .then(|| Duration::from_secs(a.sticky_ttl_seconds)),
-            session_headers,
-            parent_session_headers,
-            body_session_fields,
-            hash_key: a.hash_key.clone(),
-            max_bindings: a.max_bindings,
-            mode,
-            soft_max_in_flight: a.soft_max_in_flight,
-            soft_policy,
-            cost: crate::affinity::policy::CostParams {
-                prior_prefill_us_per_token: a.prior_prefill_us_per_token,
-                hysteresis_us: a.move_hysteresis_ms.saturating_mul(1000),
-                cooldown_ms: a.move_cooldown_ms,
-                max_moves: a.max_moves_per_session,
-            },
-            single_flight_wait: Duration::from_millis(a.single_flight_wait_ms),
-            session_final_headers,
-            parent_agent_headers,
-            allow_explicit_target: a.allow_explicit_target,
-            tenant,
-        },
-        health: HealthConfig {
-            path: h.path.clone(),
-            interval: Duration::from_millis(h.interval_ms),
-            timeout: Duration::from_millis(h.timeout_ms),
-            consecutive_failures: h.consecutive_failures,
-            consecutive_successes: h.consecutive_successes,
-        },
-        metrics: MetricsConfig {
-            listen: metrics_listen.expect("checked above"),
-        },
-        admin: AdminConfig {
-            listen: admin_listen.expect("checked above"),
-            token: file.admin.token.clone(),
-        },
-        trace: TraceConfig {
-            path: file.trace.path.as_ref().map(std::path::PathBuf::from),
-            max_bytes: file.trace.max_bytes,
-            keep: file.trace.keep,
-        },
-        placement,
-        load,
-        outlier,
-        warnings,
-    })
 }
 
 fn valid_tier_name(name: &str) -> bool {

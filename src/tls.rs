@@ -2,12 +2,22 @@
 //! wildcards, then the first certificate as the default), held behind a swap
 //! so `SIGHUP` replaces them without touching listeners.
 
-use crate::config::TlsCertConfig;
 use arc_swap::ArcSwap;
 use pingora_rustls::sign::CertifiedKey;
 use pingora_rustls::{ClientHello, CryptoProvider, ResolvesServerCert};
+use serde::Deserialize;
 use std::collections::HashMap;
 use std::sync::Arc;
+
+/// One certificate: PEM chain, PEM key, the SNI names it serves (`*.x` wildcards).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsCertConfig {
+    pub cert: String,
+    pub key: String,
+    #[serde(default)]
+    pub server_names: Vec<String>,
+}
 
 struct CertSet {
     exact: HashMap<String, Arc<CertifiedKey>>,
