@@ -273,4 +273,20 @@ mod tests {
         assert_eq!(q["tier"], "big");
         assert_eq!(q["tenant"], "acme co");
     }
+
+    proptest::proptest! {
+        /// Admin paths and queries: any text, never a panic; decoding never
+        /// grows the input; errors quote a bounded amount of it.
+        #[test]
+        fn admin_parsing_survives_any_input(path in ".{0,300}", raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300)) {
+            let decoded = percent_decode(&path);
+            proptest::prop_assert!(decoded.len() <= path.len() * 3);
+            let text = String::from_utf8_lossy(&raw);
+            let _ = percent_decode(&text);
+            if let Ok(uri) = format!("/admin/sessions/x?{}", text.escape_default()).parse::<http::Uri>() {
+                let _ = query(&uri);
+            }
+            proptest::prop_assert!(clip(&path).chars().count() <= 65);
+        }
+    }
 }

@@ -600,6 +600,17 @@ async fn native_agent_headers() {
         .await;
         assert_eq!(r.backend, main, "subagent {agent} with its parent");
     }
+    // ... through a group binding of their parent agent (session id and
+    // parent agent id), not merely by sharing the session's own binding.
+    let (status, v) = admin(
+        &gw,
+        reqwest::Method::GET,
+        "/admin/sessions/cc%1Fmain?kind=group",
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "the parent agent's group is bound: {v}");
+    assert_eq!(v["backend"].as_str(), main.as_deref());
     // Codex: its session header is recognised.
     let a = chat(&c, &gw, &[("x-codex-session-id", "cx")], &chat_body("m", 0)).await;
     let b = chat(&c, &gw, &[("x-codex-session-id", "cx")], &chat_body("m", 1)).await;
