@@ -267,10 +267,17 @@ async fn graceful_upgrade_under_load_keeps_bindings_and_fails_nothing() {
         );
         assert_eq!(r.hit.as_deref(), Some("true"));
     }
+    let retried = retried.load(std::sync::atomic::Ordering::Relaxed);
     eprintln!(
-        "upgrade under load: {sent} requests, {failed} failed, {} retried after a connection close, {} bindings kept",
-        retried.load(std::sync::atomic::Ordering::Relaxed),
+        "upgrade under load: {sent} requests, {failed} failed, {retried} retried after a connection close, {} bindings kept",
         placement.len()
+    );
+    // A kept-alive connection the old process closes just as the client
+    // reuses it: the request never reached a gateway and a retry is safe.
+    // Rare (0 or 1 in ~2,700 per run here); never a pattern.
+    assert!(
+        retried * 100 <= sent,
+        "{retried} of {sent} requests needed a retry"
     );
     let _ = new.kill();
     let _ = new.wait();
