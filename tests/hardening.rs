@@ -548,3 +548,130 @@ async fn a_malformed_chunked_body_gets_a_400_and_leaves_no_binding() {
         "no binding for a request that was never valid"
     );
 }
+
+/// A stand-in engine that streams without end: `/health` answers 200, any
+/// other request gets an SSE stream of 16 KiB events until the connection
+/// breaks. Returns its address and a flag set when a stream ended.
+fn endless_streamer() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ended = std::sync::Arc::new(AtomicBool::new(false));
+    let flag = std::sync::Arc::clone(&ended);
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut s) = conn else { break };
+            let flag = std::sync::Arc::clone(&flag);
+            std::thread::spawn(move || {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    match s.read(&mut byte) {
+                        Ok(1) => head.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                let text = String::from_utf8_lossy(&head).to_string();
+                if !text.starts_with("POST") {
+                    let _ = s.write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+                    );
+                    return;
+                }
+                let len: usize = text
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse().unwrap_or(0))
+                    })
+                    .unwrap_or(0);
+                let mut body = vec![0u8; len];
+                let _ = s.read_exact(&mut body);
+                let _ = s.write_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+                );
+                let event = format!("data: {}\n\n", "x".repeat(16 * 1024));
+                let frame = format!("{:x}\r\n{event}\r\n", event.len());
+                // Bounded: 2 GiB at most, far more than any socket buffers.
+                for _ in 0..(128 * 1024) {
+                    if s.write_all(frame.as_bytes()).is_err() {
+                        break;
+                    }
+                }
+                flag.store(true, Ordering::Relaxed);
+            });
+        }
+    });
+    (addr, ended)
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_and_its_backend_released() {
+    let (addr, ended) = endless_streamer();
+    let gw = Gateway::start_with(
+        &[TierSpec {
+            name: "default",
+            default: true,
+            models: &[],
+            backends: vec![("streamer".into(), addr, 1)],
+        }],
+        |_| "  client_write_timeout_ms: 1000\n".to_string(),
+        &format!(
+            "{FAST_HEALTH}{}load:\n  scrape: false\n",
+            affinity_yaml(1800)
+        ),
+    )
+    .await;
+    let port = gw.port;
+    // A client that reads the start of the response, then nothing more, and
+    // keeps the connection open.
+    let client = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let body = br#"{"model":"m","stream":true,"messages":[]}"#;
+        s.write_all(
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-session-id: sleepy\r\n\
+                 content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        s.write_all(body).unwrap();
+        let mut first = [0u8; 512];
+        let _ = s.read(&mut first);
+        s
+    });
+    let held = tokio::task::spawn_blocking(move || client.join().unwrap())
+        .await
+        .unwrap();
+    wait_until("the stalled client to be cut", || async {
+        gw.metric("agentserve_timeouts_total{kind=\"client_write\"}")
+            .await
+            == 1.0
+    })
+    .await;
+    wait_until(
+        "the backend's stream to end and the request to be released",
+        || async {
+            ended.load(std::sync::atomic::Ordering::Relaxed)
+                && gw
+                    .metric("agentserve_backend_in_flight{backend=\"streamer\",tier=\"default\"}")
+                    .await
+                    == 0.0
+        },
+    )
+    .await;
+    let v: Value = reqwest::get(gw.admin_url("/admin/sessions/sleepy"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["in_flight"], 0, "lease released: {v}");
+    drop(held);
+}
