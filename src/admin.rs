@@ -180,6 +180,7 @@ impl AdminApp {
         let backend = self.0.slots.backend_id(b.backend).unwrap_or_default();
         if delete {
             affinity.forget(key);
+            crate::fleet::forget(&self.0, key);
             return reply(
                 200,
                 json!({"session": id, "tier": &*tier.name, "deleted": true, "backend": backend}),

@@ -304,6 +304,32 @@ struct FileAffinity {
     allow_explicit_target: bool,
     tenant_header: Option<String>,
     tenant_from_authorization: bool,
+    /// Where bindings live: this process only, or shared by a fleet in Redis.
+    store: FileStore,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FileStore {
+    kind: String,
+    url: String,
+    key_prefix: String,
+    timeout_ms: u64,
+    /// How long a local binding is trusted before it is checked against the
+    /// store again (default: a quarter of the TTL, at most a minute).
+    revalidate_ms: Option<u64>,
+}
+
+impl Default for FileStore {
+    fn default() -> Self {
+        FileStore {
+            kind: "local".into(),
+            url: "redis://127.0.0.1:6379".into(),
+            key_prefix: "agentserve:".into(),
+            timeout_ms: 50,
+            revalidate_ms: None,
+        }
+    }
 }
 
 impl Default for FileAffinity {
@@ -334,6 +360,7 @@ impl Default for FileAffinity {
             allow_explicit_target: false,
             tenant_header: None,
             tenant_from_authorization: false,
+            store: FileStore::default(),
         }
     }
 }
@@ -492,6 +519,7 @@ pub struct AffinityConfig {
     pub parent_agent_headers: Vec<String>,
     pub allow_explicit_target: bool,
     pub tenant: TenantSource,
+    pub store: crate::affinity::store::StoreConfig,
 }
 
 /// Where the tenant that scopes bindings comes from.
@@ -1122,6 +1150,7 @@ fn validate_affinity(
         &a.parent_agent_headers,
         errors,
     );
+    let store = validate_store(&a.store, a.sticky_ttl_seconds, errors);
     let tenant = match (&a.tenant_header, a.tenant_from_authorization) {
         (Some(_), true) => {
             errors.push(err(
@@ -1165,6 +1194,51 @@ fn validate_affinity(
         parent_agent_headers,
         allow_explicit_target: a.allow_explicit_target,
         tenant,
+        store,
+    }
+}
+
+/// `affinity.store`: local, or Redis shared by a fleet.
+fn validate_store(
+    f: &FileStore,
+    ttl_s: u64,
+    errors: &mut Vec<ConfigError>,
+) -> crate::affinity::store::StoreConfig {
+    use crate::affinity::store::{StoreConfig, StoreKind};
+    let kind = match f.kind.as_str() {
+        "local" => StoreKind::Local,
+        "redis" => StoreKind::Redis,
+        other => {
+            errors.push(err(
+                "affinity.store.kind",
+                format!("`{other}` is not `local` or `redis`"),
+            ));
+            StoreKind::Local
+        }
+    };
+    if kind == StoreKind::Redis {
+        if let Err(e) = crate::affinity::store::validate_url(&f.url) {
+            errors.push(err("affinity.store.url", e));
+        }
+    }
+    if f.timeout_ms == 0 {
+        errors.push(err("affinity.store.timeout_ms", "must be greater than 0"));
+    }
+    if f.revalidate_ms == Some(0) {
+        errors.push(err(
+            "affinity.store.revalidate_ms",
+            "must be greater than 0",
+        ));
+    }
+    let revalidate_ms = f
+        .revalidate_ms
+        .unwrap_or_else(|| (ttl_s.saturating_mul(1000) / 4).clamp(1000, 60_000));
+    StoreConfig {
+        kind,
+        url: f.url.clone(),
+        key_prefix: f.key_prefix.clone(),
+        timeout: Duration::from_millis(f.timeout_ms),
+        revalidate: Duration::from_millis(revalidate_ms.max(1)),
     }
 }
 

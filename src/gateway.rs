@@ -58,6 +58,8 @@ pub struct Gateway {
     /// Request bodies held in memory (routing pre-reads, replay copies).
     pub body_budget: Arc<crate::proxy::request_body::BodyBudget>,
     gauge_refresh: parking_lot::Mutex<()>,
+    /// The fleet's shared bindings (`affinity.store: redis`).
+    pub store: Option<Arc<crate::affinity::store::SharedStore>>,
 }
 
 impl Gateway {
@@ -89,6 +91,21 @@ impl Gateway {
             }
         });
         configure_affinity(&affinity, &config);
+        let store = match config.affinity.store.kind {
+            crate::affinity::store::StoreKind::Local => None,
+            crate::affinity::store::StoreKind::Redis => {
+                match crate::affinity::store::SharedStore::new(
+                    config.affinity.store.clone(),
+                    Arc::clone(&metrics),
+                ) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        log::error!("binding store disabled: {e}");
+                        None
+                    }
+                }
+            }
+        };
         Ok(Arc::new(Gateway {
             routing: ArcSwap::from_pointee(routing),
             affinity,
@@ -101,6 +118,7 @@ impl Gateway {
             tls,
             body_budget: Default::default(),
             gauge_refresh: Default::default(),
+            store,
         }))
     }
 
@@ -165,6 +183,7 @@ impl Gateway {
             (o.health.interval != n.health.interval, "health.interval_ms"),
             (o.server.threads != n.server.threads, "server.threads"),
             (o.trace != n.trace, "trace"),
+            (o.affinity.store != n.affinity.store, "affinity.store"),
             (
                 tls_listeners(o) != tls_listeners(n),
                 "server.tls.listen / h2",

@@ -6,6 +6,7 @@ pub mod affinity;
 pub mod config;
 pub mod demo;
 pub mod engine;
+pub mod fleet;
 pub mod gateway;
 pub mod loadgen;
 pub mod metrics;

@@ -37,6 +37,9 @@ pub struct Metrics {
     pub backend_ejected: IntGaugeVec,
     pub timeouts: IntCounterVec,
     pub connections_refused: IntCounterVec,
+    pub store_ops: IntCounterVec,
+    pub store_errors: IntCounterVec,
+    pub store_latency: HistogramVec,
 }
 
 /// A tier's hot-path counters, resolved once per config load.
@@ -201,6 +204,31 @@ impl Metrics {
                 "Requests cut by a timeout, by kind (header, body_idle, body_rate, client_write, upstream_connect, upstream_read)",
                 &["kind"],
             ),
+            store_ops: counter(
+                &r,
+                "agentserve_store_ops_total",
+                "Operations on the shared binding store (affinity.store: redis), by op",
+                &["op"],
+            ),
+            store_errors: counter(
+                &r,
+                "agentserve_store_errors_total",
+                "Failed or timed-out operations on the shared binding store (requests went on with local state)",
+                &["op"],
+            ),
+            store_latency: {
+                let h = HistogramVec::new(
+                    HistogramOpts::new(
+                        "agentserve_store_latency_seconds",
+                        "Latency of operations on the shared binding store",
+                    )
+                    .buckets(vec![0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25]),
+                    &["op"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(h.clone())).expect("unique metric");
+                h
+            },
             connections_refused: counter(
                 &r,
                 "agentserve_connections_refused_total",

@@ -116,6 +116,12 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
         "binding sweeper",
         Sweeper(Arc::clone(&gw)),
     ));
+    if let Some(store) = gw.store.clone() {
+        server.add_service(background_service(
+            "binding store",
+            StoreService(Arc::clone(&gw), store),
+        ));
+    }
     server.add_service(background_service(
         "load signals",
         crate::upstream::load::LoadScraper(Arc::clone(&gw)),
@@ -254,6 +260,19 @@ impl BackgroundService for Lifecycle {
         if let Some(path) = state_file.as_deref() {
             sd_notify("STOPPING=1");
             save_state(gw, path);
+        }
+    }
+}
+
+/// The shared binding store's subscription and outage recovery.
+struct StoreService(Arc<Gateway>, Arc<crate::affinity::store::SharedStore>);
+
+#[async_trait]
+impl BackgroundService for StoreService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        tokio::select! {
+            _ = crate::fleet::run(Arc::clone(&self.0), Arc::clone(&self.1)) => {}
+            _ = shutdown.changed() => {}
         }
     }
 }

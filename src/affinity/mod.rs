@@ -13,6 +13,7 @@ pub mod hrw;
 pub mod placement;
 pub mod policy;
 pub mod session;
+pub mod store;
 pub mod table;
 
 use arc_swap::ArcSwap;
@@ -22,7 +23,8 @@ use policy::{BindingPolicy, DefaultPolicy, MoveReason};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use table::{Acquired, BindingKey, BindingTable, Decision};
+pub use table::BindingKey;
+use table::{Acquired, BindingTable, Decision};
 use tokio::sync::Notify;
 
 /// One backend a request may go to: healthy, in the tier, not excluded.

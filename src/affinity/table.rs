@@ -46,6 +46,8 @@ struct Entry {
     /// Which incarnation of the key this is: a lease of a removed binding
     /// must not end a lease of the key's next binding.
     generation: u32,
+    /// When this binding last agreed with the shared store (0: never).
+    synced_ms: u64,
     deadline_ms: u64,
     backend: u32,
     version: u32,
@@ -405,6 +407,7 @@ impl BindingTable {
                 let i = shard.alloc(Entry {
                     key,
                     generation,
+                    synced_ms: 0,
                     deadline_ms: 0,
                     backend,
                     version: 1,
@@ -603,6 +606,7 @@ impl BindingTable {
         let i = shard.alloc(Entry {
             key,
             generation,
+            synced_ms: 0,
             deadline_ms: b.deadline_ms,
             backend: b.backend,
             version: b.version,
@@ -629,6 +633,77 @@ impl BindingTable {
                     e.deadline_ms = latest;
                 }
             }
+        }
+    }
+
+    /// Take the shared store's word for `key`: its binding `b` replaces the
+    /// local one when newer (or, with `force`, when as new but elsewhere — the
+    /// store decided a race), keeping the local entry's leases and pending
+    /// state; absent locally, it is inserted idle. Marks the key synced.
+    /// Returns whether the local binding changed.
+    pub fn adopt(&self, key: BindingKey, b: Binding, force: bool, now_ms: u64) -> bool {
+        let mut shard = self.shard(key).lock();
+        if let Some(&i) = shard.map.get(&key) {
+            let e = &mut shard.entries[i as usize];
+            e.synced_ms = now_ms;
+            let newer = b.version > e.version
+                || (force && b.version == e.version && b.backend != e.backend);
+            if !newer {
+                return false;
+            }
+            let (tier, previous) = (e.tier, e.backend);
+            e.backend = b.backend;
+            e.version = b.version;
+            if previous != b.backend {
+                e.turns = Turns::default();
+                self.count(tier, previous, -1);
+                self.count(tier, b.backend, 1);
+            }
+            return true;
+        }
+        if shard.map.len() >= shard.cap {
+            let victim = shard.tail;
+            if victim == NIL {
+                return false;
+            }
+            let e = shard.remove(victim);
+            self.count(e.tier, e.backend, -1);
+            self.evictions[e.tier as usize].fetch_add(1, Ordering::Relaxed);
+        }
+        let generation = shard.next_generation();
+        let i = shard.alloc(Entry {
+            key,
+            generation,
+            synced_ms: now_ms,
+            deadline_ms: b.deadline_ms,
+            backend: b.backend,
+            version: b.version,
+            in_flight: 0,
+            prev: NIL,
+            next: NIL,
+            tier: b.tier,
+            pending: false,
+            turns: Turns::default(),
+        });
+        shard.map.insert(key, i);
+        shard.push_head(i);
+        self.count(b.tier, b.backend, 1);
+        true
+    }
+
+    /// When `key`'s live binding last agreed with the shared store (`None`:
+    /// no live binding here).
+    pub fn synced_ms(&self, key: BindingKey, now_ms: u64) -> Option<u64> {
+        let shard = self.shard(key).lock();
+        let i = *shard.map.get(&key)?;
+        let e = &shard.entries[i as usize];
+        (e.in_flight > 0 || e.deadline_ms > now_ms).then_some(e.synced_ms)
+    }
+
+    pub fn mark_synced(&self, key: BindingKey, now_ms: u64) {
+        let mut shard = self.shard(key).lock();
+        if let Some(&i) = shard.map.get(&key) {
+            shard.entries[i as usize].synced_ms = now_ms;
         }
     }
 

@@ -151,6 +151,7 @@ impl GatewayProxy {
         if ctx.session_final {
             if let Some(sref) = &ctx.session_ref {
                 self.gw.affinity.forget(sref.key);
+                crate::fleet::forget(&self.gw, sref.key);
             }
         }
         let backend_id = ctx.backend.as_ref().map_or("none", |b| &*b.id);

@@ -58,9 +58,23 @@ impl GatewayProxy {
             let index = match ctx.session_ref.clone() {
                 Some(sref) => {
                     let wait = routing.config.affinity.single_flight_wait;
-                    let sel = self
+                    let store = self.gw.store.clone();
+                    if let Some(store) = &store {
+                        crate::fleet::sync_in(&self.gw, store, &sref, &tier).await;
+                    }
+                    let mut sel = self
                         .select_waiting(session, &sref, &tier, &candidates, owner, wait)
                         .await?;
+                    if let Some(store) = &store {
+                        // Another gateway's answer for this session wins.
+                        if let Some(i) =
+                            crate::fleet::publish(&self.gw, store, &sref, &tier, &candidates, &sel)
+                                .await
+                        {
+                            sel.index = i;
+                            sel.backend = candidates[i].slot;
+                        }
+                    }
                     match sel.reason {
                         Reason::Broken => tier.metrics.broken.inc(),
                         Reason::Moved => {

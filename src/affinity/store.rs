@@ -1,0 +1,436 @@
+//! Bindings shared by a fleet of gateways through Redis (`affinity.store`).
+//!
+//! The local binding table stays the fast path; Redis holds the fleet's truth
+//! and this module keeps the two in step:
+//!
+//! - a session with no live local binding (or one not checked against the
+//!   store for `revalidate_ms`) is looked up in Redis first, and adopted;
+//! - a first binding is written create-if-absent (a script: `GET`, else
+//!   `SET … PX`), so gateways racing on one new session agree — the loser
+//!   adopts the winner's backend and sends its request there;
+//! - a rebind or move is a versioned compare-and-set (a script that refuses to
+//!   overwrite a newer version) and is published on `<prefix>bindings`, which
+//!   every gateway subscribes to and applies: other gateways learn of it within
+//!   the publish latency, and within `revalidate_ms` if a message is lost;
+//! - no write per request: a binding is checked against the store (`GET`
+//!   and `PEXPIRE` in one round trip, so its TTL is refreshed too) when it is
+//!   not live here or was last checked `revalidate_ms` ago (default: a
+//!   quarter of the TTL, at most a minute); a long request whose Redis copy
+//!   expired meanwhile finds none on its next turn and writes it back;
+//! - every store operation has a deadline (`timeout_ms`): when Redis is slow or
+//!   down, requests go on with local state (counted in
+//!   `agentserve_store_errors_total`), bindings made meanwhile are remembered
+//!   and written back create-if-absent when Redis answers again — a newer
+//!   binding another gateway wrote wins, and this gateway adopts it.
+//!
+//! Values are `"<version> <backend id>"`; keys `<prefix><binding key hex>` (the
+//! binding key already covers tier, tenant and session or group).
+
+use super::table::Binding;
+use super::BindingKey;
+use crate::metrics::Metrics;
+use parking_lot::Mutex;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreKind {
+    Local,
+    Redis,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreConfig {
+    pub kind: StoreKind,
+    pub url: String,
+    pub key_prefix: String,
+    pub timeout: Duration,
+    pub revalidate: Duration,
+}
+
+/// What the store says about one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    pub version: u32,
+    pub backend: String,
+}
+
+fn parse(v: &str) -> Option<Stored> {
+    let (version, backend) = v.split_once(' ')?;
+    Some(Stored {
+        version: version.parse().ok()?,
+        backend: backend.to_string(),
+    })
+}
+
+fn value(version: u32, backend: &str) -> String {
+    format!("{version} {backend}")
+}
+
+/// Create-if-absent: returns the existing value, or nil after writing ours.
+const CREATE: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur then return cur end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return false";
+
+/// Versioned compare-and-set: writes ARGV[1] (version ARGV[3]) unless the
+/// stored version is as new; then publishes it. Returns the newer value, or
+/// nil when ours was written.
+const REBIND: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local v = tonumber(string.match(cur, '^(%d+) '))
+  if v and v >= tonumber(ARGV[3]) then return cur end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('PUBLISH', ARGV[4], ARGV[5] .. ' ' .. KEYS[1] .. ' ' .. ARGV[1])
+return false";
+
+/// Bindings made while Redis could not be reached (bounded).
+const MAX_PENDING_WRITES: usize = 100_000;
+
+pub struct SharedStore {
+    cfg: StoreConfig,
+    client: redis::Client,
+    conn: tokio::sync::Mutex<Option<redis::aio::ConnectionManager>>,
+    create: redis::Script,
+    rebind: redis::Script,
+    /// This gateway's name on the invalidation channel (its own messages
+    /// are skipped).
+    pub instance: String,
+    metrics: Arc<Metrics>,
+    healthy: AtomicBool,
+    /// Keys bound locally while Redis was unreachable: written back later.
+    unsynced: Mutex<HashSet<BindingKey>>,
+    /// Local bindings checked before this (gateway clock, ms) are checked
+    /// again: set when the subscription (re)starts, as messages may have
+    /// been missed.
+    resync_since: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Debug)]
+pub enum StoreError {
+    Timeout,
+    Redis(redis::RedisError),
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreError::Timeout => write!(f, "timed out"),
+            StoreError::Redis(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// Check what `check` can without connecting: the URL.
+pub fn validate_url(url: &str) -> Result<(), String> {
+    redis::Client::open(url)
+        .map(|_| ())
+        .map_err(|e| format!("`{url}` is not a Redis URL: {e}"))
+}
+
+impl SharedStore {
+    pub fn new(cfg: StoreConfig, metrics: Arc<Metrics>) -> Result<Arc<SharedStore>, String> {
+        let client = redis::Client::open(cfg.url.as_str()).map_err(|e| e.to_string())?;
+        Ok(Arc::new(SharedStore {
+            cfg,
+            client,
+            conn: tokio::sync::Mutex::new(None),
+            create: redis::Script::new(CREATE),
+            rebind: redis::Script::new(REBIND),
+            instance: format!("{:016x}", rand::random::<u64>()),
+            metrics,
+            healthy: AtomicBool::new(true),
+            unsynced: Mutex::new(HashSet::new()),
+            resync_since: std::sync::atomic::AtomicU64::new(0),
+        }))
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    fn key(&self, key: BindingKey) -> String {
+        format!("{}{key:032x}", self.cfg.key_prefix)
+    }
+
+    pub fn channel(&self) -> String {
+        format!("{}bindings", self.cfg.key_prefix)
+    }
+
+    /// A connection (made on first use, reconnecting by itself after).
+    async fn conn(&self) -> Result<redis::aio::ConnectionManager, StoreError> {
+        let mut slot = self.conn.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(self.cfg.timeout)
+            .set_response_timeout(self.cfg.timeout)
+            .set_number_of_retries(1);
+        let c = tokio::time::timeout(
+            self.cfg.timeout,
+            self.client.get_connection_manager_with_config(config),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout)?
+        .map_err(StoreError::Redis)?;
+        *slot = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Run one operation within the deadline; count it and its failure.
+    async fn run<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(redis::aio::ConnectionManager) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let started = Instant::now();
+        let result = match self.conn().await {
+            Ok(c) => match tokio::time::timeout(self.cfg.timeout, f(c)).await {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => Err(StoreError::Redis(e)),
+                Err(_) => Err(StoreError::Timeout),
+            },
+            Err(e) => Err(e),
+        };
+        self.metrics
+            .store_latency
+            .with_label_values(&[op])
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics.store_ops.with_label_values(&[op]).inc();
+        match &result {
+            Ok(_) => self.healthy.store(true, Ordering::Relaxed),
+            Err(e) => {
+                self.metrics.store_errors.with_label_values(&[op]).inc();
+                if self.healthy.swap(false, Ordering::Relaxed) {
+                    log::warn!("binding store unreachable ({op}: {e}); serving from local state");
+                }
+            }
+        }
+        result
+    }
+
+    pub fn healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// The stored binding, its TTL refreshed in the same round trip.
+    pub async fn sync(&self, key: BindingKey, ttl_ms: u64) -> Result<Option<Stored>, StoreError> {
+        let k = self.key(key);
+        let (v, _): (Option<String>, i64) = self
+            .run("sync", |mut c| async move {
+                redis::pipe()
+                    .cmd("GET")
+                    .arg(&k)
+                    .cmd("PEXPIRE")
+                    .arg(&k)
+                    .arg(ttl_ms.max(1))
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(v.as_deref().and_then(parse))
+    }
+
+    /// Whether Redis answers (used while it is marked down).
+    pub async fn ping(&self) -> bool {
+        self.run("ping", |mut c| async move {
+            redis::cmd("PING").query_async::<String>(&mut c).await
+        })
+        .await
+        .is_ok()
+    }
+
+    /// Write a first binding unless one exists; `Some` is the existing one.
+    pub async fn create(
+        &self,
+        key: BindingKey,
+        version: u32,
+        backend: &str,
+        ttl_ms: u64,
+    ) -> Result<Option<Stored>, StoreError> {
+        let (k, v) = (self.key(key), value(version, backend));
+        let script = &self.create;
+        let cur: Option<String> = self
+            .run("create", |mut c| async move {
+                script
+                    .key(&k)
+                    .arg(&v)
+                    .arg(ttl_ms.max(1))
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(cur.as_deref().and_then(parse))
+    }
+
+    /// Write a rebind unless the store has a binding as new; `Some` is that one.
+    pub async fn rebind(
+        &self,
+        key: BindingKey,
+        version: u32,
+        backend: &str,
+        ttl_ms: u64,
+    ) -> Result<Option<Stored>, StoreError> {
+        let (k, v, ch, me) = (
+            self.key(key),
+            value(version, backend),
+            self.channel(),
+            self.instance.clone(),
+        );
+        let script = &self.rebind;
+        let cur: Option<String> = self
+            .run("rebind", |mut c| async move {
+                script
+                    .key(&k)
+                    .arg(&v)
+                    .arg(ttl_ms.max(1))
+                    .arg(version)
+                    .arg(&ch)
+                    .arg(&me)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(cur.as_deref().and_then(parse))
+    }
+
+    pub async fn delete(&self, key: BindingKey) -> Result<(), StoreError> {
+        let (k, ch, msg) = (
+            self.key(key),
+            self.channel(),
+            format!("{} {} 0 -", self.instance, self.key(key)),
+        );
+        self.run("delete", |mut c| async move {
+            redis::pipe()
+                .cmd("DEL")
+                .arg(&k)
+                .ignore()
+                .cmd("PUBLISH")
+                .arg(&ch)
+                .arg(&msg)
+                .ignore()
+                .query_async::<()>(&mut c)
+                .await
+        })
+        .await
+    }
+
+    /// Remember a binding made while the store was unreachable.
+    pub fn remember_unsynced(&self, key: BindingKey) {
+        let mut u = self.unsynced.lock();
+        if u.len() < MAX_PENDING_WRITES {
+            u.insert(key);
+        }
+    }
+
+    pub fn take_unsynced(&self) -> Vec<BindingKey> {
+        self.unsynced.lock().drain().collect()
+    }
+
+    pub fn has_unsynced(&self) -> bool {
+        !self.unsynced.lock().is_empty()
+    }
+
+    pub fn resync_since(&self) -> u64 {
+        self.resync_since.load(Ordering::Relaxed)
+    }
+
+    pub fn mark_resync(&self, now_ms: u64) {
+        self.resync_since.store(now_ms, Ordering::Relaxed);
+    }
+
+    /// Subscribe to other gateways' rebinds and deletes and hand each to
+    /// `apply(key, Some(stored) | None)`; resubscribes after a failure, and
+    /// calls `resync` then (messages may have been missed).
+    pub async fn run_subscriber(
+        self: Arc<Self>,
+        apply: impl Fn(BindingKey, Option<Stored>) + Send + Sync,
+        resync: impl Fn() + Send + Sync,
+    ) {
+        use futures_util::StreamExt;
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let sub = async {
+                let mut ps = self.client.get_async_pubsub().await?;
+                ps.subscribe(self.channel()).await?;
+                Ok::<_, redis::RedisError>(ps)
+            };
+            let subscribed =
+                tokio::time::timeout(self.cfg.timeout.max(Duration::from_secs(1)), sub).await;
+            if let Ok(Ok(mut ps)) = subscribed {
+                backoff = Duration::from_millis(100);
+                resync();
+                let mut messages = ps.on_message();
+                while let Some(msg) = messages.next().await {
+                    let Ok(text) = msg.get_payload::<String>() else {
+                        continue;
+                    };
+                    // "<instance> <redis key> <version> <backend>"
+                    let mut parts = text.splitn(4, ' ');
+                    let (Some(from), Some(rkey), Some(version), Some(backend)) =
+                        (parts.next(), parts.next(), parts.next(), parts.next())
+                    else {
+                        continue;
+                    };
+                    if from == self.instance {
+                        continue;
+                    }
+                    let Some(hex) = rkey.strip_prefix(self.cfg.key_prefix.as_str()) else {
+                        continue;
+                    };
+                    let Ok(key) = u128::from_str_radix(hex, 16) else {
+                        continue;
+                    };
+                    match version.parse::<u32>() {
+                        Ok(0) | Err(_) => apply(key, None),
+                        Ok(v) => apply(
+                            key,
+                            Some(Stored {
+                                version: v,
+                                backend: backend.to_string(),
+                            }),
+                        ),
+                    }
+                }
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+}
+
+/// A stored binding as the local table holds it.
+pub fn local_binding(s: &Stored, slot: u32, tier: u16, deadline_ms: u64) -> Binding {
+    Binding {
+        backend: slot,
+        version: s.version,
+        tier,
+        in_flight: 0,
+        deadline_ms,
+        pending: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_round_trip() {
+        assert_eq!(
+            parse(&value(7, "vllm-0")),
+            Some(Stored {
+                version: 7,
+                backend: "vllm-0".into()
+            })
+        );
+        assert_eq!(parse("x vllm"), None);
+        assert_eq!(parse("3"), None);
+    }
+}

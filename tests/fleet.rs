@@ -1,0 +1,251 @@
+//! Gateway fleets (issue 10): three gateway processes share bindings through
+//! a real Redis (a test-owned `redis-server` on its own port), and a session
+//! whose turns are spread over the gateways stays on one backend — on first
+//! turns racing on all three, after its backend dies, and through a Redis
+//! outage.
+
+mod common;
+
+use common::*;
+use std::collections::{HashMap, HashSet};
+use std::process::{Child, Command, Stdio};
+
+/// A `redis-server` this test owns (no persistence), killed by PID on drop.
+struct Redis {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl Redis {
+    fn start_on(port: u16) -> Redis {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (scripts/setup.sh installs it)");
+        let r = Redis {
+            port,
+            child: Some(child),
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server did not start"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        r
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn fleet_of_gateways(sims: &[SimBackend], redis_port: u16, n: usize) -> Vec<Gateway> {
+    let mut gws = Vec::new();
+    for _ in 0..n {
+        gws.push(
+            Gateway::start(
+                &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+                // Round-robin first placement: gateways that did not share
+                // bindings would disagree on nearly every new session.
+                &format!(
+                    "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{redis_port}\"\n    timeout_ms: 200\nplacement:\n  first: round_robin\n",
+                    affinity_yaml(1800)
+                ),
+            )
+            .await,
+        );
+    }
+    gws
+}
+
+/// Each session's turn sent to every gateway in turn: the backends it got.
+async fn round(gws: &[Gateway], sessions: &[String], turn: usize) -> HashMap<String, Vec<String>> {
+    let c = client();
+    let mut out: HashMap<String, Vec<String>> = HashMap::new();
+    for (i, sid) in sessions.iter().enumerate() {
+        for k in 0..gws.len() {
+            let gw = &gws[(i + k) % gws.len()];
+            let r = chat(&c, gw, &[("x-session-id", sid)], &chat_body("m", turn)).await;
+            assert_eq!(r.status, 200, "{sid} via gateway {k}");
+            out.entry(sid.clone()).or_default().push(r.backend.unwrap());
+        }
+    }
+    out
+}
+
+fn split(seen: &HashMap<String, Vec<String>>) -> Vec<String> {
+    seen.iter()
+        .filter(|(_, b)| b.iter().collect::<HashSet<_>>().len() > 1)
+        .map(|(s, b)| format!("{s}: {b:?}"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_stays_on_one_backend_across_three_gateways() {
+    let redis = Redis::start_on(free_port());
+    let mut sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gws = fleet_of_gateways(&sims, redis.port, 3).await;
+    let c = client();
+    // Each gateway's round robin at a different point (as in any real fleet),
+    // so that gateways deciding alone would disagree.
+    for (k, gw) in gws.iter().enumerate() {
+        for i in 0..k {
+            let sid = format!("warm-{k}-{i}");
+            chat(&c, gw, &[("x-session-id", &sid)], &chat_body("m", 0)).await;
+        }
+    }
+
+    // First turns racing on all three gateways at once: one backend.
+    let sessions: Vec<String> = (0..60).map(|i| format!("fleet-{i}")).collect();
+    for sid in &sessions {
+        let h = [("x-session-id", sid.as_str())];
+        let body = chat_body("m", 0);
+        let (a, b, d) = tokio::join!(
+            chat(&c, &gws[0], &h, &body),
+            chat(&c, &gws[1], &h, &body),
+            chat(&c, &gws[2], &h, &body)
+        );
+        assert_eq!((a.status, b.status, d.status), (200, 200, 200));
+        assert!(
+            a.backend == b.backend && b.backend == d.backend,
+            "{sid}: {:?} {:?} {:?}",
+            a.backend,
+            b.backend,
+            d.backend
+        );
+    }
+    // Later turns round-robin over the gateways: every turn on its backend.
+    let seen = round(&gws, &sessions, 1).await;
+    assert!(split(&seen).is_empty(), "{:?}", split(&seen));
+    let home: HashMap<String, String> = seen
+        .iter()
+        .map(|(s, b)| (s.clone(), b[0].clone()))
+        .collect();
+
+    // The backend holding the most sessions dies: every gateway follows the
+    // one rebind the first of them made.
+    let mut count: HashMap<&str, usize> = HashMap::new();
+    for b in home.values() {
+        *count.entry(b).or_default() += 1;
+    }
+    let victim = count
+        .iter()
+        .max_by_key(|(_, n)| **n)
+        .map(|(b, _)| b.to_string())
+        .unwrap();
+    sims.iter_mut().find(|s| s.id == victim).unwrap().kill();
+    let seen = round(&gws, &sessions, 2).await;
+    assert!(split(&seen).is_empty(), "{:?}", split(&seen));
+    for (sid, b) in &seen {
+        if home[sid] == victim {
+            assert_ne!(b[0], victim);
+        } else {
+            assert_eq!(b[0], home[sid], "{sid} moved although its backend lived");
+        }
+    }
+    // And they stay there.
+    let again = round(&gws, &sessions, 3).await;
+    for (sid, b) in &again {
+        assert_eq!(b, &seen[sid], "{sid}");
+    }
+
+    // A drain with move_sessions, fleet-wide: whichever gateway a session's
+    // turn reaches first moves it; the others follow that move.
+    let mut count: HashMap<&str, usize> = HashMap::new();
+    for b in again.values() {
+        *count.entry(&b[0]).or_default() += 1;
+    }
+    let drained = count
+        .iter()
+        .max_by_key(|(_, n)| **n)
+        .map(|(b, _)| b.to_string())
+        .unwrap();
+    for gw in &gws {
+        let r = c
+            .post(gw.admin_url(&format!("/admin/backends/{drained}/drain")))
+            .json(&serde_json::json!({"move_sessions": true}))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success());
+    }
+    let moved = round(&gws, &sessions, 4).await;
+    assert!(split(&moved).is_empty(), "{:?}", split(&moved));
+    for (sid, b) in &moved {
+        if again[sid][0] == drained {
+            assert_ne!(b[0], drained, "{sid} left the drained backend");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_fails_no_request_and_bindings_converge_after() {
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gws = fleet_of_gateways(&sims, port, 3).await;
+    let c = client();
+    for (k, gw) in gws.iter().enumerate() {
+        for i in 0..k {
+            let sid = format!("warm-{k}-{i}");
+            chat(&c, gw, &[("x-session-id", &sid)], &chat_body("m", 0)).await;
+        }
+    }
+    let before: Vec<String> = (0..20).map(|i| format!("pre-{i}")).collect();
+    let seen = round(&gws, &before, 0).await;
+    assert!(split(&seen).is_empty(), "{:?}", split(&seen));
+
+    // Redis goes away: requests go on (round() asserts every status is 200).
+    redis.stop();
+    let during: Vec<String> = (0..20).map(|i| format!("during-{i}")).collect();
+    let all: Vec<String> = before.iter().chain(&during).cloned().collect();
+    let outage = round(&gws, &all, 1).await;
+    let split_during = split(&outage).len();
+    let errors = gws[0].metric("agentserve_store_errors_total{").await;
+    assert!(errors > 0.0, "store errors are counted");
+
+    // Redis is back (empty: it keeps nothing). Gateways write back what they
+    // bound meanwhile and re-check the rest; then every session is on one
+    // backend again, whichever gateway its turn reaches.
+    let _redis = Redis::start_on(port);
+    let mut probe = 0;
+    wait_until("the gateways to share bindings again", || {
+        probe += 1;
+        let sids: Vec<String> = (0..5).map(|i| format!("probe-{probe}-{i}")).collect();
+        let gws = &gws;
+        async move {
+            // Five fresh sessions agreeing by chance: (1/9)^5.
+            let seen = round(gws, &sids, 0).await;
+            split(&seen).is_empty()
+        }
+    })
+    .await;
+    // One round lets each gateway check its bindings against the store.
+    let _ = round(&gws, &all, 2).await;
+    let after = round(&gws, &all, 3).await;
+    eprintln!(
+        "redis outage: {} sessions, {split_during} split during the outage, {} split after",
+        all.len(),
+        split(&after).len()
+    );
+    assert!(split(&after).is_empty(), "{:?}", split(&after));
+}
