@@ -602,11 +602,16 @@ impl BindingTable {
         if shard.map.len() >= shard.cap {
             return;
         }
+        self.insert_idle(&mut shard, key, b, 0);
+    }
+
+    /// Insert `b` as an idle binding (most recently released).
+    fn insert_idle(&self, shard: &mut Shard, key: BindingKey, b: Binding, synced_ms: u64) {
         let generation = shard.next_generation();
         let i = shard.alloc(Entry {
             key,
             generation,
-            synced_ms: 0,
+            synced_ms,
             deadline_ms: b.deadline_ms,
             backend: b.backend,
             version: b.version,
@@ -670,24 +675,7 @@ impl BindingTable {
             self.count(e.tier, e.backend, -1);
             self.evictions[e.tier as usize].fetch_add(1, Ordering::Relaxed);
         }
-        let generation = shard.next_generation();
-        let i = shard.alloc(Entry {
-            key,
-            generation,
-            synced_ms: now_ms,
-            deadline_ms: b.deadline_ms,
-            backend: b.backend,
-            version: b.version,
-            in_flight: 0,
-            prev: NIL,
-            next: NIL,
-            tier: b.tier,
-            pending: false,
-            turns: Turns::default(),
-        });
-        shard.map.insert(key, i);
-        shard.push_head(i);
-        self.count(b.tier, b.backend, 1);
+        self.insert_idle(&mut shard, key, b, now_ms);
         true
     }
 
