@@ -1405,4 +1405,44 @@ tiers:
 "#;
         assert_eq!(keys(text), vec!["tiers.b.models"]);
     }
+
+    #[test]
+    fn an_admin_api_reachable_from_other_hosts_needs_a_token() {
+        let open = format!("{GOOD}admin:\n  listen: \"0.0.0.0:9092\"\n");
+        assert_eq!(keys(&open), vec!["admin.listen"]);
+        for ok in [
+            format!("{GOOD}admin:\n  listen: \"0.0.0.0:9092\"\n  token: t0ken\n"),
+            format!("{GOOD}admin:\n  listen: \"0.0.0.0:9092\"\n  insecure: true\n"),
+            format!("{GOOD}admin:\n  listen: \"127.0.0.1:9092\"\n"),
+        ] {
+            assert!(Config::from_yaml(&ok).is_ok(), "{ok}");
+        }
+    }
+
+    #[test]
+    fn backend_ids_must_fit_in_a_header() {
+        for bad in ["vllm é", "vllm 0", "vllm\\u0007"] {
+            let text = GOOD.replace("id: vllm-1", &format!("id: \"{bad}\""));
+            assert_eq!(keys(&text), vec!["tiers.default.backends[1].id"], "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_store_section_is_checked() {
+        let redis = GOOD.replace(
+            "  hash_key: \"s3cret\"\n",
+            "  hash_key: \"s3cret\"\n  store: { kind: redis, url: \"redis://127.0.0.1:6379\" }\n",
+        );
+        let c = Config::from_yaml(&redis).unwrap();
+        assert_eq!(
+            c.affinity.store.kind,
+            crate::affinity::store::StoreKind::Redis
+        );
+        // A quarter of the 30-minute TTL, capped at a minute.
+        assert_eq!(c.affinity.store.revalidate, Duration::from_secs(60));
+        let bad = redis.replace("redis://127.0.0.1:6379", "http://x");
+        assert_eq!(keys(&bad), vec!["affinity.store.url"]);
+        let kind = redis.replace("kind: redis", "kind: etcd");
+        assert_eq!(keys(&kind), vec!["affinity.store.kind"]);
+    }
 }

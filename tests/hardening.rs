@@ -675,3 +675,60 @@ async fn a_client_that_stops_reading_is_cut_and_its_backend_released() {
     assert_eq!(v["in_flight"], 0, "lease released: {v}");
     drop(held);
 }
+
+#[tokio::test]
+async fn a_body_that_stalls_gets_a_408() {
+    let sims = [SimBackend::start("vllm-0", &[])];
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &[&sims[0]])],
+        |_| "  body_idle_timeout_ms: 1000\n".to_string(),
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    let port = gw.port;
+    let got = tokio::task::spawn_blocking(move || {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-session-id: stall\r\n\
+              content-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"model\":",
+        )
+        .unwrap();
+        // ... and nothing more, with the connection kept open.
+        read_all(&mut s)
+    })
+    .await
+    .unwrap();
+    assert!(got.starts_with("HTTP/1.1 408"), "{got:?}");
+    assert_eq!(
+        gw.metric("agentserve_timeouts_total{kind=\"body_idle\"}")
+            .await,
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn a_reload_that_removes_a_backend_drops_its_gauges() {
+    let (_sims, gw) = fleet(2, &affinity_yaml(1800)).await;
+    let gone = "agentserve_backend_healthy{backend=\"vllm-1\",tier=\"default\"}";
+    assert!(gw.metrics_text().await.contains(gone));
+    let yaml = std::fs::read_to_string(&gw.config_path).unwrap();
+    let kept: String = yaml
+        .lines()
+        .filter(|l| !l.contains("id: \"vllm-1\""))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&gw.config_path, kept).unwrap();
+    signal(gw.pid(), libc::SIGHUP);
+    wait_until("the reload", || async {
+        gw.metric("agentserve_config_reload_total{result=\"success\"}")
+            .await
+            == 1.0
+    })
+    .await;
+    let text = gw.metrics_text().await;
+    assert!(
+        !text.contains("backend=\"vllm-1\",tier=\"default\"} "),
+        "{text}"
+    );
+    assert!(text.contains("agentserve_backend_healthy{backend=\"vllm-0\",tier=\"default\"}"));
+}
