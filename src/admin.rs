@@ -137,7 +137,7 @@ impl AdminApp {
         )
     }
 
-    fn session(
+    async fn session(
         &self,
         id: &str,
         q: &HashMap<String, String>,
@@ -168,6 +168,10 @@ impl AdminApp {
             scope.push_str(&format!("\u{0}{tid:032x}"));
         }
         let key = routing.hasher.fingerprint(kind, &scope, id);
+        if let Some(store) = &self.0.store {
+            // The fleet's binding, even if no turn of it reached this gateway.
+            crate::fleet::sync_in(&self.0, store, key, tier).await;
+        }
         let affinity = &self.0.affinity;
         let binding = affinity.table().get(key, affinity.now_ms());
         let Some(b) = binding else {
@@ -237,8 +241,8 @@ impl ServeHttp for AdminApp {
             ("GET", ["admin", "backends"]) => self.backends(),
             ("POST", ["admin", "backends", id, "drain"]) => self.drain(id, true, &body),
             ("POST", ["admin", "backends", id, "undrain"]) => self.drain(id, false, &body),
-            ("GET", ["admin", "sessions", id]) => self.session(id, &query(&uri), false),
-            ("DELETE", ["admin", "sessions", id]) => self.session(id, &query(&uri), true),
+            ("GET", ["admin", "sessions", id]) => self.session(id, &query(&uri), false).await,
+            ("DELETE", ["admin", "sessions", id]) => self.session(id, &query(&uri), true).await,
             _ => error(
                 404,
                 "not_found",

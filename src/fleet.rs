@@ -14,28 +14,28 @@ fn ttl_ms(gw: &Gateway) -> u64 {
     gw.affinity.ttl().map_or(0, |t| t.as_millis() as u64)
 }
 
-/// Bring `sref`'s local binding up to the store's, when it is absent here
+/// Bring `key`'s local binding up to the store's, when it is absent here
 /// or was last checked too long ago. Never fails a request: on a store
 /// error the local state stands.
-pub async fn sync_in(gw: &Gateway, store: &SharedStore, sref: &SessionRef, tier: &Tier) {
+pub async fn sync_in(gw: &Gateway, store: &SharedStore, key: BindingKey, tier: &Tier) {
     let ttl = ttl_ms(gw);
     if ttl == 0 || !store.healthy() {
         return;
     }
     let table = gw.affinity.table();
     let now = gw.affinity.now_ms();
-    let fresh = table.synced_ms(sref.key, now).is_some_and(|t| {
+    let fresh = table.synced_ms(key, now).is_some_and(|t| {
         t >= store.resync_since()
             && now.saturating_sub(t) < store.config().revalidate.as_millis() as u64
     });
     if fresh {
         return;
     }
-    match store.sync(sref.key, ttl).await {
+    match store.sync(key, ttl).await {
         Ok(Some(stored)) => match tier.backend_by_id(&stored.backend) {
             Some(b) => {
                 table.adopt(
-                    sref.key,
+                    key,
                     local_binding(&stored, b.slot, tier.index, now + ttl),
                     false,
                     now,
@@ -43,19 +43,19 @@ pub async fn sync_in(gw: &Gateway, store: &SharedStore, sref: &SessionRef, tier:
             }
             // A backend this gateway does not have in the tier (a reload
             // elsewhere): local placement rebinds, with a newer version.
-            None => table.mark_synced(sref.key, now),
+            None => table.mark_synced(key, now),
         },
         Ok(None) => {
             // Not in the store (first turn, or its copy expired during a
             // long request): a live local binding is written back below.
-            if let Some(b) = table.get(sref.key, now) {
+            if let Some(b) = table.get(key, now) {
                 if let Some(id) = backend_id(tier, b.backend) {
-                    match store.create(sref.key, b.version, &id, ttl).await {
+                    match store.create(key, b.version, &id, ttl).await {
                         Ok(Some(winner)) => {
-                            adopt_winner(gw, sref.key, tier, &winner);
+                            adopt_winner(gw, key, tier, &winner);
                         }
-                        Ok(None) => table.mark_synced(sref.key, now),
-                        Err(_) => store.remember_unsynced(sref.key),
+                        Ok(None) => table.mark_synced(key, now),
+                        Err(_) => store.remember_unsynced(key),
                     }
                 }
             }

@@ -138,6 +138,30 @@ async fn a_session_stays_on_one_backend_across_three_gateways() {
         .iter()
         .map(|(s, b)| (s.clone(), b[0].clone()))
         .collect();
+    // Every gateway's admin API shows the fleet's binding, with its store
+    // version — also one whose turns reached only one gateway.
+    chat(
+        &c,
+        &gws[0],
+        &[("x-session-id", "one-gateway")],
+        &chat_body("m", 0),
+    )
+    .await;
+    for sid in ["one-gateway", "fleet-0", "fleet-7"] {
+        let mut views = HashSet::new();
+        for gw in &gws {
+            let v: serde_json::Value =
+                reqwest::get(gw.admin_url(&format!("/admin/sessions/{sid}")))
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+            assert!(v["backend"].is_string(), "{sid}: {v}");
+            views.insert((v["backend"].to_string(), v["version"].to_string()));
+        }
+        assert_eq!(views.len(), 1, "{sid}: {views:?}");
+    }
 
     // The backend holding the most sessions dies: every gateway follows the
     // one rebind the first of them made.
