@@ -184,8 +184,33 @@ async fn a_session_stays_on_one_backend_across_three_gateways() {
             assert_eq!(b[0], home[sid], "{sid} moved although its backend lived");
         }
     }
-    // And they stay there.
+    // And they stay there — at steady state without asking Redis per request.
+    let ops = |gws: &[Gateway]| {
+        let gws: Vec<(u16, u16)> = gws.iter().map(|g| (g.port, g.metrics_port)).collect();
+        async move {
+            let (mut store_ops, mut requests) = (0.0, 0.0);
+            for (_, mport) in gws {
+                let text = reqwest::get(format!("http://127.0.0.1:{mport}/metrics"))
+                    .await
+                    .unwrap()
+                    .text()
+                    .await
+                    .unwrap();
+                store_ops += metric_value(&text, "agentserve_store_ops_total{");
+                requests += metric_value(&text, "agentserve_requests_total{");
+            }
+            (store_ops, requests)
+        }
+    };
+    let (ops_before, requests_before) = ops(&gws).await;
     let again = round(&gws, &sessions, 3).await;
+    let (ops_after, requests_after) = ops(&gws).await;
+    let per_request = (ops_after - ops_before) / (requests_after - requests_before);
+    eprintln!("fleet steady state: {per_request:.3} store operations per request");
+    assert!(
+        per_request <= 0.2,
+        "{per_request} store operations per request"
+    );
     for (sid, b) in &again {
         assert_eq!(b, &seen[sid], "{sid}");
     }
