@@ -166,6 +166,21 @@ async fn ejection_never_takes_the_last_backend_of_a_tier() {
     assert_eq!(r.hit.as_deref(), Some("true"));
 }
 
+/// The response in `raw` is framed right: its body is as long as its
+/// `content-length` says.
+fn assert_framed(raw: &str) {
+    let (head, body) = raw.split_once("\r\n\r\n").expect("a complete head");
+    let len: usize = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .map(|v| v.trim().parse().unwrap())
+        })
+        .expect("content-length");
+    assert_eq!(body.len(), len, "{raw:?}");
+}
+
 /// Read from `s` until EOF (or an error); what arrived.
 fn read_all(s: &mut TcpStream) -> String {
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
@@ -214,6 +229,7 @@ async fn headers_dripped_byte_by_byte_get_a_408_and_the_connection_closes() {
         .unwrap();
     for got in [&dripped_got, &silent_got] {
         assert!(got.starts_with("HTTP/1.1 408"), "{got:?}");
+        assert_framed(got);
         assert!(got.contains("\"code\":\"request_timeout\""), "{got:?}");
     }
     assert_eq!(
@@ -297,6 +313,7 @@ async fn connections_over_the_limit_get_a_503_and_the_rest_are_served() {
     let got = read_all(&mut third);
     assert!(got.starts_with("HTTP/1.1 503"), "{got:?}");
     assert!(got.contains("too_many_connections"), "{got:?}");
+    assert_framed(&got);
     assert_eq!(
         gw.metric("agentserve_connections_refused_total{reason=\"max_connections\"}")
             .await,

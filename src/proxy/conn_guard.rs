@@ -15,7 +15,6 @@
 //! done, request done. Per-read timeouts (body idle, client write) are
 //! Pingora's own, set per request by the proxy.
 
-use crate::metrics::Metrics;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use pingora_core::apps::ServerApp;
@@ -143,12 +142,36 @@ pub struct GuardedStream {
     timeouts: prometheus::IntCounterVec,
 }
 
-const HEADER_TIMEOUT_RESPONSE: &[u8] = b"HTTP/1.1 408 Request Timeout\r\n\
-content-type: application/json\r\n\
-content-length: 117\r\n\
-connection: close\r\n\
-\r\n\
-{\"error\":{\"message\":\"request headers did not arrive in time\",\"type\":\"invalid_request_error\",\"code\":\"request_timeout\"}}";
+/// A complete `connection: close` JSON error response (SPEC §8 shape).
+fn canned(status: &str, extra: &str, kind: &str, code: &str, message: &str) -> Vec<u8> {
+    let body =
+        serde_json::json!({"error": {"message": message, "type": kind, "code": code}}).to_string();
+    format!(
+        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+static HEADER_TIMEOUT_RESPONSE: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+    canned(
+        "408 Request Timeout",
+        "",
+        "invalid_request_error",
+        "request_timeout",
+        "request headers did not arrive in time",
+    )
+});
+
+static BUSY_RESPONSE: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+    canned(
+        "503 Service Unavailable",
+        "retry-after: 1\r\n",
+        "service_unavailable",
+        "too_many_connections",
+        "the gateway has too many open connections",
+    )
+});
 
 impl GuardedStream {
     /// The wrapper of `session`'s connection, when it has one (HTTP/1 on a
@@ -203,7 +226,7 @@ impl AsyncRead for GuardedStream {
                 timer.as_mut().reset(deadline);
             }
             if timer.as_mut().poll(cx).is_ready() {
-                this.farewell = HEADER_TIMEOUT_RESPONSE;
+                this.farewell = HEADER_TIMEOUT_RESPONSE.as_slice();
                 this.say_farewell(cx);
                 return Poll::Ready(Err(this.cut_now(Cut::Header)));
             }
@@ -339,18 +362,6 @@ impl Drop for OpenCount<'_> {
     }
 }
 
-const BUSY_RESPONSE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
-content-type: application/json\r\n\
-retry-after: 1\r\n\
-content-length: 126\r\n\
-connection: close\r\n\
-\r\n\
-{\"error\":{\"message\":\"the gateway has too many open connections\",\"type\":\"service_unavailable\",\"code\":\"too_many_connections\"}}";
-
-fn metrics(gw: &crate::gateway::Gateway) -> &Metrics {
-    &gw.metrics
-}
-
 #[async_trait]
 impl<A: ServerApp + Send + Sync + 'static> ServerApp for GuardedApp<A> {
     async fn process_new(
@@ -362,12 +373,13 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for GuardedApp<A> {
         let open = self.open.fetch_add(1, Ordering::Relaxed) + 1;
         let _count = OpenCount(&self.open);
         if limits.max_connections > 0 && open > limits.max_connections {
-            metrics(&self.gw)
+            self.gw
+                .metrics
                 .connections_refused
                 .with_label_values(&["max_connections"])
                 .inc();
             let _ = tokio::time::timeout(Duration::from_secs(1), async {
-                stream.write_all(BUSY_RESPONSE).await?;
+                stream.write_all(BUSY_RESPONSE.as_slice()).await?;
                 stream.flush().await
             })
             .await;
@@ -398,7 +410,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for GuardedApp<A> {
             state,
             timer: None,
             farewell: &[],
-            timeouts: metrics(&self.gw).timeouts.clone(),
+            timeouts: self.gw.metrics.timeouts.clone(),
         };
         self.inner.process_new(Box::new(guarded), shutdown).await
     }
