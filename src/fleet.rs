@@ -24,8 +24,10 @@ pub async fn sync_in(gw: &Gateway, store: &SharedStore, key: BindingKey, tier: &
     }
     let table = gw.affinity.table();
     let now = gw.affinity.now_ms();
+    // 0: never checked (placed or restored while the store was away).
     let fresh = table.synced_ms(key, now).is_some_and(|t| {
-        t >= store.resync_since()
+        t > 0
+            && t >= store.resync_since()
             && now.saturating_sub(t) < store.config().revalidate.as_millis() as u64
     });
     if fresh {

@@ -650,7 +650,7 @@ impl BindingTable {
         let mut shard = self.shard(key).lock();
         if let Some(&i) = shard.map.get(&key) {
             let e = &mut shard.entries[i as usize];
-            e.synced_ms = now_ms;
+            e.synced_ms = now_ms.max(1);
             let newer = b.version > e.version
                 || (force && b.version == e.version && b.backend != e.backend);
             if !newer {
@@ -675,7 +675,7 @@ impl BindingTable {
             self.count(e.tier, e.backend, -1);
             self.evictions[e.tier as usize].fetch_add(1, Ordering::Relaxed);
         }
-        self.insert_idle(&mut shard, key, b, now_ms);
+        self.insert_idle(&mut shard, key, b, now_ms.max(1));
         true
     }
 
@@ -691,7 +691,8 @@ impl BindingTable {
     pub fn mark_synced(&self, key: BindingKey, now_ms: u64) {
         let mut shard = self.shard(key).lock();
         if let Some(&i) = shard.map.get(&key) {
-            shard.entries[i as usize].synced_ms = now_ms;
+            // Never 0, which means "never synced".
+            shard.entries[i as usize].synced_ms = now_ms.max(1);
         }
     }
 
