@@ -170,7 +170,7 @@ impl AdminApp {
         let key = routing.hasher.fingerprint(kind, &scope, id);
         if let Some(store) = &self.0.store {
             // The fleet's binding, even if no turn of it reached this gateway.
-            crate::fleet::sync_in(&self.0, store, key, tier).await;
+            crate::fleet::sync_in(&self.0, store, key, tier, true).await;
         }
         let affinity = &self.0.affinity;
         let binding = affinity.table().get(key, affinity.now_ms());

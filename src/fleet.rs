@@ -14,10 +14,18 @@ fn ttl_ms(gw: &Gateway) -> u64 {
     gw.affinity.ttl().map_or(0, |t| t.as_millis() as u64)
 }
 
-/// Bring `key`'s local binding up to the store's, when it is absent here
-/// or was last checked too long ago. Never fails a request: on a store
-/// error the local state stands.
-pub async fn sync_in(gw: &Gateway, store: &SharedStore, key: BindingKey, tier: &Tier) {
+/// Bring `key`'s local binding up to the store's when it was last checked
+/// too long ago — or, with `fetch_absent`, when this gateway has none (a
+/// request need not: its first binding is written create-if-absent, which
+/// answers with the fleet's binding if there is one). Never fails a
+/// request: on a store error the local state stands.
+pub async fn sync_in(
+    gw: &Gateway,
+    store: &SharedStore,
+    key: BindingKey,
+    tier: &Tier,
+    fetch_absent: bool,
+) {
     let ttl = ttl_ms(gw);
     if ttl == 0 || !store.healthy() {
         return;
@@ -25,11 +33,14 @@ pub async fn sync_in(gw: &Gateway, store: &SharedStore, key: BindingKey, tier: &
     let table = gw.affinity.table();
     let now = gw.affinity.now_ms();
     // 0: never checked (placed or restored while the store was away).
-    let fresh = table.synced_ms(key, now).is_some_and(|t| {
-        t > 0
-            && t >= store.resync_since()
-            && now.saturating_sub(t) < store.config().revalidate.as_millis() as u64
-    });
+    let fresh = match table.synced_ms(key, now) {
+        None => !fetch_absent,
+        Some(t) => {
+            t > 0
+                && t >= store.resync_since()
+                && now.saturating_sub(t) < store.config().revalidate.as_millis() as u64
+        }
+    };
     if fresh {
         return;
     }
@@ -52,7 +63,7 @@ pub async fn sync_in(gw: &Gateway, store: &SharedStore, key: BindingKey, tier: &
             // long request): a live local binding is written back below.
             if let Some(b) = table.get(key, now) {
                 if let Some(id) = backend_id(tier, b.backend) {
-                    match store.create(key, b.version, &id, ttl).await {
+                    match store.create(key, &tier.name, b.version, &id, ttl).await {
                         Ok(Some(winner)) => {
                             adopt_winner(gw, key, tier, &winner);
                         }
@@ -110,9 +121,13 @@ pub async fn publish(
         return None;
     }
     let answer = if first {
-        store.create(sref.key, sel.version, &id, ttl).await
+        store
+            .create(sref.key, &tier.name, sel.version, &id, ttl)
+            .await
     } else {
-        store.rebind(sref.key, sel.version, &id, ttl).await
+        store
+            .rebind(sref.key, &tier.name, sel.version, &id, ttl)
+            .await
     };
     match answer {
         Ok(None) => {
@@ -147,20 +162,18 @@ pub fn forget(gw: &Arc<Gateway>, key: BindingKey) {
     }
 }
 
-/// Another gateway rebound or dropped `key`: apply it if this gateway holds
-/// that binding (others are looked up when a request needs them).
-fn apply_remote(gw: &Gateway, key: BindingKey, stored: Option<Stored>) {
+/// Another gateway bound, rebound or dropped `key` in `tier`: take it into
+/// the local table, so this gateway's next turn of the session needs no
+/// lookup.
+fn apply_remote(gw: &Gateway, key: BindingKey, tier: &str, stored: Option<Stored>) {
     let table = gw.affinity.table();
     let now = gw.affinity.now_ms();
-    let Some(local) = table.get(key, now) else {
-        return;
-    };
     let Some(stored) = stored else {
         table.remove(key);
         return;
     };
     let routing = gw.routing();
-    let Some(tier) = routing.tiers.iter().find(|t| t.index == local.tier) else {
+    let Some(tier) = routing.tier_by_name(tier) else {
         return;
     };
     if let Some(b) = tier.backend_by_id(&stored.backend) {
@@ -192,7 +205,7 @@ async fn write_back(gw: &Gateway, store: &SharedStore) {
         let Some(id) = backend_id(tier, b.backend) else {
             continue;
         };
-        match store.create(key, b.version, &id, ttl).await {
+        match store.create(key, &tier.name, b.version, &id, ttl).await {
             Ok(None) => {
                 table.mark_synced(key, now);
                 written += 1;
@@ -222,7 +235,7 @@ pub async fn run(gw: Arc<Gateway>, store: Arc<SharedStore>) {
     let resync_gw = Arc::clone(&gw);
     let resync_store = Arc::clone(&store);
     tokio::spawn(Arc::clone(&store).run_subscriber(
-        move |key, stored| apply_remote(&sub_gw, key, stored),
+        move |key, tier: &str, stored| apply_remote(&sub_gw, key, tier, stored),
         move || resync_store.mark_resync(resync_gw.affinity.now_ms()),
     ));
     let mut tick = tokio::time::interval(Duration::from_millis(500));

@@ -69,11 +69,13 @@ fn value(version: u32, backend: &str) -> String {
     format!("{version} {backend}")
 }
 
-/// Create-if-absent: returns the existing value, or nil after writing ours.
+/// Create-if-absent: returns the existing value, or nil after writing ours
+/// and publishing it (every gateway learns the binding without asking).
 const CREATE: &str = r"
 local cur = redis.call('GET', KEYS[1])
 if cur then return cur end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('PUBLISH', ARGV[3], ARGV[4] .. ' ' .. KEYS[1] .. ' ' .. ARGV[5] .. ' ' .. ARGV[1])
 return false";
 
 /// Versioned compare-and-set: writes ARGV[1] (version ARGV[3]) unless the
@@ -86,7 +88,7 @@ if cur then
   if v and v >= tonumber(ARGV[3]) then return cur end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('PUBLISH', ARGV[4], ARGV[5] .. ' ' .. KEYS[1] .. ' ' .. ARGV[1])
+redis.call('PUBLISH', ARGV[4], ARGV[5] .. ' ' .. KEYS[1] .. ' ' .. ARGV[6] .. ' ' .. ARGV[1])
 return false";
 
 /// Bindings made while Redis could not be reached (bounded).
@@ -250,11 +252,17 @@ impl SharedStore {
     pub async fn create(
         &self,
         key: BindingKey,
+        tier: &str,
         version: u32,
         backend: &str,
         ttl_ms: u64,
     ) -> Result<Option<Stored>, StoreError> {
-        let (k, v) = (self.key(key), value(version, backend));
+        let (k, v, ch, me) = (
+            self.key(key),
+            value(version, backend),
+            self.channel(),
+            self.instance.clone(),
+        );
         let script = &self.create;
         let cur: Option<String> = self
             .run("create", |mut c| async move {
@@ -262,6 +270,9 @@ impl SharedStore {
                     .key(&k)
                     .arg(&v)
                     .arg(ttl_ms.max(1))
+                    .arg(&ch)
+                    .arg(&me)
+                    .arg(tier)
                     .invoke_async(&mut c)
                     .await
             })
@@ -273,6 +284,7 @@ impl SharedStore {
     pub async fn rebind(
         &self,
         key: BindingKey,
+        tier: &str,
         version: u32,
         backend: &str,
         ttl_ms: u64,
@@ -293,6 +305,7 @@ impl SharedStore {
                     .arg(version)
                     .arg(&ch)
                     .arg(&me)
+                    .arg(tier)
                     .invoke_async(&mut c)
                     .await
             })
@@ -304,7 +317,7 @@ impl SharedStore {
         let (k, ch, msg) = (
             self.key(key),
             self.channel(),
-            format!("{} {} 0 -", self.instance, self.key(key)),
+            format!("{} {} - 0 -", self.instance, self.key(key)),
         );
         self.run("delete", |mut c| async move {
             redis::pipe()
@@ -345,12 +358,13 @@ impl SharedStore {
         self.resync_since.store(now_ms, Ordering::Relaxed);
     }
 
-    /// Subscribe to other gateways' rebinds and deletes and hand each to
-    /// `apply(key, Some(stored) | None)`; resubscribes after a failure, and
-    /// calls `resync` then (messages may have been missed).
+    /// Subscribe to other gateways' new bindings, rebinds and deletes and
+    /// hand each to `apply(key, tier, Some(stored) | None)`; resubscribes
+    /// after a failure, and calls `resync` then (messages may have been
+    /// missed).
     pub async fn run_subscriber(
         self: Arc<Self>,
-        apply: impl Fn(BindingKey, Option<Stored>) + Send + Sync,
+        apply: impl Fn(BindingKey, &str, Option<Stored>) + Send + Sync,
         resync: impl Fn() + Send + Sync,
     ) {
         use futures_util::StreamExt;
@@ -371,11 +385,16 @@ impl SharedStore {
                     let Ok(text) = msg.get_payload::<String>() else {
                         continue;
                     };
-                    // "<instance> <redis key> <version> <backend>"
-                    let mut parts = text.splitn(4, ' ');
-                    let (Some(from), Some(rkey), Some(version), Some(backend)) =
-                        (parts.next(), parts.next(), parts.next(), parts.next())
-                    else {
+                    // "<instance> <redis key> <tier> <version> <backend>"
+                    // (tier names and backend ids have no spaces).
+                    let mut parts = text.splitn(5, ' ');
+                    let (Some(from), Some(rkey), Some(tier), Some(version), Some(backend)) = (
+                        parts.next(),
+                        parts.next(),
+                        parts.next(),
+                        parts.next(),
+                        parts.next(),
+                    ) else {
                         continue;
                     };
                     if from == self.instance {
@@ -388,9 +407,10 @@ impl SharedStore {
                         continue;
                     };
                     match version.parse::<u32>() {
-                        Ok(0) | Err(_) => apply(key, None),
+                        Ok(0) | Err(_) => apply(key, tier, None),
                         Ok(v) => apply(
                             key,
+                            tier,
                             Some(Stored {
                                 version: v,
                                 backend: backend.to_string(),

@@ -60,7 +60,7 @@ impl GatewayProxy {
                     let wait = routing.config.affinity.single_flight_wait;
                     let store = self.gw.store.clone();
                     if let Some(store) = &store {
-                        crate::fleet::sync_in(&self.gw, store, sref.key, &tier).await;
+                        crate::fleet::sync_in(&self.gw, store, sref.key, &tier, false).await;
                     }
                     let mut sel = self
                         .select_waiting(session, &sref, &tier, &candidates, owner, wait)

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Gateway fleet benchmark (issue 10), the seed-002 shape at this machine's
+# scale: 4 gateways in front of 3 simulated replicas, agent sessions whose
+# turns are spread round-robin over the gateways (as an L4 balancer would),
+# bounded-load first placement (the default) on every gateway:
+#
+#   one    one gateway (the reference)
+#   local  4 gateways, each with its own bindings (affinity.store: local)
+#   redis  4 gateways sharing bindings through a script-owned redis-server
+#
+# Replicas are restarted (empty KV caches) before each run. Prints the bench
+# table (prefix-cache hit rate, latency) and the store operations per request.
+#
+#   scripts/bench-fleet.sh [sessions=200] [turns=6] [concurrency=32]
+#   BIN=target/debug/agent-gateway scripts/bench-fleet.sh   # skip the release build
+#
+# Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SESSIONS="${1:-200}"
+TURNS="${2:-6}"
+CONC="${3:-32}"
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --quiet
+  BIN=target/release/agent-gateway
+fi
+command -v redis-server >/dev/null || scripts/setup.sh
+WORK=$(mktemp -d)
+PIDS=()
+SIMS=()
+cleanup() { for p in "${PIDS[@]}" "${SIMS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 1 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+
+REDIS_PORT=$(port)
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
+PIDS+=($!)
+wait_port "$REDIS_PORT"
+
+SIM_PORTS=($(port) $(port) $(port))
+start_sims() {
+  for p in "${SIMS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${SIMS[@]}"; do wait "$p" 2>/dev/null || true; done
+  SIMS=()
+  for i in 0 1 2; do
+    "$BIN" sim-backend --listen "127.0.0.1:${SIM_PORTS[$i]}" --id "vllm-$i" --max-batch 64 >/dev/null &
+    SIMS+=($!)
+  done
+  for i in 0 1 2; do wait_port "${SIM_PORTS[$i]}"; done
+}
+
+# gateway NAME STORE_KIND: starts one gateway, prints its port.
+gateway() {
+  local name=$1 kind=$2 gp mp ap
+  gp=$(port); mp=$(port); ap=$(port)
+  cat > "$WORK/$name.yaml" <<YAML
+server:
+  listen: ["127.0.0.1:$gp"]
+  threads: 1
+  pid_file: "$WORK/$name.pid"
+  upgrade_sock: "$WORK/$name.sock"
+tiers:
+  default:
+    default: true
+    backends:
+      - { id: vllm-0, addr: "127.0.0.1:${SIM_PORTS[0]}" }
+      - { id: vllm-1, addr: "127.0.0.1:${SIM_PORTS[1]}" }
+      - { id: vllm-2, addr: "127.0.0.1:${SIM_PORTS[2]}" }
+affinity:
+  hash_key: "fleet-bench"
+  store: { kind: $kind, url: "redis://127.0.0.1:$REDIS_PORT", key_prefix: "$PREFIX" }
+health: { interval_ms: 500 }
+metrics: { listen: "127.0.0.1:$mp" }
+admin: { listen: "127.0.0.1:$ap" }
+YAML
+  RUST_LOG=error "$BIN" run --config "$WORK/$name.yaml" >/dev/null 2>&1 &
+  PIDS+=($!)
+  wait_port "$gp"
+  echo "$gp $mp $!"
+}
+
+# Sum of a metric family over the gateways' metrics ports.
+metric_sum() {
+  local name=$1; shift
+  local total=0 v
+  for mp in "$@"; do
+    v=$(curl -s "http://127.0.0.1:$mp/metrics" | awk -v n="$name" 'index($0, n"{")==1 {s+=$NF} END {print s+0}')
+    total=$(python3 -c "print($total + $v)")
+  done
+  echo "$total"
+}
+
+run() {  # label, store kind, number of gateways
+  local label=$1 kind=$2 n=$3 urls="" mports=() gpids=() line
+  PREFIX="bench-$label-$RANDOM:"   # one keyspace per run, shared by its gateways
+  start_sims
+  for i in $(seq 1 "$n"); do
+    line=$(gateway "$label-$i" "$kind")
+    set -- $line
+    urls="${urls:+$urls,}http://127.0.0.1:$1"
+    mports+=("$2")
+    gpids+=("$3")
+    PIDS+=("$3")
+  done
+  "$BIN" bench --url "$urls" --sessions "$SESSIONS" --turns "$TURNS" -c "$CONC" \
+    --context-bytes 8000 --label "$label ($n gateway$([ "$n" = 1 ] || echo s), store $kind)" | grep -F "| $label ("
+  local ops requests
+  ops=$(metric_sum agentserve_store_ops_total "${mports[@]}")
+  requests=$(metric_sum agentserve_requests_total "${mports[@]}")
+  echo "STORE $label $(python3 -c "print(f'{$ops / max($requests, 1):.3f}')") store operations per request ($ops / $requests)" >&2
+  for p in "${gpids[@]}"; do kill "$p" 2>/dev/null || true; done
+}
+
+echo "fleet bench: $SESSIONS sessions × $TURNS turns, concurrency $CONC, 3 replicas, turns round-robin over the gateways"
+echo
+echo "| run | requests | errors | affinity hit | same backend as last turn | prefix-cache hit | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | req/s | balance |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+run one local 1
+run local local 4
+run redis redis 4
