@@ -8,7 +8,8 @@
 #   local  4 gateways, each with its own bindings (affinity.store: local)
 #   redis  4 gateways sharing bindings through a script-owned redis-server
 #
-# Replicas are restarted (empty KV caches) before each run. Prints the bench
+# Replicas (prefix caches unbounded, so only placement decides hits) are
+# restarted empty before each run. Prints the bench
 # table (prefix-cache hit rate, latency) and the store operations per request.
 #
 #   scripts/bench-fleet.sh [sessions=200] [turns=6] [concurrency=32]
@@ -45,7 +46,7 @@ start_sims() {
   for p in "${SIMS[@]}"; do wait "$p" 2>/dev/null || true; done
   SIMS=()
   for i in 0 1 2; do
-    "$BIN" sim-backend --listen "127.0.0.1:${SIM_PORTS[$i]}" --id "vllm-$i" --max-batch 64 >/dev/null &
+    "$BIN" sim-backend --listen "127.0.0.1:${SIM_PORTS[$i]}" --id "vllm-$i" --max-batch 64 --cache-blocks 0 >/dev/null &
     SIMS+=($!)
   done
   for i in 0 1 2; do wait_port "${SIM_PORTS[$i]}"; done
