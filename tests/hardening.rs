@@ -749,3 +749,55 @@ async fn a_reload_that_removes_a_backend_drops_its_gauges() {
     );
     assert!(text.contains("agentserve_backend_healthy{backend=\"vllm-0\",tier=\"default\"}"));
 }
+
+#[tokio::test]
+async fn a_backend_response_header_over_the_cap_is_a_502() {
+    // A stand-in engine whose answers carry a 100 KB header (over the 64 KiB
+    // cap; Pingora itself would forward it).
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut s) = conn else { break };
+            std::thread::spawn(move || {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    match s.read(&mut byte) {
+                        Ok(1) => head.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                let health = head.starts_with(b"GET /health");
+                let big = if health {
+                    String::new()
+                } else {
+                    format!("x-big: {}\r\n", "a".repeat(100 * 1024))
+                };
+                let _ = s.write_all(
+                    format!(
+                        "HTTP/1.1 200 OK\r\n{big}content-length: 2\r\nconnection: close\r\n\r\nok"
+                    )
+                    .as_bytes(),
+                );
+            });
+        }
+    });
+    let gw = Gateway::start(
+        &[TierSpec {
+            name: "default",
+            default: true,
+            models: &[],
+            backends: vec![("bighead".into(), addr, 1)],
+        }],
+        &format!(
+            "{FAST_HEALTH}{}load:\n  scrape: false\n",
+            affinity_yaml(1800)
+        ),
+    )
+    .await;
+    let r = chat(&client(), &gw, &[(SESSION, "big-head")], &chat_body("m", 0)).await;
+    assert_eq!(r.status, 502);
+    assert_eq!(r.json()["error"]["code"], "backend_error");
+    assert!(r.headers.get("x-big").is_none());
+}
