@@ -110,7 +110,10 @@ run() {  # label, store kind, number of gateways
   local ops requests
   ops=$(metric_sum agentserve_store_ops_total "${mports[@]}")
   requests=$(metric_sum agentserve_requests_total "${mports[@]}")
-  echo "STORE $label $(python3 -c "print(f'{$ops / max($requests, 1):.3f}')") store operations per request ($ops / $requests)" >&2
+  local lat_sum lat_n
+  lat_sum=$(metric_sum agentserve_store_latency_seconds_sum "${mports[@]}")
+  lat_n=$(metric_sum agentserve_store_latency_seconds_count "${mports[@]}")
+  echo "STORE $label $(python3 -c "print(f'{$ops / max($requests, 1):.3f}')") store operations per request ($ops / $requests); mean store round trip $(python3 -c "print(f'{1000 * $lat_sum / max($lat_n, 1):.2f}')") ms (what a request that asks Redis adds; others add nothing)" >&2
   for p in "${gpids[@]}"; do kill "$p" 2>/dev/null || true; done
 }
 
