@@ -47,15 +47,18 @@ pub async fn sync_in(
     match store.sync(key, ttl).await {
         Ok(Some(stored)) => match tier.backend_by_id(&stored.backend) {
             Some(b) => {
+                // The store is the truth: as new but elsewhere, it wins too.
                 table.adopt(
                     key,
                     local_binding(&stored, b.slot, tier.index, now + ttl),
-                    false,
+                    true,
                     now,
                 );
             }
             // A backend this gateway does not have in the tier (a reload
-            // elsewhere): local placement rebinds, with a newer version.
+            // that added it elsewhere first): serve from local state without
+            // overwriting the store; once a reload here adds the backend,
+            // the next check follows the store.
             None => table.mark_synced(key, now),
         },
         Ok(None) => {
@@ -176,11 +179,13 @@ fn apply_remote(gw: &Gateway, key: BindingKey, tier: &str, stored: Option<Stored
     let Some(tier) = routing.tier_by_name(tier) else {
         return;
     };
+    // A message is what the store accepted: it wins over a local binding
+    // as new as it.
     if let Some(b) = tier.backend_by_id(&stored.backend) {
         table.adopt(
             key,
             local_binding(&stored, b.slot, tier.index, now + ttl_ms(gw)),
-            false,
+            true,
             now,
         );
     }

@@ -88,6 +88,31 @@ async fn round(gws: &[Gateway], sessions: &[String], turn: usize) -> HashMap<Str
     out
 }
 
+/// Reload `gw` with one more backend, `extra` (its line copied from `like`'s).
+async fn add_backend(gw: &Gateway, like: &SimBackend, extra: &SimBackend) {
+    let yaml = std::fs::read_to_string(&gw.config_path).unwrap();
+    let line = yaml
+        .lines()
+        .find(|l| l.contains(&format!("id: \"{}\"", like.id)))
+        .unwrap()
+        .to_string();
+    let added = line
+        .replace(&like.id, &extra.id)
+        .replace(&like.addr.to_string(), &extra.addr.to_string());
+    std::fs::write(
+        &gw.config_path,
+        yaml.replace(&line, &format!("{line}\n{added}")),
+    )
+    .unwrap();
+    signal(gw.pid(), libc::SIGHUP);
+    wait_until("the reload", || async {
+        gw.metric("agentserve_config_reload_total{result=\"success\"}")
+            .await
+            == 1.0
+    })
+    .await;
+}
+
 fn split(seen: &HashMap<String, Vec<String>>) -> Vec<String> {
     seen.iter()
         .filter(|(_, b)| b.iter().collect::<HashSet<_>>().len() > 1)
@@ -215,6 +240,23 @@ async fn a_session_stays_on_one_backend_across_three_gateways() {
         assert_eq!(b, &seen[sid], "{sid}");
     }
 
+    // A reload on one gateway adds a backend the others do not have yet:
+    // every session stays where it is, on every gateway.
+    let extra = SimBackend::start("vllm-9", &[]);
+    add_backend(&gws[0], &sims[0], &extra).await;
+    let after_reload = round(&gws, &sessions, 4).await;
+    for (sid, b) in &after_reload {
+        assert_eq!(
+            b, &seen[sid],
+            "{sid} moved when another gateway learned a backend"
+        );
+    }
+
+    // The rest of the fleet reloads too (as an operator rolls a change out).
+    for gw in &gws[1..] {
+        add_backend(gw, &sims[0], &extra).await;
+    }
+
     // A drain with move_sessions, fleet-wide: whichever gateway a session's
     // turn reaches first moves it; the others follow that move.
     let mut count: HashMap<&str, usize> = HashMap::new();
@@ -235,7 +277,7 @@ async fn a_session_stays_on_one_backend_across_three_gateways() {
             .unwrap();
         assert!(r.status().is_success());
     }
-    let moved = round(&gws, &sessions, 4).await;
+    let moved = round(&gws, &sessions, 5).await;
     assert!(split(&moved).is_empty(), "{:?}", split(&moved));
     for (sid, b) in &moved {
         if again[sid][0] == drained {
