@@ -39,22 +39,6 @@ fn sim<'a>(sims: &'a [SimBackend], id: &str) -> &'a SimBackend {
         .expect("a backend of the fleet")
 }
 
-async fn admin_backend(gw: &Gateway, id: &str) -> Value {
-    let v: Value = reqwest::get(gw.admin_url("/admin/backends"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    v["backends"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["id"] == id)
-        .cloned()
-        .expect("listed")
-}
-
 #[tokio::test]
 async fn a_backend_failing_requests_is_ejected_and_its_sessions_rebind_once() {
     let (sims, gw) = fleet_ejecting(3, "").await;
@@ -79,7 +63,7 @@ async fn a_backend_failing_requests_is_ejected_and_its_sessions_rebind_once() {
     let moved_to = &backends[3];
     assert_ne!(moved_to, &bound);
     assert!(backends[3..].iter().all(|b| b == moved_to), "{backends:?}");
-    let admin = admin_backend(&gw, &bound).await;
+    let admin = gw.admin_backend(&bound).await;
     assert_eq!(admin["healthy"], false, "{admin}");
     assert_eq!(admin["health_checks_pass"], true, "{admin}");
     assert!(admin["ejected_ms_left"].as_u64().unwrap() > 0);
@@ -113,7 +97,7 @@ async fn a_backend_failing_requests_is_ejected_and_its_sessions_rebind_once() {
         .await
         .unwrap();
     assert!(r.status().is_success());
-    assert_eq!(admin_backend(&gw, &bound).await["healthy"], true);
+    assert_eq!(gw.admin_backend(&bound).await["healthy"], true);
 }
 
 #[tokio::test]

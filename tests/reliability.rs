@@ -95,19 +95,7 @@ async fn connect_failure_before_health_checks_notice_is_retried_on_the_next_cand
     // No health check ran: it was the connect failures, not the health
     // check, that moved these sessions (and, after enough of them in a row,
     // passive health ejected the backend).
-    let v: serde_json::Value = reqwest::get(gw.admin_url("/admin/backends"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let b = v["backends"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["id"] == victim.as_str())
-        .unwrap()
-        .clone();
+    let b = gw.admin_backend(&victim).await;
     assert_eq!(b["health_checks_pass"], true, "{b}");
     assert_eq!(b["healthy"], broken < 5, "{b}");
 }

@@ -270,15 +270,8 @@ async fn soak_with_flapping_backends_and_hostile_clients() {
     }
     drop(sims);
     wait_until("every backend healthy again", || async {
-        let v: Value = reqwest::get(gw.admin_url("/admin/backends"))
+        gw.admin_backends()
             .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        v["backends"]
-            .as_array()
-            .unwrap()
             .iter()
             .all(|b| b["health_checks_pass"] == true)
     })

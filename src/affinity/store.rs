@@ -69,13 +69,16 @@ fn value(version: u32, backend: &str) -> String {
     format!("{version} {backend}")
 }
 
+// Both scripts take the same arguments: ARGV = value ("<version> <backend>"),
+// TTL in ms, version, channel, this gateway's instance, tier.
+
 /// Create-if-absent: returns the existing value, or nil after writing ours
 /// and publishing it (every gateway learns the binding without asking).
 const CREATE: &str = r"
 local cur = redis.call('GET', KEYS[1])
 if cur then return cur end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('PUBLISH', ARGV[3], ARGV[4] .. ' ' .. KEYS[1] .. ' ' .. ARGV[5] .. ' ' .. ARGV[1])
+redis.call('PUBLISH', ARGV[4], ARGV[5] .. ' ' .. KEYS[1] .. ' ' .. ARGV[6] .. ' ' .. ARGV[1])
 return false";
 
 /// Versioned compare-and-set: writes ARGV[1] (version ARGV[3]) unless the
@@ -257,32 +260,30 @@ impl SharedStore {
         backend: &str,
         ttl_ms: u64,
     ) -> Result<Option<Stored>, StoreError> {
-        let (k, v, ch, me) = (
-            self.key(key),
-            value(version, backend),
-            self.channel(),
-            self.instance.clone(),
-        );
-        let script = &self.create;
-        let cur: Option<String> = self
-            .run("create", |mut c| async move {
-                script
-                    .key(&k)
-                    .arg(&v)
-                    .arg(ttl_ms.max(1))
-                    .arg(&ch)
-                    .arg(&me)
-                    .arg(tier)
-                    .invoke_async(&mut c)
-                    .await
-            })
-            .await?;
-        Ok(cur.as_deref().and_then(parse))
+        self.write("create", &self.create, key, tier, version, backend, ttl_ms)
+            .await
     }
 
     /// Write a rebind unless the store has a binding as new; `Some` is that one.
     pub async fn rebind(
         &self,
+        key: BindingKey,
+        tier: &str,
+        version: u32,
+        backend: &str,
+        ttl_ms: u64,
+    ) -> Result<Option<Stored>, StoreError> {
+        self.write("rebind", &self.rebind, key, tier, version, backend, ttl_ms)
+            .await
+    }
+
+    /// Run a writing script (`CREATE` or `REBIND`); `Some` is the binding it
+    /// found instead of writing ours.
+    #[allow(clippy::too_many_arguments)]
+    async fn write(
+        &self,
+        op: &'static str,
+        script: &redis::Script,
         key: BindingKey,
         tier: &str,
         version: u32,
@@ -295,9 +296,8 @@ impl SharedStore {
             self.channel(),
             self.instance.clone(),
         );
-        let script = &self.rebind;
         let cur: Option<String> = self
-            .run("rebind", |mut c| async move {
+            .run(op, |mut c| async move {
                 script
                     .key(&k)
                     .arg(&v)

@@ -311,6 +311,26 @@ impl Gateway {
         format!("http://127.0.0.1:{}{}", self.port, path)
     }
 
+    /// `GET /admin/backends`: every backend's entry.
+    pub async fn admin_backends(&self) -> Vec<Value> {
+        let v: Value = reqwest::get(self.admin_url("/admin/backends"))
+            .await
+            .expect("admin API")
+            .json()
+            .await
+            .expect("admin JSON");
+        v["backends"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// The admin entry of backend `id`.
+    pub async fn admin_backend(&self, id: &str) -> Value {
+        self.admin_backends()
+            .await
+            .into_iter()
+            .find(|b| b["id"] == id)
+            .unwrap_or_else(|| panic!("backend {id} listed"))
+    }
+
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{}", self.admin_port, path)
     }
