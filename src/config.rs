@@ -318,6 +318,9 @@ struct FileStore {
     /// How long a local binding is trusted before it is checked against the
     /// store again (default: a quarter of the TTL, at most a minute).
     revalidate_ms: Option<u64>,
+    tls_ca_file: Option<String>,
+    tls_cert_file: Option<String>,
+    tls_key_file: Option<String>,
 }
 
 impl Default for FileStore {
@@ -328,6 +331,9 @@ impl Default for FileStore {
             key_prefix: "agentserve:".into(),
             timeout_ms: 50,
             revalidate_ms: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
         }
     }
 }
@@ -1216,11 +1222,11 @@ fn validate_store(
             StoreKind::Local
         }
     };
-    if kind == StoreKind::Redis {
-        if let Err(e) = crate::affinity::store::validate_url(&f.url) {
-            errors.push(err("affinity.store.url", e));
-        }
-    }
+    let tls = crate::affinity::store::StoreTls {
+        ca_file: f.tls_ca_file.clone(),
+        cert_file: f.tls_cert_file.clone(),
+        key_file: f.tls_key_file.clone(),
+    };
     if f.timeout_ms == 0 {
         errors.push(err("affinity.store.timeout_ms", "must be greater than 0"));
     }
@@ -1233,13 +1239,20 @@ fn validate_store(
     let revalidate_ms = f
         .revalidate_ms
         .unwrap_or_else(|| (ttl_s.saturating_mul(1000) / 4).clamp(1000, 60_000));
-    StoreConfig {
+    let cfg = StoreConfig {
         kind,
         url: f.url.clone(),
         key_prefix: f.key_prefix.clone(),
         timeout: Duration::from_millis(f.timeout_ms),
         revalidate: Duration::from_millis(revalidate_ms.max(1)),
+        tls,
+    };
+    if cfg.kind == StoreKind::Redis {
+        if let Err(e) = crate::affinity::store::client(&cfg) {
+            errors.push(err("affinity.store.url", e));
+        }
     }
+    cfg
 }
 
 /// `admin`: where the admin API listens and who may use it.
@@ -1444,5 +1457,23 @@ tiers:
         assert_eq!(keys(&bad), vec!["affinity.store.url"]);
         let kind = redis.replace("kind: redis", "kind: etcd");
         assert_eq!(keys(&kind), vec!["affinity.store.kind"]);
+        let unix = redis.replace("redis://127.0.0.1:6379", "redis+unix:///run/redis.sock");
+        assert!(Config::from_yaml(&unix).is_ok());
+        // TLS files need a rediss:// URL, and must be readable.
+        let tls_on_plain = redis.replace(
+            "url: \"redis://",
+            "tls_ca_file: /etc/hostname, url: \"redis://",
+        );
+        assert_eq!(keys(&tls_on_plain), vec!["affinity.store.url"]);
+        let missing = redis.replace(
+            "url: \"redis://",
+            "tls_ca_file: /nonexistent/ca.pem, url: \"rediss://",
+        );
+        assert_eq!(keys(&missing), vec!["affinity.store.url"]);
+        let half = redis.replace(
+            "url: \"redis://",
+            "tls_cert_file: /etc/hostname, url: \"rediss://",
+        );
+        assert_eq!(keys(&half), vec!["affinity.store.url"]);
     }
 }

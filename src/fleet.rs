@@ -246,7 +246,7 @@ pub async fn run(gw: Arc<Gateway>, store: Arc<SharedStore>) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tick.tick().await;
-        if !store.healthy() && !store.ping().await {
+        if !store.healthy() && !(store.connect().await && store.ping().await) {
             continue;
         }
         if store.has_unsynced() {

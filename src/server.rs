@@ -296,6 +296,11 @@ impl ServeHttp for MetricsApp {
                 self.0.refresh_gauges();
                 (200, "text/plain; version=0.0.4", self.0.metrics.encode())
             }
+            "/healthz" if self.0.store.as_ref().is_some_and(|s| !s.started()) => (
+                503,
+                "text/plain",
+                b"starting: connecting to the binding store\n".to_vec(),
+            ),
             "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
             _ => (404, "text/plain", b"not found\n".to_vec()),
         };

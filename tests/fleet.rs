@@ -18,26 +18,36 @@ struct Redis {
 
 impl Redis {
     fn start_on(port: u16) -> Redis {
+        let mut r = Redis::spawn(&["--port", &port.to_string()]);
+        r.port = port;
+        r.wait_for(|| std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+        r
+    }
+
+    /// A server listening where `listen` (redis-server options) says.
+    fn spawn(listen: &[&str]) -> Redis {
         let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
+            .args(listen)
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server is installed (scripts/setup.sh installs it)");
-        let r = Redis {
-            port,
+        Redis {
+            port: 0,
             child: Some(child),
-        };
+        }
+    }
+
+    fn wait_for(&self, ready: impl Fn() -> bool) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while !ready() {
             assert!(
                 std::time::Instant::now() < deadline,
                 "redis-server did not start"
             );
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        r
     }
 
     fn stop(&mut self) {
@@ -55,6 +65,12 @@ impl Drop for Redis {
 }
 
 async fn fleet_of_gateways(sims: &[SimBackend], redis_port: u16, n: usize) -> Vec<Gateway> {
+    fleet_on_store(sims, &format!("url: \"redis://127.0.0.1:{redis_port}\""), n).await
+}
+
+/// `n` gateways whose `affinity.store` section holds `store` (its url and
+/// TLS files).
+async fn fleet_on_store(sims: &[SimBackend], store: &str, n: usize) -> Vec<Gateway> {
     let mut gws = Vec::new();
     for _ in 0..n {
         gws.push(
@@ -63,7 +79,7 @@ async fn fleet_of_gateways(sims: &[SimBackend], redis_port: u16, n: usize) -> Ve
                 // Round-robin first placement: gateways that did not share
                 // bindings would disagree on nearly every new session.
                 &format!(
-                    "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{redis_port}\"\n    timeout_ms: 200\nplacement:\n  first: round_robin\n",
+                    "{FAST_HEALTH}{}  store:\n    kind: redis\n    {store}\n    timeout_ms: 200\nplacement:\n  first: round_robin\n",
                     affinity_yaml(1800)
                 ),
             )
@@ -339,4 +355,94 @@ async fn a_redis_outage_fails_no_request_and_bindings_converge_after() {
         split(&after).len()
     );
     assert!(split(&after).is_empty(), "{:?}", split(&after));
+}
+
+/// A CA and leaf certificates written as PEM files into a directory.
+struct Pki {
+    ca: rcgen::Certificate,
+    ca_key: rcgen::KeyPair,
+}
+
+impl Pki {
+    fn new(dir: &std::path::Path) -> Pki {
+        let mut params = rcgen::CertificateParams::new(vec![]).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        // Names of their own: OpenSSL (Redis) takes a leaf whose subject is
+        // its issuer's for self-signed.
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "fleet test CA");
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let ca = params.self_signed(&ca_key).unwrap();
+        std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+        Pki { ca, ca_key }
+    }
+
+    fn leaf(&self, dir: &std::path::Path, name: &str) {
+        let mut params = rcgen::CertificateParams::new(vec![name.to_string()]).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.ca, &self.ca_key).unwrap();
+        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).unwrap();
+        std::fs::write(dir.join(format!("{name}.key")), key.serialize_pem()).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_share_bindings_over_tls_and_over_a_unix_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let pki = Pki::new(d);
+    pki.leaf(d, "127.0.0.1"); // the server's name in a rediss://127.0.0.1 URL
+    pki.leaf(d, "gateway"); // a client certificate: Redis asks for one by default
+    let tls_port = free_port();
+    let path = |f: &str| d.join(f).display().to_string();
+    let tls = Redis::spawn(&[
+        "--port",
+        "0",
+        "--tls-port",
+        &tls_port.to_string(),
+        "--tls-cert-file",
+        &path("127.0.0.1.pem"),
+        "--tls-key-file",
+        &path("127.0.0.1.key"),
+        "--tls-ca-cert-file",
+        &path("ca.pem"),
+    ]);
+    tls.wait_for(|| std::net::TcpStream::connect(("127.0.0.1", tls_port)).is_ok());
+    let sock = path("redis.sock");
+    let unix = Redis::spawn(&["--port", "0", "--unixsocket", &sock]);
+    unix.wait_for(|| std::os::unix::net::UnixStream::connect(&sock).is_ok());
+
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let stores = [
+        (
+            "TLS",
+            format!(
+                "url: \"rediss://127.0.0.1:{tls_port}\"\n    tls_ca_file: \"{}\"\n    tls_cert_file: \"{}\"\n    tls_key_file: \"{}\"",
+                path("ca.pem"),
+                path("gateway.pem"),
+                path("gateway.key")
+            ),
+        ),
+        ("unix socket", format!("url: \"redis+unix://{sock}\"")),
+    ];
+    for (how, store) in stores {
+        let gws = fleet_on_store(&sims, &store, 2).await;
+        let sessions: Vec<String> = (0..12).map(|i| format!("{how}-{i}")).collect();
+        let seen = round(&gws, &sessions, 0).await;
+        let seen_again = round(&gws, &sessions, 1).await;
+        assert!(split(&seen).is_empty(), "{how}: {:?}", split(&seen));
+        assert!(split(&seen_again).is_empty(), "{how}: {:?}", split(&seen_again));
+        for gw in &gws {
+            let text = gw.metrics_text().await;
+            let errors: Vec<&str> = text.lines().filter(|l| l.starts_with("agentserve_store_errors_total")).collect();
+            assert_eq!(metric_value(&text, "agentserve_store_errors_total{"), 0.0, "{how}: {errors:?} {:?}", std::fs::read_to_string(gw.dir.path().join("gateway.log")));
+            assert!(gw.metric("agentserve_store_ops_total{").await > 0.0, "{how}");
+        }
+    }
 }

@@ -48,6 +48,16 @@ pub struct StoreConfig {
     pub key_prefix: String,
     pub timeout: Duration,
     pub revalidate: Duration,
+    /// `rediss://` only: PEM files of the CA to trust instead of the
+    /// system's, and of this gateway's certificate and key (mutual TLS).
+    pub tls: StoreTls,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StoreTls {
+    pub ca_file: Option<String>,
+    pub cert_file: Option<String>,
+    pub key_file: Option<String>,
 }
 
 /// What the store says about one key.
@@ -94,13 +104,18 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('PUBLISH', ARGV[4], ARGV[5] .. ' ' .. KEYS[1] .. ' ' .. ARGV[6] .. ' ' .. ARGV[1])
 return false";
 
+/// The longest a connection attempt may take (at least `timeout_ms`).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Bindings made while Redis could not be reached (bounded).
 const MAX_PENDING_WRITES: usize = 100_000;
 
 pub struct SharedStore {
     cfg: StoreConfig,
     client: redis::Client,
-    conn: tokio::sync::Mutex<Option<redis::aio::ConnectionManager>>,
+    /// Made by [`SharedStore::connect`]; reconnects by itself after.
+    conn: Mutex<Option<redis::aio::ConnectionManager>>,
+    started: AtomicBool,
     create: redis::Script,
     rebind: redis::Script,
     /// This gateway's name on the invalidation channel (its own messages
@@ -119,6 +134,7 @@ pub struct SharedStore {
 #[derive(Debug)]
 pub enum StoreError {
     Timeout,
+    NotConnected,
     Redis(redis::RedisError),
 }
 
@@ -126,30 +142,61 @@ impl std::fmt::Display for StoreError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             StoreError::Timeout => write!(f, "timed out"),
+            StoreError::NotConnected => write!(f, "not connected"),
             StoreError::Redis(e) => write!(f, "{e}"),
         }
     }
 }
 
-/// Check what `check` can without connecting: the URL.
-pub fn validate_url(url: &str) -> Result<(), String> {
-    redis::Client::open(url)
-        .map(|_| ())
-        .map_err(|e| format!("`{url}` is not a Redis URL: {e}"))
+/// The client for `cfg` (no connection yet): the URL parsed, the TLS files
+/// read. `check` calls it too, so a bad URL or an unreadable certificate is
+/// reported before the gateway starts.
+pub fn client(cfg: &StoreConfig) -> Result<redis::Client, String> {
+    let url = cfg.url.as_str();
+    let info = redis::IntoConnectionInfo::into_connection_info(url)
+        .map_err(|e| format!("`{url}` is not a Redis URL: {e}"))?;
+    let t = &cfg.tls;
+    if t.ca_file.is_none() && t.cert_file.is_none() {
+        return redis::Client::open(info).map_err(|e| e.to_string());
+    }
+    if !matches!(info.addr, redis::ConnectionAddr::TcpTls { .. }) {
+        return Err(format!("`{url}`: TLS files are set but the URL is not `rediss://`"));
+    }
+    let read = |path: &str| std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"));
+    let client_tls = match (&t.cert_file, &t.key_file) {
+        (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+            client_cert: read(cert)?,
+            client_key: read(key)?,
+        }),
+        (None, None) => None,
+        _ => return Err("tls_cert_file and tls_key_file go together".to_string()),
+    };
+    let root_cert = t.ca_file.as_deref().map(read).transpose()?;
+    pingora_rustls::install_default_crypto_provider();
+    redis::Client::build_with_tls(
+        info,
+        redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        },
+    )
+    .map_err(|e| format!("TLS settings for `{url}`: {e}"))
 }
 
 impl SharedStore {
     pub fn new(cfg: StoreConfig, metrics: Arc<Metrics>) -> Result<Arc<SharedStore>, String> {
-        let client = redis::Client::open(cfg.url.as_str()).map_err(|e| e.to_string())?;
+        let client = client(&cfg)?;
         Ok(Arc::new(SharedStore {
             cfg,
             client,
-            conn: tokio::sync::Mutex::new(None),
+            conn: Mutex::new(None),
+            started: AtomicBool::new(false),
             create: redis::Script::new(CREATE),
             rebind: redis::Script::new(REBIND),
             instance: format!("{:016x}", rand::random::<u64>()),
             metrics,
-            healthy: AtomicBool::new(true),
+            // Down until connected: requests go on with local state.
+            healthy: AtomicBool::new(false),
             unsynced: Mutex::new(HashSet::new()),
             resync_since: std::sync::atomic::AtomicU64::new(0),
         }))
@@ -167,25 +214,53 @@ impl SharedStore {
         format!("{}bindings", self.cfg.key_prefix)
     }
 
-    /// A connection (made on first use, reconnecting by itself after).
-    async fn conn(&self) -> Result<redis::aio::ConnectionManager, StoreError> {
-        let mut slot = self.conn.lock().await;
-        if let Some(c) = slot.as_ref() {
-            return Ok(c.clone());
+    /// Connect, if not connected yet. Only the store's background service
+    /// calls this (a request never waits for a connection to be made), with
+    /// a deadline of its own: a TLS handshake may take longer than a
+    /// request's `timeout_ms` allows without harming anyone.
+    pub async fn connect(&self) -> bool {
+        if self.conn.lock().is_some() {
+            return true;
         }
+        let deadline = self.cfg.timeout.max(CONNECT_TIMEOUT);
         let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(self.cfg.timeout)
+            .set_connection_timeout(deadline)
             .set_response_timeout(self.cfg.timeout)
             .set_number_of_retries(1);
-        let c = tokio::time::timeout(
-            self.cfg.timeout,
+        let made = tokio::time::timeout(
+            deadline,
             self.client.get_connection_manager_with_config(config),
         )
-        .await
-        .map_err(|_| StoreError::Timeout)?
-        .map_err(StoreError::Redis)?;
-        *slot = Some(c.clone());
-        Ok(c)
+        .await;
+        let first = !self.started.swap(true, Ordering::Relaxed);
+        let error = match made {
+            Ok(Ok(c)) => {
+                *self.conn.lock() = Some(c);
+                log::info!("binding store connected ({})", self.cfg.url);
+                return true;
+            }
+            Ok(Err(e)) => StoreError::Redis(e),
+            Err(_) => StoreError::Timeout,
+        };
+        if first {
+            log::warn!(
+                "binding store unreachable at start ({error}); serving from local state until it answers"
+            );
+        }
+        self.mark_down("connect", &error);
+        false
+    }
+
+    /// Whether the first connection attempt is over (whatever its outcome):
+    /// until then `/healthz` says the gateway is starting.
+    pub fn started(&self) -> bool {
+        self.started.load(Ordering::Relaxed)
+    }
+
+    fn mark_down(&self, op: &str, e: &StoreError) {
+        if self.healthy.swap(false, Ordering::Relaxed) {
+            log::warn!("binding store unreachable ({op}: {e}); serving from local state");
+        }
     }
 
     /// Run one operation within the deadline; count it and its failure.
@@ -195,7 +270,8 @@ impl SharedStore {
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
         let started = Instant::now();
-        let result = match self.conn().await {
+        let conn = self.conn.lock().clone();
+        let result = match conn.ok_or(StoreError::NotConnected) {
             Ok(c) => match tokio::time::timeout(self.cfg.timeout, f(c)).await {
                 Ok(Ok(v)) => Ok(v),
                 Ok(Err(e)) => Err(StoreError::Redis(e)),
@@ -212,9 +288,7 @@ impl SharedStore {
             Ok(_) => self.healthy.store(true, Ordering::Relaxed),
             Err(e) => {
                 self.metrics.store_errors.with_label_values(&[op]).inc();
-                if self.healthy.swap(false, Ordering::Relaxed) {
-                    log::warn!("binding store unreachable ({op}: {e}); serving from local state");
-                }
+                self.mark_down(op, e);
             }
         }
         result

@@ -71,6 +71,11 @@ pub struct Report {
     pub cached_tokens: u64,
     pub ttft: Percentiles,
     pub e2e: Percentiles,
+    /// End-to-end latency of the requests the gateway called affinity hits,
+    /// and of the rest (first turns, rebinds): in a fleet a miss is what asks
+    /// the shared store, a hit at steady state asks nothing.
+    pub e2e_hit: Percentiles,
+    pub e2e_miss: Percentiles,
     pub elapsed_s: f64,
     pub requests_per_s: f64,
     pub per_backend: BTreeMap<String, usize>,
@@ -179,6 +184,18 @@ impl Report {
             cached_tokens: cached,
             ttft: percentiles(ok.iter().map(|r| r.ttft).collect()),
             e2e: percentiles(ok.iter().map(|r| r.e2e).collect()),
+            e2e_hit: percentiles(
+                ok.iter()
+                    .filter(|r| r.affinity_hit == Some(true))
+                    .map(|r| r.e2e)
+                    .collect(),
+            ),
+            e2e_miss: percentiles(
+                ok.iter()
+                    .filter(|r| r.affinity_hit != Some(true))
+                    .map(|r| r.e2e)
+                    .collect(),
+            ),
             elapsed_s: elapsed.as_secs_f64(),
             requests_per_s: records.len() as f64 / elapsed.as_secs_f64().max(1e-9),
             per_backend,
@@ -232,6 +249,11 @@ pub fn detail(r: &Report) -> String {
         .map(|(b, n)| format!("{b}: {n}"))
         .collect();
     let _ = writeln!(s, "per-backend requests: {}", loads.join(", "));
+    let _ = writeln!(
+        s,
+        "E2E by the gateway's verdict: hits p50 {:.2} ms / p99 {:.2} ms, misses p50 {:.2} ms / p99 {:.2} ms",
+        r.e2e_hit.p50_ms, r.e2e_hit.p99_ms, r.e2e_miss.p50_ms, r.e2e_miss.p99_ms
+    );
     if let Some(c) = r.subagent_colocation {
         let _ = writeln!(
             s,
@@ -436,6 +458,9 @@ mod tests {
         assert!((r.balance_max_over_mean - 1.2).abs() < 1e-9);
         assert_eq!(r.locality.len(), 3);
         assert_eq!(r.ttft.p50_ms, 20.0);
+        // Hits are the turns 1 and 2 (40, 40, 60 ms); misses the first turns (20, 20 ms).
+        assert_eq!((r.e2e_hit.p50_ms, r.e2e_hit.p99_ms), (40.0, 60.0));
+        assert_eq!((r.e2e_miss.p50_ms, r.e2e_miss.p99_ms), (20.0, 20.0));
         assert!(svg(std::slice::from_ref(&r), "t").starts_with("<svg"));
         assert!(comparison_table(&[r]).contains("| x | 5 | 0 | 60.0% | 66.7% |"));
     }
