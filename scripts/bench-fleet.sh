@@ -41,12 +41,13 @@ PIDS+=($!)
 wait_port "$REDIS_PORT"
 
 SIM_PORTS=($(port) $(port) $(port))
+SIM_COST=()   # extra sim-backend flags (the latency probe: no compute time)
 start_sims() {
   for p in "${SIMS[@]}"; do kill "$p" 2>/dev/null || true; done
   for p in "${SIMS[@]}"; do wait "$p" 2>/dev/null || true; done
   SIMS=()
   for i in 0 1 2; do
-    "$BIN" sim-backend --listen "127.0.0.1:${SIM_PORTS[$i]}" --id "vllm-$i" --max-batch 64 --cache-blocks 0 >/dev/null &
+    "$BIN" sim-backend --listen "127.0.0.1:${SIM_PORTS[$i]}" --id "vllm-$i" --max-batch 64 --cache-blocks 0 "${SIM_COST[@]}" >/dev/null &
     SIMS+=($!)
   done
   for i in 0 1 2; do wait_port "${SIM_PORTS[$i]}"; done
@@ -93,28 +94,37 @@ metric_sum() {
   echo "$total"
 }
 
-run() {  # label, store kind, number of gateways
-  local label=$1 kind=$2 n=$3 urls="" mports=() gpids=() line
+start_fleet() {  # label, store kind, number of gateways: sets URLS, MPORTS, GPIDS
+  local label=$1 kind=$2 n=$3 line
+  URLS=""; MPORTS=(); GPIDS=()
   PREFIX="bench-$label-$RANDOM:"   # one keyspace per run, shared by its gateways
   start_sims
   for i in $(seq 1 "$n"); do
     line=$(gateway "$label-$i" "$kind")
     set -- $line
-    urls="${urls:+$urls,}http://127.0.0.1:$1"
-    mports+=("$2")
-    gpids+=("$3")
+    URLS="${URLS:+$URLS,}http://127.0.0.1:$1"
+    MPORTS+=("$2")
+    GPIDS+=("$3")
     PIDS+=("$3")
   done
-  "$BIN" bench --url "$urls" --sessions "$SESSIONS" --turns "$TURNS" -c "$CONC" \
+}
+
+stop_fleet() { for p in "${GPIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
+
+per_request() {  # metric family: its sum over the gateways / their requests
+  python3 -c "print(f'{$(metric_sum "$1" "${MPORTS[@]}") / max($(metric_sum agentserve_requests_total "${MPORTS[@]}"), 1):.3f}')"
+}
+
+run() {  # label, store kind, number of gateways
+  local label=$1 kind=$2 n=$3
+  start_fleet "$label" "$kind" "$n"
+  "$BIN" bench --url "$URLS" --sessions "$SESSIONS" --turns "$TURNS" -c "$CONC" \
     --context-bytes 8000 --label "$label ($n gateway$([ "$n" = 1 ] || echo s), store $kind)" | grep -F "| $label ("
-  local ops requests
-  ops=$(metric_sum agentserve_store_ops_total "${mports[@]}")
-  requests=$(metric_sum agentserve_requests_total "${mports[@]}")
   local lat_sum lat_n
-  lat_sum=$(metric_sum agentserve_store_latency_seconds_sum "${mports[@]}")
-  lat_n=$(metric_sum agentserve_store_latency_seconds_count "${mports[@]}")
-  echo "STORE $label $(python3 -c "print(f'{$ops / max($requests, 1):.3f}')") store operations per request ($ops / $requests); mean store round trip $(python3 -c "print(f'{1000 * $lat_sum / max($lat_n, 1):.2f}')") ms (what a request that asks Redis adds; others add nothing)" >&2
-  for p in "${gpids[@]}"; do kill "$p" 2>/dev/null || true; done
+  lat_sum=$(metric_sum agentserve_store_latency_seconds_sum "${MPORTS[@]}")
+  lat_n=$(metric_sum agentserve_store_latency_seconds_count "${MPORTS[@]}")
+  echo "STORE $label $(per_request agentserve_store_ops_total) store operations per request; mean store round trip $(python3 -c "print(f'{1000 * $lat_sum / max($lat_n, 1):.2f}')") ms" >&2
+  stop_fleet
 }
 
 echo "fleet bench: $SESSIONS sessions × $TURNS turns, concurrency $CONC, 3 replicas, turns round-robin over the gateways"
@@ -124,3 +134,29 @@ echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
 run one local 1
 run local local 4
 run redis redis 4
+
+# Latency probe: what asking Redis adds to a request. Replicas without
+# compute time, one request at a time, so the E2E latency is the gateway's
+# path; the gateway's own verdict splits requests: a miss (first turn) writes
+# its binding create-if-absent (one Redis round trip), a hit at steady state
+# asks nothing (other gateways learned the binding from the channel).
+SIM_COST=(--prefill-us-per-token 0 --decode-us-per-token 0)
+PROBE_SESSIONS=$(( SESSIONS < 300 ? SESSIONS : 300 ))
+echo
+echo "latency probe: $PROBE_SESSIONS sessions × 4 turns, one at a time, replicas without compute time (E2E, ms)"
+echo
+echo "| run | hits p50 | hits p99 | misses p50 | misses p99 | store ops / request |"
+echo "|---|---:|---:|---:|---:|---:|"
+for spec in "one local 1" "redis redis 4"; do
+  set -- $spec
+  start_fleet "probe-$1" "$2" "$3"
+  "$BIN" bench --url "$URLS" --sessions "$PROBE_SESSIONS" --turns 4 -c 1 --context-bytes 2000 \
+    --label "$1" --json > "$WORK/probe.json"
+  python3 - "$WORK/probe.json" "$1 ($3 gateway$([ "$3" = 1 ] || echo s), store $2)" "$(per_request agentserve_store_ops_total)" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+h, m = r["e2e_hit"], r["e2e_miss"]
+print(f"| {sys.argv[2]} | {h['p50_ms']:.2f} | {h['p99_ms']:.2f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} | {sys.argv[3]} |")
+PY
+  stop_fleet
+done
