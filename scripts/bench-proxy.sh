@@ -1,19 +1,37 @@
 #!/usr/bin/env bash
-# Proxy-overhead benchmark: the same chat requests sent (1) directly to a
-# simulated replica, (2) through agent-gateway, (3) through nginx with
-# `hash $http_x_session_id consistent` when nginx is installed — in one run, at
-# fixed concurrency, with wrk. Prints a markdown table with ratios to direct.
+# Proxy-overhead benchmark (issue 11): the same chat requests sent, in one run,
 #
-#   scripts/bench-proxy.sh [duration_seconds=10] [connections=16]
+#   direct         straight to a simulated replica (zero model latency)
+#   bare-pingora   through `examples/bare_proxy.rs`: a ProxyHttp that only
+#                  returns the peer, built from this crate's Pingora and profile
+#   agent-gateway  through the gateway (affinity, metrics, guards: all on)
+#   nginx          `hash $http_x_session_id consistent` + upstream keepalive
+#                  (installed when missing and the package registry answers)
+#
+# with wrk, for each worker-thread count and each concurrency, in several
+# alternating rounds. For every proxy it reads the process's own CPU time
+# (utime+stime from /proc, all threads; nginx: master and workers) and counts
+# its system calls (perf's raw_syscalls:sys_enter tracepoint, when perf can),
+# each divided by the requests served. Prints one table per (threads, c) with
+# the median and the spread (min–max) over rounds, and CPU ratios to the
+# bare-Pingora floor and to nginx.
+#
+#   scripts/bench-proxy.sh [seconds=5] [rounds=3] [connections="16 64"] [threads="1 2"]
+#   BIN=target/release/agent-gateway BARE=target/release/examples/bare_proxy scripts/bench-proxy.sh
 #
 # Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DUR="${1:-10}"
-CONN="${2:-16}"
+DUR="${1:-5}"
+ROUNDS="${2:-3}"
+CONNS="${3:-16 64}"
+THREADS="${4:-1 2}"
 command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
-cargo build --release --quiet
-BIN=target/release/agent-gateway
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --quiet --bin agent-gateway --example bare_proxy
+  BIN=target/release/agent-gateway
+fi
+BARE="${BARE:-target/release/examples/bare_proxy}"
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
@@ -22,55 +40,18 @@ trap cleanup EXIT
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 1 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
 
-SIM_PORT=$(port); GW_PORT=$(port); MET_PORT=$(port); ADM_PORT=$(port); NGX_PORT=$(port)
+HAVE_PERF=0
+perf stat -e raw_syscalls:sys_enter -- true >/dev/null 2>&1 && HAVE_PERF=1
+HAVE_NGINX=0
+if command -v nginx >/dev/null || { apt-get install -y -qq nginx >/dev/null 2>&1 && command -v nginx >/dev/null; }; then
+  HAVE_NGINX=1
+fi
+
+SIM_PORT=$(port)
 "$BIN" sim-backend --listen "127.0.0.1:$SIM_PORT" --id bench-0 --prefill-us-per-token 0 \
   --decode-us-per-token 0 --cache-blocks 0 --max-batch 1024 >/dev/null &
 PIDS+=($!)
 wait_port "$SIM_PORT"
-
-cat > "$WORK/gw.yaml" <<YAML
-server:
-  listen: ["127.0.0.1:$GW_PORT"]
-  threads: 1
-  pid_file: "$WORK/gw.pid"
-  upgrade_sock: "$WORK/gw.sock"
-tiers:
-  default:
-    default: true
-    backends: [{ id: bench-0, addr: "127.0.0.1:$SIM_PORT" }]
-affinity: { hash_key: "bench-key" }
-metrics: { listen: "127.0.0.1:$MET_PORT" }
-admin: { listen: "127.0.0.1:$ADM_PORT" }
-YAML
-RUST_LOG=error "$BIN" run --config "$WORK/gw.yaml" >/dev/null 2>&1 &
-PIDS+=($!)
-wait_port "$GW_PORT"
-
-HAVE_NGINX=0
-if command -v nginx >/dev/null || { apt-get install -y -qq nginx >/dev/null 2>&1 && command -v nginx >/dev/null; }; then
-  HAVE_NGINX=1
-  mkdir -p "$WORK/nginx"
-  cat > "$WORK/nginx.conf" <<NGX
-worker_processes 1;
-pid $WORK/nginx.pid;
-error_log $WORK/nginx/error.log error;
-daemon off;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $WORK/nginx;
-  proxy_temp_path $WORK/nginx;
-  upstream llm { hash \$http_x_session_id consistent; server 127.0.0.1:$SIM_PORT; keepalive 64; }
-  server {
-    listen 127.0.0.1:$NGX_PORT;
-    location / { proxy_pass http://llm; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }
-  }
-}
-NGX
-  nginx -c "$WORK/nginx.conf" &
-  PIDS+=($!)
-  wait_port "$NGX_PORT"
-fi
 
 cat > "$WORK/req.lua" <<'LUA'
 wrk.method = "POST"
@@ -84,28 +65,150 @@ request = function()
 end
 LUA
 
-run() { # name port
-  wrk -t1 -c"$CONN" -d"${DUR}s" --latency -s "$WORK/req.lua" "http://127.0.0.1:$2/v1/chat/completions" > "$WORK/$1.txt"
-  local rps p50 p99
-  rps=$(awk '/Requests\/sec/ {print $2}' "$WORK/$1.txt")
-  p50=$(awk '$1=="50%" {print $2}' "$WORK/$1.txt")
-  p99=$(awk '$1=="99%" {print $2}' "$WORK/$1.txt")
-  echo "$1 $rps $p50 $p99"
+# start_proxies THREADS: sets PORT_<path> and PROC_<path> (PIDs whose CPU counts).
+start_proxies() {
+  local t=$1 gp mp ap
+  gp=$(port); mp=$(port); ap=$(port)
+  cat > "$WORK/gw.yaml" <<YAML
+server:
+  listen: ["127.0.0.1:$gp"]
+  threads: $t
+  pid_file: "$WORK/gw.pid"
+  upgrade_sock: "$WORK/gw.sock"
+tiers:
+  default:
+    default: true
+    backends: [{ id: bench-0, addr: "127.0.0.1:$SIM_PORT" }]
+affinity: { hash_key: "bench-key" }
+metrics: { listen: "127.0.0.1:$mp" }
+admin: { listen: "127.0.0.1:$ap" }
+YAML
+  RUST_LOG=error "$BIN" run --config "$WORK/gw.yaml" >/dev/null 2>&1 &
+  PROC_gateway=$!; PIDS+=($!); PORT_gateway=$gp
+  PORT_bare=$(port)
+  RUST_LOG=error "$BARE" "127.0.0.1:$PORT_bare" "127.0.0.1:$SIM_PORT" "$t" >/dev/null 2>&1 &
+  PROC_bare=$!; PIDS+=($!)
+  wait_port "$PORT_gateway"; wait_port "$PORT_bare"
+  if [ "$HAVE_NGINX" = 1 ]; then
+    PORT_nginx=$(port)
+    mkdir -p "$WORK/nginx"
+    cat > "$WORK/nginx.conf" <<NGX
+worker_processes $t;
+pid $WORK/nginx.pid;
+error_log $WORK/nginx/error.log error;
+daemon off;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $WORK/nginx;
+  proxy_temp_path $WORK/nginx;
+  upstream llm { hash \$http_x_session_id consistent; server 127.0.0.1:$SIM_PORT; keepalive 64; }
+  server {
+    listen 127.0.0.1:$PORT_nginx;
+    location / { proxy_pass http://llm; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }
+  }
 }
+NGX
+    nginx -c "$WORK/nginx.conf" &
+    PROC_nginx=$!; PIDS+=($!)
+    wait_port "$PORT_nginx"
+  fi
+}
+
+stop_proxies() {
+  for p in $PROC_gateway $PROC_bare ${PROC_nginx:-}; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  PROC_nginx=""
+}
+
+# The process and its children (nginx's workers), comma-separated.
+family() { local kids; kids=$(pgrep -P "$1" | paste -sd, -); echo "$1${kids:+,$kids}"; }
+# Clock ticks of CPU (user + system) used so far by the PIDs in $1.
+ticks() { local t=0 p; for p in ${1//,/ }; do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0))); done; echo "$t"; }
 to_ms() { awk -v v="$1" 'BEGIN { if (v ~ /us$/) { sub(/us/,"",v); print v/1000 } else if (v ~ /ms$/) { sub(/ms/,"",v); print v } else { sub(/s/,"",v); print v*1000 } }'; }
 
-# Warm up connections and caches, then measure.
-wrk -t1 -c"$CONN" -d2s -s "$WORK/req.lua" "http://127.0.0.1:$GW_PORT/v1/chat/completions" >/dev/null
-RESULTS=("$(run direct "$SIM_PORT")" "$(run agent-gateway "$GW_PORT")")
-[ "$HAVE_NGINX" = 1 ] && RESULTS+=("$(run nginx "$NGX_PORT")")
+HZ=$(getconf CLK_TCK)
+# measure THREADS CONNS ROUND PATH PORT [PID]: appends one line to results.
+measure() {
+  local t=$1 c=$2 r=$3 path=$4 p=$5 pid=${6:-} pids="" t0=0 t1=0 perfpid=""
+  if [ -n "$pid" ]; then
+    pids=$(family "$pid")
+    t0=$(ticks "$pids")
+    if [ "$HAVE_PERF" = 1 ]; then
+      perf stat -x, -e raw_syscalls:sys_enter -p "$pids" -o "$WORK/perf.txt" -- sleep "$DUR" &
+      perfpid=$!
+    fi
+  fi
+  wrk -t1 -c"$c" -d"${DUR}s" --latency -s "$WORK/req.lua" "http://127.0.0.1:$p/v1/chat/completions" > "$WORK/wrk.txt"
+  [ -n "$perfpid" ] && wait "$perfpid" 2>/dev/null || true
+  [ -n "$pid" ] && t1=$(ticks "$pids")
+  local n rps p50 p99 cpu sc
+  n=$(awk '/requests in/ {print $1}' "$WORK/wrk.txt")
+  rps=$(awk '/Requests\/sec/ {print $2}' "$WORK/wrk.txt")
+  p50=$(to_ms "$(awk '$1=="50%" {print $2}' "$WORK/wrk.txt")")
+  p99=$(to_ms "$(awk '$1=="99%" {print $2}' "$WORK/wrk.txt")")
+  cpu=-; sc=-
+  if [ -n "$pid" ]; then
+    cpu=$(python3 -c "print(($t1 - $t0) * 1e6 / $HZ / max($n, 1))")
+    if [ -n "$perfpid" ]; then
+      sc=$(awk -F, '/raw_syscalls/ {print $1}' "$WORK/perf.txt")
+      sc=$(python3 -c "print(${sc:-0} / max($n, 1))")
+    fi
+  fi
+  echo "$t $c $r $path $rps $p50 $p99 $cpu $sc" >> "$WORK/results"
+}
+
+: > "$WORK/results"
+for t in $THREADS; do
+  start_proxies "$t"
+  # Warm up every path's connections.
+  for p in $PORT_gateway $PORT_bare ${PORT_nginx:-}; do
+    wrk -t1 -c64 -d1s -s "$WORK/req.lua" "http://127.0.0.1:$p/v1/chat/completions" >/dev/null
+  done
+  for c in $CONNS; do
+    for r in $(seq 1 "$ROUNDS"); do
+      measure "$t" "$c" "$r" direct "$SIM_PORT"
+      measure "$t" "$c" "$r" bare-pingora "$PORT_bare" "$PROC_bare"
+      measure "$t" "$c" "$r" agent-gateway "$PORT_gateway" "$PROC_gateway"
+      [ "$HAVE_NGINX" = 1 ] && measure "$t" "$c" "$r" nginx "$PORT_nginx" "$PROC_nginx"
+    done
+  done
+  stop_proxies
+done
 
 echo
-echo "wrk -t1 -c$CONN -d${DUR}s, POST /v1/chat/completions, 500 sessions; backend: sim-backend with zero model latency; $(nproc) cores"
-echo
-echo "| path | requests/s | ratio to direct | p50 ms | p99 ms |"
-echo "|---|---:|---:|---:|---:|"
-BASE=$(echo "${RESULTS[0]}" | awk '{print $2}')
-for r in "${RESULTS[@]}"; do
-  set -- $r
-  printf "| %s | %.0f | %.2f× | %.3f | %.3f |\n" "$1" "$2" "$(awk -v a="$2" -v b="$BASE" 'BEGIN{print a/b}')" "$(to_ms "$3")" "$(to_ms "$4")"
-done
+echo "wrk -t1, ${DUR}s per round, $ROUNDS alternating rounds, POST /v1/chat/completions, 500 sessions;"
+echo "backend: sim-backend with zero model latency; $(nproc) cores shared by wrk, the proxy and the backend."
+echo "Each cell: median (min–max over rounds). CPU: the proxy process's own, per request."
+[ "$HAVE_PERF" = 1 ] || echo "(perf cannot count syscalls here: syscalls/request left out)"
+[ "$HAVE_NGINX" = 1 ] || echo "(nginx is not installed: its rows left out)"
+python3 - "$WORK/results" <<'PY'
+import sys, statistics
+from collections import defaultdict
+rows = defaultdict(list)
+for line in open(sys.argv[1]):
+    t, c, r, path, rps, p50, p99, cpu, sc = line.split()
+    num = lambda v: None if v == "-" else float(v)
+    rows[(int(t), int(c), path)].append((float(rps), float(p50), float(p99), num(cpu), num(sc)))
+def cell(vals, fmt):
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "–"
+    return f"{fmt.format(statistics.median(vals))} ({fmt.format(min(vals))}–{fmt.format(max(vals))})"
+def med(key, i):
+    vals = [m[i] for m in rows.get(key, []) if m[i] is not None]
+    return statistics.median(vals) if vals else None
+for (t, c) in sorted({(k[0], k[1]) for k in rows}):
+    print(f"\n**{t} worker thread{'s' if t > 1 else ''}, c={c}**\n")
+    print("| path | requests/s | p50 ms | p99 ms | CPU µs / request | syscalls / request | CPU × bare Pingora | CPU × nginx |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    bare, ngx = med((t, c, "bare-pingora"), 3), med((t, c, "nginx"), 3)
+    for path in ["direct", "bare-pingora", "agent-gateway", "nginx"]:
+        m = rows.get((t, c, path))
+        if not m:
+            continue
+        cpu = med((t, c, path), 3)
+        ratio = lambda base: f"{cpu / base:.2f}×" if cpu and base else "–"
+        print(f"| {path} | {cell([x[0] for x in m], '{:.0f}')} | {cell([x[1] for x in m], '{:.3f}')} | "
+              f"{cell([x[2] for x in m], '{:.3f}')} | {cell([x[3] for x in m], '{:.1f}')} | "
+              f"{cell([x[4] for x in m], '{:.2f}')} | {ratio(bare)} | {ratio(ngx)} |")
+PY
