@@ -52,6 +52,34 @@ pub struct TierMetrics {
     pub ttfb: Histogram,
 }
 
+/// One backend's per-request counters in one tier, each resolved from its
+/// labels on first use: a label lookup per request costs more than the rest
+/// of the accounting at proxy speeds.
+#[derive(Default)]
+pub struct BackendCounters {
+    ok_requests: std::sync::OnceLock<IntCounter>,
+    prompt_tokens: std::sync::OnceLock<IntCounter>,
+    cached_prompt_tokens: std::sync::OnceLock<IntCounter>,
+}
+
+impl BackendCounters {
+    /// `agentserve_requests_total{tier, backend, status="200"}`.
+    pub fn ok_requests(&self, m: &Metrics, tier: &str, backend: &str) -> &IntCounter {
+        self.ok_requests
+            .get_or_init(|| m.requests.with_label_values(&[tier, backend, "200"]))
+    }
+
+    pub fn prompt_tokens(&self, m: &Metrics, tier: &str, backend: &str) -> &IntCounter {
+        self.prompt_tokens
+            .get_or_init(|| m.prompt_tokens.with_label_values(&[tier, backend]))
+    }
+
+    pub fn cached_prompt_tokens(&self, m: &Metrics, tier: &str, backend: &str) -> &IntCounter {
+        self.cached_prompt_tokens
+            .get_or_init(|| m.cached_prompt_tokens.with_label_values(&[tier, backend]))
+    }
+}
+
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
     r.register(Box::new(c.clone())).expect("unique metric");

@@ -119,7 +119,7 @@ impl GatewayProxy {
                 self.record_outcome(ctx, &backend, outcome);
             }
         }
-        let tier_name = ctx.tier_name().unwrap_or("none").to_string();
+        let tier_name = ctx.tier_name().unwrap_or("none");
         let status = session
             .response_written()
             .map(|r| r.status.as_u16())
@@ -128,7 +128,7 @@ impl GatewayProxy {
         let m = &self.gw.metrics;
         if let Some(g) = &ctx.error {
             m.gateway_errors
-                .with_label_values(&[&tier_name, &g.status.to_string()])
+                .with_label_values(&[tier_name, &g.status.to_string()])
                 .inc();
         }
         if let Some(tier) = &ctx.tier {
@@ -155,9 +155,13 @@ impl GatewayProxy {
             }
         }
         let backend_id = ctx.backend.as_ref().map_or("none", |b| &*b.id);
-        m.requests
-            .with_label_values(&[&tier_name, backend_id, &status.to_string()])
-            .inc();
+        match &ctx.backend {
+            Some(b) if status == 200 => b.counters.ok_requests(m, tier_name, backend_id).inc(),
+            _ => m
+                .requests
+                .with_label_values(&[tier_name, backend_id, &status.to_string()])
+                .inc(),
+        }
         let usage = ctx.usage.as_ref().and_then(UsageScanner::usage);
         // What the backend's answer teaches: its prefill cost and queueing,
         // and how much of this session it still had cached.
@@ -173,12 +177,12 @@ impl GatewayProxy {
                     .record_usage(sref.key, u.prompt_tokens, u.cached_tokens);
             }
         }
-        if let Some(u) = usage {
-            m.prompt_tokens
-                .with_label_values(&[&tier_name, backend_id])
+        if let (Some(u), Some(b)) = (usage, &ctx.backend) {
+            b.counters
+                .prompt_tokens(m, tier_name, backend_id)
                 .inc_by(u.prompt_tokens);
-            m.cached_prompt_tokens
-                .with_label_values(&[&tier_name, backend_id])
+            b.counters
+                .cached_prompt_tokens(m, tier_name, backend_id)
                 .inc_by(u.cached_tokens);
         }
         if let Some(trace) = &self.gw.trace {

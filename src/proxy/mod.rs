@@ -237,8 +237,17 @@ impl ProxyHttp for GatewayProxy {
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         #[cfg(unix)]
-        if reused && upstream_conn::peer_closed(fd, peer.is_tls()) {
-            return Err(upstream_conn::closed_in_pool());
+        if reused {
+            if let Some(b) = ctx
+                .backend
+                .as_ref()
+                .filter(|b| upstream_conn::peek_before_reuse(&b.stats))
+            {
+                if upstream_conn::peer_closed(fd, peer.is_tls()) {
+                    upstream_conn::closes_pooled(&b.stats);
+                    return Err(upstream_conn::closed_in_pool());
+                }
+            }
         }
         // The first request of a new session reached its backend: requests of
         // the same session waiting on it may follow now.

@@ -45,9 +45,9 @@ impl GatewayProxy {
             ));
             return Err(self.fail(ctx, e));
         }
-        resp.insert_header(BACKEND_HEADER, &*backend.id)?;
+        resp.insert_header(BACKEND_HEADER, backend.id_header.clone())?;
         resp.insert_header(HIT_HEADER, if ctx.affinity_hit { "true" } else { "false" })?;
-        resp.insert_header(TIER_HEADER, &*tier.name)?;
+        resp.insert_header(TIER_HEADER, tier.name_header.clone())?;
 
         let content_type = resp
             .headers

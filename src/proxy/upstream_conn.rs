@@ -15,7 +15,10 @@
 //! - idle connections are dropped after `server.upstream_idle_timeout_ms`
 //!   (default 4 s), before the engines' 5 s;
 //! - a reused connection whose FIN (or RST) has already arrived is caught
-//!   before the request is written ([`peer_closed`], one non-blocking peek);
+//!   before the request is written ([`peer_closed`], one non-blocking peek),
+//!   for a backend that has closed one before, or is still on probation
+//!   ([`peek_before_reuse`]: its first reuses): a backend that keeps its
+//!   connections open is not charged a system call per request;
 //! - a request that still fails on a reused connection before any response
 //!   byte is re-sent once on a fresh connection to the same backend, its body
 //!   replayed from what the gateway kept ([`should_replay`]); counted in
@@ -37,6 +40,7 @@ pub const FRESH_CONNECTIONS_FOR: Duration = Duration::from_secs(60);
 /// The backend closed a reused connection under a request: stop pooling its
 /// connections for [`FRESH_CONNECTIONS_FOR`].
 pub fn stop_reusing(stats: &BackendStats) {
+    closes_pooled(stats);
     let until = clock_ms() + FRESH_CONNECTIONS_FOR.as_millis() as u64;
     if stats
         .fresh_connections_until_ms
@@ -55,6 +59,27 @@ pub fn stop_reusing(stats: &BackendStats) {
 pub fn avoid_reuse(stats: &BackendStats) -> bool {
     let until = stats.fresh_connections_until_ms.load(Ordering::Relaxed);
     until != 0 && clock_ms() < until
+}
+
+/// Reuses of a backend's pooled connections peeked at before the backend
+/// counts as one that keeps its keep-alive promise.
+pub const REUSES_ON_PROBATION: u32 = 1000;
+
+/// Whether a reused connection to this backend should be peeked at before
+/// the request is written: always once it has closed one, else during its
+/// first [`REUSES_ON_PROBATION`] reuses. A backend that starts closing later
+/// is caught by the replay below, which puts it back to peeking.
+pub fn peek_before_reuse(stats: &BackendStats) -> bool {
+    stats.closes_pooled.load(Ordering::Relaxed)
+        || stats
+            .reuse_probation
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok()
+}
+
+/// A backend closed a pooled connection: peek before every reuse from now on.
+pub fn closes_pooled(stats: &BackendStats) {
+    stats.closes_pooled.store(true, Ordering::Relaxed);
 }
 
 /// Whether the peer of an idle pooled connection has already closed it (or
@@ -159,6 +184,24 @@ mod tests {
             !should_replay(&downstream, true, false, true),
             "client's error"
         );
+    }
+
+    #[test]
+    fn a_backend_is_peeked_at_on_probation_and_for_good_once_it_closed_one() {
+        let stats = crate::upstream::BackendStats::new("b");
+        let peeks = (0..REUSES_ON_PROBATION + 500)
+            .filter(|_| peek_before_reuse(&stats))
+            .count();
+        assert_eq!(peeks, REUSES_ON_PROBATION as usize, "then no more");
+        closes_pooled(&stats);
+        assert!((0..10).all(|_| peek_before_reuse(&stats)));
+        // A replay (a close the peek did not see) does the same.
+        let replayed = crate::upstream::BackendStats::new("c");
+        stats.reuse_probation.store(0, Ordering::Relaxed);
+        replayed.reuse_probation.store(0, Ordering::Relaxed);
+        assert!(!peek_before_reuse(&replayed));
+        stop_reusing(&replayed);
+        assert!(peek_before_reuse(&replayed));
     }
 
     #[test]

@@ -20,7 +20,7 @@ use pingora_load_balancing::discovery::Static;
 use pingora_load_balancing::{Backend as LbBackend, Backends, HealthRegistry};
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Live, per-backend state that outlives any one config snapshot.
@@ -37,12 +37,35 @@ pub struct BackendStats {
     /// Until then (ms on the gateway's clock), requests to this backend ask
     /// for a fresh connection: it closed a reused one under a request.
     pub fresh_connections_until_ms: AtomicU64,
+    /// Reuses of its pooled connections still peeked at before use, and
+    /// whether it has closed one under the gateway (then all are, for good):
+    /// see `proxy/upstream_conn.rs`.
+    pub reuse_probation: AtomicU32,
+    pub closes_pooled: AtomicBool,
     /// What the engine last reported about its own load (see load.rs).
     pub engine: load::EngineLoad,
     /// Prefill cost and queueing learned from its responses.
     pub cost: load::CostEstimate,
     /// Passive health: ejected after consecutive failed requests.
     pub outlier: outlier::OutlierState,
+}
+
+impl BackendStats {
+    pub fn new(id: &str) -> BackendStats {
+        BackendStats {
+            id: id.to_string(),
+            in_flight: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+            move_on_drain: AtomicBool::new(false),
+            admitted: AtomicBool::new(true),
+            fresh_connections_until_ms: AtomicU64::new(0),
+            reuse_probation: AtomicU32::new(crate::proxy::upstream_conn::REUSES_ON_PROBATION),
+            closes_pooled: AtomicBool::new(false),
+            engine: Default::default(),
+            cost: Default::default(),
+            outlier: Default::default(),
+        }
+    }
 }
 
 /// Backend id → slot, and slot → live state.
@@ -72,17 +95,7 @@ impl Slots {
             return (slot, Arc::clone(&w.stats[slot as usize]));
         }
         let slot = w.stats.len() as u32;
-        let stats = Arc::new(BackendStats {
-            id: id.to_string(),
-            in_flight: AtomicU64::new(0),
-            draining: AtomicBool::new(false),
-            move_on_drain: AtomicBool::new(false),
-            admitted: AtomicBool::new(true),
-            fresh_connections_until_ms: AtomicU64::new(0),
-            engine: Default::default(),
-            cost: Default::default(),
-            outlier: Default::default(),
-        });
+        let stats = Arc::new(BackendStats::new(id));
         w.stats.push(Arc::clone(&stats));
         w.by_id.insert(id.to_string(), slot);
         (slot, stats)
@@ -121,6 +134,10 @@ pub struct Backend {
     pub seed: u64,
     /// Pingora's identity for this backend (health is tracked per identity).
     pub lb: LbBackend,
+    /// Its per-request counters in this tier.
+    pub counters: crate::metrics::BackendCounters,
+    /// `id` as a response header value (made once, shared by every response).
+    pub id_header: http::HeaderValue,
     pub stats: Arc<BackendStats>,
     /// `Some(sni)`: connect over TLS and verify the certificate for this name.
     pub tls: Option<String>,
@@ -163,13 +180,15 @@ pub struct Tier {
     /// Pingora's membership view of this tier, sharing the gateway's health registry.
     view: Backends,
     pub metrics: TierMetrics,
+    /// `name` as a response header value.
+    pub name_header: http::HeaderValue,
 }
 
 impl Tier {
     /// Passing health checks (and, for a backend added by a reload, admitted
     /// by its first successful check), and not ejected for failing requests.
     pub fn healthy(&self, b: &Backend) -> bool {
-        self.checks_pass(b) && !b.stats.outlier.ejected(load::clock_ms())
+        self.checks_pass(b) && !b.stats.outlier.ejected_now()
     }
 
     /// What the active health checks alone say.
@@ -247,6 +266,8 @@ impl Routing {
                 backends,
                 view,
                 metrics: metrics.tier(&t.name),
+                // Tier names are letters, digits, `-`, `_`, `.` (checked by config).
+                name_header: http::HeaderValue::from_str(&t.name).expect("validated tier name"),
             }));
         }
         Ok(Routing {
@@ -300,6 +321,9 @@ fn make_backend(b: &BackendConfig, slots: &Slots, hasher: &HrwHasher) -> Backend
         slot,
         seed: hasher.backend_seed(&b.id),
         lb,
+        counters: Default::default(),
+        // Ids are printable ASCII without spaces (checked by config).
+        id_header: http::HeaderValue::from_str(&b.id).expect("validated backend id"),
         stats,
         tls: b.tls.clone(),
     }

@@ -59,6 +59,13 @@ impl OutlierState {
         now_ms < self.ejected_until_ms.load(Ordering::Relaxed)
     }
 
+    /// [`Self::ejected`] now, reading the clock only for a backend that has
+    /// been ejected at some point (this is asked per candidate per request).
+    pub fn ejected_now(&self) -> bool {
+        let until = self.ejected_until_ms.load(Ordering::Relaxed);
+        until != 0 && super::load::clock_ms() < until
+    }
+
     /// Record one outcome. Returns how long the backend is now ejected for,
     /// when this failure ejected it and `may_eject` (the panic threshold,
     /// asked only then) allowed it.
