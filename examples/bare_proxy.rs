@@ -10,6 +10,10 @@ use pingora::prelude::*;
 use pingora_core::server::configuration::{Opt, ServerConf};
 use std::sync::Arc;
 
+// The gateway's allocator, so the two differ only in what the gateway does.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 struct Bare {
     upstream: String,
 }

@@ -34,7 +34,8 @@ fi
 BARE="${BARE:-target/release/examples/bare_proxy}"
 WORK=$(mktemp -d)
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+# SIGINT: Pingora's fast shutdown (SIGTERM waits out a grace period).
+cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -116,7 +117,7 @@ NGX
 }
 
 stop_proxies() {
-  for p in $PROC_gateway $PROC_bare ${PROC_nginx:-}; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  for p in $PROC_gateway $PROC_bare ${PROC_nginx:-}; do kill -INT "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
   PROC_nginx=""
 }
 
