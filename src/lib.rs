@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod affinity;
+pub mod clock;
 pub mod config;
 pub mod demo;
 pub mod engine;

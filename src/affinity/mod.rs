@@ -22,7 +22,7 @@ use placement::{FirstKind, FirstPlacement, LoadMeasure};
 use policy::{BindingPolicy, DefaultPolicy, MoveReason};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 pub use table::BindingKey;
 use table::{Acquired, BindingTable, Decision};
 use tokio::sync::Notify;
@@ -160,7 +160,8 @@ impl Placement {
 /// The binding table plus the clock, TTL and policy it is read with.
 pub struct Affinity {
     table: BindingTable,
-    epoch: Instant,
+    /// `crate::clock` at creation.
+    epoch_ms: u64,
     /// 0 disables affinity.
     ttl_ms: AtomicU64,
     policy: ArcSwap<DefaultPolicy>,
@@ -173,7 +174,7 @@ impl Affinity {
     pub fn new(max_bindings: usize, ttl: Option<Duration>) -> Arc<Self> {
         Arc::new(Affinity {
             table: BindingTable::new(max_bindings),
-            epoch: Instant::now(),
+            epoch_ms: crate::clock::now_ms(),
             ttl_ms: AtomicU64::new(ttl.map_or(0, |d| d.as_millis() as u64)),
             policy: ArcSwap::from_pointee(DefaultPolicy::hard()),
             placement: ArcSwap::from_pointee(Placement::new(
@@ -266,7 +267,7 @@ impl Affinity {
 
     /// Milliseconds since this table was created: the clock deadlines use.
     pub fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        crate::clock::now_ms().saturating_sub(self.epoch_ms)
     }
 
     /// Convert a table deadline to wall-clock time remaining.

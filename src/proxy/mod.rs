@@ -84,8 +84,6 @@ impl Drop for InFlight {
 /// Everything later hooks need to know about one request.
 pub struct RequestCtx {
     start: Instant,
-    /// Wall-clock start, for traces.
-    start_wall: std::time::SystemTime,
     routing: Option<Arc<Routing>>,
     tier: Option<Arc<Tier>>,
     /// The session id as the client sent it (for metadata and traces).
@@ -174,7 +172,6 @@ impl ProxyHttp for GatewayProxy {
     fn new_ctx(&self) -> RequestCtx {
         RequestCtx {
             start: Instant::now(),
-            start_wall: std::time::SystemTime::now(),
             routing: None,
             tier: None,
             session: None,

@@ -51,12 +51,15 @@ impl GatewayProxy {
 
         let content_type = resp
             .headers
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_ascii_lowercase();
-        let is_json = content_type.starts_with("application/json");
-        let is_sse = content_type.starts_with("text/event-stream");
+            .get(http::header::CONTENT_TYPE)
+            .map_or(&b""[..], |v| v.as_bytes());
+        let is_type = |t: &[u8]| {
+            content_type
+                .get(..t.len())
+                .is_some_and(|p| p.eq_ignore_ascii_case(t))
+        };
+        let is_json = is_type(b"application/json");
+        let is_sse = is_type(b"text/event-stream");
         let encoded = resp.headers.get("content-encoding").is_some();
         if (is_json || is_sse) && !encoded {
             ctx.usage = Some(UsageScanner::default());

@@ -148,8 +148,16 @@ impl GatewayProxy {
         wait: std::time::Duration,
     ) -> Result<crate::affinity::Selection> {
         let affinity = &self.gw.affinity;
-        let deadline = Instant::now() + wait;
         let mut join = owner;
+        // Nearly every request is decided at once: only one that has to
+        // wait registers as a waiter (and reads the clock).
+        let no_backend = || GatewayError::no_healthy_backend(&tier.name).to_pingora();
+        match affinity.select_backend(sref, tier.index, candidates, join) {
+            Some(Choice::Go(sel)) => return Ok(sel),
+            Some(Choice::Wait) => {}
+            None => return Err(no_backend()),
+        }
+        let deadline = Instant::now() + wait;
         loop {
             let notified = affinity.waiter(sref.key).notified();
             tokio::pin!(notified);
@@ -159,7 +167,7 @@ impl GatewayProxy {
                 Some(Choice::Go(sel)) => return Ok(sel),
                 Some(Choice::Wait) => {}
                 // Only for empty candidates, which the caller rules out.
-                None => return Err(GatewayError::no_healthy_backend(&tier.name).to_pingora()),
+                None => return Err(no_backend()),
             }
             let now = Instant::now();
             if now >= deadline {

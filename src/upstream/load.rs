@@ -9,7 +9,7 @@
 //! gateway-local counts, the failure is counted, and no client ever sees it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Gauge names per engine: (running, waiting, KV usage 0..1).
 const RUNNING: &[&str] = &[
@@ -102,8 +102,7 @@ impl Default for EngineLoad {
 
 /// Milliseconds on a process-wide monotonic clock; never 0, so 0 can mean "never".
 pub(crate) fn clock_ms() -> u64 {
-    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+    crate::clock::now_ms()
 }
 
 fn store(cell: &AtomicU64, v: Option<f64>, scale: f64) {

@@ -1,0 +1,55 @@
+//! The millisecond clock of deadlines and ages: binding TTLs and leases,
+//! ejections, scrape staleness. It is read several times per request, so it
+//! is the kernel's coarse monotonic clock (on Linux a plain memory read in
+//! the vDSO, no timestamp counter): its resolution is the scheduler tick
+//! (1–4 ms), far finer than any deadline it serves. Latencies (metrics,
+//! traces) are measured with `Instant`.
+
+use std::sync::OnceLock;
+
+/// Milliseconds on a monotonic clock with an arbitrary origin.
+#[cfg(target_os = "linux")]
+fn raw_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime only writes the timespec it is given.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) } == 0 {
+        return ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000;
+    }
+    instant_ms()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn raw_ms() -> u64 {
+    instant_ms()
+}
+
+#[cfg_attr(target_os = "linux", allow(dead_code))]
+fn instant_ms() -> u64 {
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
+    START.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64
+}
+
+/// Milliseconds since the process first asked; never 0, so 0 can mean "never".
+pub fn now_ms() -> u64 {
+    static START: OnceLock<u64> = OnceLock::new();
+    let start = *START.get_or_init(raw_ms);
+    raw_ms().saturating_sub(start) + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moves_forward_in_milliseconds() {
+        let a = now_ms();
+        assert!(a >= 1);
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        let b = now_ms();
+        // Coarse: within a scheduler tick of the 30 ms slept.
+        assert!(b >= a + 20 && b < a + 30_000, "{a} → {b}");
+    }
+}
