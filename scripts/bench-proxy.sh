@@ -18,6 +18,7 @@
 #
 #   scripts/bench-proxy.sh [seconds=5] [rounds=3] [connections="16 64"] [threads="1 2"]
 #   BIN=target/release/agent-gateway BARE=target/release/examples/bare_proxy scripts/bench-proxy.sh
+#   BIN_BEFORE=/path/to/older/agent-gateway scripts/bench-proxy.sh   # adds its row: before/after in one run
 #
 # Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
 set -euo pipefail
@@ -86,6 +87,15 @@ admin: { listen: "127.0.0.1:$ap" }
 YAML
   RUST_LOG=error "$BIN" run --config "$WORK/gw.yaml" >/dev/null 2>&1 &
   PROC_gateway=$!; PIDS+=($!); PORT_gateway=$gp
+  if [ -n "${BIN_BEFORE:-}" ]; then
+    PORT_before=$(port)
+    sed -e "s/127.0.0.1:$gp/127.0.0.1:$PORT_before/" -e "s/127.0.0.1:$mp/127.0.0.1:$(port)/" \
+      -e "s/127.0.0.1:$ap/127.0.0.1:$(port)/" -e "s/gw\.pid/before.pid/" -e "s/gw\.sock/before.sock/" \
+      "$WORK/gw.yaml" > "$WORK/before.yaml"
+    RUST_LOG=error "$BIN_BEFORE" run --config "$WORK/before.yaml" >/dev/null 2>&1 &
+    PROC_before=$!; PIDS+=($!)
+    wait_port "$PORT_before"
+  fi
   PORT_bare=$(port)
   RUST_LOG=error "$BARE" "127.0.0.1:$PORT_bare" "127.0.0.1:$SIM_PORT" "$t" >/dev/null 2>&1 &
   PROC_bare=$!; PIDS+=($!)
@@ -117,8 +127,8 @@ NGX
 }
 
 stop_proxies() {
-  for p in $PROC_gateway $PROC_bare ${PROC_nginx:-}; do kill -INT "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-  PROC_nginx=""
+  for p in $PROC_gateway $PROC_bare ${PROC_nginx:-} ${PROC_before:-}; do kill -INT "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  PROC_nginx=""; PROC_before=""
 }
 
 # The process and its children (nginx's workers), comma-separated.
@@ -162,7 +172,7 @@ measure() {
 for t in $THREADS; do
   start_proxies "$t"
   # Warm up every path's connections.
-  for p in $PORT_gateway $PORT_bare ${PORT_nginx:-}; do
+  for p in $PORT_gateway $PORT_bare ${PORT_nginx:-} ${PORT_before:-}; do
     wrk -t1 -c64 -d1s -s "$WORK/req.lua" "http://127.0.0.1:$p/v1/chat/completions" >/dev/null
   done
   for c in $CONNS; do
@@ -170,6 +180,7 @@ for t in $THREADS; do
       measure "$t" "$c" "$r" direct "$SIM_PORT"
       measure "$t" "$c" "$r" bare-pingora "$PORT_bare" "$PROC_bare"
       measure "$t" "$c" "$r" agent-gateway "$PORT_gateway" "$PROC_gateway"
+      [ -n "${BIN_BEFORE:-}" ] && measure "$t" "$c" "$r" agent-gateway-before "$PORT_before" "$PROC_before"
       [ "$HAVE_NGINX" = 1 ] && measure "$t" "$c" "$r" nginx "$PORT_nginx" "$PROC_nginx"
     done
   done
@@ -203,7 +214,7 @@ for (t, c) in sorted({(k[0], k[1]) for k in rows}):
     print("| path | requests/s | p50 ms | p99 ms | CPU µs / request | syscalls / request | CPU × bare Pingora | CPU × nginx |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     bare, ngx = med((t, c, "bare-pingora"), 3), med((t, c, "nginx"), 3)
-    for path in ["direct", "bare-pingora", "agent-gateway", "nginx"]:
+    for path in ["direct", "bare-pingora", "agent-gateway", "agent-gateway-before", "nginx"]:
         m = rows.get((t, c, path))
         if not m:
             continue
