@@ -29,7 +29,10 @@ fn raw_ms() -> u64 {
 #[cfg_attr(target_os = "linux", allow(dead_code))]
 fn instant_ms() -> u64 {
     static START: OnceLock<std::time::Instant> = OnceLock::new();
-    START.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
 }
 
 /// Milliseconds since the process first asked; never 0, so 0 can mean "never".

@@ -246,7 +246,9 @@ pub async fn run(gw: Arc<Gateway>, store: Arc<SharedStore>) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tick.tick().await;
-        if !store.healthy() && !(store.connect().await && store.ping().await) {
+        // Down (or not connected yet): connect, then check it answers.
+        let up = store.healthy() || (store.connect().await && store.ping().await);
+        if !up {
             continue;
         }
         if store.has_unsynced() {

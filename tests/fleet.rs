@@ -357,44 +357,12 @@ async fn a_redis_outage_fails_no_request_and_bindings_converge_after() {
     assert!(split(&after).is_empty(), "{:?}", split(&after));
 }
 
-/// A CA and leaf certificates written as PEM files into a directory.
-struct Pki {
-    ca: rcgen::Certificate,
-    ca_key: rcgen::KeyPair,
-}
-
-impl Pki {
-    fn new(dir: &std::path::Path) -> Pki {
-        let mut params = rcgen::CertificateParams::new(vec![]).unwrap();
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        // Names of their own: OpenSSL (Redis) takes a leaf whose subject is
-        // its issuer's for self-signed.
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "fleet test CA");
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let ca = params.self_signed(&ca_key).unwrap();
-        std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
-        Pki { ca, ca_key }
-    }
-
-    fn leaf(&self, dir: &std::path::Path, name: &str) {
-        let mut params = rcgen::CertificateParams::new(vec![name.to_string()]).unwrap();
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &self.ca, &self.ca_key).unwrap();
-        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).unwrap();
-        std::fs::write(dir.join(format!("{name}.key")), key.serialize_pem()).unwrap();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateways_share_bindings_over_tls_and_over_a_unix_socket() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let pki = Pki::new(d);
+    let pki = Pki::new();
+    std::fs::write(d.join("ca.pem"), &pki.ca_pem).unwrap();
     pki.leaf(d, "127.0.0.1"); // the server's name in a rediss://127.0.0.1 URL
     pki.leaf(d, "gateway"); // a client certificate: Redis asks for one by default
     let tls_port = free_port();
@@ -437,12 +405,27 @@ async fn gateways_share_bindings_over_tls_and_over_a_unix_socket() {
         let seen = round(&gws, &sessions, 0).await;
         let seen_again = round(&gws, &sessions, 1).await;
         assert!(split(&seen).is_empty(), "{how}: {:?}", split(&seen));
-        assert!(split(&seen_again).is_empty(), "{how}: {:?}", split(&seen_again));
+        assert!(
+            split(&seen_again).is_empty(),
+            "{how}: {:?}",
+            split(&seen_again)
+        );
         for gw in &gws {
             let text = gw.metrics_text().await;
-            let errors: Vec<&str> = text.lines().filter(|l| l.starts_with("agentserve_store_errors_total")).collect();
-            assert_eq!(metric_value(&text, "agentserve_store_errors_total{"), 0.0, "{how}: {errors:?} {:?}", std::fs::read_to_string(gw.dir.path().join("gateway.log")));
-            assert!(gw.metric("agentserve_store_ops_total{").await > 0.0, "{how}");
+            let errors: Vec<&str> = text
+                .lines()
+                .filter(|l| l.starts_with("agentserve_store_errors_total"))
+                .collect();
+            assert_eq!(
+                metric_value(&text, "agentserve_store_errors_total{"),
+                0.0,
+                "{how}: {errors:?} {:?}",
+                std::fs::read_to_string(gw.dir.path().join("gateway.log"))
+            );
+            assert!(
+                gw.metric("agentserve_store_ops_total{").await > 0.0,
+                "{how}"
+            );
         }
     }
 }

@@ -9,39 +9,6 @@ use std::path::Path;
 use std::sync::Arc;
 use tokio_rustls::rustls;
 
-struct Pki {
-    ca_pem: String,
-    ca: rcgen::Certificate,
-    ca_key: rcgen::KeyPair,
-}
-
-impl Pki {
-    fn new() -> Pki {
-        let mut params = rcgen::CertificateParams::new(vec![]).unwrap();
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "agent-gateway test CA");
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let ca = params.self_signed(&ca_key).unwrap();
-        Pki {
-            ca_pem: ca.pem(),
-            ca,
-            ca_key,
-        }
-    }
-
-    /// Write a leaf certificate for `name` to dir/name.{pem,key}; returns its DER.
-    fn leaf(&self, dir: &Path, name: &str) -> Vec<u8> {
-        let params = rcgen::CertificateParams::new(vec![name.to_string()]).unwrap();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &self.ca, &self.ca_key).unwrap();
-        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).unwrap();
-        std::fs::write(dir.join(format!("{name}.key")), key.serialize_pem()).unwrap();
-        cert.der().to_vec()
-    }
-}
-
 fn tls_section(dir: &Path, port: u16) -> String {
     let d = dir.display();
     format!(

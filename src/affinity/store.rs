@@ -160,7 +160,9 @@ pub fn client(cfg: &StoreConfig) -> Result<redis::Client, String> {
         return redis::Client::open(info).map_err(|e| e.to_string());
     }
     if !matches!(info.addr, redis::ConnectionAddr::TcpTls { .. }) {
-        return Err(format!("`{url}`: TLS files are set but the URL is not `rediss://`"));
+        return Err(format!(
+            "`{url}`: TLS files are set but the URL is not `rediss://`"
+        ));
     }
     let read = |path: &str| std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"));
     let client_tls = match (&t.cert_file, &t.key_file) {

@@ -191,7 +191,9 @@ impl GatewayProxy {
                 // Wall-clock start: now, less what the request took.
                 time_ms: std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.saturating_sub(ctx.start.elapsed()).as_millis() as u64),
+                    .map_or(0, |d| {
+                        d.saturating_sub(ctx.start.elapsed()).as_millis() as u64
+                    }),
                 request_id: format!("{:016x}", self.request_ids.fetch_add(1, Ordering::Relaxed)),
                 method: req.method.as_str(),
                 path: req.uri.path(),

@@ -586,3 +586,43 @@ pub fn hrw_candidates(ids: &[&str]) -> Vec<agent_gateway::affinity::Candidate> {
         })
         .collect()
 }
+
+/// A certificate authority the test generates, and leaf certificates it
+/// signs, written as PEM files.
+pub struct Pki {
+    pub ca_pem: String,
+    pub ca: rcgen::Certificate,
+    ca_key: rcgen::KeyPair,
+}
+
+impl Pki {
+    pub fn new() -> Pki {
+        let mut params = rcgen::CertificateParams::new(vec![]).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        // Names of their own: OpenSSL (Redis) takes a leaf whose subject is
+        // its issuer's for self-signed.
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "agent-gateway test CA");
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let ca = params.self_signed(&ca_key).unwrap();
+        Pki {
+            ca_pem: ca.pem(),
+            ca,
+            ca_key,
+        }
+    }
+
+    /// Write a leaf certificate for `name` to dir/name.{pem,key}; returns its DER.
+    pub fn leaf(&self, dir: &std::path::Path, name: &str) -> Vec<u8> {
+        let mut params = rcgen::CertificateParams::new(vec![name.to_string()]).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.ca, &self.ca_key).unwrap();
+        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).unwrap();
+        std::fs::write(dir.join(format!("{name}.key")), key.serialize_pem()).unwrap();
+        cert.der().to_vec()
+    }
+}
