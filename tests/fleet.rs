@@ -429,3 +429,52 @@ async fn gateways_share_bindings_over_tls_and_over_a_unix_socket() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_says_it_is_starting_while_it_connects_to_the_store() {
+    // A "Redis" that accepts connections and never answers: the gateway's
+    // first connection attempt hangs until this test lets it fail.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let redis_port = silent.local_addr().unwrap().port();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let (held, _) = silent.accept().unwrap();
+        let _ = released.recv();
+        drop(held);
+        drop(silent);
+    });
+    let sim = SimBackend::start("vllm-0", &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let (port, metrics_port) = (free_port(), free_port_pair());
+    let yaml = config_yaml(
+        port,
+        metrics_port,
+        dir.path(),
+        &[tier("default", true, &[], &[&sim])],
+        &format!(
+            "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{redis_port}\"\n    timeout_ms: 10000\n",
+            affinity_yaml(1800)
+        ),
+    );
+    let starting =
+        tokio::spawn(async move { Gateway::start_yaml(dir, port, metrics_port, &yaml).await });
+    let healthz = format!("http://127.0.0.1:{metrics_port}/healthz");
+    wait_until("/healthz to say the gateway is starting", || {
+        let healthz = healthz.clone();
+        async move {
+            match reqwest::get(&healthz).await {
+                Ok(r) if r.status() == 503 => {
+                    r.text().await.unwrap_or_default().starts_with("starting")
+                }
+                _ => false,
+            }
+        }
+    })
+    .await;
+    // The store turns out to be unreachable: the gateway becomes ready and
+    // serves from local state.
+    release.send(()).unwrap();
+    let gw = starting.await.unwrap();
+    let r = chat(&client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
+    assert_eq!(r.status, 200);
+}
