@@ -7,26 +7,34 @@
 
 use std::sync::OnceLock;
 
-/// Milliseconds on a monotonic clock with an arbitrary origin.
-#[cfg(target_os = "linux")]
+/// Milliseconds on a monotonic clock with an arbitrary origin: the coarse
+/// clock where the kernel has it (checked once, so one process never mixes
+/// two clocks' origins), else `Instant`.
 fn raw_ms() -> u64 {
+    static COARSE: OnceLock<bool> = OnceLock::new();
+    if *COARSE.get_or_init(|| coarse_ms().is_some()) {
+        coarse_ms().unwrap_or(0)
+    } else {
+        instant_ms()
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn coarse_ms() -> Option<u64> {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime only writes the timespec it is given.
-    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) } == 0 {
-        return ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000;
-    }
-    instant_ms()
+    let ok = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) } == 0;
+    ok.then(|| ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000)
 }
 
 #[cfg(not(target_os = "linux"))]
-fn raw_ms() -> u64 {
-    instant_ms()
+fn coarse_ms() -> Option<u64> {
+    None
 }
 
-#[cfg_attr(target_os = "linux", allow(dead_code))]
 fn instant_ms() -> u64 {
     static START: OnceLock<std::time::Instant> = OnceLock::new();
     START

@@ -197,7 +197,6 @@ mod tests {
         assert!((0..10).all(|_| peek_before_reuse(&stats)));
         // A replay (a close the peek did not see) does the same.
         let replayed = crate::upstream::BackendStats::new("c");
-        stats.reuse_probation.store(0, Ordering::Relaxed);
         replayed.reuse_probation.store(0, Ordering::Relaxed);
         assert!(!peek_before_reuse(&replayed));
         stop_reusing(&replayed);
