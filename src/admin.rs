@@ -93,7 +93,7 @@ impl AdminApp {
                     "weight": b.weight,
                     "healthy": t.healthy(b),
                     "health_checks_pass": t.checks_pass(b),
-                    "ejected_ms_left": b.stats.outlier.remaining_ms(crate::upstream::load::clock_ms()),
+                    "ejected_ms_left": b.stats.outlier.remaining_ms(crate::clock::now_ms()),
                     "draining": b.draining(),
                     "move_sessions": b.stats.move_on_drain.load(Ordering::Relaxed),
                     "in_flight": b.in_flight(),

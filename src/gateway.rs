@@ -315,7 +315,7 @@ impl Gateway {
                     .set(b.in_flight() as i64);
                 m.backend_ejected
                     .with_label_values(&labels)
-                    .set(b.stats.outlier.ejected(crate::upstream::load::clock_ms()) as i64);
+                    .set(b.stats.outlier.ejected(crate::clock::now_ms()) as i64);
             }
         }
     }

@@ -120,13 +120,7 @@ async fn add_backend(gw: &Gateway, like: &SimBackend, extra: &SimBackend) {
         yaml.replace(&line, &format!("{line}\n{added}")),
     )
     .unwrap();
-    signal(gw.pid(), libc::SIGHUP);
-    wait_until("the reload", || async {
-        gw.metric("agentserve_config_reload_total{result=\"success\"}")
-            .await
-            == 1.0
-    })
-    .await;
+    gw.reload("success", 1.0).await;
 }
 
 fn split(seen: &HashMap<String, Vec<String>>) -> Vec<String> {

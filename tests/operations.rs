@@ -51,13 +51,7 @@ async fn reload_changes_backends_under_steady_load() {
     );
     std::fs::write(&gw.config_path, new_yaml).unwrap();
     let on_removed_before = gw.metric("agentserve_bindings{tier=\"default\"}").await;
-    signal(gw.pid(), libc::SIGHUP);
-    wait_until("the reload", || async {
-        gw.metric("agentserve_config_reload_total{result=\"success\"}")
-            .await
-            == 1.0
-    })
-    .await;
+    gw.reload("success", 1.0).await;
     let broken = gw
         .metric("agentserve_affinity_broken_total{tier=\"default\"}")
         .await;
@@ -117,13 +111,7 @@ async fn an_invalid_reload_keeps_serving_the_old_config() {
         "tiers: {default: {backends: [{id: x, addr: nowhere}]}}\nbogus: 1\n",
     )
     .unwrap();
-    signal(gw.pid(), libc::SIGHUP);
-    wait_until("the failed reload to be counted", || async {
-        gw.metric("agentserve_config_reload_total{result=\"error\"}")
-            .await
-            == 1.0
-    })
-    .await;
+    gw.reload("error", 1.0).await;
     for (sid, b) in &before {
         let r = chat(&client(), &gw, &[("x-session-id", sid)], &chat_body("m", 1)).await;
         assert_eq!(r.status, 200);

@@ -89,13 +89,7 @@ async fn sni_picks_the_certificate_h2_is_negotiated_and_sighup_reloads_certifica
     // New certificate for a.test, picked up by SIGHUP without a restart.
     let a2 = pki.leaf(certs.path(), "a.test");
     assert_ne!(a, a2);
-    signal(gw.pid(), libc::SIGHUP);
-    wait_until("the reload", || async {
-        gw.metric("agentserve_config_reload_total{result=\"success\"}")
-            .await
-            == 1.0
-    })
-    .await;
+    gw.reload("success", 1.0).await;
     assert_eq!(served_cert(&pki, tls_port, "a.test").await, a2);
 }
 

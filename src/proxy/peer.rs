@@ -270,7 +270,7 @@ impl GatewayProxy {
             return;
         };
         let cfg = &routing.config.outlier;
-        let now = crate::upstream::load::clock_ms();
+        let now = crate::clock::now_ms();
         let ejected = backend.stats.outlier.record(outcome, cfg, now, || {
             tier.may_eject(cfg.max_ejected_percent)
         });

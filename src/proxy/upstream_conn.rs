@@ -27,7 +27,6 @@
 //!   ([`FRESH_CONNECTIONS_FOR`]), so its connections are not pooled at all:
 //!   a connect on a local network costs far less than a replayed request.
 
-use crate::upstream::load::clock_ms;
 use crate::upstream::BackendStats;
 use pingora_core::{Error, ErrorSource, ErrorType, RetryType};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,11 +40,11 @@ pub const FRESH_CONNECTIONS_FOR: Duration = Duration::from_secs(60);
 /// connections for [`FRESH_CONNECTIONS_FOR`].
 pub fn stop_reusing(stats: &BackendStats) {
     closes_pooled(stats);
-    let until = clock_ms() + FRESH_CONNECTIONS_FOR.as_millis() as u64;
+    let until = crate::clock::now_ms() + FRESH_CONNECTIONS_FOR.as_millis() as u64;
     if stats
         .fresh_connections_until_ms
         .swap(until, Ordering::Relaxed)
-        < clock_ms()
+        < crate::clock::now_ms()
     {
         log::info!(
             "backend {} closes connections it advertised as keep-alive; not pooling its connections for {}s",
@@ -58,7 +57,7 @@ pub fn stop_reusing(stats: &BackendStats) {
 /// Whether requests to this backend should ask for a fresh, unpooled connection.
 pub fn avoid_reuse(stats: &BackendStats) -> bool {
     let until = stats.fresh_connections_until_ms.load(Ordering::Relaxed);
-    until != 0 && clock_ms() < until
+    until != 0 && crate::clock::now_ms() < until
 }
 
 /// Reuses of a backend's pooled connections peeked at before the backend

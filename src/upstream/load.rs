@@ -100,11 +100,6 @@ impl Default for EngineLoad {
     }
 }
 
-/// Milliseconds on a process-wide monotonic clock; never 0, so 0 can mean "never".
-pub(crate) fn clock_ms() -> u64 {
-    crate::clock::now_ms()
-}
-
 fn store(cell: &AtomicU64, v: Option<f64>, scale: f64) {
     cell.store(
         v.map_or(NONE, |v| (v * scale).round() as u64),
@@ -126,12 +121,14 @@ impl EngineLoad {
         store(&self.kv_usage_ppm, g.kv_usage, 1e6);
         self.stale_ms
             .store(stale.as_millis() as u64, Ordering::Relaxed);
-        self.scraped_ms.store(clock_ms(), Ordering::Relaxed);
+        self.scraped_ms
+            .store(crate::clock::now_ms(), Ordering::Relaxed);
     }
 
     pub fn fresh(&self) -> bool {
         let at = self.scraped_ms.load(Ordering::Relaxed);
-        at != 0 && clock_ms().saturating_sub(at) <= self.stale_ms.load(Ordering::Relaxed)
+        at != 0
+            && crate::clock::now_ms().saturating_sub(at) <= self.stale_ms.load(Ordering::Relaxed)
     }
 
     /// Running + waiting, when the last scrape is fresh and reported them; else 0.
@@ -356,7 +353,7 @@ mod tests {
         assert_eq!(l.snapshot(), Some((Some(3), Some(4), Some(0.5))));
         l.record(&g, Duration::ZERO);
         l.scraped_ms
-            .store(clock_ms().saturating_sub(10), Ordering::Relaxed);
+            .store(crate::clock::now_ms().saturating_sub(10), Ordering::Relaxed);
         assert_eq!(l.requests_if_fresh(), 0, "too old to count");
     }
 

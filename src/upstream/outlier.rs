@@ -63,7 +63,7 @@ impl OutlierState {
     /// been ejected at some point (this is asked per candidate per request).
     pub fn ejected_now(&self) -> bool {
         let until = self.ejected_until_ms.load(Ordering::Relaxed);
-        until != 0 && super::load::clock_ms() < until
+        until != 0 && crate::clock::now_ms() < until
     }
 
     /// Record one outcome. Returns how long the backend is now ejected for,

@@ -363,6 +363,17 @@ impl Gateway {
             .expect("metrics text")
     }
 
+    /// Send SIGHUP and wait until `agentserve_config_reload_total{result}`
+    /// (`success` or `error`) reaches `count`.
+    pub async fn reload(&self, result: &str, count: f64) {
+        signal(self.pid(), libc::SIGHUP);
+        let sample = format!("agentserve_config_reload_total{{result=\"{result}\"}}");
+        wait_until(&format!("reload {result} #{count}"), || async {
+            self.metric(&sample).await == count
+        })
+        .await;
+    }
+
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
