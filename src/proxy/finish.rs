@@ -88,13 +88,16 @@ impl GatewayProxy {
                 // The connection closes after this answer (below): say so,
                 // or a client reusing it races the close.
                 session.set_keepalive(None);
+                // The backend's failure counts before the client hears of it:
+                // its next request must already see an ejection this causes.
+                ctx.error = Some(g.clone());
+                self.settle_outcome(session, Some(e), ctx);
                 let tier = ctx.tier_name().map(str::to_string);
                 let status = g.status;
                 let backend = ctx.backend.as_ref().map(|b| Arc::clone(&b.id));
                 if let Err(we) = g.write(session, tier.as_deref(), backend.as_deref()).await {
                     log::debug!("writing error response failed: {we}");
                 }
-                ctx.error = Some(g);
                 status
             }
             _ => 0,
@@ -114,11 +117,7 @@ impl GatewayProxy {
         if let Some(conn) = &ctx.conn {
             conn.request_done();
         }
-        if let Some(backend) = ctx.backend.clone() {
-            if let Some(outcome) = Self::outcome(session, e, ctx) {
-                self.record_outcome(ctx, &backend, outcome);
-            }
-        }
+        self.settle_outcome(session, e, ctx);
         let tier_name = ctx.tier_name().unwrap_or("none");
         let status = session
             .response_written()

@@ -98,6 +98,8 @@ pub struct RequestCtx {
     body_bytes: u64,
     /// The request was re-sent on a fresh connection (see upstream_conn.rs).
     replayed: bool,
+    /// Its passive-health outcome is recorded (see `settle_outcome`).
+    outcome_settled: bool,
     backend: Option<Arc<Backend>>,
     affinity_hit: bool,
     reason: Option<Reason>,
@@ -181,6 +183,7 @@ impl ProxyHttp for GatewayProxy {
             body_hold: None,
             body_bytes: 0,
             replayed: false,
+            outcome_settled: false,
             backend: None,
             affinity_hit: false,
             reason: None,

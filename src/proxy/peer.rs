@@ -289,6 +289,26 @@ impl GatewayProxy {
         }
     }
 
+    /// Record, once per request, what it says about its backend (passive
+    /// health): when the gateway answers a failure, before that answer is
+    /// written; otherwise when the request ends.
+    pub(super) fn settle_outcome(
+        &self,
+        session: &Session,
+        e: Option<&Error>,
+        ctx: &mut RequestCtx,
+    ) {
+        if ctx.outcome_settled {
+            return;
+        }
+        ctx.outcome_settled = true;
+        if let Some(backend) = ctx.backend.clone() {
+            if let Some(outcome) = Self::outcome(session, e, ctx) {
+                self.record_outcome(ctx, &backend, outcome);
+            }
+        }
+    }
+
     /// What a finished request says about its backend: `None` when the
     /// backend was not at fault either way (the client left, bad input).
     pub(super) fn outcome(
