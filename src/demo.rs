@@ -46,6 +46,11 @@ pub struct DemoArgs {
     /// (e.g. `bounded_hrw,balance_factor=1.25,load=requests`).
     #[arg(long, default_value = "hrw;round_robin;bounded_hrw")]
     pub placements: String,
+    /// Placement, soft and recovery studies: run each variant this many
+    /// times, each repeat with another population of session ids (another
+    /// draw of the hash's lumpiness), and summarise the means.
+    #[arg(long, default_value_t = 1)]
+    pub repeats: usize,
     /// The soft study's extra YAML sections (e.g. a `placement:` section).
     #[arg(long, default_value = "")]
     pub soft_placement: String,
@@ -466,35 +471,53 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
     sub.turns = 6;
     sub.subagents = 2;
     sub.user_bytes = 2000;
+    let variants: Vec<&str> = args
+        .placements
+        .split(';')
+        .filter(|v| !v.is_empty())
+        .collect();
+    let repeats = args.repeats.max(1);
     let mut out = Vec::new();
     let mut tables = Vec::new();
     for (name, a) in [("64x8 c=16", &base), ("12x6 + 2 subagents", &sub)] {
-        let mut reports = Vec::new();
-        for first in args.placements.split(';').filter(|v| !v.is_empty()) {
-            let yaml = first
-                .split(',')
-                .fold(String::from("placement:\n"), |mut y, kv| {
-                    let (k, v) = kv.split_once('=').unwrap_or(("first", kv));
-                    y.push_str(&format!("  {k}: {v}\n"));
-                    y
-                });
-            let fleet = start_fleet(exe, &model, None, 3, "", &yaml).await?;
-            let mut a = a.clone();
-            a.url = fleet.gateway_url.clone();
-            a.label = format!("contention {name}: {first}");
-            a.id_prefix = "contention".into();
-            reports.push(loadgen::run(&a).await);
+        // runs[v][r]: variant v, repeat r (another population of session ids).
+        let mut runs: Vec<Vec<report::Report>> = vec![Vec::new(); variants.len()];
+        for r in 0..repeats {
+            for (v, first) in variants.iter().enumerate() {
+                let yaml = first
+                    .split(',')
+                    .fold(String::from("placement:\n"), |mut y, kv| {
+                        let (k, v) = kv.split_once('=').unwrap_or(("first", kv));
+                        y.push_str(&format!("  {k}: {v}\n"));
+                        y
+                    });
+                let fleet = start_fleet(exe, &model, None, 3, "", &yaml).await?;
+                let mut a = a.clone();
+                a.url = fleet.gateway_url.clone();
+                a.label = if repeats > 1 {
+                    format!("contention {name}: {first} (ids {r})")
+                } else {
+                    format!("contention {name}: {first}")
+                };
+                a.id_prefix = format!("contention{r}");
+                runs[v].push(loadgen::run(&a).await);
+            }
         }
-        tables.push((name, report::comparison_table(&reports)));
-        out.extend(reports);
+        let flat: Vec<report::Report> = runs.iter().flatten().cloned().collect();
+        let summary = (repeats > 1).then(|| report::repeats_table(&variants, &runs));
+        tables.push((name, report::comparison_table(&flat), summary));
+        out.extend(flat);
     }
     if !args.json {
         println!(
             "First placement under compute contention (3 replicas, serial prefill {} µs/token):\n",
             model.prefill_us_per_token
         );
-        for (name, t) in tables {
+        for (name, t, summary) in tables {
             println!("{name}:\n\n{t}");
+            if let Some(summary) = summary {
+                println!("{name}, means over {repeats} populations of session ids (ratios against the first variant, per population):\n\n{summary}");
+            }
         }
         for r in out.iter().filter(|r| r.subagent_colocation.is_some()) {
             println!(

@@ -131,6 +131,15 @@ pub struct Selection {
     pub lease: Option<Lease>,
 }
 
+/// Why [`Affinity::select_waiting`] returned without a selection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitEnd {
+    /// `candidates` was empty.
+    NoCandidate,
+    /// The client closed its connection while the request waited.
+    ClientGone,
+}
+
 /// What [`Affinity::select_backend`] decided.
 #[derive(Debug)]
 pub enum Choice {
@@ -273,6 +282,55 @@ impl Affinity {
     /// Convert a table deadline to wall-clock time remaining.
     pub fn remaining(&self, deadline_ms: u64) -> Duration {
         Duration::from_millis(deadline_ms.saturating_sub(self.now_ms()))
+    }
+
+    /// [`Affinity::select_backend`], waiting (at most `wait`) while another
+    /// request of the same session is placing it: single-flight. Nearly every
+    /// request is decided at once; only one that has to wait registers as a
+    /// waiter and reads the clock. Out of patience, it follows the pending
+    /// placement. `client_gone` is polled while waiting; when it says the
+    /// client left, the wait ends with [`WaitEnd::ClientGone`].
+    pub async fn select_waiting(
+        self: &Arc<Self>,
+        session: &SessionRef,
+        tier: u16,
+        candidates: &[Candidate],
+        owner: bool,
+        wait: Duration,
+        client_gone: impl Fn() -> bool,
+    ) -> Result<Selection, WaitEnd> {
+        let mut join = owner;
+        match self.select_backend(session, tier, candidates, join) {
+            Some(Choice::Go(sel)) => return Ok(sel),
+            Some(Choice::Wait) => {}
+            None => return Err(WaitEnd::NoCandidate),
+        }
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.waiter(session.key).notified();
+            tokio::pin!(notified);
+            // Register before asking, so a confirmation in between is not missed.
+            notified.as_mut().enable();
+            match self.select_backend(session, tier, candidates, join) {
+                Some(Choice::Go(sel)) => return Ok(sel),
+                Some(Choice::Wait) => {}
+                None => return Err(WaitEnd::NoCandidate),
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                join = true;
+                continue;
+            }
+            let poll = Duration::from_millis(25).min(deadline - now);
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep(poll) => {
+                    if client_gone() {
+                        return Err(WaitEnd::ClientGone);
+                    }
+                }
+            }
+        }
     }
 
     /// Choose the backend for `session` among `candidates` and lease its binding.
@@ -555,6 +613,58 @@ mod tests {
         let second = go(&a, &s, &c);
         assert!(second.affinity_hit);
         assert_eq!(second.backend, first.backend);
+    }
+
+    #[tokio::test]
+    async fn a_waiting_request_follows_the_first_placement_once_it_is_confirmed() {
+        let h = HrwHasher::new("k");
+        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
+        let c = fleet(&h, 3);
+        let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
+        let wait = Duration::from_secs(3600);
+        let mut first = a
+            .select_waiting(&s, 0, &c, false, wait, || false)
+            .await
+            .expect("the first request places the session");
+        let waiter = {
+            let (a, s, c) = (Arc::clone(&a), s.clone(), c.clone());
+            tokio::spawn(async move { a.select_waiting(&s, 0, &c, false, wait, || false).await })
+        };
+        // The second request is parked until the first reaches its backend.
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        first.lease.as_mut().unwrap().confirm();
+        let second = waiter.await.unwrap().expect("follows the placement");
+        assert!(second.affinity_hit);
+        assert_eq!(second.backend, first.backend);
+    }
+
+    #[tokio::test]
+    async fn a_waiter_out_of_patience_joins_the_pending_placement_or_leaves_with_its_client() {
+        let h = HrwHasher::new("k");
+        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
+        let c = fleet(&h, 3);
+        let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
+        let wait = Duration::from_millis(100);
+        let first = a
+            .select_waiting(&s, 0, &c, false, wait, || false)
+            .await
+            .unwrap();
+        // Never confirmed: after `wait` the second request goes where the first went.
+        let second = a
+            .select_waiting(&s, 0, &c, false, wait, || false)
+            .await
+            .expect("joins after the wait");
+        assert_eq!(second.backend, first.backend);
+        // A client that leaves while waiting ends the wait.
+        let third = a.select_waiting(&s, 0, &c, false, Duration::from_secs(60), || true);
+        assert_eq!(third.await.unwrap_err(), WaitEnd::ClientGone);
+        assert_eq!(
+            a.select_waiting(&s, 0, &[], false, wait, || false)
+                .await
+                .unwrap_err(),
+            WaitEnd::NoCandidate
+        );
     }
 
     #[test]

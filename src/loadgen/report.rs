@@ -239,6 +239,42 @@ pub fn comparison_table(reports: &[Report]) -> String {
     s
 }
 
+/// Several variants, each run on the same populations of session ids:
+/// `runs[v][r]` is variant `v` on population `r`. Means per variant, and the
+/// mean of its per-population ratios against variant 0 (the baseline ran on
+/// the same ids, so the hash's luck cancels out of each ratio).
+pub fn repeats_table(variants: &[&str], runs: &[Vec<Report>]) -> String {
+    let mean = |xs: &mut dyn Iterator<Item = f64>| {
+        let (sum, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+        sum / n.max(1) as f64
+    };
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| variant | runs | errors | balance | prefix-cache hit | req/s | E2E p99 | req/s × first | E2E p99 × first |"
+    );
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let Some(base) = runs.first() else {
+        return s;
+    };
+    for (name, rs) in variants.iter().zip(runs) {
+        let pairs = || rs.iter().zip(base);
+        let _ = writeln!(
+            s,
+            "| {name} | {} | {} | {:.2} | {:.1}% | {:.1} | {:.0} ms | {:.2} | {:.2} |",
+            rs.len(),
+            rs.iter().map(|r| r.errors).sum::<usize>(),
+            mean(&mut rs.iter().map(|r| r.balance_max_over_mean)),
+            mean(&mut rs.iter().map(|r| r.prefix_cache_hit_rate)) * 100.0,
+            mean(&mut rs.iter().map(|r| r.requests_per_s)),
+            mean(&mut rs.iter().map(|r| r.e2e.p99_ms)),
+            mean(&mut pairs().map(|(r, b)| r.requests_per_s / b.requests_per_s.max(1e-9))),
+            mean(&mut pairs().map(|(r, b)| r.e2e.p99_ms / b.e2e.p99_ms.max(1e-9))),
+        );
+    }
+    s
+}
+
 /// One run in full: summary, per-backend load, subagents, locality table.
 pub fn detail(r: &Report) -> String {
     let mut s = comparison_table(std::slice::from_ref(r));

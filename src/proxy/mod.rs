@@ -25,7 +25,7 @@ pub mod upstream_conn;
 
 use crate::affinity::hrw::KeyKind;
 use crate::affinity::session::{self, BodyProbe, SessionId};
-use crate::affinity::{Candidate, Choice, Lease, Reason, SessionRef};
+use crate::affinity::{Candidate, Lease, Reason, SessionRef, WaitEnd};
 use crate::gateway::Gateway;
 use crate::upstream::outlier::Outcome;
 use crate::upstream::{Backend, BackendStats, Routing, Tier};

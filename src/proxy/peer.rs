@@ -1,7 +1,7 @@
 //! Peer selection: which backend serves the request (binding, else first
 //! placement; least in flight without a session), waiting while another
-//! request of the session places it; connect failures and replays; what a
-//! request's outcome tells passive health.
+//! request of the session places it (`Affinity::select_waiting`); connect
+//! failures and replays; what a request's outcome tells passive health.
 
 use super::*;
 
@@ -62,9 +62,26 @@ impl GatewayProxy {
                     if let Some(store) = &store {
                         crate::fleet::sync_in(&self.gw, store, sref.key, &tier, false).await;
                     }
-                    let mut sel = self
-                        .select_waiting(session, &sref, &tier, &candidates, owner, wait)
-                        .await?;
+                    let gone = || client_gone(session);
+                    let mut sel = match self
+                        .gw
+                        .affinity
+                        .select_waiting(&sref, tier.index, &candidates, owner, wait, gone)
+                        .await
+                    {
+                        Ok(sel) => sel,
+                        // Only for empty candidates, which are ruled out above.
+                        Err(WaitEnd::NoCandidate) => {
+                            return Err(GatewayError::no_healthy_backend(&tier.name).to_pingora())
+                        }
+                        Err(WaitEnd::ClientGone) => {
+                            return Err(pingora_core::Error::explain(
+                                ErrorType::ConnectionClosed,
+                                "client left while waiting for its session's placement",
+                            )
+                            .into_down())
+                        }
+                    };
                     if let Some(store) = &store {
                         // Another gateway's answer for this session wins.
                         if let Some(i) =
@@ -134,61 +151,6 @@ impl GatewayProxy {
         }
         ctx.backend = Some(backend);
         Ok(Box::new(peer))
-    }
-
-    /// `select_backend`, waiting (bounded) while another request of the same
-    /// session is placing it; gives up if the client goes away meanwhile.
-    pub(super) async fn select_waiting(
-        &self,
-        session: &Session,
-        sref: &SessionRef,
-        tier: &Tier,
-        candidates: &[Candidate],
-        owner: bool,
-        wait: std::time::Duration,
-    ) -> Result<crate::affinity::Selection> {
-        let affinity = &self.gw.affinity;
-        let mut join = owner;
-        // Nearly every request is decided at once: only one that has to
-        // wait registers as a waiter (and reads the clock).
-        let no_backend = || GatewayError::no_healthy_backend(&tier.name).to_pingora();
-        match affinity.select_backend(sref, tier.index, candidates, join) {
-            Some(Choice::Go(sel)) => return Ok(sel),
-            Some(Choice::Wait) => {}
-            None => return Err(no_backend()),
-        }
-        let deadline = Instant::now() + wait;
-        loop {
-            let notified = affinity.waiter(sref.key).notified();
-            tokio::pin!(notified);
-            // Register before asking, so a confirmation in between is not missed.
-            notified.as_mut().enable();
-            match affinity.select_backend(sref, tier.index, candidates, join) {
-                Some(Choice::Go(sel)) => return Ok(sel),
-                Some(Choice::Wait) => {}
-                // Only for empty candidates, which the caller rules out.
-                None => return Err(no_backend()),
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                // Out of patience: follow the pending placement.
-                join = true;
-                continue;
-            }
-            let poll = std::time::Duration::from_millis(25).min(deadline - now);
-            tokio::select! {
-                _ = notified => {}
-                _ = tokio::time::sleep(poll) => {
-                    if client_gone(session) {
-                        return Err(pingora_core::Error::explain(
-                            ErrorType::ConnectionClosed,
-                            "client left while waiting for its session's placement",
-                        )
-                        .into_down());
-                    }
-                }
-            }
-        }
     }
 
     pub(super) fn least_in_flight(&self, tier: &Tier, candidates: &[Candidate]) -> usize {
