@@ -98,8 +98,6 @@ struct Model {
     max_batch: usize,
     /// One prefill at a time per replica (compute contention).
     serial_prefill: bool,
-    /// Replica 0 runs this many times slower (1: none).
-    first_slowdown: f64,
 }
 
 /// Child processes, killed (by PID) when dropped — also on Ctrl-C or panic.
@@ -146,7 +144,6 @@ fn start_sim_on(
         .args(["--cache-blocks", &m.cache_blocks.to_string()])
         .args(["--max-batch", &m.max_batch.to_string()])
         .args(m.serial_prefill.then_some("--serial-prefill"))
-        .args(["--slowdown", &m.first_slowdown.to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()?;
@@ -204,10 +201,6 @@ async fn start_fleet(
     let dir_path = fleet._dir.path().to_path_buf();
     let mut backends = String::new();
     for i in 0..replicas {
-        let mut m = *m;
-        if i > 0 {
-            m.first_slowdown = 1.0;
-        }
         let (id, addr) = match real {
             Some(r) => {
                 let e = Engine::start(&r.work, &r.model, &r.opts)?;
@@ -387,8 +380,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             cache_blocks: 1200,
             max_batch: 4,
             serial_prefill: false,
-            first_slowdown: 1.0,
-        }
+            }
     } else {
         Model {
             prefill_us_per_token: 100.0,
@@ -396,8 +388,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             cache_blocks: 1200,
             max_batch: 4,
             serial_prefill: false,
-            first_slowdown: 1.0,
-        }
+            }
     };
     // Seed 000's study: 12 sessions × 6 turns at concurrency 6, 3 KB system prompt.
     let seed = BenchArgs::seed_study("");
@@ -451,7 +442,6 @@ fn contention(args: &DemoArgs) -> Model {
         cache_blocks: 0,
         max_batch: 16,
         serial_prefill: true,
-        first_slowdown: 1.0,
     }
 }
 
@@ -532,13 +522,12 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
 }
 
 /// Hard affinity against the cost-aware soft policy when one replica of three
-/// runs 3× slower and a few sessions are much heavier than the rest (compute
-/// contention as in the placement study). Moves are read from the gateway.
+/// slows down 3× once every session is placed (a throttled GPU, a noisy
+/// neighbour: nothing first placement could have foreseen) and a few sessions
+/// are much heavier than the rest (compute contention as in the placement
+/// study). Moves are read from the gateway.
 async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
-    let model = Model {
-        first_slowdown: 3.0,
-        ..contention(args)
-    };
+    let model = contention(args);
     let mut a = BenchArgs::seed_study("");
     a.sessions = 48;
     a.turns = 8;
@@ -547,27 +536,49 @@ async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repor
     a.user_bytes = 1000;
     a.heavy_sessions = 4;
     a.heavy_context_bytes = 24_000;
-    let mut out = Vec::new();
-    let mut moves = Vec::new();
-    for (label, yaml) in [
+    let total = (a.sessions * a.turns) as u64;
+    let variants = [
         ("hard", "  mode: hard\n"),
         ("soft (cost)", "  mode: soft\n  soft_policy: cost\n"),
-    ] {
-        let fleet = start_fleet(exe, &model, None, 3, yaml, &args.soft_placement).await?;
-        let mut run = a.clone();
-        run.url = fleet.gateway_url.clone();
-        run.label = format!("slow replica + skewed mix: {label}");
-        run.id_prefix = "soft".into();
-        let r = loadgen::run(&run).await;
-        moves.push((
-            r.label.clone(),
-            metric_sum(&fleet.metrics_url, "agentserve_affinity_moves_total{").await,
-        ));
-        out.push(r);
+    ];
+    let repeats = args.repeats.max(1);
+    let mut runs: Vec<Vec<report::Report>> = vec![Vec::new(); variants.len()];
+    let mut moves = Vec::new();
+    for r in 0..repeats {
+        for (v, (label, yaml)) in variants.iter().enumerate() {
+            let fleet = start_fleet(exe, &model, None, 3, yaml, &args.soft_placement).await?;
+            let mut run = a.clone();
+            run.url = fleet.gateway_url.clone();
+            run.label = format!("replica 0 slowed 3× at 1/4 + skewed mix: {label} (ids {r})");
+            run.id_prefix = format!("soft{r}");
+            let bench = tokio::spawn(async move { loadgen::run(&run).await });
+            while metric_sum(&fleet.metrics_url, "agentserve_requests_total{").await < total / 4 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let _ = reqwest::Client::new()
+                .post(format!("{}/sim/config", fleet.backend_urls[0]))
+                .json(&serde_json::json!({"slowdown": 3.0}))
+                .send()
+                .await;
+            let rep = bench.await.map_err(std::io::Error::other)?;
+            moves.push((
+                rep.label.clone(),
+                metric_sum(&fleet.metrics_url, "agentserve_affinity_moves_total{").await,
+            ));
+            runs[v].push(rep);
+        }
     }
+    let out: Vec<report::Report> = runs.iter().flatten().cloned().collect();
     if !args.json {
-        println!("Hard vs cost-aware soft affinity (3 replicas, replica 0 3× slower, serial prefill; 48 sessions × 8 turns at c=12, 4 of them with 24 KB documents):\n");
+        println!("Hard vs cost-aware soft affinity (3 replicas, serial prefill; replica 0 slows down 3× after a quarter of the requests; 48 sessions × 8 turns at c=12, 4 of them with 24 KB documents):\n");
         println!("{}", report::comparison_table(&out));
+        if repeats > 1 {
+            let names: Vec<&str> = variants.iter().map(|(n, _)| *n).collect();
+            println!(
+                "Means over {repeats} populations of session ids (ratios against hard, per population):\n\n{}",
+                report::repeats_table(&names, &runs)
+            );
+        }
         for (label, m) in moves {
             println!("{label}: {m} bindings moved");
         }
@@ -688,7 +699,6 @@ async fn demo_llamacpp(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
         cache_blocks: 0,
         max_batch: 1,
         serial_prefill: false,
-        first_slowdown: 1.0,
     };
     let reports = study(exe, &unused, Some(&real), &study_args, "llamacpp", false).await?;
     std::fs::write(

@@ -7,9 +7,11 @@
 //!
 //! - `cost` (the default soft policy, seed 001's rule): leave the bound
 //!   backend only when the extra queueing from staying, ΔQ, exceeds what
-//!   staying saves, p_hit · T_saved, by a hysteresis margin. ΔQ is the bound
-//!   backend's learned queueing delay minus the least-queued candidate's;
-//!   T_saved is the session's last prompt re-prefilled at that candidate's
+//!   staying saves, p_hit · T_saved, by a hysteresis margin. ΔQ is how much
+//!   later this turn's first token comes at the bound backend than at the
+//!   best other candidate: learned queueing delay plus the turn's new tokens
+//!   at each one's learned cost per token (so a backend that has slowed down
+//!   counts, not only one that queues); T_saved is the session's last prompt re-prefilled at that candidate's
 //!   learned cost per token; p_hit is the share of its last prompt the bound
 //!   backend actually had cached (a backend that evicted the session no longer
 //!   deserves it). A cooldown and a cap on moves per session keep it from flapping.
@@ -121,25 +123,33 @@ impl DefaultPolicy {
         if turns.moves > 0 && now_ms.saturating_sub(turns.moved_s as u64 * 1000) < p.cooldown_ms {
             return false;
         }
+        // The work this turn brings whichever backend serves it: the new
+        // tokens, as many as the last turn's uncached ones.
+        let new = turns.prompt.saturating_sub(turns.cached) as f64;
+        let per_token = |c: &Candidate| {
+            if c.prefill_us_per_token > 0.0 {
+                c.prefill_us_per_token
+            } else {
+                p.prior_prefill_us_per_token
+            }
+        };
+        // How long until this turn's first token: the backend's queue plus
+        // its prefill of the new tokens (a slower backend is worse for it too).
+        let wait = |c: &Candidate| c.queue_us as f64 + per_token(c) * new;
         let Some(best) = candidates
             .iter()
             .filter(|c| c.slot != bound.slot && !c.draining)
-            .min_by_key(|c| c.queue_us)
+            .min_by(|a, b| wait(a).total_cmp(&wait(b)))
         else {
             return false;
         };
-        let delta_q = bound.queue_us.saturating_sub(best.queue_us) as f64;
+        let delta_q = wait(bound) - wait(best);
         let p_hit = if turns.prompt == 0 {
             0.0
         } else {
             turns.cached as f64 / turns.prompt as f64
         };
-        let per_token = if best.prefill_us_per_token > 0.0 {
-            best.prefill_us_per_token
-        } else {
-            p.prior_prefill_us_per_token
-        };
-        let t_saved = turns.prompt as f64 * per_token;
+        let t_saved = turns.prompt as f64 * per_token(best);
         delta_q > p_hit * t_saved + p.hysteresis_us as f64
     }
 }
@@ -293,6 +303,24 @@ mod tests {
             ..COST
         };
         assert_eq!(hard.review(&all[0], &all, &turns(0, 0, 0, 0), 0), None);
+    }
+
+    #[test]
+    fn cost_policy_counts_a_slower_backend_not_only_a_longer_queue() {
+        // No queue anywhere, but the bound backend now takes 300 µs a token
+        // against 100. The turn brings 1,000 new tokens (1,500 prompt, 500
+        // cached last time): 300 ms there against 100 ms: ΔQ = 200 ms.
+        // Staying saves 500 cached × 100 µs = 50 ms, + 50 ms hysteresis: move.
+        let all = [queued(0, 0, 300.0), queued(1, 0, 100.0)];
+        assert_eq!(
+            COST.review(&all[0], &all, &turns(1500, 500, 0, 0), 0),
+            Some(MoveReason::Cost)
+        );
+        // With 2,000 of its tokens cached there, staying saves 200 ms + 50: stay.
+        assert_eq!(
+            COST.review(&all[0], &all, &turns(3000, 2000, 0, 0), 0),
+            None
+        );
     }
 
     #[test]

@@ -169,6 +169,7 @@ impl GatewayProxy {
                 fb.duration_since(ctx.start),
                 u.prompt_tokens,
                 u.cached_tokens,
+                ctx.in_flight.as_ref().is_some_and(|f| f.alone),
             );
             if let Some(sref) = ctx.session_ref.as_ref().filter(|_| !ctx.session_final) {
                 self.gw

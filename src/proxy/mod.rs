@@ -66,18 +66,26 @@ impl GatewayProxy {
 }
 
 /// Counts a request against its backend's in-flight total until dropped.
-struct InFlight(Arc<BackendStats>);
+struct InFlight {
+    stats: Arc<BackendStats>,
+    /// No other request of this gateway was in flight at the backend when
+    /// this one was sent: its TTFB is the backend's speed, not its queue.
+    alone: bool,
+}
 
 impl InFlight {
     fn new(stats: &Arc<BackendStats>) -> Self {
-        stats.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(Arc::clone(stats))
+        let before = stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight {
+            stats: Arc::clone(stats),
+            alone: before == 0 && stats.engine.requests_if_fresh() == 0,
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

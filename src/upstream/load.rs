@@ -170,6 +170,13 @@ pub const COST_MIN_SAMPLES: u64 = 5;
 /// Weight of a new sample in the moving averages.
 const EWMA_ALPHA: f64 = 0.3;
 
+/// The cost per token is learned from responses the backend served alone
+/// (no other request of this gateway in flight there when it was sent):
+/// their TTFB is prefill, not queueing. A busy backend's responses may only
+/// pull it down (a response can be faster than the estimate, never slower
+/// for its prefill alone): averaging them would book the queue as slowness,
+/// leave the queue estimate near zero and hide exactly what the cost policy
+/// must see. A backend that slows down under load shows it as queueing.
 fn ewma(cell: &AtomicU64, sample: f64) {
     let old = cell.load(Ordering::Relaxed);
     let next = if old == 0 {
@@ -180,15 +187,27 @@ fn ewma(cell: &AtomicU64, sample: f64) {
     cell.store(next.max(0.0).round() as u64, Ordering::Relaxed);
 }
 
+fn lower(cell: &AtomicU64, sample: f64) {
+    let old = cell.load(Ordering::Relaxed) as f64;
+    if old == 0.0 || sample < old {
+        ewma(cell, sample);
+    }
+}
+
 impl CostEstimate {
-    /// One response: its time to first byte and its prompt / cached tokens.
-    pub fn observe(&self, ttfb: Duration, prompt: u64, cached: u64) {
+    /// One response: its time to first byte, its prompt / cached tokens, and
+    /// whether it was the only request in flight at the backend when sent.
+    pub fn observe(&self, ttfb: Duration, prompt: u64, cached: u64, alone: bool) {
         let uncached = prompt.saturating_sub(cached);
         let ttfb_ns = ttfb.as_nanos() as f64;
         // The cost per token is learned from prefills that dominate their TTFB;
-        // what the estimate does not explain is queueing.
+        // what it does not explain is queueing.
         if uncached >= 64 {
-            ewma(&self.prefill_ns_per_token, ttfb_ns / uncached as f64);
+            let sample = ttfb_ns / uncached as f64;
+            match alone {
+                true => ewma(&self.prefill_ns_per_token, sample),
+                false => lower(&self.prefill_ns_per_token, sample),
+            }
         }
         let per_token = self.prefill_ns_per_token.load(Ordering::Relaxed) as f64;
         if per_token > 0.0 {
@@ -366,11 +385,11 @@ mod tests {
             "prior until a sample"
         );
         // 1,000 uncached tokens in 200 ms, nothing queued: 200 µs a token.
-        c.observe(Duration::from_millis(200), 1_000, 0);
+        c.observe(Duration::from_millis(200), 1_000, 0, true);
         assert_eq!(c.prefill_us_per_token(100.0, 1), 200.0);
         assert_eq!(c.queue_us(), 0);
         // A mostly cached turn that waited: 10 uncached tokens (2 ms) in 52 ms.
-        c.observe(Duration::from_millis(52), 1_010, 1_000);
+        c.observe(Duration::from_millis(52), 1_010, 1_000, false);
         assert_eq!(
             c.prefill_us_per_token(100.0, 1),
             200.0,
@@ -382,5 +401,27 @@ mod tests {
             100.0,
             "prior until 5 samples"
         );
+    }
+
+    #[test]
+    fn a_busy_backend_shows_its_queue_not_a_higher_cost_per_token() {
+        let c = CostEstimate::default();
+        // 100 µs a token, learned from a response served alone.
+        c.observe(Duration::from_millis(100), 1_000, 0, true);
+        // Then every response queues 300 ms behind others.
+        for _ in 0..20 {
+            c.observe(Duration::from_millis(400), 1_000, 0, false);
+        }
+        assert_eq!(c.prefill_us_per_token(0.0, 1), 100.0, "queueing is not slowness");
+        let queue = c.queue_us();
+        assert!(queue > 250_000, "the queue shows: {queue} µs");
+        // A busy response faster than the estimate pulls it down...
+        c.observe(Duration::from_millis(50), 1_000, 0, false);
+        assert!(c.prefill_us_per_token(0.0, 1) < 100.0);
+        // ...and a backend that slows down teaches it when served alone.
+        for _ in 0..20 {
+            c.observe(Duration::from_millis(300), 1_000, 0, true);
+        }
+        assert!(c.prefill_us_per_token(0.0, 1) > 290.0);
     }
 }
