@@ -177,7 +177,12 @@ pub struct Affinity {
     placement: ArcSwap<Placement>,
     /// Woken when a pending binding is confirmed or abandoned.
     waiters: Box<[Notify]>,
+    /// Per backend slot (modulo [`MOVE_SLOTS`]): when a session last moved
+    /// off it for cost (table ms; 0: never).
+    moved_off: Box<[AtomicU64]>,
 }
+
+const MOVE_SLOTS: usize = 1024;
 
 impl Affinity {
     pub fn new(max_bindings: usize, ttl: Option<Duration>) -> Arc<Self> {
@@ -192,6 +197,7 @@ impl Affinity {
                 LoadMeasure::Sessions,
             )),
             waiters: (0..WAITER_SHARDS).map(|_| Notify::new()).collect(),
+            moved_off: (0..MOVE_SLOTS).map(|_| AtomicU64::new(0)).collect(),
         })
     }
 
@@ -234,6 +240,23 @@ impl Affinity {
             .first
             .place(hash, pool, &load)
             .map(|i| pool[i].slot)
+    }
+
+    /// Whether a session may move off `bound` for cost now, claiming the
+    /// move if so: moves off one backend are spaced by its queue estimate
+    /// (`DefaultPolicy::move_spacing_ms`), the time a move takes to show in
+    /// that estimate. Without it every session of a backend that looks slow
+    /// reads the same stale estimate and leaves at once (a herd that swamps
+    /// the others).
+    fn claim_move_off(&self, bound: &Candidate, policy: &DefaultPolicy, now: u64) -> bool {
+        let cell = &self.moved_off[bound.slot as usize % MOVE_SLOTS];
+        let last = cell.load(Ordering::Relaxed);
+        // `now` counts from this table's creation; 0 means never moved.
+        let stamp = now.max(1);
+        (last == 0 || now.saturating_sub(last) >= policy.move_spacing_ms(bound))
+            && cell
+                .compare_exchange(last, stamp, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 
     /// Notified when a pending binding of `key` (or one sharing its shard)
@@ -406,6 +429,11 @@ impl Affinity {
                     Some((i, turns)) => {
                         match policy.review(&candidates[i], candidates, &turns, now) {
                             None => Decision::Keep,
+                            Some(MoveReason::Cost)
+                                if !self.claim_move_off(&candidates[i], &policy, now) =>
+                            {
+                                Decision::Keep
+                            }
                             Some(reason) => match fresh(Some(candidates[i].slot)) {
                                 Some(slot) => {
                                     moved = Some(reason);
@@ -766,6 +794,37 @@ mod tests {
                 assert!(sel.affinity_hit);
             }
         }
+    }
+
+    #[test]
+    fn cost_moves_off_one_backend_are_spaced_not_a_herd() {
+        let h = HrwHasher::new("k");
+        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
+        a.set_policy(DefaultPolicy {
+            mode: policy::Mode::Soft,
+            soft: policy::SoftPolicy::Cost,
+            soft_max_in_flight: 0,
+            cost: policy::CostParams::default(),
+        });
+        let mut c = fleet(&h, 2);
+        let sessions: Vec<SessionRef> = (0..4)
+            .map(|i| SessionRef::new(&h, KeyKind::Session, "t", &format!("s{i}")))
+            .collect();
+        for s in &sessions {
+            // Placed while backend 0 was the only one; nothing cached there.
+            drop(go(&a, s, &c[..1]));
+            a.record_usage(s.key, 1000, 0);
+        }
+        // Backend 0 now queues 2 s, backend 1 nothing: each session alone
+        // would leave, but one move must show before the next.
+        c[0].queue_us = 2_000_000;
+        let moved: Vec<u32> = sessions
+            .iter()
+            .map(|s| go(&a, s, &c))
+            .filter(|sel| sel.reason == Reason::Moved)
+            .map(|sel| sel.backend)
+            .collect();
+        assert_eq!(moved, vec![1]);
     }
 
     #[test]

@@ -14,7 +14,9 @@
 //!   counts, not only one that queues); T_saved is the session's last prompt re-prefilled at that candidate's
 //!   learned cost per token; p_hit is the share of its last prompt the bound
 //!   backend actually had cached (a backend that evicted the session no longer
-//!   deserves it). A cooldown and a cap on moves per session keep it from flapping.
+//!   deserves it). A cooldown and a cap on moves per session keep it from
+//!   flapping, and moves off one backend are spaced by its queue estimate so
+//!   its sessions do not all leave on the same stale reading.
 //! - `in_flight`: move off a backend with at least `soft_max_in_flight`
 //!   requests in flight when another candidate has room.
 
@@ -107,6 +109,13 @@ impl DefaultPolicy {
             soft_max_in_flight: 0,
             cost: CostParams::default(),
         }
+    }
+
+    /// How long after one session moved off `bound` for cost the next may:
+    /// its queue estimate (the time a move takes to show there), between
+    /// 100 ms and 2 s.
+    pub fn move_spacing_ms(&self, bound: &Candidate) -> u64 {
+        (bound.queue_us / 1000).clamp(100, 2000)
     }
 
     fn cost_move(
