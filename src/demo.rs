@@ -380,7 +380,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             cache_blocks: 1200,
             max_batch: 4,
             serial_prefill: false,
-            }
+        }
     } else {
         Model {
             prefill_us_per_token: 100.0,
@@ -388,7 +388,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             cache_blocks: 1200,
             max_batch: 4,
             serial_prefill: false,
-            }
+        }
     };
     // Seed 000's study: 12 sessions × 6 turns at concurrency 6, 3 KB system prompt.
     let seed = BenchArgs::seed_study("");

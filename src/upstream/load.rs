@@ -412,7 +412,11 @@ mod tests {
         for _ in 0..20 {
             c.observe(Duration::from_millis(400), 1_000, 0, false);
         }
-        assert_eq!(c.prefill_us_per_token(0.0, 1), 100.0, "queueing is not slowness");
+        assert_eq!(
+            c.prefill_us_per_token(0.0, 1),
+            100.0,
+            "queueing is not slowness"
+        );
         let queue = c.queue_us();
         assert!(queue > 250_000, "the queue shows: {queue} µs");
         // A busy response faster than the estimate pulls it down...
