@@ -209,7 +209,7 @@ async fn start_fleet(
                 (format!("llama-{i}"), addr)
             }
             None => {
-                let (child, addr) = start_sim(exe, &format!("vllm-{i}"), &m)?;
+                let (child, addr) = start_sim(exe, &format!("vllm-{i}"), m)?;
                 fleet.children.push(child);
                 (format!("vllm-{i}"), addr)
             }
