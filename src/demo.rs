@@ -41,16 +41,21 @@ pub struct DemoArgs {
     /// contention, or both.
     #[arg(long, value_enum, default_value_t = Study::All)]
     pub study: Study,
-    /// The placement study's variants, `;`-separated; each is a
-    /// `placement.first` value, optionally with `,key=value` placement keys
-    /// (e.g. `bounded_hrw,balance_factor=1.25,load=requests`).
-    #[arg(long, default_value = "hrw;round_robin;bounded_hrw")]
+    /// The placement (and recovery) study's variants, `;`-separated; each is
+    /// a `placement.first` value, optionally with `,key=value` placement keys
+    /// or `mode` / `soft_policy` (e.g. `bounded_hrw,load=requests,mode=soft`).
+    #[arg(long, default_value = DEFAULT_PLACEMENTS)]
     pub placements: String,
     /// Placement, soft and recovery studies: run each variant this many
     /// times, each repeat with another population of session ids (another
     /// draw of the hash's lumpiness), and summarise the means.
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
+    /// Placement study: replicas prefill concurrently (no compute
+    /// contention), to check that load-aware placement costs no cache hits
+    /// where balance does not matter.
+    #[arg(long)]
+    pub no_contention: bool,
     /// The soft study's extra YAML sections (e.g. a `placement:` section).
     #[arg(long, default_value = "")]
     pub soft_placement: String,
@@ -64,6 +69,8 @@ pub struct DemoArgs {
     #[arg(long)]
     pub concurrency: Option<usize>,
 }
+
+const DEFAULT_PLACEMENTS: &str = "hrw;round_robin;bounded_hrw";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Study {
@@ -445,11 +452,30 @@ fn contention(args: &DemoArgs) -> Model {
     }
 }
 
+/// A study variant, `first[,key=value...]`, as (affinity lines, placement
+/// section): `mode` and `soft_policy` are affinity keys, the rest placement
+/// keys (e.g. `bounded_hrw,load=requests,mode=soft`).
+fn variant_yaml(variant: &str) -> (String, String) {
+    let (mut affinity, mut placement) = (String::new(), String::from("placement:\n"));
+    for kv in variant.split(',').filter(|kv| !kv.is_empty()) {
+        let (k, v) = kv.split_once('=').unwrap_or(("first", kv));
+        let section = match k {
+            "mode" | "soft_policy" => &mut affinity,
+            _ => &mut placement,
+        };
+        section.push_str(&format!("  {k}: {v}\n"));
+    }
+    (affinity, placement)
+}
+
 /// First placement when replicas contend for compute: the load-blind HRW of
 /// before, the round-robin first request of a sticky-table proxy, and
 /// bounded-load HRW. The same workload on fresh replicas for each.
 async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
-    let model = contention(args);
+    let model = Model {
+        serial_prefill: !args.no_contention,
+        ..contention(args)
+    };
     let mut base = BenchArgs::seed_study("");
     base.sessions = 64;
     base.turns = 8;
@@ -474,20 +500,18 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
         let mut runs: Vec<Vec<report::Report>> = vec![Vec::new(); variants.len()];
         for r in 0..repeats {
             for (v, first) in variants.iter().enumerate() {
-                let yaml = first
-                    .split(',')
-                    .fold(String::from("placement:\n"), |mut y, kv| {
-                        let (k, v) = kv.split_once('=').unwrap_or(("first", kv));
-                        y.push_str(&format!("  {k}: {v}\n"));
-                        y
-                    });
-                let fleet = start_fleet(exe, &model, None, 3, "", &yaml).await?;
+                let (affinity, placement) = variant_yaml(first);
+                let fleet = start_fleet(exe, &model, None, 3, &affinity, &placement).await?;
                 let mut a = a.clone();
                 a.url = fleet.gateway_url.clone();
+                let setting = match model.serial_prefill {
+                    true => "contention",
+                    false => "no contention",
+                };
                 a.label = if repeats > 1 {
-                    format!("contention {name}: {first} (ids {r})")
+                    format!("{setting} {name}: {first} (ids {r})")
                 } else {
-                    format!("contention {name}: {first}")
+                    format!("{setting} {name}: {first}")
                 };
                 a.id_prefix = format!("contention{r}");
                 runs[v].push(loadgen::run(&a).await);
@@ -500,7 +524,12 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
     }
     if !args.json {
         println!(
-            "First placement under compute contention (3 replicas, serial prefill {} µs/token):\n",
+            "First placement {} (3 replicas, prefill {} µs/token):\n",
+            if model.serial_prefill {
+                "under compute contention, serial prefill"
+            } else {
+                "without contention, concurrent prefill"
+            },
             model.prefill_us_per_token
         );
         for (name, t, summary) in tables {
@@ -592,68 +621,81 @@ async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repor
 /// while sessions keep arriving; replicas' KV caches are bounded. Load-blind
 /// HRW against bounded-load HRW.
 async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    // Each replica's cache holds its third of the live sessions, not half:
+    // while one replica is out the others evict, and how soon that stops
+    // after it is back is what placement decides.
     let model = Model {
-        cache_blocks: 500,
-        max_batch: 8,
+        cache_blocks: 2000,
+        max_batch: 16,
         ..contention(args)
     };
     let mut a = BenchArgs::seed_study("");
-    a.sessions = 60;
-    a.turns = 8;
-    a.concurrency = 8;
+    a.sessions = 72;
+    a.turns = 12;
+    a.concurrency = 16;
     a.context_bytes = 4000;
     a.user_bytes = 500;
-    a.arrival_ms = if args.quick { 60 } else { 120 };
+    a.arrival_ms = 100;
+    a.think_ms = 300;
     let total = (a.sessions * a.turns) as u64;
-    let mut out = Vec::new();
-    for first in ["hrw", "bounded_hrw"] {
-        let mut fleet = start_fleet(
-            exe,
-            &model,
-            None,
-            3,
-            "",
-            &format!("placement:\n  first: {first}\n"),
-        )
-        .await?;
-        let mut run = a.clone();
-        run.url = fleet.gateway_url.clone();
-        run.label = format!("replica out at 1/3, back empty at 2/3: {first}");
-        run.id_prefix = "recovery".into();
-        let bench = tokio::spawn(async move { loadgen::run(&run).await });
-        let served =
-            |url: String| async move { metric_sum(&url, "agentserve_requests_total{").await };
-        while served(fleet.metrics_url.clone()).await < total / 3 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    let variants: Vec<&str> = match args.placements.as_str() {
+        DEFAULT_PLACEMENTS => vec!["hrw", "bounded_hrw", "bounded_hrw,mode=soft"],
+        list => list.split(';').filter(|v| !v.is_empty()).collect(),
+    };
+    let repeats = args.repeats.max(1);
+    let mut runs: Vec<Vec<report::Report>> = vec![Vec::new(); variants.len()];
+    for r in 0..repeats {
+        for (v, first) in variants.iter().enumerate() {
+            let (affinity, placement) = variant_yaml(first);
+            let mut fleet = start_fleet(exe, &model, None, 3, &affinity, &placement).await?;
+            let mut run = a.clone();
+            run.url = fleet.gateway_url.clone();
+            run.label = format!("replica out at 1/3, back empty at 2/3: {first} (ids {r})");
+            run.id_prefix = format!("recovery{r}");
+            let bench = tokio::spawn(async move { loadgen::run(&run).await });
+            let served =
+                |url: String| async move { metric_sum(&url, "agentserve_requests_total{").await };
+            while served(fleet.metrics_url.clone()).await < total / 3 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            // Out of service: health fails, in-flight requests finish, then it dies.
+            let victim = fleet.backend_urls[2].clone();
+            let client = reqwest::Client::new();
+            let _ = client
+                .post(format!("{victim}/sim/config"))
+                .json(&serde_json::json!({"unhealthy": true}))
+                .send()
+                .await;
+            let in_flight = "agentserve_backend_in_flight{backend=\"vllm-2\",tier=\"default\"}";
+            let healthy = "agentserve_backend_healthy{backend=\"vllm-2\",tier=\"default\"}";
+            while metric_sum(&fleet.metrics_url, healthy).await > 0
+                || metric_sum(&fleet.metrics_url, in_flight).await > 0
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let _ = fleet.children[2].kill();
+            let _ = fleet.children[2].wait();
+            while served(fleet.metrics_url.clone()).await < 2 * total / 3 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let listen = victim.trim_start_matches("http://").to_string();
+            fleet.children[2] = start_sim_on(exe, "vllm-2", &model, &listen)?.0;
+            runs[v].push(bench.await.map_err(std::io::Error::other)?);
         }
-        // Out of service: health fails, in-flight requests finish, then it dies.
-        let victim = fleet.backend_urls[2].clone();
-        let client = reqwest::Client::new();
-        let _ = client
-            .post(format!("{victim}/sim/config"))
-            .json(&serde_json::json!({"unhealthy": true}))
-            .send()
-            .await;
-        let in_flight = "agentserve_backend_in_flight{backend=\"vllm-2\",tier=\"default\"}";
-        let healthy = "agentserve_backend_healthy{backend=\"vllm-2\",tier=\"default\"}";
-        while metric_sum(&fleet.metrics_url, healthy).await > 0
-            || metric_sum(&fleet.metrics_url, in_flight).await > 0
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let _ = fleet.children[2].kill();
-        let _ = fleet.children[2].wait();
-        while served(fleet.metrics_url.clone()).await < 2 * total / 3 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let listen = victim.trim_start_matches("http://").to_string();
-        fleet.children[2] = start_sim_on(exe, "vllm-2", &model, &listen)?.0;
-        let r = bench.await.map_err(std::io::Error::other)?;
-        out.push(r);
     }
+    let out: Vec<report::Report> = runs.iter().flatten().cloned().collect();
     if !args.json {
-        println!("A replica out at 1/3 of the run and back empty at 2/3 (60 sessions arriving over the run, 8 turns, c=8, {} KV blocks per replica):\n", model.cache_blocks);
+        println!(
+            "A replica out at 1/3 of the run and back empty at 2/3 ({} sessions arriving {} ms apart, {} turns {} ms apart, c={}, serial prefill, {} KV blocks per replica):\n",
+            a.sessions, a.arrival_ms, a.turns, a.think_ms, a.concurrency, model.cache_blocks
+        );
         println!("{}", report::comparison_table(&out));
+        if repeats > 1 {
+            println!(
+                "Means over {repeats} populations of session ids (ratios against the first variant, per population):\n\n{}",
+                report::repeats_table(&variants, &runs)
+            );
+        }
     }
     Ok(out)
 }

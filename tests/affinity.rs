@@ -305,6 +305,71 @@ async fn a_client_disconnect_ends_its_lease() {
     );
 }
 
+/// A chat turn whose last user message is `bytes` of text no replica has seen.
+fn turn_with_new_text(tag: &str, bytes: usize) -> Value {
+    let mut body = chat_body("m", 0);
+    let text: String = (0..)
+        .map(|i| format!("{tag}-{i} "))
+        .flat_map(|w| w.chars().collect::<Vec<_>>())
+        .take(bytes)
+        .collect();
+    body["messages"][1]["content"] = json!(text);
+    body
+}
+
+#[tokio::test]
+async fn cost_policy_moves_a_session_off_a_backend_that_slowed_down() {
+    // Replicas that prefill 20 µs a token, one request at a time.
+    let args = ["--prefill-us-per-token", "20", "--serial-prefill"];
+    let sims = [
+        SimBackend::start("vllm-0", &args),
+        SimBackend::start("vllm-1", &args),
+    ];
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}",
+            affinity("  mode: soft\n  soft_policy: cost\n  allow_explicit_target: true\n")
+        ),
+    )
+    .await;
+    let c = client();
+    let s = [("x-session-id", "agent")];
+    // Two turns on its backend, the second with 500 tokens of new text.
+    let first = chat(&c, &gw, &s, &chat_body("m", 0)).await;
+    let home = first.backend.clone().unwrap();
+    let second = chat(&c, &gw, &s, &turn_with_new_text("t1", 2000)).await;
+    assert_eq!(second.backend.as_deref(), Some(home.as_str()));
+    assert_eq!(second.json()["x_agent_serve"]["reason"], "hit");
+
+    // The home replica becomes 50× slower; the gateway learns it from the
+    // answers of requests sent there (no session, explicit target).
+    let sim = sims.iter().find(|x| x.id == home).unwrap();
+    sim.set_faults(json!({"slowdown": 50.0})).await;
+    for i in 0..6 {
+        let r = chat(
+            &c,
+            &gw,
+            &[("x-agent-serve-backend-id", home.as_str())],
+            &turn_with_new_text(&format!("probe{i}"), 1000),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+    }
+    // Its next turn would wait there far longer than re-reading its short
+    // cached prefix elsewhere: it moves, once, for cost.
+    let third = chat(&c, &gw, &s, &turn_with_new_text("t2", 2000)).await;
+    assert_ne!(third.backend.as_deref(), Some(home.as_str()));
+    assert_eq!(third.json()["x_agent_serve"]["reason"], "moved");
+    assert_eq!(
+        gw.metric("agentserve_affinity_moves_total{reason=\"cost\",tier=\"default\"}")
+            .await,
+        1.0
+    );
+    let fourth = chat(&c, &gw, &s, &chat_body("m", 3)).await;
+    assert_eq!(fourth.backend, third.backend, "it stays where it moved");
+}
+
 #[tokio::test]
 async fn soft_mode_moves_a_session_off_an_overloaded_backend() {
     let (sims, gw) = fleet(2, &affinity("  mode: soft\n  soft_max_in_flight: 2\n")).await;

@@ -58,16 +58,20 @@ impl SimBackend {
     }
 
     pub fn start_on(id: &str, listen: &str, extra: &[&str]) -> SimBackend {
+        // Instant replicas with unbounded caches, unless `extra` says otherwise.
+        let defaults = [
+            ("--prefill-us-per-token", "0"),
+            ("--decode-us-per-token", "0"),
+            ("--cache-blocks", "0"),
+        ];
         let mut child = Command::new(BIN)
             .args(["sim-backend", "--listen", listen, "--id", id])
-            .args([
-                "--prefill-us-per-token",
-                "0",
-                "--decode-us-per-token",
-                "0",
-                "--cache-blocks",
-                "0",
-            ])
+            .args(
+                defaults
+                    .iter()
+                    .filter(|(flag, _)| !extra.contains(flag))
+                    .flat_map(|(flag, v)| [*flag, *v]),
+            )
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
