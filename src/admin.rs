@@ -2,7 +2,8 @@
 //! out, optionally behind a bearer token:
 //!
 //! - `GET    /admin/backends` — every backend: tier, health, draining, in-flight,
-//!   bindings, and the engine's own load when scraped (`null` when unknown or stale)
+//!   bindings, the engine's own load when scraped (`null` when unknown or stale),
+//!   and what its answers taught: prefill cost per token, queueing delay
 //! - `POST   /admin/backends/{id}/drain` — body `{"move_sessions": bool}` (optional)
 //! - `POST   /admin/backends/{id}/undrain`
 //! - `GET    /admin/sessions/{id}?tier=T&kind=session|group&tenant=X` — a binding
@@ -103,6 +104,11 @@ impl AdminApp {
                         "waiting": waiting,
                         "kv_usage": kv,
                     })),
+                    "learned": {
+                        "prefill_us_per_token": b.stats.cost.learned_us_per_token(),
+                        "queue_ms": b.stats.cost.queue_us() as f64 / 1000.0,
+                        "responses": b.stats.cost.samples(),
+                    },
                 })
             })
             .collect();

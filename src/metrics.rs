@@ -32,6 +32,8 @@ pub struct Metrics {
     pub backend_bindings: IntGaugeVec,
     pub backend_engine_requests: IntGaugeVec,
     pub backend_kv_usage: GaugeVec,
+    pub backend_prefill_cost: GaugeVec,
+    pub backend_queue: GaugeVec,
     pub load_scrape_failures: IntCounterVec,
     pub backend_ejections: IntCounterVec,
     pub backend_ejected: IntGaugeVec,
@@ -88,6 +90,12 @@ fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterV
 
 fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
     let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+fn float_gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
     r.register(Box::new(g.clone())).expect("unique metric");
     g
 }
@@ -196,18 +204,24 @@ impl Metrics {
                 "Requests the engine itself reports running or waiting (-1: not reported or stale)",
                 &["tier", "backend", "state"],
             ),
-            backend_kv_usage: {
-                let g = GaugeVec::new(
-                    Opts::new(
-                        "agentserve_backend_kv_usage_ratio",
-                        "KV-cache usage the engine reports, 0..1 (-1: not reported or stale)",
-                    ),
-                    &["tier", "backend"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("unique metric");
-                g
-            },
+            backend_kv_usage: float_gauge(
+                &r,
+                "agentserve_backend_kv_usage_ratio",
+                "KV-cache usage the engine reports, 0..1 (-1: not reported or stale)",
+                &["tier", "backend"],
+            ),
+            backend_prefill_cost: float_gauge(
+                &r,
+                "agentserve_backend_prefill_seconds_per_token",
+                "Learned prefill cost per uncached prompt token (-1: fewer than 5 responses yet)",
+                &["tier", "backend"],
+            ),
+            backend_queue: float_gauge(
+                &r,
+                "agentserve_backend_queue_seconds",
+                "Learned queueing delay before a request's prefill starts (moving average)",
+                &["tier", "backend"],
+            ),
             load_scrape_failures: counter(
                 &r,
                 "agentserve_load_scrape_failures_total",
@@ -298,7 +312,13 @@ impl Metrics {
         ] {
             let _ = g.remove_label_values(&labels);
         }
-        let _ = self.backend_kv_usage.remove_label_values(&labels);
+        for g in [
+            &self.backend_kv_usage,
+            &self.backend_prefill_cost,
+            &self.backend_queue,
+        ] {
+            let _ = g.remove_label_values(&labels);
+        }
         for state in ["running", "waiting"] {
             let _ = self
                 .backend_engine_requests

@@ -356,6 +356,22 @@ async fn cost_policy_moves_a_session_off_a_backend_that_slowed_down() {
         .await;
         assert_eq!(r.status, 200);
     }
+    // What the gateway learned is visible to the operator.
+    let learned = gw.admin_backend(&home).await["learned"].clone();
+    assert!(learned["responses"].as_u64().unwrap() >= 8, "{learned}");
+    let cost_us = learned["prefill_us_per_token"].as_f64().expect("learned");
+    let queue_ms = learned["queue_ms"].as_f64().unwrap();
+    assert!(
+        cost_us * 500.0 / 1000.0 + queue_ms > 100.0,
+        "the slowdown shows in cost or queue: {learned}"
+    );
+    let gauge = format!(
+        "agentserve_backend_prefill_seconds_per_token{{backend=\"{home}\",tier=\"default\"}}"
+    );
+    wait_until("the learned cost is exported", || async {
+        gw.metric(&gauge).await > 0.0
+    })
+    .await;
     // Its next turn would wait there far longer than re-reading its short
     // cached prefix elsewhere: it moves, once, for cost.
     let third = chat(&c, &gw, &s, &turn_with_new_text("t2", 2000)).await;

@@ -228,6 +228,16 @@ impl CostEstimate {
         }
     }
 
+    /// The learned cost per token, µs, once enough responses taught it.
+    pub fn learned_us_per_token(&self) -> Option<f64> {
+        Some(self.prefill_us_per_token(0.0, COST_MIN_SAMPLES)).filter(|&us| us > 0.0)
+    }
+
+    /// Responses observed so far.
+    pub fn samples(&self) -> u64 {
+        self.samples.load(Ordering::Relaxed)
+    }
+
     pub fn queue_us(&self) -> u64 {
         self.queue_us.load(Ordering::Relaxed)
     }
@@ -308,6 +318,13 @@ impl LoadScraper {
             m.backend_kv_usage
                 .with_label_values(&labels)
                 .set(kv.unwrap_or(-1.0));
+            let cost = &b.stats.cost;
+            m.backend_prefill_cost
+                .with_label_values(&labels)
+                .set(cost.learned_us_per_token().map_or(-1.0, |us| us / 1e6));
+            m.backend_queue
+                .with_label_values(&labels)
+                .set(cost.queue_us() as f64 / 1e6);
         }
     }
 }
