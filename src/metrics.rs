@@ -340,7 +340,7 @@ impl Metrics {
     /// `/metrics` once they have a sample).
     pub fn names(&self) -> Vec<String> {
         use prometheus::core::Collector;
-        let collectors: [&dyn Collector; 15] = [
+        let collectors: [&dyn Collector; 17] = [
             &self.affinity_hits,
             &self.affinity_misses,
             &self.affinity_broken,
@@ -356,6 +356,8 @@ impl Metrics {
             &self.prompt_tokens,
             &self.cached_prompt_tokens,
             &self.config_reloads,
+            &self.backend_prefill_cost,
+            &self.backend_queue,
         ];
         collectors
             .iter()
