@@ -51,6 +51,10 @@ pub struct DemoArgs {
     /// draw of the hash's lumpiness), and summarise the means.
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
+    /// Soft study: the share of the requests served before replica 0 slows
+    /// down 3× (0: slow from the start, so first placement meets it too).
+    #[arg(long, default_value_t = 0.25)]
+    pub slow_at: f64,
     /// Placement study: replicas prefill concurrently (no compute
     /// contention), to check that load-aware placement costs no cache hits
     /// where balance does not matter.
@@ -551,8 +555,9 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
 }
 
 /// Hard affinity against the cost-aware soft policy when one replica of three
-/// slows down 3× once every session is placed (a throttled GPU, a noisy
-/// neighbour: nothing first placement could have foreseen) and a few sessions
+/// slows down 3× — by default once every session is placed (a throttled GPU,
+/// a noisy neighbour: nothing first placement could have foreseen), with
+/// `--slow-at 0` from the start — and a few sessions
 /// are much heavier than the rest (compute contention as in the placement
 /// study). Moves are read from the gateway.
 async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
@@ -566,6 +571,7 @@ async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repor
     a.heavy_sessions = 4;
     a.heavy_context_bytes = 24_000;
     let total = (a.sessions * a.turns) as u64;
+    let slow_at = args.slow_at.clamp(0.0, 1.0);
     let variants = [
         ("hard", "  mode: hard\n"),
         ("soft (cost)", "  mode: soft\n  soft_policy: cost\n"),
@@ -578,17 +584,27 @@ async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repor
             let fleet = start_fleet(exe, &model, None, 3, yaml, &args.soft_placement).await?;
             let mut run = a.clone();
             run.url = fleet.gateway_url.clone();
-            run.label = format!("replica 0 slowed 3× at 1/4 + skewed mix: {label} (ids {r})");
+            run.label =
+                format!("replica 0 slowed 3× at {slow_at:.2} + skewed mix: {label} (ids {r})");
             run.id_prefix = format!("soft{r}");
-            let bench = tokio::spawn(async move { loadgen::run(&run).await });
-            while metric_sum(&fleet.metrics_url, "agentserve_requests_total{").await < total / 4 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
+            let slow = || async {
+                let _ = reqwest::Client::new()
+                    .post(format!("{}/sim/config", fleet.backend_urls[0]))
+                    .json(&serde_json::json!({"slowdown": 3.0}))
+                    .send()
+                    .await;
+            };
+            if slow_at == 0.0 {
+                slow().await;
             }
-            let _ = reqwest::Client::new()
-                .post(format!("{}/sim/config", fleet.backend_urls[0]))
-                .json(&serde_json::json!({"slowdown": 3.0}))
-                .send()
-                .await;
+            let bench = tokio::spawn(async move { loadgen::run(&run).await });
+            if slow_at > 0.0 {
+                let at = (total as f64 * slow_at) as u64;
+                while metric_sum(&fleet.metrics_url, "agentserve_requests_total{").await < at {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                slow().await;
+            }
             let rep = bench.await.map_err(std::io::Error::other)?;
             moves.push((
                 rep.label.clone(),
@@ -599,7 +615,7 @@ async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repor
     }
     let out: Vec<report::Report> = runs.iter().flatten().cloned().collect();
     if !args.json {
-        println!("Hard vs cost-aware soft affinity (3 replicas, serial prefill; replica 0 slows down 3× after a quarter of the requests; 48 sessions × 8 turns at c=12, 4 of them with 24 KB documents):\n");
+        println!("Hard vs cost-aware soft affinity (3 replicas, serial prefill; replica 0 slows down 3× once {:.0}% of the requests are served; 48 sessions × 8 turns at c=12, 4 of them with 24 KB documents):\n", slow_at * 100.0);
         println!("{}", report::comparison_table(&out));
         if repeats > 1 {
             let names: Vec<&str> = variants.iter().map(|(n, _)| *n).collect();
