@@ -356,9 +356,13 @@ async fn cost_policy_moves_a_session_off_a_backend_that_slowed_down() {
         .await;
         assert_eq!(r.status, 200);
     }
-    // What the gateway learned is visible to the operator.
+    // What the gateway learned is visible to the operator (a response is
+    // learned from once the request is logged, just after the client has it).
+    wait_until("8 responses learned from", || async {
+        gw.admin_backend(&home).await["learned"]["responses"] == 8
+    })
+    .await;
     let learned = gw.admin_backend(&home).await["learned"].clone();
-    assert!(learned["responses"].as_u64().unwrap() >= 8, "{learned}");
     let cost_us = learned["prefill_us_per_token"].as_f64().expect("learned");
     let queue_ms = learned["queue_ms"].as_f64().unwrap();
     assert!(
