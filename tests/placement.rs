@@ -137,3 +137,52 @@ async fn a_replica_back_from_the_dead_takes_new_sessions_first() {
     assert_eq!(bindings("vllm-2"), 10);
     assert_eq!(bindings("vllm-0") + bindings("vllm-1"), 20);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_prefills_slower_takes_fewer_new_sessions() {
+    // Two replicas that prefill 20 µs a token; vllm-0 runs 3× slower.
+    let args = ["--prefill-us-per-token", "20"];
+    let sims = [
+        SimBackend::start("vllm-0", &args),
+        SimBackend::start("vllm-1", &args),
+    ];
+    sims[0]
+        .set_faults(serde_json::json!({"slowdown": 3.0}))
+        .await;
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}  allow_explicit_target: true\n",
+            affinity_yaml(600)
+        ),
+    )
+    .await;
+    let c = client();
+    // Each answers 6 requests of ~1,000 new tokens, one at a time: the
+    // gateway learns their prefill costs (3× apart).
+    for (sim, i) in sims.iter().flat_map(|s| (0..6).map(move |i| (s, i))) {
+        let mut body = chat_body("qwen3-8b", 0);
+        body["messages"][1]["content"] =
+            Value::from(format!("{}-{i} ", sim.id).repeat(4000 / (sim.id.len() + 3)));
+        let r = chat(&c, &gw, &[("x-agent-serve-backend-id", &sim.id)], &body).await;
+        assert_eq!(r.status, 200);
+    }
+    wait_until("both costs learned", || async {
+        let backends = gw.admin_backends().await;
+        backends
+            .iter()
+            .all(|b| b["learned"]["prefill_us_per_token"].is_number())
+    })
+    .await;
+    // 20 sessions whose plain-HRW choice would be half each: the slow one,
+    // a quarter of the capacity, gets at most ⌈21 / 4⌉ = 6.
+    let mut count: HashMap<String, usize> = HashMap::new();
+    for i in 0..20 {
+        *count
+            .entry(first_turn(&c, &gw, &format!("new-{i}")).await)
+            .or_default() += 1;
+    }
+    let slow = count.get("vllm-0").copied().unwrap_or(0);
+    assert!(slow <= 6, "{count:?}");
+    assert_eq!(count.values().sum::<usize>(), 20);
+}

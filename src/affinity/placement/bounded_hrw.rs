@@ -4,6 +4,10 @@
 //! "Consistent Hashing with Bounded Loads"; the bound includes the new
 //! session, so some backend always qualifies).
 //!
+//! A backend's share counts its weight and its learned speed: one that
+//! prefills well slower than the fastest takes proportionally fewer sessions
+//! (see [`SAME_SPEED`]).
+//!
 //! With balanced load every backend qualifies and the choice is plain HRW, so
 //! gateways that see the same fleet agree. A backend that has run ahead (hash
 //! lumpiness, heavy sessions, a slow replica) is skipped until the others
@@ -18,26 +22,59 @@ pub struct BoundedHrw {
     pub balance_factor: f64,
 }
 
+/// A backend's share of the tier's capacity counts its speed as well as its
+/// weight: one whose learned prefill cost per token is well above the
+/// fastest backend's (a throttled GPU, an older card, a noisy neighbour)
+/// serves that much less, so it takes that much fewer sessions. Costs within
+/// [`SAME_SPEED`] of the fastest count as equal, so learning noise never moves
+/// a bound and gateways keep agreeing; unknown costs count as the fastest.
+pub const SAME_SPEED: f64 = 0.8;
+
+/// `c`'s speed relative to the fastest learned cost (`fastest` µs/token).
+fn speed(c: &Candidate, fastest: f64) -> f64 {
+    if c.prefill_us_per_token <= 0.0 || fastest <= 0.0 {
+        return 1.0;
+    }
+    let r = fastest / c.prefill_us_per_token;
+    if r >= SAME_SPEED {
+        1.0
+    } else {
+        r
+    }
+}
+
 /// The tier-wide sums every backend's capacity is a share of.
 struct Totals {
     load: u64,
-    weight: u64,
+    weight: f64,
+    fastest: f64,
 }
 
 impl Totals {
     fn of(open: &[Candidate], load: &[u64]) -> Totals {
+        let fastest = open
+            .iter()
+            .map(|c| c.prefill_us_per_token)
+            .filter(|&us| us > 0.0)
+            .fold(0.0, |m: f64, us| if m == 0.0 { us } else { m.min(us) });
         Totals {
             load: load.iter().sum(),
-            weight: open.iter().map(|c| c.weight.max(1) as u64).sum(),
+            weight: open.iter().map(|c| effective_weight(c, fastest)).sum(),
+            fastest,
         }
     }
 }
 
+fn effective_weight(c: &Candidate, fastest: f64) -> f64 {
+    c.weight.max(1) as f64 * speed(c, fastest)
+}
+
 impl BoundedHrw {
     /// How many load units `c` may carry: ⌈factor × (total + 1) × share⌉,
-    /// its weighted share of the tier's load with the new session counted.
+    /// its weighted (and speed-scaled) share of the tier's load with the new
+    /// session counted.
     fn capacity(&self, c: &Candidate, t: &Totals) -> u64 {
-        let share = c.weight.max(1) as f64 / t.weight.max(1) as f64;
+        let share = effective_weight(c, t.fastest) / t.weight.max(f64::MIN_POSITIVE);
         (self.balance_factor * (t.load + 1) as f64 * share).ceil() as u64
     }
 
@@ -142,6 +179,32 @@ mod tests {
         assert!(!B.accepts(0, &o, &[9, 1, 0]));
         // The same loads on an equal-weight backend: ⌈1.25 × 11 / 5⌉ = 3.
         assert!(!B.accepts(1, &o, &[6, 3, 1]));
+    }
+
+    #[test]
+    fn a_slower_backend_takes_fewer_sessions_by_hand() {
+        // Learned costs 150, 50, 50 µs a token: speeds 1/3, 1, 1, shares
+        // 1/7, 3/7, 3/7. Loads 2, 3, 3 (total 8): the slow one's capacity is
+        // ⌈1.0 × 9 × 1/7⌉ = 2 — full; a fast one's ⌈9 × 3/7⌉ = 4.
+        let b = BoundedHrw {
+            balance_factor: 1.0,
+        };
+        let mut o = open(3);
+        for (c, us) in o.iter_mut().zip([150.0, 50.0, 50.0]) {
+            c.prefill_us_per_token = us;
+        }
+        let load = [2, 3, 3];
+        assert!(!b.accepts(0, &o, &load));
+        assert!(b.accepts(1, &o, &load));
+        // Speed unknown: capacity ⌈9 / 3⌉ = 3 and it accepts.
+        assert!(b.accepts(0, &open(3), &load));
+        // Within 20% of the fastest counts as the same speed: plain HRW.
+        for (c, us) in o.iter_mut().zip([55.0, 50.0, 60.0]) {
+            c.prefill_us_per_token = us;
+        }
+        for s in 0..200u64 {
+            assert_eq!(b.place(s, &o, &[3, 3, 3]), hrw::choose(s, &o));
+        }
     }
 
     #[test]
