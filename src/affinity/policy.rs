@@ -6,15 +6,15 @@
 //! a session off a draining backend. Beyond that:
 //!
 //! - `cost` (the default soft policy, seed 001's rule): leave the bound
-//!   backend only when the extra queueing from staying, ΔQ, exceeds what
+//!   backend only when the extra delay from staying, ΔQ, exceeds what
 //!   staying saves, p_hit · T_saved, by a hysteresis margin. ΔQ is how much
 //!   later this turn's first token comes at the bound backend than at the
 //!   best other candidate: learned queueing delay plus the turn's new tokens
 //!   at each one's learned cost per token (so a backend that has slowed down
-//!   counts, not only one that queues); T_saved is the session's last prompt re-prefilled at that candidate's
-//!   learned cost per token; p_hit is the share of its last prompt the bound
-//!   backend actually had cached (a backend that evicted the session no longer
-//!   deserves it). A cooldown and a cap on moves per session keep it from
+//!   counts, not only one that queues); T_saved is the session's last prompt
+//!   re-prefilled at that candidate's learned cost per token; p_hit is the
+//!   share of its last prompt the bound backend actually had cached (a
+//!   backend that evicted the session no longer deserves it). A cooldown and a cap on moves per session keep it from
 //!   flapping, and moves off one backend are spaced by its queue estimate so
 //!   its sessions do not all leave on the same stale reading.
 //! - `in_flight`: move off a backend with at least `soft_max_in_flight`
