@@ -100,7 +100,7 @@ fn bench_placement(c: &mut Criterion) {
             let _ = a.select_backend(&s, 0, &cands, true);
         }
         for kind in [FirstKind::BoundedHrw, FirstKind::LeastLoaded] {
-            let first = placement::build(kind, 1.1);
+            let first = placement::build(kind, 1.1, false);
             let mut k = 0u64;
             g.bench_with_input(
                 BenchmarkId::new(format!("{kind:?}"), n),

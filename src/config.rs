@@ -71,6 +71,7 @@ struct FilePlacement {
     first: String,
     balance_factor: f64,
     load: String,
+    speed_aware: bool,
 }
 
 impl Default for FilePlacement {
@@ -81,6 +82,10 @@ impl Default for FilePlacement {
             // lumpiness (1.1-1.25 × the mean at tens of sessions) in place.
             balance_factor: 1.0,
             load: "sessions".into(),
+            // Off: learned per-token costs include each request's fixed
+            // overheads, so on fast or lightly loaded replicas they are noise
+            // that would move bounds and split gateways' choices.
+            speed_aware: false,
         }
     }
 }
@@ -555,6 +560,8 @@ pub struct PlacementConfig {
     pub first: crate::affinity::placement::FirstKind,
     pub balance_factor: f64,
     pub load: crate::affinity::placement::LoadMeasure,
+    /// Bounded HRW: scale each backend's share by its learned speed.
+    pub speed_aware: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -784,6 +791,7 @@ fn validate_placement(
             first,
             balance_factor: p.balance_factor,
             load: measure,
+            speed_aware: p.speed_aware,
         },
         LoadConfig {
             scrape: l.scrape,

@@ -38,6 +38,7 @@ fn configure_affinity(affinity: &Affinity, config: &Config) {
     affinity.set_placement(crate::affinity::Placement::new(
         p.first,
         p.balance_factor,
+        p.speed_aware,
         p.load,
     ));
 }

@@ -152,7 +152,7 @@ async fn a_replica_that_prefills_slower_takes_fewer_new_sessions() {
     let gw = Gateway::start(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
         &format!(
-            "{FAST_HEALTH}{}  allow_explicit_target: true\n",
+            "{FAST_HEALTH}{}  allow_explicit_target: true\nplacement:\n  speed_aware: true\n",
             affinity_yaml(600)
         ),
     )

@@ -158,9 +158,9 @@ pub struct Placement {
 }
 
 impl Placement {
-    pub fn new(kind: FirstKind, balance_factor: f64, load: LoadMeasure) -> Self {
+    pub fn new(kind: FirstKind, balance_factor: f64, speed_aware: bool, load: LoadMeasure) -> Self {
         Placement {
-            first: placement::build(kind, balance_factor),
+            first: placement::build(kind, balance_factor, speed_aware),
             load,
         }
     }
@@ -194,6 +194,7 @@ impl Affinity {
             placement: ArcSwap::from_pointee(Placement::new(
                 FirstKind::BoundedHrw,
                 1.0,
+                false,
                 LoadMeasure::Sessions,
             )),
             waiters: (0..WAITER_SHARDS).map(|_| Notify::new()).collect(),

@@ -4,9 +4,9 @@
 //! "Consistent Hashing with Bounded Loads"; the bound includes the new
 //! session, so some backend always qualifies).
 //!
-//! A backend's share counts its weight and its learned speed: one that
-//! prefills well slower than the fastest takes proportionally fewer sessions
-//! (see [`SAME_SPEED`]).
+//! A backend's share counts its weight and, with `placement.speed_aware`, its
+//! learned speed: one that prefills well slower than the fastest takes
+//! proportionally fewer sessions (see [`SAME_SPEED`]).
 //!
 //! With balanced load every backend qualifies and the choice is plain HRW, so
 //! gateways that see the same fleet agree. A backend that has run ahead (hash
@@ -20,6 +20,8 @@ use crate::affinity::{hrw, Candidate};
 pub struct BoundedHrw {
     /// ≥ 1; 1.25 is the customary choice.
     pub balance_factor: f64,
+    /// Scale each backend's share by its learned speed (`placement.speed_aware`).
+    pub speed_aware: bool,
 }
 
 /// A backend's share of the tier's capacity counts its speed as well as its
@@ -51,11 +53,12 @@ struct Totals {
 }
 
 impl Totals {
-    fn of(open: &[Candidate], load: &[u64]) -> Totals {
+    /// `speed_aware` off: every speed counts as the fastest (`fastest` 0).
+    fn of(open: &[Candidate], load: &[u64], speed_aware: bool) -> Totals {
         let fastest = open
             .iter()
             .map(|c| c.prefill_us_per_token)
-            .filter(|&us| us > 0.0)
+            .filter(|&us| us > 0.0 && speed_aware)
             .fold(0.0, |m: f64, us| if m == 0.0 { us } else { m.min(us) });
         Totals {
             load: load.iter().sum(),
@@ -80,13 +83,13 @@ impl BoundedHrw {
 
     /// Whether `open[i]` can take one more unit and stay within capacity.
     pub fn accepts(&self, i: usize, open: &[Candidate], load: &[u64]) -> bool {
-        load[i] < self.capacity(&open[i], &Totals::of(open, load))
+        load[i] < self.capacity(&open[i], &Totals::of(open, load, self.speed_aware))
     }
 }
 
 impl FirstPlacement for BoundedHrw {
     fn place(&self, session: u64, open: &[Candidate], load: &[u64]) -> Option<usize> {
-        let totals = Totals::of(open, load);
+        let totals = Totals::of(open, load, self.speed_aware);
         hrw::choose_where(session, open, |i| {
             load[i] < self.capacity(&open[i], &totals)
         })
@@ -94,7 +97,7 @@ impl FirstPlacement for BoundedHrw {
     }
 
     fn overloaded(&self, i: usize, open: &[Candidate], load: &[u64]) -> bool {
-        load[i] > self.capacity(&open[i], &Totals::of(open, load))
+        load[i] > self.capacity(&open[i], &Totals::of(open, load, self.speed_aware))
     }
 }
 
@@ -105,6 +108,7 @@ mod tests {
 
     const B: BoundedHrw = BoundedHrw {
         balance_factor: 1.25,
+        speed_aware: false,
     };
 
     #[test]
@@ -188,6 +192,7 @@ mod tests {
         // ⌈1.0 × 9 × 1/7⌉ = 2 — full; a fast one's ⌈9 × 3/7⌉ = 4.
         let b = BoundedHrw {
             balance_factor: 1.0,
+            speed_aware: true,
         };
         let mut o = open(3);
         for (c, us) in o.iter_mut().zip([150.0, 50.0, 50.0]) {
@@ -196,8 +201,13 @@ mod tests {
         let load = [2, 3, 3];
         assert!(!b.accepts(0, &o, &load));
         assert!(b.accepts(1, &o, &load));
-        // Speed unknown: capacity ⌈9 / 3⌉ = 3 and it accepts.
+        // Speed unknown, or `speed_aware` off: capacity ⌈9 / 3⌉ = 3 and it accepts.
         assert!(b.accepts(0, &open(3), &load));
+        let blind = BoundedHrw {
+            speed_aware: false,
+            ..b
+        };
+        assert!(blind.accepts(0, &o, &load));
         // Within 20% of the fastest counts as the same speed: plain HRW.
         for (c, us) in o.iter_mut().zip([55.0, 50.0, 60.0]) {
             c.prefill_us_per_token = us;
@@ -213,6 +223,7 @@ mod tests {
         for factor in [1.25, 1.1, 1.0] {
             let b = BoundedHrw {
                 balance_factor: factor,
+                speed_aware: false,
             };
             let mut load = [0u64; 3];
             for s in 0..64u64 {

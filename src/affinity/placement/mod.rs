@@ -90,9 +90,12 @@ pub trait FirstPlacement: Send + Sync {
 }
 
 /// The algorithm `kind` names.
-pub fn build(kind: FirstKind, balance_factor: f64) -> Box<dyn FirstPlacement> {
+pub fn build(kind: FirstKind, balance_factor: f64, speed_aware: bool) -> Box<dyn FirstPlacement> {
     match kind {
-        FirstKind::BoundedHrw => Box::new(bounded_hrw::BoundedHrw { balance_factor }),
+        FirstKind::BoundedHrw => Box::new(bounded_hrw::BoundedHrw {
+            balance_factor,
+            speed_aware,
+        }),
         FirstKind::Hrw => Box::new(hrw::Hrw),
         FirstKind::LeastLoaded => Box::new(least_loaded::LeastLoaded),
         FirstKind::RoundRobin => Box::new(round_robin::RoundRobin::default()),
