@@ -337,6 +337,22 @@ async fn metric_sum(metrics_url: &str, prefix: &str) -> u64 {
         .sum::<f64>() as u64
 }
 
+/// Wait until the gateway has served `n` requests (any status).
+async fn served_at_least(metrics_url: &str, n: u64) {
+    while metric_sum(metrics_url, "agentserve_requests_total{").await < n {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Set a simulated replica's fault knobs (`POST /sim/config`).
+async fn sim_faults(backend_url: &str, faults: serde_json::Value) {
+    let _ = reqwest::Client::new()
+        .post(format!("{backend_url}/sim/config"))
+        .json(&faults)
+        .send()
+        .await;
+}
+
 pub fn run(args: DemoArgs) -> std::io::Result<()> {
     let exe = std::env::current_exe()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -557,9 +573,9 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
 /// Hard affinity against the cost-aware soft policy when one replica of three
 /// slows down 3× — by default once every session is placed (a throttled GPU,
 /// a noisy neighbour: nothing first placement could have foreseen), with
-/// `--slow-at 0` from the start — and a few sessions
-/// are much heavier than the rest (compute contention as in the placement
-/// study). Moves are read from the gateway.
+/// `--slow-at 0` from the start — and a few sessions are much heavier than
+/// the rest (compute contention as in the placement study). Moves are read
+/// from the gateway.
 async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
     let model = contention(args);
     let mut a = BenchArgs::seed_study("");
@@ -587,22 +603,13 @@ async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repor
             run.label =
                 format!("replica 0 slowed 3× at {slow_at:.2} + skewed mix: {label} (ids {r})");
             run.id_prefix = format!("soft{r}");
-            let slow = || async {
-                let _ = reqwest::Client::new()
-                    .post(format!("{}/sim/config", fleet.backend_urls[0]))
-                    .json(&serde_json::json!({"slowdown": 3.0}))
-                    .send()
-                    .await;
-            };
+            let slow = || sim_faults(&fleet.backend_urls[0], serde_json::json!({"slowdown": 3.0}));
             if slow_at == 0.0 {
                 slow().await;
             }
             let bench = tokio::spawn(async move { loadgen::run(&run).await });
             if slow_at > 0.0 {
-                let at = (total as f64 * slow_at) as u64;
-                while metric_sum(&fleet.metrics_url, "agentserve_requests_total{").await < at {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
+                served_at_least(&fleet.metrics_url, (total as f64 * slow_at) as u64).await;
                 slow().await;
             }
             let rep = bench.await.map_err(std::io::Error::other)?;
@@ -669,19 +676,10 @@ async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<r
             run.label = format!("replica out at 1/3, back empty at 2/3: {first} (ids {r})");
             run.id_prefix = format!("recovery{r}");
             let bench = tokio::spawn(async move { loadgen::run(&run).await });
-            let served =
-                |url: String| async move { metric_sum(&url, "agentserve_requests_total{").await };
-            while served(fleet.metrics_url.clone()).await < total / 3 {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            served_at_least(&fleet.metrics_url, total / 3).await;
             // Out of service: health fails, in-flight requests finish, then it dies.
             let victim = fleet.backend_urls[2].clone();
-            let client = reqwest::Client::new();
-            let _ = client
-                .post(format!("{victim}/sim/config"))
-                .json(&serde_json::json!({"unhealthy": true}))
-                .send()
-                .await;
+            sim_faults(&victim, serde_json::json!({"unhealthy": true})).await;
             let in_flight = "agentserve_backend_in_flight{backend=\"vllm-2\",tier=\"default\"}";
             let healthy = "agentserve_backend_healthy{backend=\"vllm-2\",tier=\"default\"}";
             while metric_sum(&fleet.metrics_url, healthy).await > 0
@@ -691,9 +689,7 @@ async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<r
             }
             let _ = fleet.children[2].kill();
             let _ = fleet.children[2].wait();
-            while served(fleet.metrics_url.clone()).await < 2 * total / 3 {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            served_at_least(&fleet.metrics_url, 2 * total / 3).await;
             let listen = victim.trim_start_matches("http://").to_string();
             fleet.children[2] = start_sim_on(exe, "vllm-2", &model, &listen)?.0;
             runs[v].push(bench.await.map_err(std::io::Error::other)?);

@@ -153,10 +153,7 @@ impl Backend {
             engine_requests: self.stats.engine.requests_if_fresh(),
             draining: self.draining(),
             move_on_drain: self.stats.move_on_drain.load(Ordering::Relaxed),
-            prefill_us_per_token: self
-                .stats
-                .cost
-                .prefill_us_per_token(0.0, load::COST_MIN_SAMPLES),
+            prefill_us_per_token: self.stats.cost.learned_us_per_token().unwrap_or(0.0),
             queue_us: self.stats.cost.queue_us(),
         }
     }

@@ -55,11 +55,14 @@ struct Totals {
 impl Totals {
     /// `speed_aware` off: every speed counts as the fastest (`fastest` 0).
     fn of(open: &[Candidate], load: &[u64], speed_aware: bool) -> Totals {
-        let fastest = open
-            .iter()
-            .map(|c| c.prefill_us_per_token)
-            .filter(|&us| us > 0.0 && speed_aware)
-            .fold(0.0, |m: f64, us| if m == 0.0 { us } else { m.min(us) });
+        let fastest = match speed_aware {
+            true => open
+                .iter()
+                .map(|c| c.prefill_us_per_token)
+                .filter(|&us| us > 0.0)
+                .fold(0.0, |m: f64, us| if m == 0.0 { us } else { m.min(us) }),
+            false => 0.0,
+        };
         Totals {
             load: load.iter().sum(),
             weight: open.iter().map(|c| effective_weight(c, fastest)).sum(),
