@@ -512,8 +512,8 @@ pub struct BackendConfig {
 pub struct AffinityConfig {
     /// `None` disables affinity (SPEC §3.7: TTL 0).
     pub sticky_ttl: Option<Duration>,
-    pub session_headers: Vec<String>,
-    pub parent_session_headers: Vec<String>,
+    pub session_headers: Vec<http::HeaderName>,
+    pub parent_session_headers: Vec<http::HeaderName>,
     pub body_session_fields: Vec<Vec<String>>,
     pub hash_key: String,
     pub max_bindings: usize,
@@ -525,9 +525,9 @@ pub struct AffinityConfig {
     /// How long concurrent first requests wait for the first one's placement.
     pub single_flight_wait: Duration,
     /// A header here with value `true`/`1` closes the session's binding after the request.
-    pub session_final_headers: Vec<String>,
+    pub session_final_headers: Vec<http::HeaderName>,
     /// Headers naming the parent *agent* of a subagent within the request's session.
-    pub parent_agent_headers: Vec<String>,
+    pub parent_agent_headers: Vec<http::HeaderName>,
     pub allow_explicit_target: bool,
     pub tenant: TenantSource,
     pub store: crate::affinity::store::StoreConfig,
@@ -537,7 +537,7 @@ pub struct AffinityConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TenantSource {
     None,
-    Header(String),
+    Header(http::HeaderName),
     /// A keyed hash of the `Authorization` header (the key is never stored).
     Authorization,
 }
@@ -732,17 +732,29 @@ fn valid_header_name(name: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
-fn validate_headers(key: &str, list: &[String], errors: &mut Vec<ConfigError>) -> Vec<String> {
+/// A configured header name, lower-cased and parsed once (lookups by a
+/// parsed name skip re-parsing it on every request).
+fn header_name(h: &str) -> Option<http::HeaderName> {
+    let lower = h.to_ascii_lowercase();
+    valid_header_name(&lower)
+        .then(|| http::HeaderName::from_bytes(lower.as_bytes()).ok())
+        .flatten()
+}
+
+fn validate_headers(
+    key: &str,
+    list: &[String],
+    errors: &mut Vec<ConfigError>,
+) -> Vec<http::HeaderName> {
     let mut out = Vec::new();
     for (i, h) in list.iter().enumerate() {
-        let lower = h.to_ascii_lowercase();
-        if !valid_header_name(&lower) {
-            errors.push(err(
+        match header_name(h) {
+            None => errors.push(err(
                 format!("{key}[{i}]"),
                 format!("`{h}` is not a valid header name"),
-            ));
-        } else if !out.contains(&lower) {
-            out.push(lower);
+            )),
+            Some(name) if !out.contains(&name) => out.push(name),
+            Some(_) => {}
         }
     }
     out
@@ -1173,16 +1185,16 @@ fn validate_affinity(
             ));
             TenantSource::None
         }
-        (Some(h), false) => {
-            let h = h.to_ascii_lowercase();
-            if !valid_header_name(&h) {
+        (Some(h), false) => match header_name(h) {
+            Some(name) => TenantSource::Header(name),
+            None => {
                 errors.push(err(
                     "affinity.tenant_header",
                     format!("`{h}` is not a valid header name"),
                 ));
+                TenantSource::None
             }
-            TenantSource::Header(h)
-        }
+        },
         (None, true) => TenantSource::Authorization,
         (None, false) => TenantSource::None,
     };

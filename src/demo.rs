@@ -63,15 +63,21 @@ pub struct DemoArgs {
     /// The soft study's extra YAML sections (e.g. a `placement:` section).
     #[arg(long, default_value = "")]
     pub soft_placement: String,
-    /// llamacpp: sessions per run (default 12; 6 with --quick).
+    /// llamacpp: sessions per run (default 12; 6 with --quick); soft study: default 48.
     #[arg(long)]
     pub sessions: Option<usize>,
-    /// llamacpp: turns per session (default 6; 4 with --quick).
+    /// llamacpp: turns per session (default 6; 4 with --quick); soft study: default 8.
     #[arg(long)]
     pub turns: Option<usize>,
-    /// llamacpp: requests in flight at once (default 3).
+    /// llamacpp: requests in flight at once (default 3); soft study: default 12.
     #[arg(long)]
     pub concurrency: Option<usize>,
+    /// Soft study: each session's pause between turns (an agent's tool time), ms.
+    #[arg(long, default_value_t = 0)]
+    pub think_ms: u64,
+    /// Soft study: sessions start this far apart, ms (0: all at once).
+    #[arg(long, default_value_t = 0)]
+    pub arrival_ms: u64,
 }
 
 const DEFAULT_PLACEMENTS: &str = "hrw;round_robin;bounded_hrw";
@@ -579,13 +585,15 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
 async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
     let model = contention(args);
     let mut a = BenchArgs::seed_study("");
-    a.sessions = 48;
-    a.turns = 8;
-    a.concurrency = 12;
+    a.sessions = args.sessions.unwrap_or(48);
+    a.turns = args.turns.unwrap_or(8);
+    a.concurrency = args.concurrency.unwrap_or(12);
     a.context_bytes = 1000;
     a.user_bytes = 1000;
     a.heavy_sessions = 4;
     a.heavy_context_bytes = 24_000;
+    a.think_ms = args.think_ms;
+    a.arrival_ms = args.arrival_ms;
     let total = (a.sessions * a.turns) as u64;
     let slow_at = args.slow_at.clamp(0.0, 1.0);
     let variants = [
@@ -622,7 +630,7 @@ async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repor
     }
     let out: Vec<report::Report> = runs.iter().flatten().cloned().collect();
     if !args.json {
-        println!("Hard vs cost-aware soft affinity (3 replicas, serial prefill; replica 0 slows down 3× once {:.0}% of the requests are served; 48 sessions × 8 turns at c=12, 4 of them with 24 KB documents):\n", slow_at * 100.0);
+        println!("Hard vs cost-aware soft affinity (3 replicas, serial prefill; replica 0 slows down 3× once {:.0}% of the requests are served; {} sessions × {} turns at c={}, {} of them with 24 KB documents; {} ms between a session's turns, sessions {} ms apart):\n", slow_at * 100.0, a.sessions, a.turns, a.concurrency, a.heavy_sessions, a.think_ms, a.arrival_ms);
         println!("{}", report::comparison_table(&out));
         if repeats > 1 {
             let names: Vec<&str> = variants.iter().map(|(n, _)| *n).collect();

@@ -128,7 +128,10 @@ proptest! {
     fn session_headers_are_validated_not_trusted(
         values in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..300), 0..4),
     ) {
-        let names = vec!["x-session-id".to_string(), "x-other-id".to_string()];
+        let names = vec![
+            http::HeaderName::from_static("x-session-id"),
+            http::HeaderName::from_static("x-other-id"),
+        ];
         let mut headers = http::HeaderMap::new();
         for (i, v) in values.iter().enumerate() {
             if let Ok(hv) = http::HeaderValue::from_bytes(v) {

@@ -1,7 +1,7 @@
 //! Where a request's session and parent keys come from (SPEC §3.2–3.3), and
 //! which values are refused (SPEC §8).
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 use serde_json::value::RawValue;
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -25,7 +25,7 @@ impl std::fmt::Display for BadSessionHeader {
 /// Where a session id was found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
-    Header(String),
+    Header(HeaderName),
     Body(String),
 }
 
@@ -50,16 +50,16 @@ fn check_value(bytes: &[u8]) -> Result<&str, &'static str> {
 /// earlier header would have won.
 pub fn from_headers(
     headers: &HeaderMap,
-    names: &[String],
+    names: &[HeaderName],
 ) -> Result<Option<SessionId>, BadSessionHeader> {
     let mut found = None;
     for name in names {
-        let mut values = headers.get_all(name.as_str()).iter();
+        let mut values = headers.get_all(name).iter();
         let Some(first) = values.next() else {
             continue;
         };
         let bad = |reason| BadSessionHeader {
-            header: name.clone(),
+            header: name.to_string(),
             reason,
         };
         let value = check_value(first.as_bytes()).map_err(bad)?;
@@ -142,8 +142,11 @@ mod tests {
     use super::*;
     use http::HeaderValue;
 
-    fn names() -> Vec<String> {
-        vec!["x-session-id".into(), "x-dynamo-session-id".into()]
+    fn names() -> Vec<HeaderName> {
+        vec![
+            HeaderName::from_static("x-session-id"),
+            HeaderName::from_static("x-dynamo-session-id"),
+        ]
     }
 
     #[test]
@@ -154,7 +157,10 @@ mod tests {
         h.insert("x-session-id", HeaderValue::from_static("canon"));
         let s = from_headers(&h, &names()).unwrap().unwrap();
         assert_eq!(s.id, "canon");
-        assert_eq!(s.source, Source::Header("x-session-id".into()));
+        assert_eq!(
+            s.source,
+            Source::Header(HeaderName::from_static("x-session-id"))
+        );
     }
 
     #[test]

@@ -3,6 +3,10 @@
 
 use super::*;
 
+// Parsed once: a lookup by `&str` parses the header name on every request.
+static TARGET_NAME: http::HeaderName = http::HeaderName::from_static(TARGET_HEADER);
+static TIER_NAME: http::HeaderName = http::HeaderName::from_static(TIER_HEADER);
+
 /// The tenant part of a binding's scope: empty when tenants are not configured.
 fn tenant_scope(
     cfg: &crate::config::Config,
@@ -12,8 +16,8 @@ fn tenant_scope(
     use crate::config::TenantSource;
     let value = match &cfg.affinity.tenant {
         TenantSource::None => return Ok(String::new()),
-        TenantSource::Header(h) => headers.get(h.as_str()),
-        TenantSource::Authorization => headers.get("authorization"),
+        TenantSource::Header(h) => headers.get(h),
+        TenantSource::Authorization => headers.get(http::header::AUTHORIZATION),
     };
     let Some(v) = value else {
         return Ok("\u{0}-".to_string());
@@ -105,34 +109,31 @@ impl GatewayProxy {
             .map_err(|e| GatewayError::bad_session_header(e.to_string()))?;
         ctx.session_final = cfg.affinity.session_final_headers.iter().any(|h| {
             headers
-                .get(h.as_str())
+                .get(h)
                 .is_some_and(|v| matches!(v.as_bytes(), b"true" | b"1" | b"TRUE" | b"True"))
         });
-        if let Some(target) = headers.get(TARGET_HEADER) {
+        if let Some(target) = headers.get(&TARGET_NAME) {
             if !cfg.affinity.allow_explicit_target {
                 return Err(GatewayError::explicit_target_forbidden());
             }
             ctx.explicit_target = Some(String::from_utf8_lossy(target.as_bytes()).into_owned());
         }
         let scope_suffix = tenant_scope(cfg, headers, &routing.hasher)?;
-        let tier_header = match headers.get(TIER_HEADER) {
-            Some(v) => Some(
-                v.to_str()
-                    .map_err(|_| GatewayError::unknown_tier("invalid tier header".into()))?
-                    .to_string(),
-            ),
-            None => None,
-        };
         let declared = request_body::content_length(session)?;
         let limit = cfg.server.max_body_bytes;
         if declared.is_some_and(|len| len > limit) {
             return Err(GatewayError::body_too_large(limit));
         }
 
-        let mut tier = match &tier_header {
-            Some(name) => Some(Arc::clone(routing.tier_by_name(name).ok_or_else(|| {
-                GatewayError::unknown_tier(format!("unknown tier `{name}`"))
-            })?)),
+        let mut tier = match headers.get(&TIER_NAME) {
+            Some(v) => {
+                let name = v
+                    .to_str()
+                    .map_err(|_| GatewayError::unknown_tier("invalid tier header".into()))?;
+                Some(Arc::clone(routing.tier_by_name(name).ok_or_else(|| {
+                    GatewayError::unknown_tier(format!("unknown tier `{name}`"))
+                })?))
+            }
             None => None,
         };
         let mut session_id = session_id;
@@ -204,7 +205,10 @@ impl GatewayProxy {
         let tier = tier.unwrap_or_else(|| Arc::clone(routing.default_tier()));
 
         // Bindings are scoped by tier (and tenant, when configured).
-        let scope = format!("{}{scope_suffix}", tier.name);
+        let scope = match scope_suffix.is_empty() {
+            true => std::borrow::Cow::Borrowed(&*tier.name),
+            false => std::borrow::Cow::Owned(format!("{}{scope_suffix}", tier.name)),
+        };
         let h = &routing.hasher;
         ctx.session_ref = match (&parent, &parent_agent, &session_id) {
             // A subagent (Dynamo style): the group of the parent session.
