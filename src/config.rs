@@ -1381,6 +1381,21 @@ metrics:
     }
 
     #[test]
+    fn header_names_are_validated_once_and_deduplicated() {
+        let text = GOOD.replace(
+            "session_headers: [x-session-id, X-Dynamo-Session-Id]",
+            "session_headers: [x-session-id, X-Session-ID, \"bad header\"]\n  tenant_header: \"x:tenant\"",
+        );
+        assert_eq!(
+            keys(&text),
+            ["affinity.session_headers[2]", "affinity.tenant_header"]
+        );
+        let text = GOOD.replace("X-Dynamo-Session-Id", "X-Session-ID");
+        let c = Config::from_yaml(&text).unwrap();
+        assert_eq!(c.affinity.session_headers, ["x-session-id"]);
+    }
+
+    #[test]
     fn unknown_key_is_named() {
         let text = GOOD.replace("weight: 2", "wieght: 2");
         let e = Config::from_yaml(&text).unwrap_err();

@@ -205,9 +205,10 @@ impl GatewayProxy {
         let tier = tier.unwrap_or_else(|| Arc::clone(routing.default_tier()));
 
         // Bindings are scoped by tier (and tenant, when configured).
-        let scope = match scope_suffix.is_empty() {
-            true => std::borrow::Cow::Borrowed(&*tier.name),
-            false => std::borrow::Cow::Owned(format!("{}{scope_suffix}", tier.name)),
+        let scope = if scope_suffix.is_empty() {
+            std::borrow::Cow::Borrowed(&*tier.name)
+        } else {
+            std::borrow::Cow::Owned(format!("{}{scope_suffix}", tier.name))
         };
         let h = &routing.hasher;
         ctx.session_ref = match (&parent, &parent_agent, &session_id) {
