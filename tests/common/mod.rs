@@ -17,19 +17,37 @@ const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A free port whose successor is free too (metrics and admin listeners).
 pub fn free_port_pair() -> u16 {
-    loop {
-        let p = free_port();
-        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
+    free_ports(2)
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    free_ports(1)
+}
+
+/// The first of `n` consecutive loopback ports nobody listens on, handed
+/// out once per test binary and below the kernel's ephemeral range (32768+
+/// on Linux). A port from `bind(0)` is released before the process under
+/// test binds it; in that gap an outgoing connection of a test running
+/// beside it could take it as its source port (seen: a gateway's admin
+/// port "in use", the test refused). Ports counted from here are never
+/// handed to two tests of one binary, nor picked as a source port.
+fn free_ports(n: u32) -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 10_000;
+    const SPAN: u32 = 22_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    // Test binaries run one after another; start each elsewhere anyway.
+    let start = std::process::id().wrapping_mul(7919) % SPAN;
+    for _ in 0..SPAN {
+        let first = LOW + (start + NEXT.fetch_add(n, Ordering::Relaxed)) % SPAN;
+        let mut ports = first..first + n;
+        if first + n <= LOW + SPAN
+            && ports.all(|p| TcpListener::bind(("127.0.0.1", p as u16)).is_ok())
+        {
+            return first as u16;
+        }
+    }
+    panic!("no free loopback port below the ephemeral range");
 }
 
 /// Poll `cond` until it holds (a readiness check, not a timing assertion).
