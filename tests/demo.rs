@@ -54,12 +54,16 @@ fn quick_demo_shows_affinity_paying() {
     );
     // Affinity gets within a few points of one replica that never evicts.
     assert!(rate(ideal, "prefix_cache_hit_rate") - rate(long_on, "prefix_cache_hit_rate") < 0.05);
-    // The locality table: turn 1 cold, later turns mostly cached, on one backend.
+    // The locality table: turn 1's private document is cold (only the system
+    // prompt all sessions share may already be cached, when another session's
+    // first turn reached that replica first), later turns mostly cached.
     let rows = long_on["locality"].as_array().unwrap();
-    assert_eq!(rows[0]["cached_tokens"], 0);
+    let tokens = |row: &Value, k: &str| row[k].as_u64().unwrap();
     assert!(
-        rows[1]["cached_tokens"].as_u64().unwrap() * 10
-            > rows[1]["input_tokens"].as_u64().unwrap() * 9
+        tokens(&rows[0], "cached_tokens") * 2 < tokens(&rows[0], "input_tokens"),
+        "turn 1: {}",
+        rows[0]
     );
+    assert!(tokens(&rows[1], "cached_tokens") * 10 > tokens(&rows[1], "input_tokens") * 9);
     assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
 }
