@@ -138,7 +138,7 @@ proptest! {
                 headers.append(if i % 2 == 0 { "x-session-id" } else { "x-other-id" }, hv);
             }
         }
-        if let Ok(Some(id)) = session::from_headers(&headers, &names) {
+        if let Ok(Some(id)) = session::from_headers(&session::RequestHeaders::new(&headers), &names) {
             prop_assert!(id.id.len() <= 256);
             prop_assert!(!id.id.chars().any(char::is_control));
         }

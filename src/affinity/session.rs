@@ -45,16 +45,72 @@ fn check_value(bytes: &[u8]) -> Result<&str, &'static str> {
     std::str::from_utf8(bytes).map_err(|_| "is not valid UTF-8")
 }
 
+/// A request's headers, with the names they carry gathered in one pass. A
+/// lookup by name hashes the name, and a request is checked for a dozen
+/// configured names (six session headers, two parent headers, the final,
+/// tier and target headers) of which it carries one or two: an absent name
+/// is ruled out by comparing it with the request's few names instead.
+pub struct RequestHeaders<'a> {
+    map: &'a HeaderMap,
+    /// The request's distinct names; `None` when it has more than fit, and
+    /// then every lookup goes to the map.
+    names: Option<([Option<&'a HeaderName>; NAMES], usize)>,
+}
+
+/// How many distinct names a request's one-pass index holds.
+const NAMES: usize = 16;
+
+impl<'a> RequestHeaders<'a> {
+    pub fn new(map: &'a HeaderMap) -> Self {
+        let mut names = [None; NAMES];
+        let mut n = 0;
+        for name in map.keys() {
+            if n == NAMES {
+                return RequestHeaders { map, names: None };
+            }
+            names[n] = Some(name);
+            n += 1;
+        }
+        RequestHeaders {
+            map,
+            names: Some((names, n)),
+        }
+    }
+
+    fn has(&self, name: &HeaderName) -> bool {
+        match &self.names {
+            Some((names, n)) => names[..*n].iter().any(|&k| k == Some(name)),
+            None => true,
+        }
+    }
+
+    /// The first value of `name`.
+    pub fn get(&self, name: &HeaderName) -> Option<&'a http::HeaderValue> {
+        if self.has(name) {
+            self.map.get(name)
+        } else {
+            None
+        }
+    }
+
+    /// Every value of `name`; `None` when the request does not carry it.
+    fn values(&self, name: &HeaderName) -> Option<http::header::ValueIter<'a, http::HeaderValue>> {
+        self.has(name).then(|| self.map.get_all(name).iter())
+    }
+}
+
 /// The first present header of `names` (in order), validated. Every present
 /// header of the list is validated, so a bad value is refused even when an
 /// earlier header would have won.
 pub fn from_headers(
-    headers: &HeaderMap,
+    headers: &RequestHeaders<'_>,
     names: &[HeaderName],
 ) -> Result<Option<SessionId>, BadSessionHeader> {
     let mut found = None;
     for name in names {
-        let mut values = headers.get_all(name).iter();
+        let Some(mut values) = headers.values(name) else {
+            continue;
+        };
         let Some(first) = values.next() else {
             continue;
         };
@@ -153,14 +209,52 @@ mod tests {
     fn first_configured_header_wins() {
         let mut h = HeaderMap::new();
         h.insert("x-dynamo-session-id", HeaderValue::from_static("dyn"));
-        assert_eq!(from_headers(&h, &names()).unwrap().unwrap().id, "dyn");
+        assert_eq!(
+            from_headers(&RequestHeaders::new(&h), &names())
+                .unwrap()
+                .unwrap()
+                .id,
+            "dyn"
+        );
         h.insert("x-session-id", HeaderValue::from_static("canon"));
-        let s = from_headers(&h, &names()).unwrap().unwrap();
+        let s = from_headers(&RequestHeaders::new(&h), &names())
+            .unwrap()
+            .unwrap();
         assert_eq!(s.id, "canon");
         assert_eq!(
             s.source,
             Source::Header(HeaderName::from_static("x-session-id"))
         );
+    }
+
+    #[test]
+    fn a_request_with_many_headers_is_read_in_full() {
+        // More distinct names than the one-pass index holds: every lookup
+        // goes to the map, and the session header is still found.
+        for others in [0, 5, 15, 16, 40] {
+            let mut h = HeaderMap::new();
+            for i in 0..others {
+                h.insert(
+                    HeaderName::from_bytes(format!("x-other-{i}").as_bytes()).unwrap(),
+                    HeaderValue::from_static("v"),
+                );
+            }
+            let seen = RequestHeaders::new(&h);
+            assert!(from_headers(&seen, &names()).unwrap().is_none());
+            assert!(seen.get(&HeaderName::from_static("x-session-id")).is_none());
+            h.insert("x-dynamo-session-id", HeaderValue::from_static("s"));
+            let seen = RequestHeaders::new(&h);
+            assert_eq!(
+                from_headers(&seen, &names()).unwrap().unwrap().id,
+                "s",
+                "{others} other headers"
+            );
+            assert_eq!(
+                seen.get(&HeaderName::from_static("x-dynamo-session-id"))
+                    .unwrap(),
+                "s"
+            );
+        }
     }
 
     #[test]
@@ -171,20 +265,28 @@ mod tests {
             HeaderValue::from_str(&"a".repeat(257)).unwrap(),
         );
         assert_eq!(
-            from_headers(&h, &names()).unwrap_err().reason,
+            from_headers(&RequestHeaders::new(&h), &names())
+                .unwrap_err()
+                .reason,
             "is longer than 256 bytes"
         );
         let mut h = HeaderMap::new();
         h.insert("x-session-id", HeaderValue::from_bytes(b"a\tb").unwrap());
-        assert!(from_headers(&h, &names()).is_err());
+        assert!(from_headers(&RequestHeaders::new(&h), &names()).is_err());
         let mut h = HeaderMap::new();
         h.append("x-session-id", HeaderValue::from_static("a"));
         h.append("x-session-id", HeaderValue::from_static("b"));
-        assert!(from_headers(&h, &names()).is_err());
+        assert!(from_headers(&RequestHeaders::new(&h), &names()).is_err());
         let mut h = HeaderMap::new();
         h.append("x-session-id", HeaderValue::from_static("a"));
         h.append("x-session-id", HeaderValue::from_static("a"));
-        assert_eq!(from_headers(&h, &names()).unwrap().unwrap().id, "a");
+        assert_eq!(
+            from_headers(&RequestHeaders::new(&h), &names())
+                .unwrap()
+                .unwrap()
+                .id,
+            "a"
+        );
         // A bad lower-precedence header is refused too.
         let mut h = HeaderMap::new();
         h.insert("x-session-id", HeaderValue::from_static("ok"));
@@ -192,7 +294,7 @@ mod tests {
             "x-dynamo-session-id",
             HeaderValue::from_bytes(b"x\ty").unwrap(),
         );
-        assert!(from_headers(&h, &names()).is_err());
+        assert!(from_headers(&RequestHeaders::new(&h), &names()).is_err());
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //! done, request done. Per-read timeouts (body idle, client write) are
 //! Pingora's own, set per request by the proxy.
 
+use crate::clock::now_ms;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use pingora_core::apps::ServerApp;
@@ -53,10 +54,10 @@ enum Phase {
     /// Between requests on a kept-alive connection (Pingora's keep-alive
     /// timeout applies).
     Idle,
-    /// Reading a request's headers: must be done by `deadline`.
-    Header { deadline: Instant },
+    /// Reading a request's headers: must be done by `deadline_ms`.
+    Header { deadline_ms: u64 },
     /// Reading its body.
-    Body { since: Instant, bytes: u64 },
+    Body { since_ms: u64, bytes: u64 },
     /// Body done, the response is on its way.
     Response,
 }
@@ -67,9 +68,9 @@ enum Phase {
 pub struct ConnState {
     phase: Mutex<Phase>,
     cut: Mutex<Option<Cut>>,
-    header_timeout: Duration,
+    header_timeout_ms: u64,
     min_rate: u64,
-    grace: Duration,
+    grace_ms: u64,
 }
 
 impl ConnState {
@@ -77,7 +78,7 @@ impl ConnState {
     pub fn headers_done(&self, body: bool) {
         *self.phase.lock() = if body {
             Phase::Body {
-                since: Instant::now(),
+                since_ms: now_ms(),
                 bytes: 0,
             }
         } else {
@@ -105,17 +106,18 @@ impl ConnState {
         match &mut *phase {
             Phase::Idle => {
                 *phase = Phase::Header {
-                    deadline: Instant::now() + self.header_timeout,
+                    deadline_ms: now_ms() + self.header_timeout_ms,
                 }
             }
-            Phase::Body { since, bytes } => {
+            Phase::Body { since_ms, bytes } => {
                 *bytes += n as u64;
-                let elapsed = since.elapsed();
-                if self.min_rate > 0
-                    && elapsed > self.grace
-                    && (*bytes as u128) * 1000 < self.min_rate as u128 * elapsed.as_millis()
-                {
-                    return Err(Cut::BodyRate);
+                if self.min_rate > 0 {
+                    let elapsed_ms = now_ms().saturating_sub(*since_ms);
+                    if elapsed_ms > self.grace_ms
+                        && (*bytes as u128) * 1000 < self.min_rate as u128 * elapsed_ms as u128
+                    {
+                        return Err(Cut::BodyRate);
+                    }
                 }
             }
             Phase::Header { .. } | Phase::Response => {}
@@ -123,9 +125,9 @@ impl ConnState {
         Ok(())
     }
 
-    fn header_deadline(&self) -> Option<Instant> {
+    fn header_deadline_ms(&self) -> Option<u64> {
         match *self.phase.lock() {
-            Phase::Header { deadline } => Some(deadline),
+            Phase::Header { deadline_ms } => Some(deadline_ms),
             _ => None,
         }
     }
@@ -136,7 +138,9 @@ impl ConnState {
 pub struct GuardedStream {
     inner: Stream,
     pub state: Arc<ConnState>,
-    timer: Option<Pin<Box<Sleep>>>,
+    /// The header clock, once a request's headers take more than one read,
+    /// and the deadline (`clock::now_ms`) it was set for.
+    timer: Option<(Pin<Box<Sleep>>, u64)>,
     /// The 408 still to be written when the header clock ran out.
     farewell: &'static [u8],
     timeouts: prometheus::IntCounterVec,
@@ -218,12 +222,15 @@ impl AsyncRead for GuardedStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
-        if let Some(deadline) = this.state.header_deadline() {
-            let timer = this
+        if let Some(deadline_ms) = this.state.header_deadline_ms() {
+            let at =
+                || Instant::now() + Duration::from_millis(deadline_ms.saturating_sub(now_ms()));
+            let (timer, set_for) = this
                 .timer
-                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-            if timer.deadline() != deadline {
-                timer.as_mut().reset(deadline);
+                .get_or_insert_with(|| (Box::pin(tokio::time::sleep_until(at())), deadline_ms));
+            if *set_for != deadline_ms {
+                timer.as_mut().reset(at());
+                *set_for = deadline_ms;
             }
             if timer.as_mut().poll(cx).is_ready() {
                 this.farewell = HEADER_TIMEOUT_RESPONSE.as_slice();
@@ -391,19 +398,19 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for GuardedApp<A> {
         let state = Arc::new(ConnState {
             phase: Mutex::new(if h1 {
                 Phase::Header {
-                    deadline: Instant::now() + limits.header_timeout,
+                    deadline_ms: now_ms() + limits.header_timeout.as_millis() as u64,
                 }
             } else {
                 Phase::Response
             }),
             cut: Mutex::new(None),
-            header_timeout: limits.header_timeout,
+            header_timeout_ms: limits.header_timeout.as_millis() as u64,
             min_rate: if h1 {
                 limits.body_min_rate_bytes_per_s
             } else {
                 0
             },
-            grace: limits.body_rate_grace,
+            grace_ms: limits.body_rate_grace.as_millis() as u64,
         });
         let guarded = GuardedStream {
             inner: stream,

@@ -10,14 +10,14 @@ static TIER_NAME: http::HeaderName = http::HeaderName::from_static(TIER_HEADER);
 /// The tenant part of a binding's scope: empty when tenants are not configured.
 fn tenant_scope(
     cfg: &crate::config::Config,
-    headers: &http::HeaderMap,
+    headers: &session::RequestHeaders<'_>,
     hasher: &crate::affinity::hrw::HrwHasher,
 ) -> std::result::Result<String, GatewayError> {
     use crate::config::TenantSource;
     let value = match &cfg.affinity.tenant {
         TenantSource::None => return Ok(String::new()),
         TenantSource::Header(h) => headers.get(h),
-        TenantSource::Authorization => headers.get(http::header::AUTHORIZATION),
+        TenantSource::Authorization => headers.get(&http::header::AUTHORIZATION),
     };
     let Some(v) = value else {
         return Ok("\u{0}-".to_string());
@@ -100,7 +100,7 @@ impl GatewayProxy {
         if header_bytes(req) > limit {
             return Err(GatewayError::headers_too_large(limit));
         }
-        let headers = &req.headers;
+        let headers = &session::RequestHeaders::new(&req.headers);
         let session_id = session::from_headers(headers, &cfg.affinity.session_headers)
             .map_err(|e| GatewayError::bad_session_header(e.to_string()))?;
         let parent = session::from_headers(headers, &cfg.affinity.parent_session_headers)
