@@ -79,7 +79,7 @@ impl<'a> RequestHeaders<'a> {
 
     fn has(&self, name: &HeaderName) -> bool {
         match &self.names {
-            Some((names, n)) => names[..*n].iter().any(|&k| k == Some(name)),
+            Some((names, n)) => names[..*n].contains(&Some(name)),
             None => true,
         }
     }
