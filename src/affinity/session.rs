@@ -62,14 +62,13 @@ const NAMES: usize = 16;
 
 impl<'a> RequestHeaders<'a> {
     pub fn new(map: &'a HeaderMap) -> Self {
+        let n = map.keys_len();
+        if n > NAMES {
+            return RequestHeaders { map, names: None };
+        }
         let mut names = [None; NAMES];
-        let mut n = 0;
-        for name in map.keys() {
-            if n == NAMES {
-                return RequestHeaders { map, names: None };
-            }
-            names[n] = Some(name);
-            n += 1;
+        for (slot, name) in names.iter_mut().zip(map.keys()) {
+            *slot = Some(name);
         }
         RequestHeaders {
             map,
@@ -198,6 +197,11 @@ mod tests {
     use super::*;
     use http::HeaderValue;
 
+    /// The session id `h` names, by the test's two configured headers.
+    fn session_of(h: &HeaderMap) -> Result<Option<SessionId>, BadSessionHeader> {
+        from_headers(&RequestHeaders::new(h), &names())
+    }
+
     fn names() -> Vec<HeaderName> {
         vec![
             HeaderName::from_static("x-session-id"),
@@ -209,17 +213,9 @@ mod tests {
     fn first_configured_header_wins() {
         let mut h = HeaderMap::new();
         h.insert("x-dynamo-session-id", HeaderValue::from_static("dyn"));
-        assert_eq!(
-            from_headers(&RequestHeaders::new(&h), &names())
-                .unwrap()
-                .unwrap()
-                .id,
-            "dyn"
-        );
+        assert_eq!(session_of(&h).unwrap().unwrap().id, "dyn");
         h.insert("x-session-id", HeaderValue::from_static("canon"));
-        let s = from_headers(&RequestHeaders::new(&h), &names())
-            .unwrap()
-            .unwrap();
+        let s = session_of(&h).unwrap().unwrap();
         assert_eq!(s.id, "canon");
         assert_eq!(
             s.source,
@@ -265,28 +261,20 @@ mod tests {
             HeaderValue::from_str(&"a".repeat(257)).unwrap(),
         );
         assert_eq!(
-            from_headers(&RequestHeaders::new(&h), &names())
-                .unwrap_err()
-                .reason,
+            session_of(&h).unwrap_err().reason,
             "is longer than 256 bytes"
         );
         let mut h = HeaderMap::new();
         h.insert("x-session-id", HeaderValue::from_bytes(b"a\tb").unwrap());
-        assert!(from_headers(&RequestHeaders::new(&h), &names()).is_err());
+        assert!(session_of(&h).is_err());
         let mut h = HeaderMap::new();
         h.append("x-session-id", HeaderValue::from_static("a"));
         h.append("x-session-id", HeaderValue::from_static("b"));
-        assert!(from_headers(&RequestHeaders::new(&h), &names()).is_err());
+        assert!(session_of(&h).is_err());
         let mut h = HeaderMap::new();
         h.append("x-session-id", HeaderValue::from_static("a"));
         h.append("x-session-id", HeaderValue::from_static("a"));
-        assert_eq!(
-            from_headers(&RequestHeaders::new(&h), &names())
-                .unwrap()
-                .unwrap()
-                .id,
-            "a"
-        );
+        assert_eq!(session_of(&h).unwrap().unwrap().id, "a");
         // A bad lower-precedence header is refused too.
         let mut h = HeaderMap::new();
         h.insert("x-session-id", HeaderValue::from_static("ok"));
@@ -294,7 +282,7 @@ mod tests {
             "x-dynamo-session-id",
             HeaderValue::from_bytes(b"x\ty").unwrap(),
         );
-        assert!(from_headers(&RequestHeaders::new(&h), &names()).is_err());
+        assert!(session_of(&h).is_err());
     }
 
     #[test]
