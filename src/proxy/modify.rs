@@ -60,7 +60,7 @@ impl GatewayProxy {
         };
         let is_json = is_type(b"application/json");
         let is_sse = is_type(b"text/event-stream");
-        let encoded = resp.headers.get("content-encoding").is_some();
+        let encoded = resp.headers.get(http::header::CONTENT_ENCODING).is_some();
         if (is_json || is_sse) && !encoded {
             ctx.usage = Some(UsageScanner::default());
         }
@@ -71,7 +71,7 @@ impl GatewayProxy {
             let appender = JsonAppender::new(ctx.metadata_member(&backend, &tier));
             let declared = resp
                 .headers
-                .get("content-length")
+                .get(http::header::CONTENT_LENGTH)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse::<usize>().ok());
             match declared.map(|len| (len, len.checked_add(appender.extra_len()))) {

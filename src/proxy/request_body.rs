@@ -26,7 +26,7 @@ pub fn content_length(session: &Session) -> Result<Option<u64>, GatewayError> {
     let mut values = session
         .req_header()
         .headers
-        .get_all("content-length")
+        .get_all(http::header::CONTENT_LENGTH)
         .iter();
     let Some(first) = values.next() else {
         return Ok(None);

@@ -157,7 +157,7 @@ impl UsageScanner {
     pub fn usage(&self) -> Option<Usage> {
         const NEEDLE: &[u8] = b"\"usage\"";
         let mut end = self.tail.len();
-        while let Some(pos) = find_last(&self.tail[..end], NEEDLE) {
+        while let Some(pos) = memchr::memmem::rfind(&self.tail[..end], NEEDLE) {
             let rest = &self.tail[pos + NEEDLE.len()..];
             let rest = trim_start(rest);
             if let Some(after_colon) = rest.strip_prefix(b":") {
@@ -184,15 +184,6 @@ impl UsageScanner {
 fn trim_start(b: &[u8]) -> &[u8] {
     let n = b.iter().take_while(|&&c| is_ws(c)).count();
     &b[n..]
-}
-
-fn find_last(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    if hay.len() < needle.len() {
-        return None;
-    }
-    (0..=hay.len() - needle.len())
-        .rev()
-        .find(|&i| &hay[i..i + needle.len()] == needle)
 }
 
 #[cfg(test)]

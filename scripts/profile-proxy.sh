@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Instructions per proxied request, counted by valgrind's callgrind, for the
+# bare Pingora pass-through (examples/bare_proxy.rs) and agent-gateway under the
+# same wrk load as scripts/bench-proxy.sh. Unlike CPU time, instruction counts
+# do not move with the machine's load: the same binaries and load give the same
+# figures, so a change of a fraction of a percent shows. User space only (the
+# kernel's share of a request, about two thirds of the floor, is not counted).
+#
+#   scripts/profile-proxy.sh [seconds=15] [connections=16]
+#   BIN=… BARE=… scripts/profile-proxy.sh        # prebuilt binaries
+#   BIN_BEFORE=/older/agent-gateway scripts/profile-proxy.sh   # adds its row
+#   KEEP=dir scripts/profile-proxy.sh            # keep callgrind.out.* for callgrind_annotate
+#
+# Prints instructions per request for each proxy, the ratio to the bare floor,
+# and the gateway's heaviest functions (inclusive) beside the bare proxy's.
+# Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DUR="${1:-15}"
+CONN="${2:-16}"
+command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind >/dev/null; }
+command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --quiet --bin agent-gateway --example bare_proxy
+  BIN=target/release/agent-gateway
+fi
+BARE="${BARE:-target/release/examples/bare_proxy}"
+WORK=$(mktemp -d)
+OUT="${KEEP:-$WORK}"
+mkdir -p "$OUT"
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 1 1200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+
+SIM_PORT=$(port)
+"$BIN" sim-backend --listen "127.0.0.1:$SIM_PORT" --id bench-0 --prefill-us-per-token 0 \
+  --decode-us-per-token 0 --cache-blocks 0 --max-batch 1024 >/dev/null &
+PIDS+=($!)
+wait_port "$SIM_PORT"
+
+cat > "$WORK/req.lua" <<'LUA'
+wrk.method = "POST"
+wrk.headers["content-type"] = "application/json"
+wrk.body = '{"model":"qwen3-8b","max_tokens":4,"messages":[{"role":"system","content":"You are a careful coding agent. Use the tools."},{"role":"user","content":"next step"}]}'
+local n = 0
+request = function()
+  n = n + 1
+  wrk.headers["x-session-id"] = "session-" .. (n % 500)
+  return wrk.format()
+end
+LUA
+
+gateway_config() { # PORT NAME
+  cat > "$WORK/$2.yaml" <<YAML
+server:
+  listen: ["127.0.0.1:$1"]
+  threads: 1
+  pid_file: "$WORK/$2.pid"
+  upgrade_sock: "$WORK/$2.sock"
+tiers:
+  default:
+    default: true
+    backends: [{ id: bench-0, addr: "127.0.0.1:$SIM_PORT" }]
+affinity: { hash_key: "bench-key" }
+metrics: { listen: "127.0.0.1:$(port)" }
+admin: { listen: "127.0.0.1:$(port)" }
+YAML
+}
+
+# profile NAME CMD...: runs CMD under callgrind with collection off, warms it
+# up, counts instructions over one wrk run, prints "NAME instructions requests".
+profile() {
+  local name=$1 p=$2; shift 2
+  RUST_LOG=error valgrind --tool=callgrind --instr-atstart=no \
+    --callgrind-out-file="$OUT/callgrind.out.$name" "$@" >/dev/null 2>"$WORK/$name.vg" &
+  local pid=$!
+  PIDS+=("$pid")
+  wait_port "$p"
+  wrk -t1 -c"$CONN" -d3s -s "$WORK/req.lua" "http://127.0.0.1:$p/v1/chat/completions" >/dev/null
+  callgrind_control -i on "$pid" >/dev/null
+  wrk -t1 -c"$CONN" -d"${DUR}s" -s "$WORK/req.lua" "http://127.0.0.1:$p/v1/chat/completions" > "$WORK/wrk.txt"
+  callgrind_control -i off "$pid" >/dev/null
+  kill -INT "$pid"; wait "$pid" 2>/dev/null || true
+  local n ir
+  n=$(awk '/requests in/ {print $1}' "$WORK/wrk.txt")
+  ir=$(awk '/^totals:/ {s += $2} END {print s}' "$OUT/callgrind.out.$name")
+  echo "$name $ir $n" >> "$WORK/results"
+}
+
+: > "$WORK/results"
+BP=$(port)
+profile bare-pingora "$BP" "$BARE" "127.0.0.1:$BP" "127.0.0.1:$SIM_PORT" 1
+GP=$(port); gateway_config "$GP" gateway
+profile agent-gateway "$GP" "$BIN" run --config "$WORK/gateway.yaml"
+if [ -n "${BIN_BEFORE:-}" ]; then
+  OP=$(port); gateway_config "$OP" before
+  profile agent-gateway-before "$OP" "$BIN_BEFORE" run --config "$WORK/before.yaml"
+fi
+
+echo
+echo "callgrind, wrk -t1 -c$CONN for ${DUR}s, 1 worker thread; user-space instructions per request"
+python3 - "$WORK/results" <<'PY'
+import sys
+rows = [l.split() for l in open(sys.argv[1])]
+base = next(int(ir) / int(n) for name, ir, n in rows if name == "bare-pingora")
+print("| path | requests | instructions / request | × bare Pingora |")
+print("|---|---:|---:|---:|")
+for name, ir, n in rows:
+    per = int(ir) / int(n)
+    print(f"| {name} | {n} | {per:,.0f} | {per / base:.3f}× |")
+PY
+# Where the gateway's extra instructions go: its Pingora hooks, inclusive of
+# what they call (Pingora's header inserts included), per request.
+echo
+echo "agent-gateway, per request: instructions inside each hook (inclusive)"
+n=$(awk '$1 == "agent-gateway" {print $3}' "$WORK/results")
+callgrind_annotate --inclusive=yes --threshold=100 --auto=no "$OUT/callgrind.out.agent-gateway" 2>/dev/null \
+  | python3 -c '
+import re, sys
+n = float(sys.argv[1])
+want = [
+    ("request_filter", r"ProxyHttp>::request_filter::\{\{closure\}\} \["),
+    ("upstream_peer", r"ProxyHttp>::upstream_peer::\{\{closure\}\} \["),
+    ("response_filter", r"ProxyHttp>::response_filter::\{\{closure\}\} \["),
+    ("response_body_filter", r"ProxyHttp>::response_body_filter \["),
+    ("logging", r"ProxyHttp>::logging::\{\{closure\}\} \["),
+    ("Pingora timers (read/write timeouts)", r"TimerManager::register_timer \["),
+    ("connection guard read (with the read)", r"GuardedStream as tokio::io::async_read::AsyncRead>::poll_read \["),
+]
+lines = sys.stdin.read().splitlines()
+print("| hook | instructions / request |")
+print("|---|---:|")
+for label, pat in want:
+    for line in lines:
+        if re.search(pat, line):
+            v = int(re.match(r"\s*([\d,]+)", line).group(1).replace(",", ""))
+            print(f"| {label} | {v / n:,.0f} |")
+            break
+' "$n"
