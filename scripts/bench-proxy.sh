@@ -36,7 +36,7 @@ BARE="${BARE:-target/release/examples/bare_proxy}"
 WORK=$(mktemp -d)
 PIDS=()
 # SIGINT: Pingora's fast shutdown (SIGTERM waits out a grace period).
-cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; kill -TERM "${SIM_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -52,7 +52,9 @@ fi
 SIM_PORT=$(port)
 "$BIN" sim-backend --listen "127.0.0.1:$SIM_PORT" --id bench-0 --prefill-us-per-token 0 \
   --decode-us-per-token 0 --cache-blocks 0 --max-batch 1024 >/dev/null &
-PIDS+=($!)
+# The simulator has no SIGINT handler, and a background job of a script
+# ignores SIGINT: it is stopped with SIGTERM.
+SIM_PID=$!
 wait_port "$SIM_PORT"
 
 cat > "$WORK/req.lua" <<'LUA'

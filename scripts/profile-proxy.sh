@@ -29,7 +29,7 @@ WORK=$(mktemp -d)
 OUT="${KEEP:-$WORK}"
 mkdir -p "$OUT"
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; kill -TERM "${SIM_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -38,7 +38,9 @@ wait_port() { for _ in $(seq 1 1200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/de
 SIM_PORT=$(port)
 "$BIN" sim-backend --listen "127.0.0.1:$SIM_PORT" --id bench-0 --prefill-us-per-token 0 \
   --decode-us-per-token 0 --cache-blocks 0 --max-batch 1024 >/dev/null &
-PIDS+=($!)
+# The simulator has no SIGINT handler, and a background job of a script
+# ignores SIGINT: it is stopped with SIGTERM.
+SIM_PID=$!
 wait_port "$SIM_PORT"
 
 cat > "$WORK/req.lua" <<'LUA'
@@ -122,21 +124,20 @@ callgrind_annotate --inclusive=yes --threshold=100 --auto=no "$OUT/callgrind.out
 import re, sys
 n = float(sys.argv[1])
 want = [
-    ("request_filter", r"ProxyHttp>::request_filter::\{\{closure\}\} \["),
-    ("upstream_peer", r"ProxyHttp>::upstream_peer::\{\{closure\}\} \["),
-    ("response_filter", r"ProxyHttp>::response_filter::\{\{closure\}\} \["),
-    ("response_body_filter", r"ProxyHttp>::response_body_filter \["),
-    ("logging", r"ProxyHttp>::logging::\{\{closure\}\} \["),
-    ("Pingora timers (read/write timeouts)", r"TimerManager::register_timer \["),
-    ("connection guard read (with the read)", r"GuardedStream as tokio::io::async_read::AsyncRead>::poll_read \["),
+    ("request_filter", r"ProxyHttp>::request_filter::\{\{closure\}\}( \[|$)"),
+    ("upstream_peer", r"ProxyHttp>::upstream_peer::\{\{closure\}\}( \[|$)"),
+    ("response_filter", r"ProxyHttp>::response_filter::\{\{closure\}\}( \[|$)"),
+    ("response_body_filter", r"ProxyHttp>::response_body_filter( \[|$)"),
+    ("logging", r"ProxyHttp>::logging::\{\{closure\}\}( \[|$)"),
+    ("Pingora timers (read/write timeouts)", r"TimerManager::register_timer( \[|$)"),
+    ("connection guard read (with the read)", r"GuardedStream as tokio::io::async_read::AsyncRead>::poll_read( \[|$)"),
 ]
 lines = sys.stdin.read().splitlines()
 print("| hook | instructions / request |")
 print("|---|---:|")
 for label, pat in want:
-    for line in lines:
-        if re.search(pat, line):
-            v = int(re.match(r"\s*([\d,]+)", line).group(1).replace(",", ""))
-            print(f"| {label} | {v / n:,.0f} |")
-            break
+    # The hook itself is its heaviest entry (inlined parts appear under other files).
+    found = [int(re.match(r"\s*([\d,]+)", l).group(1).replace(",", "")) for l in lines if re.search(pat, l)]
+    if found:
+        print(f"| {label} | {max(found) / n:,.0f} |")
 ' "$n"
