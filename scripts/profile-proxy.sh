@@ -2,8 +2,8 @@
 # Instructions per proxied request, counted by valgrind's callgrind, for the
 # bare Pingora pass-through (examples/bare_proxy.rs) and agent-gateway under the
 # same wrk load as scripts/bench-proxy.sh. Unlike CPU time, instruction counts
-# do not move with the machine's load: the same binaries and load give the same
-# figures, so a change of a fraction of a percent shows. User space only (the
+# hardly move with the machine's load (the same build gave figures within 0.5%
+# of each other in three runs), so a change of 1% shows. User space only (the
 # kernel's share of a request, about two thirds of the floor, is not counted).
 #
 #   scripts/profile-proxy.sh [seconds=15] [connections=16]
@@ -12,7 +12,7 @@
 #   KEEP=dir scripts/profile-proxy.sh            # keep callgrind.out.* for callgrind_annotate
 #
 # Prints instructions per request for each proxy, the ratio to the bare floor,
-# and the gateway's heaviest functions (inclusive) beside the bare proxy's.
+# and the instructions inside each of the gateway's hooks, per request.
 # Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,8 +72,8 @@ admin: { listen: "127.0.0.1:$(port)" }
 YAML
 }
 
-# profile NAME CMD...: runs CMD under callgrind with collection off, warms it
-# up, counts instructions over one wrk run, prints "NAME instructions requests".
+# profile NAME PORT CMD...: runs CMD under callgrind, uninstrumented until warmed
+# up; counts instructions over one wrk run; appends "NAME instructions requests".
 profile() {
   local name=$1 p=$2; shift 2
   RUST_LOG=error valgrind --tool=callgrind --instr-atstart=no \
@@ -82,9 +82,9 @@ profile() {
   PIDS+=("$pid")
   wait_port "$p"
   wrk -t1 -c"$CONN" -d3s -s "$WORK/req.lua" "http://127.0.0.1:$p/v1/chat/completions" >/dev/null
-  callgrind_control -i on "$pid" >/dev/null
+  callgrind_control -i on "$pid" >/dev/null 2>&1
   wrk -t1 -c"$CONN" -d"${DUR}s" -s "$WORK/req.lua" "http://127.0.0.1:$p/v1/chat/completions" > "$WORK/wrk.txt"
-  callgrind_control -i off "$pid" >/dev/null
+  callgrind_control -i off "$pid" >/dev/null 2>&1
   kill -INT "$pid"; wait "$pid" 2>/dev/null || true
   local n ir
   n=$(awk '/requests in/ {print $1}' "$WORK/wrk.txt")
