@@ -136,9 +136,14 @@ pub struct UsageScanner {
     tail: Vec<u8>,
 }
 
-const USAGE_TAIL_BYTES: usize = 16 * 1024;
+/// At least this much of the response's end is kept; at most twice as much.
+pub const USAGE_TAIL_BYTES: usize = 16 * 1024;
 
 impl UsageScanner {
+    /// Add a chunk of the response. The kept tail is cut back to
+    /// `USAGE_TAIL_BYTES` only when it would pass twice that, so a long stream
+    /// of small SSE chunks moves each byte at most once (cutting on every
+    /// chunk moved up to 16 KB per chunk).
     pub fn push(&mut self, chunk: &[u8]) {
         if chunk.len() >= USAGE_TAIL_BYTES {
             self.tail.clear();
@@ -146,11 +151,16 @@ impl UsageScanner {
                 .extend_from_slice(&chunk[chunk.len() - USAGE_TAIL_BYTES..]);
             return;
         }
-        let overflow = (self.tail.len() + chunk.len()).saturating_sub(USAGE_TAIL_BYTES);
-        if overflow > 0 {
-            self.tail.drain(..overflow);
+        if self.tail.len() + chunk.len() > 2 * USAGE_TAIL_BYTES {
+            let keep = USAGE_TAIL_BYTES - chunk.len();
+            self.tail.drain(..self.tail.len() - keep);
         }
         self.tail.extend_from_slice(chunk);
+    }
+
+    /// How much of the response is kept (for tests: bounded by twice the window).
+    pub fn kept(&self) -> usize {
+        self.tail.len()
     }
 
     /// The last non-null `usage` object seen, if any.
@@ -236,6 +246,37 @@ mod tests {
         assert_eq!(&a.push(Bytes::from_static(b"}"))[..], b"");
         assert_eq!(&a.finish()[..], b",\"x\":1}");
         assert!(a.finish().is_empty(), "finishing twice adds nothing");
+    }
+
+    #[test]
+    fn a_long_stream_keeps_a_bounded_window_with_its_usage() {
+        let mut s = UsageScanner::default();
+        let event = format!(
+            "data: {{\"choices\":[{{\"delta\":{{\"content\":\"{}\"}}}}]}}\n\n",
+            "x".repeat(90)
+        );
+        let mut sent = 0;
+        for _ in 0..2_000 {
+            s.push(event.as_bytes());
+            sent += event.len();
+            // Never less than the window (or all of it), never more than twice it.
+            assert!(
+                s.kept() >= sent.min(USAGE_TAIL_BYTES),
+                "{} of {sent}",
+                s.kept()
+            );
+            assert!(s.kept() <= 2 * USAGE_TAIL_BYTES, "{}", s.kept());
+        }
+        // The final event's usage, split across two chunks.
+        s.push(b"data: {\"choices\":[],\"usage\":{\"prompt_");
+        s.push(b"tokens\":4096,\"prompt_tokens_details\":{\"cached_tokens\":4000}}}\n\ndata: [DONE]\n\n");
+        assert_eq!(
+            s.usage(),
+            Some(Usage {
+                prompt_tokens: 4096,
+                cached_tokens: 4000
+            })
+        );
     }
 
     #[test]
