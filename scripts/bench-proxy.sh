@@ -39,8 +39,7 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; kill -TERM "${SIM_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 1 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+. scripts/proxy-load.sh
 
 HAVE_PERF=0
 perf stat -e raw_syscalls:sys_enter -- true >/dev/null 2>&1 && HAVE_PERF=1
@@ -49,51 +48,19 @@ if command -v nginx >/dev/null || { apt-get install -y -qq nginx >/dev/null 2>&1
   HAVE_NGINX=1
 fi
 
-SIM_PORT=$(port)
-"$BIN" sim-backend --listen "127.0.0.1:$SIM_PORT" --id bench-0 --prefill-us-per-token 0 \
-  --decode-us-per-token 0 --cache-blocks 0 --max-batch 1024 >/dev/null &
-# The simulator has no SIGINT handler, and a background job of a script
-# ignores SIGINT: it is stopped with SIGTERM.
-SIM_PID=$!
-wait_port "$SIM_PORT"
-
-cat > "$WORK/req.lua" <<'LUA'
-wrk.method = "POST"
-wrk.headers["content-type"] = "application/json"
-wrk.body = '{"model":"qwen3-8b","max_tokens":4,"messages":[{"role":"system","content":"You are a careful coding agent. Use the tools."},{"role":"user","content":"next step"}]}'
-local n = 0
-request = function()
-  n = n + 1
-  wrk.headers["x-session-id"] = "session-" .. (n % 500)
-  return wrk.format()
-end
-LUA
+start_sim
+write_load
 
 # start_proxies THREADS: sets PORT_<path> and PROC_<path> (PIDs whose CPU counts).
 start_proxies() {
-  local t=$1 gp mp ap
-  gp=$(port); mp=$(port); ap=$(port)
-  cat > "$WORK/gw.yaml" <<YAML
-server:
-  listen: ["127.0.0.1:$gp"]
-  threads: $t
-  pid_file: "$WORK/gw.pid"
-  upgrade_sock: "$WORK/gw.sock"
-tiers:
-  default:
-    default: true
-    backends: [{ id: bench-0, addr: "127.0.0.1:$SIM_PORT" }]
-affinity: { hash_key: "bench-key" }
-metrics: { listen: "127.0.0.1:$mp" }
-admin: { listen: "127.0.0.1:$ap" }
-YAML
+  local t=$1 gp
+  gp=$(port)
+  gateway_config "$gp" gw "$t"
   RUST_LOG=error "$BIN" run --config "$WORK/gw.yaml" >/dev/null 2>&1 &
   PROC_gateway=$!; PIDS+=($!); PORT_gateway=$gp
   if [ -n "${BIN_BEFORE:-}" ]; then
     PORT_before=$(port)
-    sed -e "s/127.0.0.1:$gp/127.0.0.1:$PORT_before/" -e "s/127.0.0.1:$mp/127.0.0.1:$(port)/" \
-      -e "s/127.0.0.1:$ap/127.0.0.1:$(port)/" -e "s/gw\.pid/before.pid/" -e "s/gw\.sock/before.sock/" \
-      "$WORK/gw.yaml" > "$WORK/before.yaml"
+    gateway_config "$PORT_before" before "$t"
     RUST_LOG=error "$BIN_BEFORE" run --config "$WORK/before.yaml" >/dev/null 2>&1 &
     PROC_before=$!; PIDS+=($!)
     wait_port "$PORT_before"

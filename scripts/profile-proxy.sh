@@ -32,45 +32,9 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; kill -TERM "${SIM_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 1 1200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
-
-SIM_PORT=$(port)
-"$BIN" sim-backend --listen "127.0.0.1:$SIM_PORT" --id bench-0 --prefill-us-per-token 0 \
-  --decode-us-per-token 0 --cache-blocks 0 --max-batch 1024 >/dev/null &
-# The simulator has no SIGINT handler, and a background job of a script
-# ignores SIGINT: it is stopped with SIGTERM.
-SIM_PID=$!
-wait_port "$SIM_PORT"
-
-cat > "$WORK/req.lua" <<'LUA'
-wrk.method = "POST"
-wrk.headers["content-type"] = "application/json"
-wrk.body = '{"model":"qwen3-8b","max_tokens":4,"messages":[{"role":"system","content":"You are a careful coding agent. Use the tools."},{"role":"user","content":"next step"}]}'
-local n = 0
-request = function()
-  n = n + 1
-  wrk.headers["x-session-id"] = "session-" .. (n % 500)
-  return wrk.format()
-end
-LUA
-
-gateway_config() { # PORT NAME
-  cat > "$WORK/$2.yaml" <<YAML
-server:
-  listen: ["127.0.0.1:$1"]
-  threads: 1
-  pid_file: "$WORK/$2.pid"
-  upgrade_sock: "$WORK/$2.sock"
-tiers:
-  default:
-    default: true
-    backends: [{ id: bench-0, addr: "127.0.0.1:$SIM_PORT" }]
-affinity: { hash_key: "bench-key" }
-metrics: { listen: "127.0.0.1:$(port)" }
-admin: { listen: "127.0.0.1:$(port)" }
-YAML
-}
+. scripts/proxy-load.sh
+start_sim
+write_load
 
 # profile NAME PORT CMD...: runs CMD under callgrind, uninstrumented until warmed
 # up; counts instructions over one wrk run; appends "NAME instructions requests".
@@ -95,10 +59,10 @@ profile() {
 : > "$WORK/results"
 BP=$(port)
 profile bare-pingora "$BP" "$BARE" "127.0.0.1:$BP" "127.0.0.1:$SIM_PORT" 1
-GP=$(port); gateway_config "$GP" gateway
+GP=$(port); gateway_config "$GP" gateway 1
 profile agent-gateway "$GP" "$BIN" run --config "$WORK/gateway.yaml"
 if [ -n "${BIN_BEFORE:-}" ]; then
-  OP=$(port); gateway_config "$OP" before
+  OP=$(port); gateway_config "$OP" before 1
   profile agent-gateway-before "$OP" "$BIN_BEFORE" run --config "$WORK/before.yaml"
 fi
 
@@ -129,7 +93,7 @@ want = [
     ("response_filter", r"ProxyHttp>::response_filter::\{\{closure\}\}( \[|$)"),
     ("response_body_filter", r"ProxyHttp>::response_body_filter( \[|$)"),
     ("logging", r"ProxyHttp>::logging::\{\{closure\}\}( \[|$)"),
-    ("Pingora timers (read/write timeouts)", r"TimerManager::register_timer( \[|$)"),
+    ("Pingora timers (upstream read and idle timeouts)", r"TimerManager::register_timer( \[|$)"),
     ("connection guard read (with the read)", r"GuardedStream as tokio::io::async_read::AsyncRead>::poll_read( \[|$)"),
 ]
 lines = sys.stdin.read().splitlines()
