@@ -36,7 +36,7 @@ BARE="${BARE:-target/release/examples/bare_proxy}"
 WORK=$(mktemp -d)
 PIDS=()
 # SIGINT: Pingora's fast shutdown (SIGTERM waits out a grace period).
-cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; kill -TERM "${SIM_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$WORK"; }
+cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; declare -F stop_sims >/dev/null && stop_sims; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 . scripts/proxy-load.sh

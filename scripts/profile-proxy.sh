@@ -29,7 +29,7 @@ WORK=$(mktemp -d)
 OUT="${KEEP:-$WORK}"
 mkdir -p "$OUT"
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; kill -TERM "${SIM_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$WORK"; }
+cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null || true; done; declare -F stop_sims >/dev/null && stop_sims; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 . scripts/proxy-load.sh

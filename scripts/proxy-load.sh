@@ -6,16 +6,24 @@ port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); 
 # Up to a minute: a proxy under valgrind starts slowly.
 wait_port() { for _ in $(seq 1 1200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
 
-# start_sim: one simulated replica with zero model latency; sets SIM_PORT and
-# SIM_PID. The simulator has no SIGINT handler, and a background job of a
-# script ignores SIGINT: stop it with SIGTERM.
+# start_sim: ${BACKENDS:-1} simulated replicas with zero model latency; sets
+# SIM_PORT (the first, which the bare proxy and nginx use), SIM_PORTS and
+# SIM_PIDS. More than one measures what the gateway's per-request work costs
+# with a fleet behind it (every request looks at each backend's health and
+# load). The simulator has no SIGINT handler, and a background job of a
+# script ignores SIGINT: stop them with SIGTERM (stop_sims).
 start_sim() {
-  SIM_PORT=$(port)
-  "$BIN" sim-backend --listen "127.0.0.1:$SIM_PORT" --id bench-0 --prefill-us-per-token 0 \
-    --decode-us-per-token 0 --cache-blocks 0 --max-batch 1024 >/dev/null &
-  SIM_PID=$!
-  wait_port "$SIM_PORT"
+  SIM_PORTS=(); SIM_PIDS=()
+  for i in $(seq 0 $(( ${BACKENDS:-1} - 1 ))); do
+    SIM_PORTS+=("$(port)")
+    "$BIN" sim-backend --listen "127.0.0.1:${SIM_PORTS[$i]}" --id "bench-$i" --prefill-us-per-token 0 \
+      --decode-us-per-token 0 --cache-blocks 0 --max-batch 1024 >/dev/null &
+    SIM_PIDS+=($!)
+  done
+  for p in "${SIM_PORTS[@]}"; do wait_port "$p"; done
+  SIM_PORT=${SIM_PORTS[0]}
 }
+stop_sims() { for p in ${SIM_PIDS[@]+"${SIM_PIDS[@]}"}; do kill -TERM "$p" 2>/dev/null || true; done; }
 
 # write_load: $WORK/req.lua, chat POSTs over 500 rotating session ids.
 write_load() {
@@ -32,7 +40,7 @@ end
 LUA
 }
 
-# gateway_config PORT NAME THREADS: $WORK/NAME.yaml, the gateway in front of the replica.
+# gateway_config PORT NAME THREADS: $WORK/NAME.yaml, the gateway in front of the replicas.
 gateway_config() {
   cat > "$WORK/$2.yaml" <<YAML
 server:
@@ -43,7 +51,8 @@ server:
 tiers:
   default:
     default: true
-    backends: [{ id: bench-0, addr: "127.0.0.1:$SIM_PORT" }]
+    backends:
+$(for i in "${!SIM_PORTS[@]}"; do echo "      - { id: bench-$i, addr: \"127.0.0.1:${SIM_PORTS[$i]}\" }"; done)
 affinity: { hash_key: "bench-key" }
 metrics: { listen: "127.0.0.1:$(port)" }
 admin: { listen: "127.0.0.1:$(port)" }

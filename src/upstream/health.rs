@@ -12,7 +12,49 @@ use pingora_http::RequestHeader;
 use pingora_load_balancing::health_check::{HealthCheck, HttpHealthCheck};
 use pingora_load_balancing::{Backend, HealthCheckService, HealthRegistry};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// Counts the flips of any backend's active-health verdict. Pingora calls
+/// `health_status_change` after its own state holds the new verdict, so a
+/// readiness read from its registry stays true until this moves.
+static FLIPS: AtomicU64 = AtomicU64::new(1);
+
+fn flips() -> u64 {
+    FLIPS.load(Ordering::Acquire)
+}
+
+fn flipped() {
+    FLIPS.fetch_add(1, Ordering::AcqRel);
+}
+
+/// What Pingora's registry last said of one backend's health checks, kept
+/// until a verdict flips. Asking the registry hashes the backend's identity
+/// and looks it up in a map (~650 instructions); the request path asks for
+/// every backend of the tier on every request, so a fleet of 8 paid ~5,000
+/// instructions per request for an answer that changes once in many
+/// health-check intervals.
+#[derive(Debug, Default)]
+pub struct ReadyCache {
+    /// `flips << 1 | ready`; 0 before the first read.
+    cached: AtomicU64,
+}
+
+impl ReadyCache {
+    /// The cached verdict, or `read()`'s when a flip happened since.
+    pub fn get(&self, read: impl FnOnce() -> bool) -> bool {
+        // Read the count first: a flip after this makes the stored value stale
+        // at once, so a racing read of the old verdict is never kept.
+        let now = flips();
+        let cached = self.cached.load(Ordering::Acquire);
+        if cached >> 1 == now {
+            return cached & 1 == 1;
+        }
+        let ready = read();
+        self.cached.store(now << 1 | ready as u64, Ordering::Release);
+        ready
+    }
+}
 
 /// The checks in force: one for plain backends, one per TLS backend (each
 /// verifies its own server name).
@@ -96,6 +138,9 @@ impl HealthCheck for Shared {
     async fn check(&self, target: &Backend) -> Result<()> {
         self.0.check(target).await
     }
+    async fn health_status_change(&self, _target: &Backend, _healthy: bool) {
+        flipped();
+    }
     fn health_threshold(&self, success: bool) -> usize {
         self.0.health_threshold(success)
     }
@@ -120,4 +165,29 @@ pub fn registry_and_service(
     service.health_check_frequency = Some(cfg.interval);
     service.parallel_health_check = true;
     (registry, service)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    #[test]
+    fn ready_cache_asks_again_only_after_a_flip() {
+        let cache = ReadyCache::default();
+        let asked = &Cell::new(0);
+        let ask = |verdict: bool| {
+            move || {
+                asked.set(asked.get() + 1);
+                verdict
+            }
+        };
+        assert!(cache.get(ask(true)));
+        assert!(cache.get(ask(false)), "no flip: the cached verdict stands");
+        assert_eq!(asked.get(), 1);
+        flipped();
+        assert!(!cache.get(ask(false)), "a flip: the registry is asked again");
+        assert!(!cache.get(ask(true)));
+        assert_eq!(asked.get(), 2);
+    }
 }

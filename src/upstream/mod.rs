@@ -141,6 +141,8 @@ pub struct Backend {
     pub stats: Arc<BackendStats>,
     /// `Some(sni)`: connect over TLS and verify the certificate for this name.
     pub tls: Option<String>,
+    /// The tier view's health-check verdict, kept between flips.
+    checks: health::ReadyCache,
 }
 
 impl Backend {
@@ -190,7 +192,7 @@ impl Tier {
 
     /// What the active health checks alone say.
     pub fn checks_pass(&self, b: &Backend) -> bool {
-        b.stats.admitted.load(Ordering::Relaxed) && self.view.ready(&b.lb)
+        b.stats.admitted.load(Ordering::Relaxed) && b.checks.get(|| self.view.ready(&b.lb))
     }
 
     /// Whether ejecting one more backend keeps this tier within the
@@ -323,5 +325,6 @@ fn make_backend(b: &BackendConfig, slots: &Slots, hasher: &HrwHasher) -> Backend
         id_header: http::HeaderValue::from_str(&b.id).expect("validated backend id"),
         stats,
         tls: b.tls.clone(),
+        checks: Default::default(),
     }
 }
