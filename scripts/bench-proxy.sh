@@ -19,6 +19,7 @@
 #   scripts/bench-proxy.sh [seconds=5] [rounds=3] [connections="16 64"] [threads="1 2"]
 #   BIN=target/release/agent-gateway BARE=target/release/examples/bare_proxy scripts/bench-proxy.sh
 #   BIN_BEFORE=/path/to/older/agent-gateway scripts/bench-proxy.sh   # adds its row: before/after in one run
+#   BACKENDS=8 scripts/bench-proxy.sh   # the gateway and nginx in front of 8 replicas (bare Pingora: the first)
 #
 # Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
 set -euo pipefail
@@ -82,7 +83,7 @@ http {
   access_log off;
   client_body_temp_path $WORK/nginx;
   proxy_temp_path $WORK/nginx;
-  upstream llm { hash \$http_x_session_id consistent; server 127.0.0.1:$SIM_PORT; keepalive 64; }
+  upstream llm { hash \$http_x_session_id consistent; $(for p in "${SIM_PORTS[@]}"; do printf "server 127.0.0.1:%s; " "$p"; done)keepalive 64; }
   server {
     listen 127.0.0.1:$PORT_nginx;
     location / { proxy_pass http://llm; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }

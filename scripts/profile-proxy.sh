@@ -10,6 +10,7 @@
 #   BIN=… BARE=… scripts/profile-proxy.sh        # prebuilt binaries
 #   BIN_BEFORE=/older/agent-gateway scripts/profile-proxy.sh   # adds its row
 #   KEEP=dir scripts/profile-proxy.sh            # keep callgrind.out.* for callgrind_annotate
+#   BACKENDS=8 scripts/profile-proxy.sh          # the gateway in front of 8 replicas (bare Pingora: the first)
 #
 # Prints instructions per request for each proxy, the ratio to the bare floor,
 # and the instructions inside each of the gateway's hooks, per request.

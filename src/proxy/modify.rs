@@ -46,7 +46,11 @@ impl GatewayProxy {
             return Err(self.fail(ctx, e));
         }
         resp.insert_header(BACKEND_HEADER, backend.id_header.clone())?;
-        resp.insert_header(HIT_HEADER, if ctx.affinity_hit { "true" } else { "false" })?;
+        // Static values: a `&str` is checked and copied into a new value.
+        static TRUE: http::HeaderValue = http::HeaderValue::from_static("true");
+        static FALSE: http::HeaderValue = http::HeaderValue::from_static("false");
+        let hit = if ctx.affinity_hit { &TRUE } else { &FALSE };
+        resp.insert_header(HIT_HEADER, hit.clone())?;
         resp.insert_header(TIER_HEADER, tier.name_header.clone())?;
 
         let content_type = resp
@@ -78,7 +82,10 @@ impl GatewayProxy {
                 // A length no body can have: pass the response on untouched.
                 Some((_, None)) => return Ok(()),
                 Some((len, Some(total))) => {
-                    resp.insert_header("content-length", total.to_string())?;
+                    resp.insert_header(
+                        http::header::CONTENT_LENGTH,
+                        http::HeaderValue::from(total),
+                    )?;
                     ctx.upstream_body_len = Some(len);
                 }
                 None => {}

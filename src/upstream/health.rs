@@ -51,7 +51,8 @@ impl ReadyCache {
             return cached & 1 == 1;
         }
         let ready = read();
-        self.cached.store(now << 1 | ready as u64, Ordering::Release);
+        self.cached
+            .store(now << 1 | ready as u64, Ordering::Release);
         ready
     }
 }
@@ -186,7 +187,10 @@ mod tests {
         assert!(cache.get(ask(false)), "no flip: the cached verdict stands");
         assert_eq!(asked.get(), 1);
         flipped();
-        assert!(!cache.get(ask(false)), "a flip: the registry is asked again");
+        assert!(
+            !cache.get(ask(false)),
+            "a flip: the registry is asked again"
+        );
         assert!(!cache.get(ask(true)));
         assert_eq!(asked.get(), 2);
     }
