@@ -126,14 +126,22 @@ impl EngineLoad {
     }
 
     pub fn fresh(&self) -> bool {
+        self.fresh_at(crate::clock::now_ms())
+    }
+
+    fn fresh_at(&self, now_ms: u64) -> bool {
         let at = self.scraped_ms.load(Ordering::Relaxed);
-        at != 0
-            && crate::clock::now_ms().saturating_sub(at) <= self.stale_ms.load(Ordering::Relaxed)
+        at != 0 && now_ms.saturating_sub(at) <= self.stale_ms.load(Ordering::Relaxed)
     }
 
     /// Running + waiting, when the last scrape is fresh and reported them; else 0.
     pub fn requests_if_fresh(&self) -> u64 {
-        if !self.fresh() {
+        self.requests_if_fresh_at(crate::clock::now_ms())
+    }
+
+    /// [`Self::requests_if_fresh`] with the clock already read (`clock::now_ms`).
+    pub fn requests_if_fresh_at(&self, now_ms: u64) -> u64 {
+        if !self.fresh_at(now_ms) {
             return 0;
         }
         read(&self.running).unwrap_or(0) + read(&self.waiting).unwrap_or(0)

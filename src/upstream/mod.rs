@@ -147,12 +147,17 @@ pub struct Backend {
 
 impl Backend {
     pub fn candidate(&self) -> Candidate {
+        self.candidate_at(crate::clock::now_ms())
+    }
+
+    /// [`Self::candidate`] with the clock already read (`clock::now_ms`).
+    pub fn candidate_at(&self, now_ms: u64) -> Candidate {
         Candidate {
             slot: self.slot,
             seed: self.seed,
             weight: self.weight,
             in_flight: self.in_flight(),
-            engine_requests: self.stats.engine.requests_if_fresh(),
+            engine_requests: self.stats.engine.requests_if_fresh_at(now_ms),
             draining: self.draining(),
             move_on_drain: self.stats.move_on_drain.load(Ordering::Relaxed),
             prefill_us_per_token: self.stats.cost.learned_us_per_token().unwrap_or(0.0),
@@ -187,7 +192,12 @@ impl Tier {
     /// Passing health checks (and, for a backend added by a reload, admitted
     /// by its first successful check), and not ejected for failing requests.
     pub fn healthy(&self, b: &Backend) -> bool {
-        self.checks_pass(b) && !b.stats.outlier.ejected_now()
+        self.healthy_at(b, crate::clock::now_ms())
+    }
+
+    /// [`Self::healthy`] with the clock already read (`clock::now_ms`).
+    pub fn healthy_at(&self, b: &Backend, now_ms: u64) -> bool {
+        self.checks_pass(b) && !b.stats.outlier.ejected_at(now_ms)
     }
 
     /// What the active health checks alone say.

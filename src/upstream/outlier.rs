@@ -62,8 +62,13 @@ impl OutlierState {
     /// [`Self::ejected`] now, reading the clock only for a backend that has
     /// been ejected at some point (this is asked per candidate per request).
     pub fn ejected_now(&self) -> bool {
+        self.ejected_at(crate::clock::now_ms())
+    }
+
+    /// [`Self::ejected_now`] with the clock already read (`clock::now_ms`).
+    pub fn ejected_at(&self, now_ms: u64) -> bool {
         let until = self.ejected_until_ms.load(Ordering::Relaxed);
-        until != 0 && crate::clock::now_ms() < until
+        until != 0 && now_ms < until
     }
 
     /// Record one outcome. Returns how long the backend is now ejected for,
