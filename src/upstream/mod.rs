@@ -192,7 +192,7 @@ impl Tier {
     /// Passing health checks (and, for a backend added by a reload, admitted
     /// by its first successful check), and not ejected for failing requests.
     pub fn healthy(&self, b: &Backend) -> bool {
-        self.healthy_at(b, crate::clock::now_ms())
+        self.checks_pass(b) && !b.stats.outlier.ejected_now()
     }
 
     /// [`Self::healthy`] with the clock already read (`clock::now_ms`).

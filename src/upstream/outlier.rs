@@ -62,7 +62,8 @@ impl OutlierState {
     /// [`Self::ejected`] now, reading the clock only for a backend that has
     /// been ejected at some point (this is asked per candidate per request).
     pub fn ejected_now(&self) -> bool {
-        self.ejected_at(crate::clock::now_ms())
+        let until = self.ejected_until_ms.load(Ordering::Relaxed);
+        until != 0 && crate::clock::now_ms() < until
     }
 
     /// [`Self::ejected_now`] with the clock already read (`clock::now_ms`).
