@@ -3,6 +3,10 @@
 //! - HRW choice over 8, 64 and 1,024 backends (equal and mixed weights),
 //! - a first-placement decision with load signals (read every candidate's
 //!   bindings and requests, then bounded-load HRW) over 8 and 1,024 backends,
+//! - the candidate list every request builds from its tier (health checks,
+//!   ejection, load signals of each backend) over 8 and 1,024 backends, with
+//!   the per-backend read of Pingora's health registry it made before the
+//!   verdicts were cached rebuilt beside it as the baseline,
 //! - binding-table insert into, and sweep of, a table holding 1M bindings,
 //! - table memory per binding (printed).
 //!
@@ -121,6 +125,61 @@ fn bench_placement(c: &mut Criterion) {
     g.finish();
 }
 
+fn bench_candidates(c: &mut Criterion) {
+    use agent_gateway::config::Config;
+    use agent_gateway::metrics::Metrics;
+    use agent_gateway::upstream::{health, Routing, Slots};
+    use futures_util::FutureExt;
+    use pingora_load_balancing::{discovery::Static, Backends};
+    use std::sync::Arc;
+    let mut g = c.benchmark_group("candidates");
+    for n in [8usize, 1024] {
+        let backends: String = (0..n)
+            .map(|i| {
+                format!(
+                    "      - {{ id: vllm-{i}, addr: \"127.0.0.1:{}\" }}\n",
+                    20_000 + i
+                )
+            })
+            .collect();
+        let yaml = format!(
+            "tiers:\n  default:\n    default: true\n    backends:\n{backends}affinity: {{ hash_key: bench }}\n"
+        );
+        let config = Arc::new(Config::from_yaml(&yaml).expect("a valid bench config"));
+        let check = health::ReloadableCheck::new(&config);
+        let (registry, _service) = health::registry_and_service(&config.health, &check);
+        let routing = Routing::build(
+            Arc::clone(&config),
+            &Slots::default(),
+            &registry,
+            &Metrics::new(),
+        )
+        .expect("one tier");
+        let tier = Arc::clone(routing.default_tier());
+        g.bench_with_input(BenchmarkId::new("cached health", n), &tier, |b, t| {
+            b.iter(|| black_box(t.candidates(&[])))
+        });
+        // The same list plus what it cost before: each backend's verdict read
+        // from a view of the same backends over the same registry.
+        let view = Backends::new_with_health_registry(
+            Static::new(tier.backends.iter().map(|b| b.lb.clone()).collect()),
+            Arc::clone(&registry),
+        );
+        let _ = view.update(|_| {}).now_or_never();
+        g.bench_with_input(
+            BenchmarkId::new("registry read per backend (before)", n),
+            &tier,
+            |b, t| {
+                b.iter(|| {
+                    let ready = t.backends.iter().filter(|b| view.ready(&b.lb)).count();
+                    black_box((ready, t.candidates(&[])))
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
 /// The generation a lease on what `acquire` returned would carry.
 fn generation(a: agent_gateway::affinity::table::Acquired) -> u32 {
     use agent_gateway::affinity::table::Acquired;
@@ -170,6 +229,6 @@ fn bench_table(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
-    targets = bench_hit, bench_hrw, bench_placement, bench_table
+    targets = bench_hit, bench_hrw, bench_placement, bench_candidates, bench_table
 }
 criterion_main!(benches);

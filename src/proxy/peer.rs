@@ -30,15 +30,7 @@ impl GatewayProxy {
         ctx.in_flight = None;
         let previous_lease = ctx.lease.take();
         let owner = previous_lease.as_ref().is_some_and(|l| l.owns_pending());
-        // Sized up front (a filtered collect grows and copies), one clock read.
-        let now = crate::clock::now_ms();
-        let mut candidates: Vec<Candidate> = Vec::with_capacity(tier.backends.len());
-        candidates.extend(
-            tier.backends
-                .iter()
-                .filter(|b| tier.healthy_at(b, now) && !ctx.excluded.contains(&b.slot))
-                .map(|b| b.candidate_at(now)),
-        );
+        let candidates = tier.candidates(&ctx.excluded);
 
         let backend = if let Some(target) = ctx.explicit_target.clone() {
             let Some(b) = tier.backend_by_id(&target) else {

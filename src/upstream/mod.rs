@@ -200,6 +200,22 @@ impl Tier {
         self.checks_pass(b) && !b.stats.outlier.ejected_at(now_ms)
     }
 
+    /// The backends a request may go to, with their load signals: healthy
+    /// and not in `excluded` (slots that refused this request a connection).
+    /// Asked on every request, for every backend of the tier.
+    pub fn candidates(&self, excluded: &[u32]) -> Vec<Candidate> {
+        // Sized up front (a filtered collect grows and copies), one clock read.
+        let now = crate::clock::now_ms();
+        let mut out = Vec::with_capacity(self.backends.len());
+        out.extend(
+            self.backends
+                .iter()
+                .filter(|b| self.healthy_at(b, now) && !excluded.contains(&b.slot))
+                .map(|b| b.candidate_at(now)),
+        );
+        out
+    }
+
     /// What the active health checks alone say.
     pub fn checks_pass(&self, b: &Backend) -> bool {
         b.stats.admitted.load(Ordering::Relaxed) && b.checks.get(|| self.view.ready(&b.lb))
