@@ -151,7 +151,7 @@ impl Backend {
     }
 
     /// [`Self::candidate`] with the clock already read (`clock::now_ms`).
-    pub fn candidate_at(&self, now_ms: u64) -> Candidate {
+    fn candidate_at(&self, now_ms: u64) -> Candidate {
         Candidate {
             slot: self.slot,
             seed: self.seed,
@@ -196,7 +196,7 @@ impl Tier {
     }
 
     /// [`Self::healthy`] with the clock already read (`clock::now_ms`).
-    pub fn healthy_at(&self, b: &Backend, now_ms: u64) -> bool {
+    fn healthy_at(&self, b: &Backend, now_ms: u64) -> bool {
         self.checks_pass(b) && !b.stats.outlier.ejected_at(now_ms)
     }
 
