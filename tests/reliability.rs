@@ -127,12 +127,11 @@ async fn no_healthy_backend_is_a_503_and_every_candidate_failing_a_502() {
         gw.metric("agentserve_bindings{tier=\"default\"}").await,
         0.0
     );
-    // Counted in the logging hook, which runs after the answer is written:
-    // the client can read the metric before it. (CI once saw 0 here.)
-    let errors = "agentserve_gateway_errors_total{status=\"503\",tier=\"default\"}";
-    wait_until("the 503 to be counted", || async {
-        gw.metric(errors).await == 1.0
-    })
+    // Counted by the logging hook after the answer is written (CI once read 0).
+    gw.metric_reaches(
+        "agentserve_gateway_errors_total{status=\"503\",tier=\"default\"}",
+        1.0,
+    )
     .await;
 
     // Recovery: healthy again → served.

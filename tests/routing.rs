@@ -45,16 +45,10 @@ async fn turns_of_a_session_stick_and_sessions_spread() {
         3,
         "30 sessions spread over all 3 backends: {placement:?}"
     );
-    assert_eq!(
-        gw.metric("agentserve_affinity_hits_total{tier=\"default\"}")
-            .await,
-        60.0
-    );
-    assert_eq!(
-        gw.metric("agentserve_affinity_misses_total{tier=\"default\"}")
-            .await,
-        30.0
-    );
+    gw.metric_reaches("agentserve_affinity_hits_total{tier=\"default\"}", 60.0)
+        .await;
+    gw.metric_reaches("agentserve_affinity_misses_total{tier=\"default\"}", 30.0)
+        .await;
     assert_eq!(
         gw.metric("agentserve_affinity_broken_total{tier=\"default\"}")
             .await,
@@ -124,16 +118,13 @@ async fn seed_load_study_hit_rates() {
         .await;
         assert_eq!(r.hit.as_deref(), Some("false"));
     }
-    assert_eq!(
-        gw.metric("agentserve_affinity_hits_total{tier=\"default\"}")
-            .await,
-        60.0
-    );
-    assert_eq!(
-        gw.metric("agentserve_affinity_misses_total{tier=\"default\"}")
-            .await,
-        12.0 + 72.0
-    );
+    gw.metric_reaches("agentserve_affinity_hits_total{tier=\"default\"}", 60.0)
+        .await;
+    gw.metric_reaches(
+        "agentserve_affinity_misses_total{tier=\"default\"}",
+        12.0 + 72.0,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -154,11 +145,8 @@ async fn ttl_zero_stores_nothing_and_every_turn_misses() {
         seen.insert(r.backend.unwrap());
     }
     assert_eq!(seen.len(), 1, "still consistent-hashed without a table");
-    assert_eq!(
-        gw.metric("agentserve_affinity_misses_total{tier=\"default\"}")
-            .await,
-        4.0
-    );
+    gw.metric_reaches("agentserve_affinity_misses_total{tier=\"default\"}", 4.0)
+        .await;
     assert_eq!(
         gw.metric("agentserve_bindings{tier=\"default\"}").await,
         0.0

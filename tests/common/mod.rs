@@ -376,6 +376,14 @@ impl Gateway {
         metric_value(&text, sample)
     }
 
+    /// Waits for `sample` to read `value`: for what the logging hook counts,
+    /// which runs after the answer is written (a client can read the metric
+    /// before its last request was counted).
+    pub async fn metric_reaches(&self, sample: &str, value: f64) {
+        let what = format!("{sample} to reach {value}");
+        wait_until(&what, || async { self.metric(sample).await == value }).await;
+    }
+
     pub async fn metrics_text(&self) -> String {
         reqwest::get(self.metrics_url("/metrics"))
             .await
