@@ -146,12 +146,9 @@ pub struct Backend {
 }
 
 impl Backend {
-    pub fn candidate(&self) -> Candidate {
-        self.candidate_at(crate::clock::now_ms())
-    }
-
-    /// [`Self::candidate`] with the clock already read (`clock::now_ms`).
-    fn candidate_at(&self, now_ms: u64) -> Candidate {
+    /// This backend as a placement candidate: its load signals at `now_ms`
+    /// (`clock::now_ms`, read once for the whole list).
+    fn candidate(&self, now_ms: u64) -> Candidate {
         Candidate {
             slot: self.slot,
             seed: self.seed,
@@ -211,7 +208,7 @@ impl Tier {
             self.backends
                 .iter()
                 .filter(|b| self.healthy_at(b, now) && !excluded.contains(&b.slot))
-                .map(|b| b.candidate_at(now)),
+                .map(|b| b.candidate(now)),
         );
         out
     }
