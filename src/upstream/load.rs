@@ -125,8 +125,11 @@ impl EngineLoad {
             .store(crate::clock::now_ms(), Ordering::Relaxed);
     }
 
+    /// Reads the clock only once a scrape has landed (never, with scraping off).
     pub fn fresh(&self) -> bool {
-        self.fresh_at(crate::clock::now_ms())
+        let at = self.scraped_ms.load(Ordering::Relaxed);
+        at != 0
+            && crate::clock::now_ms().saturating_sub(at) <= self.stale_ms.load(Ordering::Relaxed)
     }
 
     fn fresh_at(&self, now_ms: u64) -> bool {
@@ -136,14 +139,23 @@ impl EngineLoad {
 
     /// Running + waiting, when the last scrape is fresh and reported them; else 0.
     pub fn requests_if_fresh(&self) -> u64 {
-        self.requests_if_fresh_at(crate::clock::now_ms())
+        if self.fresh() {
+            self.requests()
+        } else {
+            0
+        }
     }
 
     /// [`Self::requests_if_fresh`] with the clock already read (`clock::now_ms`).
     pub fn requests_if_fresh_at(&self, now_ms: u64) -> u64 {
-        if !self.fresh_at(now_ms) {
-            return 0;
+        if self.fresh_at(now_ms) {
+            self.requests()
+        } else {
+            0
         }
+    }
+
+    fn requests(&self) -> u64 {
         read(&self.running).unwrap_or(0) + read(&self.waiting).unwrap_or(0)
     }
 
