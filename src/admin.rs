@@ -108,6 +108,7 @@ impl AdminApp {
                         "prefill_us_per_token": b.stats.cost.learned_us_per_token(),
                         "queue_ms": b.stats.cost.queue_us() as f64 / 1000.0,
                         "responses": b.stats.cost.samples(),
+                        "queued_prefill_tokens": b.stats.cost.queued_tokens(),
                     },
                 })
             })

@@ -78,6 +78,10 @@ pub struct DemoArgs {
     /// Soft study: sessions start this far apart, ms (0: all at once).
     #[arg(long, default_value_t = 0)]
     pub arrival_ms: u64,
+    /// Placement study: the 64 × 8 workload's per-session document in the
+    /// first turn, bytes (default 2000; 0: every turn alike).
+    #[arg(long)]
+    pub context_bytes: Option<usize>,
 }
 
 const DEFAULT_PLACEMENTS: &str = "hrw;round_robin;bounded_hrw";
@@ -506,7 +510,7 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
     base.sessions = 64;
     base.turns = 8;
     base.concurrency = 16;
-    base.context_bytes = 2000;
+    base.context_bytes = args.context_bytes.unwrap_or(2000);
     base.user_bytes = 2000;
     let mut sub = BenchArgs::seed_study("");
     sub.sessions = 12;

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 pub use table::BindingKey;
-use table::{Acquired, BindingTable, Decision};
+use table::{Acquired, BindingTable, Decision, Turns};
 use tokio::sync::Notify;
 
 /// One backend a request may go to: healthy, in the tier, not excluded.
@@ -44,8 +44,9 @@ pub struct Candidate {
     pub move_on_drain: bool,
     /// Learned prefill cost per uncached token, µs (0: not enough samples yet).
     pub prefill_us_per_token: f64,
-    /// Learned queueing delay before a request starts, µs.
-    pub queue_us: u64,
+    /// Estimated uncached tokens of this gateway's requests there that have
+    /// not begun to answer: the prefill work a new request waits behind now.
+    pub queued_tokens: u64,
 }
 
 impl Scored for Candidate {
@@ -127,6 +128,10 @@ pub struct Selection {
     pub version: u32,
     /// Set when `reason` is [`Reason::Moved`].
     pub moved: Option<MoveReason>,
+    /// For a kept binding: the tokens the session's last turn there had to
+    /// prefill (its new text), the estimate of this turn's prefill there.
+    /// `None` for new bindings, and before the backend reported any usage.
+    pub new_tokens: Option<u32>,
     /// Held while the request is in flight; dropping it ends the lease.
     pub lease: Option<Lease>,
 }
@@ -244,17 +249,16 @@ impl Affinity {
     }
 
     /// Whether a session may move off `bound` for cost now, claiming the
-    /// move if so: moves off one backend are spaced by its queue estimate
-    /// (`DefaultPolicy::move_spacing_ms`), the time a move takes to show in
-    /// that estimate. Without it every session of a backend that looks slow
-    /// reads the same stale estimate and leaves at once (a herd that swamps
-    /// the others).
-    fn claim_move_off(&self, bound: &Candidate, policy: &DefaultPolicy, now: u64) -> bool {
+    /// move if so: moves off one backend are [`policy::MOVE_GAP_MS`] apart.
+    /// Without it, requests reviewed at the same moment read the same queues
+    /// and every session of a backend that looks slow leaves at once (a herd
+    /// that swamps the others).
+    fn claim_move_off(&self, bound: &Candidate, now: u64) -> bool {
         let cell = &self.moved_off[bound.slot as usize % MOVE_SLOTS];
         let last = cell.load(Ordering::Relaxed);
         // `now` counts from this table's creation; 0 means never moved.
         let stamp = now.max(1);
-        (last == 0 || now.saturating_sub(last) >= policy.move_spacing_ms(bound))
+        (last == 0 || now.saturating_sub(last) >= policy::MOVE_GAP_MS)
             && cell
                 .compare_exchange(last, stamp, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
@@ -396,6 +400,7 @@ impl Affinity {
                 reason: Reason::Disabled,
                 version: 0,
                 moved: None,
+                new_tokens: None,
                 lease: None,
             }));
         }
@@ -420,6 +425,7 @@ impl Affinity {
         };
         let policy = self.policy.load();
         let mut moved = None;
+        let mut kept = Turns::default();
         let acquired =
             self.table.acquire(
                 session.key,
@@ -428,14 +434,16 @@ impl Affinity {
                 join_pending,
                 |current| match current.and_then(|c| Some((position(c.backend)?, c.turns))) {
                     Some((i, turns)) => {
+                        kept = turns;
                         match policy.review(&candidates[i], candidates, &turns, now) {
                             None => Decision::Keep,
-                            Some(MoveReason::Cost)
-                                if !self.claim_move_off(&candidates[i], &policy, now) =>
-                            {
+                            Some(MoveReason::Cost) if !self.claim_move_off(&candidates[i], now) => {
                                 Decision::Keep
                             }
-                            Some(reason) => match fresh(Some(candidates[i].slot)) {
+                            Some(reason) => match policy
+                                .destination(reason, &candidates[i], open, &turns)
+                                .or_else(|| fresh(Some(candidates[i].slot)))
+                            {
                                 Some(slot) => {
                                     moved = Some(reason);
                                     Decision::Bind(slot)
@@ -510,6 +518,7 @@ impl Affinity {
             reason,
             version,
             moved,
+            new_tokens: (affinity_hit && kept.prompt > 0).then(|| kept.prompt - kept.cached),
             lease,
         }))
     }
@@ -816,9 +825,10 @@ mod tests {
             drop(go(&a, s, &c[..1]));
             a.record_usage(s.key, 1000, 0);
         }
-        // Backend 0 now queues 2 s, backend 1 nothing: each session alone
-        // would leave, but one move must show before the next.
-        c[0].queue_us = 2_000_000;
+        // Backend 0 now has 2 s of prefill queued (20,000 tokens at the
+        // 100 µs prior), backend 1 nothing: each session alone would leave,
+        // but reviewed at the same moment only one may.
+        c[0].queued_tokens = 20_000;
         let moved: Vec<u32> = sessions
             .iter()
             .map(|s| go(&a, s, &c))
@@ -826,6 +836,33 @@ mod tests {
             .map(|sel| sel.backend)
             .collect();
         assert_eq!(moved, vec![1]);
+    }
+
+    #[test]
+    fn a_cost_move_goes_where_the_turn_starts_soonest() {
+        let h = HrwHasher::new("k");
+        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
+        a.set_policy(DefaultPolicy {
+            mode: policy::Mode::Soft,
+            soft: policy::SoftPolicy::Cost,
+            soft_max_in_flight: 0,
+            cost: policy::CostParams::default(),
+        });
+        let mut c = fleet(&h, 3);
+        // A session whose hash, between backends 1 and 2, prefers 1: where
+        // first placement would send it.
+        let s = (0..)
+            .map(|i| SessionRef::new(&h, KeyKind::Session, "t", &format!("s{i}")))
+            .find(|s| hrw::choose(s.hash, &c[1..]) == Some(0))
+            .unwrap();
+        drop(go(&a, &s, &c[..1]));
+        a.record_usage(s.key, 1000, 0);
+        // Backend 0 has 2 s of prefill queued, backend 1 1 s, backend 2 none.
+        c[0].queued_tokens = 20_000;
+        c[1].queued_tokens = 10_000;
+        let sel = go(&a, &s, &c);
+        assert_eq!(sel.moved, Some(MoveReason::Cost));
+        assert_eq!(sel.backend, 2, "the backend its ΔQ was weighed against");
     }
 
     #[test]

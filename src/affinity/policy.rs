@@ -9,14 +9,22 @@
 //!   backend only when the extra delay from staying, ΔQ, exceeds what
 //!   staying saves, p_hit · T_saved, by a hysteresis margin. ΔQ is how much
 //!   later this turn's first token comes at the bound backend than at the
-//!   best other candidate: learned queueing delay plus the turn's new tokens
-//!   at each one's learned cost per token (so a backend that has slowed down
-//!   counts, not only one that queues); T_saved is the session's last prompt
-//!   re-prefilled at that candidate's learned cost per token; p_hit is the
-//!   share of its last prompt the bound backend actually had cached (a
-//!   backend that evicted the session no longer deserves it). A cooldown and a cap on moves per session keep it from
-//!   flapping, and moves off one backend are spaced by its queue estimate so
-//!   its sessions do not all leave on the same stale reading.
+//!   best other candidate: the prefill work queued there now (the estimated
+//!   uncached tokens of this gateway's requests that have not begun to
+//!   answer) and the turn's new tokens, at each one's learned cost per token
+//!   (so a backend that has slowed down counts, not only one that queues).
+//!   The queue is read as it stands, not learned from answers: those report
+//!   the queue as it was when they were sent, so a policy reading them sees
+//!   a slowdown late and its relief late, and moves too late and then too
+//!   many. T_saved is the session's last prompt re-prefilled at that
+//!   candidate's learned cost per token; p_hit is the share of what the
+//!   bound backend should have held on the last turn (the turn before's
+//!   prompt) that it actually had cached: 1 after the session's first turn
+//!   there, which it has just computed, and low for a backend that evicted
+//!   the session (it no longer deserves it). A move goes to that best
+//!   candidate. A cooldown and a cap on moves per session keep it from
+//!   flapping, and moves off one backend are [`MOVE_GAP_MS`] apart, so
+//!   requests reviewed on one snapshot of the queues do not all leave at once.
 //! - `in_flight`: move off a backend with at least `soft_max_in_flight`
 //!   requests in flight when another candidate has room.
 
@@ -55,8 +63,8 @@ impl MoveReason {
 }
 
 /// The soft-mode hook: given the bound backend, every candidate, and what the
-/// session's turns found there, keep (`None`) or move, and why. The
-/// destination is then chosen by first placement among the other candidates.
+/// session's turns found there, keep (`None`) or move, and why; and where a
+/// move goes.
 pub trait BindingPolicy: Send + Sync {
     fn review(
         &self,
@@ -65,7 +73,25 @@ pub trait BindingPolicy: Send + Sync {
         turns: &Turns,
         now_ms: u64,
     ) -> Option<MoveReason>;
+
+    /// Where a move for `reason` goes. `None`: first placement chooses
+    /// among the other candidates.
+    fn destination(
+        &self,
+        reason: MoveReason,
+        bound: &Candidate,
+        candidates: &[Candidate],
+        turns: &Turns,
+    ) -> Option<u32> {
+        let _ = (reason, bound, candidates, turns);
+        None
+    }
 }
+
+/// Moves for cost off one backend are at least this far apart, ms: requests
+/// reviewed at the same moment read the same queues (a move shows in them
+/// once its request is sent), and must not all leave together.
+pub const MOVE_GAP_MS: u64 = 25;
 
 /// The cost-aware policy's knobs.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -111,11 +137,36 @@ impl DefaultPolicy {
         }
     }
 
-    /// How long after one session moved off `bound` for cost the next may:
-    /// its queue estimate (the time a move takes to show there), between
-    /// 100 ms and 2 s.
-    pub fn move_spacing_ms(&self, bound: &Candidate) -> u64 {
-        (bound.queue_us / 1000).clamp(100, 2000)
+    /// Prefill µs per uncached token at `c`: learned, else the prior.
+    fn per_token(&self, c: &Candidate) -> f64 {
+        if c.prefill_us_per_token > 0.0 {
+            c.prefill_us_per_token
+        } else {
+            self.cost.prior_prefill_us_per_token
+        }
+    }
+
+    /// How long until a turn bringing `new` tokens gets its first token at
+    /// `c`: the prefill work queued there now, then its own, at the
+    /// backend's cost per token (a slower backend is worse for both).
+    fn wait_us(&self, c: &Candidate, new: f64) -> f64 {
+        self.per_token(c) * (c.queued_tokens as f64 + new)
+    }
+
+    /// The candidate other than `bound` where the session's next turn would
+    /// start soonest (the work it brings: as many new tokens as its last
+    /// turn's uncached ones).
+    fn soonest_other<'a>(
+        &self,
+        bound: &Candidate,
+        candidates: &'a [Candidate],
+        turns: &Turns,
+    ) -> Option<&'a Candidate> {
+        let new = turns.prompt.saturating_sub(turns.cached) as f64;
+        candidates
+            .iter()
+            .filter(|c| c.slot != bound.slot && !c.draining)
+            .min_by(|a, b| self.wait_us(a, new).total_cmp(&self.wait_us(b, new)))
     }
 
     fn cost_move(
@@ -132,33 +183,13 @@ impl DefaultPolicy {
         if turns.moves > 0 && now_ms.saturating_sub(turns.moved_s as u64 * 1000) < p.cooldown_ms {
             return false;
         }
-        // The work this turn brings whichever backend serves it: the new
-        // tokens, as many as the last turn's uncached ones.
-        let new = turns.prompt.saturating_sub(turns.cached) as f64;
-        let per_token = |c: &Candidate| {
-            if c.prefill_us_per_token > 0.0 {
-                c.prefill_us_per_token
-            } else {
-                p.prior_prefill_us_per_token
-            }
-        };
-        // How long until this turn's first token: the backend's queue plus
-        // its prefill of the new tokens (a slower backend is worse for it too).
-        let wait = |c: &Candidate| c.queue_us as f64 + per_token(c) * new;
-        let Some(best) = candidates
-            .iter()
-            .filter(|c| c.slot != bound.slot && !c.draining)
-            .min_by(|a, b| wait(a).total_cmp(&wait(b)))
-        else {
+        let Some(best) = self.soonest_other(bound, candidates, turns) else {
             return false;
         };
-        let delta_q = wait(bound) - wait(best);
-        let p_hit = if turns.prompt == 0 {
-            0.0
-        } else {
-            turns.cached as f64 / turns.prompt as f64
-        };
-        let t_saved = turns.prompt as f64 * per_token(best);
+        let new = turns.prompt.saturating_sub(turns.cached) as f64;
+        let delta_q = self.wait_us(bound, new) - self.wait_us(best, new);
+        let p_hit = turns.retention();
+        let t_saved = turns.prompt as f64 * self.per_token(best);
         delta_q > p_hit * t_saved + p.hysteresis_us as f64
     }
 }
@@ -191,6 +222,22 @@ impl BindingPolicy for DefaultPolicy {
             SoftPolicy::InFlight => None,
         }
     }
+
+    /// A cost move goes where the policy found the turn starts soonest: the
+    /// backend its ΔQ was weighed against, not the one first placement would
+    /// pick by bindings (which after sessions left it is the slow one).
+    fn destination(
+        &self,
+        reason: MoveReason,
+        bound: &Candidate,
+        candidates: &[Candidate],
+        turns: &Turns,
+    ) -> Option<u32> {
+        match reason {
+            MoveReason::Cost => self.soonest_other(bound, candidates, turns).map(|c| c.slot),
+            MoveReason::Drain | MoveReason::Overloaded => None,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -200,6 +247,7 @@ mod tests {
     const T0: Turns = Turns {
         prompt: 0,
         cached: 0,
+        expected: 0,
         moves: 0,
         moved_s: 0,
     };
@@ -255,9 +303,9 @@ mod tests {
         assert_eq!(p.review(&drain[0], &drain, &T0, 0), Some(MoveReason::Drain));
     }
 
-    fn queued(slot: u32, queue_us: u64, prefill_us_per_token: f64) -> Candidate {
+    fn queued(slot: u32, queued_tokens: u64, prefill_us_per_token: f64) -> Candidate {
         Candidate {
-            queue_us,
+            queued_tokens,
             prefill_us_per_token,
             ..c(slot, 0, false)
         }
@@ -275,10 +323,13 @@ mod tests {
         },
     };
 
-    fn turns(prompt: u32, cached: u32, moves: u8, moved_s: u32) -> Turns {
+    /// A session whose last turn sent `prompt` tokens and found `cached` of
+    /// them, of the `expected` its backend should have kept from the turn before.
+    fn turns(prompt: u32, cached: u32, expected: u32, moves: u8, moved_s: u32) -> Turns {
         Turns {
             prompt,
             cached,
+            expected,
             moves,
             moved_s,
         }
@@ -286,56 +337,79 @@ mod tests {
 
     #[test]
     fn cost_policy_moves_only_when_the_queue_outweighs_the_cache_by_hand() {
-        // Bound backend queues 900 ms, the other 100 ms: ΔQ = 800 ms.
-        let all = [queued(0, 900_000, 200.0), queued(1, 100_000, 200.0)];
-        // 3,000 tokens, all cached: T_saved = 3,000 × 200 µs = 600 ms; + 50 ms
-        // hysteresis = 650 ms < 800 ms: move.
+        // At 200 µs a token, the bound backend has 900 ms of prefill queued
+        // (4,500 tokens), the other 100 ms: ΔQ = 800 ms.
+        let all = [queued(0, 4_500, 200.0), queued(1, 500, 200.0)];
+        // 3,000 tokens, all it should have kept cached: T_saved = 3,000 ×
+        // 200 µs = 600 ms; + 50 ms hysteresis = 650 ms < 800 ms: move.
         assert_eq!(
-            COST.review(&all[0], &all, &turns(3000, 3000, 0, 0), 0),
+            COST.review(&all[0], &all, &turns(3000, 2900, 2900, 0, 0), 0),
             Some(MoveReason::Cost)
         );
-        // 4,000 tokens cached: 800 ms + 50 ms > 800 ms: stay.
+        // 4,000 tokens: 800 ms + 50 ms > 800 ms: stay.
         assert_eq!(
-            COST.review(&all[0], &all, &turns(4000, 4000, 0, 0), 0),
+            COST.review(&all[0], &all, &turns(4000, 3900, 3900, 0, 0), 0),
             None
         );
-        // The backend evicted the session (p_hit 0.25): 1,000 ms × 0.25 + 50 < 800: move.
+        // The backend evicted the session: of the 4,000 tokens it should
+        // have kept it had 1,000 (p_hit 0.25): 1,000 ms × 0.25 + 50 < 800: move.
         assert_eq!(
-            COST.review(&all[0], &all, &turns(5000, 1250, 0, 0), 0),
+            COST.review(&all[0], &all, &turns(5000, 1000, 4000, 0, 0), 0),
             Some(MoveReason::Cost)
         );
         // Equal queues never move; hard mode never moves for cost.
-        let even = [queued(0, 500_000, 200.0), queued(1, 500_000, 200.0)];
-        assert_eq!(COST.review(&even[0], &even, &turns(10, 0, 0, 0), 0), None);
+        let even = [queued(0, 2_500, 200.0), queued(1, 2_500, 200.0)];
+        assert_eq!(
+            COST.review(&even[0], &even, &turns(10, 0, 0, 0, 0), 0),
+            None
+        );
         let hard = DefaultPolicy {
             mode: Mode::Hard,
             ..COST
         };
-        assert_eq!(hard.review(&all[0], &all, &turns(0, 0, 0, 0), 0), None);
+        assert_eq!(hard.review(&all[0], &all, &turns(0, 0, 0, 0, 0), 0), None);
+    }
+
+    #[test]
+    fn cost_policy_trusts_a_backend_with_the_prompt_it_has_just_computed() {
+        // After a session's first turn there (nothing cached, nothing to keep
+        // from before) the backend holds the whole 4,000-token prompt: moving
+        // re-prefills it (800 ms + 50) for a 300 ms shorter queue: stay.
+        let all = [queued(0, 2_000, 200.0), queued(1, 500, 200.0)];
+        assert_eq!(
+            COST.review(&all[0], &all, &turns(4000, 0, 0, 0, 0), 0),
+            None
+        );
+        // Had it dropped the prompt by the next turn, moving would pay.
+        assert_eq!(
+            COST.review(&all[0], &all, &turns(4300, 0, 4000, 0, 0), 0),
+            Some(MoveReason::Cost)
+        );
     }
 
     #[test]
     fn cost_policy_counts_a_slower_backend_not_only_a_longer_queue() {
         // No queue anywhere, but the bound backend now takes 300 µs a token
         // against 100. The turn brings 1,000 new tokens (1,500 prompt, 500
-        // cached last time): 300 ms there against 100 ms: ΔQ = 200 ms.
-        // Staying saves 500 cached × 100 µs = 50 ms, + 50 ms hysteresis: move.
+        // cached last time, all it should have kept): 300 ms there against
+        // 100 ms: ΔQ = 200 ms. Re-prefilling 1,500 tokens elsewhere costs
+        // 150 ms: + 50 ms hysteresis is not less than 200 ms: stay.
         let all = [queued(0, 0, 300.0), queued(1, 0, 100.0)];
         assert_eq!(
-            COST.review(&all[0], &all, &turns(1500, 500, 0, 0), 0),
-            Some(MoveReason::Cost)
-        );
-        // With 2,000 of its tokens cached there, staying saves 200 ms + 50: stay.
-        assert_eq!(
-            COST.review(&all[0], &all, &turns(3000, 2000, 0, 0), 0),
+            COST.review(&all[0], &all, &turns(1500, 500, 500, 0, 0), 0),
             None
+        );
+        // 1,400 new tokens of 1,900 (ΔQ 280 ms; re-prefill 190 ms + 50): move.
+        assert_eq!(
+            COST.review(&all[0], &all, &turns(1900, 500, 500, 0, 0), 0),
+            Some(MoveReason::Cost)
         );
     }
 
     #[test]
     fn cost_policy_respects_cooldown_and_the_move_cap() {
-        let all = [queued(0, 900_000, 200.0), queued(1, 0, 200.0)];
-        let t = turns(100, 100, 1, 100);
+        let all = [queued(0, 4_500, 200.0), queued(1, 0, 200.0)];
+        let t = turns(100, 100, 100, 1, 100);
         assert_eq!(
             COST.review(&all[0], &all, &t, 110_000),
             None,
@@ -346,7 +420,7 @@ mod tests {
             Some(MoveReason::Cost)
         );
         assert_eq!(
-            COST.review(&all[0], &all, &turns(100, 100, 3, 0), 10_000_000),
+            COST.review(&all[0], &all, &turns(100, 100, 100, 3, 0), 10_000_000),
             None,
             "cap"
         );
@@ -354,10 +428,11 @@ mod tests {
 
     #[test]
     fn cost_policy_uses_the_prior_until_a_backend_has_taught_its_cost() {
-        // Unlearned destination (0): the 100 µs prior; 5,000 tokens → 500 ms + 50 < 600.
-        let all = [queued(0, 700_000, 0.0), queued(1, 100_000, 0.0)];
+        // Unlearned costs (0): the 100 µs prior, so 7,000 and 1,000 queued
+        // tokens are 700 and 100 ms; 5,000 tokens → 500 ms + 50 < 600.
+        let all = [queued(0, 7_000, 0.0), queued(1, 1_000, 0.0)];
         assert_eq!(
-            COST.review(&all[0], &all, &turns(5000, 5000, 0, 0), 0),
+            COST.review(&all[0], &all, &turns(5000, 4900, 4900, 0, 0), 0),
             Some(MoveReason::Cost)
         );
     }

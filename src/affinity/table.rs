@@ -66,10 +66,28 @@ pub struct Turns {
     /// Prompt and cached tokens of the last turn with usage (0: none yet).
     pub prompt: u32,
     pub cached: u32,
+    /// What the backend should have had cached on that turn: the prompt of
+    /// the turn before, when that turn was served there too (0: the last
+    /// turn was the session's first there, so it had nothing to keep).
+    pub expected: u32,
     /// Rebinds of this binding so far (moves and broken).
     pub moves: u8,
     /// When it last moved, in seconds on the table's clock.
     pub moved_s: u32,
+}
+
+impl Turns {
+    /// The share of what the backend should have held on the last turn that
+    /// it had cached: 1 when the last turn was the session's first there
+    /// (it has just computed the prompt; nothing says it dropped it), near 0
+    /// when it evicted the session.
+    pub fn retention(&self) -> f64 {
+        if self.expected == 0 {
+            1.0
+        } else {
+            (self.cached as f64 / self.expected as f64).min(1.0)
+        }
+    }
 }
 
 impl Entry {
@@ -374,6 +392,7 @@ impl BindingTable {
                     e.turns = Turns {
                         prompt: 0,
                         cached: 0,
+                        expected: 0,
                         moves: e.turns.moves.saturating_add(1),
                         moved_s: (now_ms / 1000) as u32,
                     };
@@ -482,6 +501,8 @@ impl BindingTable {
         let mut shard = self.shard(key).lock();
         if let Some(&i) = shard.map.get(&key) {
             let t = &mut shard.entries[i as usize].turns;
+            // A rebind zeroes `prompt`: a first turn there expects nothing.
+            t.expected = t.prompt;
             t.prompt = prompt.min(u32::MAX as u64) as u32;
             t.cached = cached.min(prompt).min(u32::MAX as u64) as u32;
         }
@@ -824,6 +845,38 @@ mod tests {
             t.acquire(2, 0, 0, false, |_| Decision::Bind(6)),
             Acquired::Bound { backend: 6, .. }
         ));
+    }
+
+    /// The session's turns as the policy would see them on its next request.
+    fn turns_of(t: &BindingTable, key: u128) -> Turns {
+        let mut seen = None;
+        t.acquire(key, 0, 0, true, |cur| {
+            seen = cur.map(|c| c.turns);
+            Decision::Keep
+        });
+        seen.expect("a live binding")
+    }
+
+    #[test]
+    fn what_a_backend_should_have_kept_is_the_turn_before_on_that_backend() {
+        let t = BindingTable::new(100);
+        bind(&t, 3, 1, 0);
+        // A cold first turn: nothing cached, but nothing to keep either.
+        t.record_usage(3, 1_000, 0);
+        assert_eq!(turns_of(&t, 3).expected, 0);
+        assert_eq!(turns_of(&t, 3).retention(), 1.0);
+        // The next turn found the first one's prompt: all it should have kept.
+        t.record_usage(3, 1_300, 1_000);
+        assert_eq!(turns_of(&t, 3).expected, 1_000);
+        assert_eq!(turns_of(&t, 3).retention(), 1.0);
+        // Then it had dropped most of it.
+        t.record_usage(3, 1_600, 260);
+        assert_eq!(turns_of(&t, 3).retention(), 0.2);
+        // Moved: the new backend's first turn there expects nothing.
+        bind(&t, 3, 2, 0);
+        t.record_usage(3, 1_900, 700);
+        assert_eq!(turns_of(&t, 3).expected, 0);
+        assert_eq!(turns_of(&t, 3).retention(), 1.0);
     }
 
     #[test]

@@ -56,6 +56,22 @@ pub struct LocalityRow {
     pub ttft_ms: f64,
 }
 
+/// One of a run's slowest requests (`Report::slowest`).
+#[derive(Debug, Clone, Serialize)]
+pub struct SlowRequest {
+    pub session: usize,
+    /// Turn number, from 1.
+    pub turn: usize,
+    pub backend: Option<String>,
+    pub input_tokens: u64,
+    pub cached_tokens: u64,
+    pub affinity_hit: Option<bool>,
+    pub e2e_ms: f64,
+}
+
+/// How many of a run's slowest requests a report lists.
+const SLOWEST: usize = 10;
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     pub label: String,
@@ -84,6 +100,8 @@ pub struct Report {
     /// Share of subagent turns served by the parent's backend (None: no subagents).
     pub subagent_colocation: Option<f64>,
     pub locality: Vec<LocalityRow>,
+    /// The run's slowest requests, slowest first: what its tail is made of.
+    pub slowest: Vec<SlowRequest>,
     /// Requests the gateway re-sent on a fresh connection
     /// (`agentserve_upstream_retries_total`), when the run went through one.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -161,6 +179,22 @@ impl Report {
             })
             .unwrap_or_default();
 
+        let mut by_e2e = ok.clone();
+        by_e2e.sort_by_key(|r| std::cmp::Reverse(r.e2e));
+        let slowest = by_e2e
+            .iter()
+            .take(SLOWEST)
+            .map(|r| SlowRequest {
+                session: r.session,
+                turn: r.turn + 1,
+                backend: r.backend.clone(),
+                input_tokens: r.prompt_tokens,
+                cached_tokens: r.cached_tokens,
+                affinity_hit: r.affinity_hit,
+                e2e_ms: r.e2e.as_secs_f64() * 1000.0,
+            })
+            .collect();
+
         Report {
             label,
             requests: records.len(),
@@ -202,6 +236,7 @@ impl Report {
             balance_max_over_mean: balance,
             subagent_colocation,
             locality,
+            slowest,
             upstream_retries: None,
         }
     }

@@ -71,20 +71,35 @@ struct InFlight {
     /// No other request of this gateway was in flight at the backend when
     /// this one was sent: its TTFB is the backend's speed, not its queue.
     alone: bool,
+    /// Its estimated prefill, counted in the backend's queued tokens until
+    /// its first byte comes back (0 once it has).
+    tokens: u64,
+    /// The queued tokens it was sent behind.
+    ahead: u64,
 }
 
 impl InFlight {
-    fn new(stats: &Arc<BackendStats>) -> Self {
+    fn new(stats: &Arc<BackendStats>, tokens: u64) -> Self {
         let before = stats.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight {
             stats: Arc::clone(stats),
             alone: before == 0 && stats.engine.requests_if_fresh() == 0,
+            tokens,
+            ahead: stats.cost.enqueue(tokens),
+        }
+    }
+
+    /// The first byte came back: its prefill no longer waits ahead of others.
+    fn prefilled(&mut self) {
+        if self.tokens > 0 {
+            self.stats.cost.dequeue(std::mem::take(&mut self.tokens));
         }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.prefilled();
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }

@@ -105,6 +105,9 @@ impl GatewayProxy {
         if let Some(chunk) = body.as_ref() {
             if ctx.first_byte.is_none() && !chunk.is_empty() {
                 ctx.first_byte = Some(Instant::now());
+                if let Some(f) = ctx.in_flight.as_mut() {
+                    f.prefilled();
+                }
             }
             if let Some(scanner) = ctx.usage.as_mut() {
                 scanner.push(chunk);

@@ -17,6 +17,25 @@ fn client_gone(session: &Session) -> bool {
         .is_some_and(|info| info.tcpi_state != TCP_ESTABLISHED)
 }
 
+/// Bytes of a request body per prompt token, for estimating a prefill before
+/// the backend has said how many tokens it was (about 4 for English text).
+const BODY_BYTES_PER_TOKEN: u64 = 4;
+
+/// The prompt tokens a request's body holds, estimated from its size (read
+/// already, or declared in Content-Length; 0 when neither is known).
+fn body_tokens(session: &Session, ctx: &RequestCtx) -> u64 {
+    let bytes = match ctx.body.as_ref() {
+        Some(body) => body.len() as u64,
+        None => session
+            .req_header()
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .unwrap_or(0),
+    };
+    bytes / BODY_BYTES_PER_TOKEN
+}
+
 impl GatewayProxy {
     pub(super) async fn choose_peer(
         &self,
@@ -32,6 +51,9 @@ impl GatewayProxy {
         let owner = previous_lease.as_ref().is_some_and(|l| l.owns_pending());
         let candidates = tier.candidates(&ctx.excluded);
 
+        // This request's prefill there, for the backend's queued tokens: a
+        // kept binding's last new text, else the whole body.
+        let mut new_tokens = None;
         let backend = if let Some(target) = ctx.explicit_target.clone() {
             let Some(b) = tier.backend_by_id(&target) else {
                 return Err(self.fail(ctx, GatewayError::unknown_backend(&target, &tier.name)));
@@ -107,6 +129,7 @@ impl GatewayProxy {
                         ctx.moved = sel.moved;
                     }
                     ctx.lease = sel.lease;
+                    new_tokens = sel.new_tokens;
                     sel.index
                 }
                 None => {
@@ -122,7 +145,11 @@ impl GatewayProxy {
         if let Some(old) = previous_lease {
             old.hand_over();
         }
-        ctx.in_flight = Some(InFlight::new(&backend.stats));
+        let tokens = match new_tokens {
+            Some(n) => n as u64,
+            None => body_tokens(session, ctx),
+        };
+        ctx.in_flight = Some(InFlight::new(&backend.stats, tokens));
         let mut peer = match &backend.tls {
             Some(sni) => HttpPeer::new(backend.addr, true, sni.clone()),
             None => HttpPeer::new(backend.addr, false, String::new()),

@@ -174,7 +174,9 @@ impl EngineLoad {
 /// What a backend's responses teach about its speed, learned online from the
 /// time to first byte and the `usage` the gateway reads: prefill cost per
 /// uncached token, and the queueing delay before a request starts. The
-/// cost-aware soft policy weighs these (ΔQ against p_hit · T_saved).
+/// cost-aware soft policy weighs these (ΔQ against p_hit · T_saved), with the
+/// prefill work this gateway has queued there now: the estimated uncached
+/// tokens of its requests there that have not begun to answer.
 #[derive(Debug, Default)]
 pub struct CostEstimate {
     /// EWMA, nanoseconds per uncached prompt token (0: no sample yet).
@@ -182,6 +184,9 @@ pub struct CostEstimate {
     /// EWMA, microseconds between request start and the start of its prefill.
     queue_us: AtomicU64,
     samples: AtomicU64,
+    /// Estimated uncached tokens of this gateway's requests at the backend
+    /// that have had no first byte back yet: prefill work still ahead.
+    queued_tokens: AtomicU64,
 }
 
 /// Responses a backend must have answered before its learned cost is used.
@@ -190,13 +195,14 @@ pub const COST_MIN_SAMPLES: u64 = 5;
 /// Weight of a new sample in the moving averages.
 const EWMA_ALPHA: f64 = 0.3;
 
-/// The cost per token is learned from responses the backend served alone
-/// (no other request of this gateway in flight there when it was sent):
-/// their TTFB is prefill, not queueing. A busy backend's responses may only
-/// pull it down (a response can be faster than the estimate, never slower
-/// for its prefill alone): averaging them would book the queue as slowness,
-/// leave the queue estimate near zero and hide exactly what the cost policy
-/// must see. A backend that slows down under load shows it as queueing.
+/// The cost per token is learned from responses whose wait the gateway can
+/// explain: served alone (no other request in flight there when it was
+/// sent), the TTFB is the prefill of its own uncached tokens; sent behind
+/// requests that were still prefilling, it is theirs and its own, so the
+/// sample is the TTFB over all those tokens (a backend that slows down under
+/// load teaches it at once). Any other busy response (behind requests the
+/// gateway has no tokens for: decoding, or another client's) may only pull
+/// the estimate down: averaging it would book that queue as slowness.
 fn ewma(cell: &AtomicU64, sample: f64) {
     let old = cell.load(Ordering::Relaxed);
     let next = if old == 0 {
@@ -215,19 +221,23 @@ fn lower(cell: &AtomicU64, sample: f64) {
 }
 
 impl CostEstimate {
-    /// One response: its time to first byte, its prompt / cached tokens, and
-    /// whether it was the only request in flight at the backend when sent.
-    pub fn observe(&self, ttfb: Duration, prompt: u64, cached: u64, alone: bool) {
+    /// One response: its time to first byte, its prompt / cached tokens,
+    /// whether it was the only request in flight at the backend when sent,
+    /// and the queued tokens it was sent behind ([`CostEstimate::enqueue`]).
+    pub fn observe(&self, ttfb: Duration, prompt: u64, cached: u64, alone: bool, ahead: u64) {
         let uncached = prompt.saturating_sub(cached);
         let ttfb_ns = ttfb.as_nanos() as f64;
         // The cost per token is learned from prefills that dominate their TTFB;
         // what it does not explain is queueing.
-        if uncached >= 64 {
-            let sample = ttfb_ns / uncached as f64;
-            match alone {
-                true => ewma(&self.prefill_ns_per_token, sample),
-                false => lower(&self.prefill_ns_per_token, sample),
-            }
+        if alone && uncached >= 64 {
+            ewma(&self.prefill_ns_per_token, ttfb_ns / uncached as f64);
+        } else if ahead > 0 && ahead + uncached >= 64 {
+            ewma(
+                &self.prefill_ns_per_token,
+                ttfb_ns / (ahead + uncached) as f64,
+            );
+        } else if uncached >= 64 {
+            lower(&self.prefill_ns_per_token, ttfb_ns / uncached as f64);
         }
         let per_token = self.prefill_ns_per_token.load(Ordering::Relaxed) as f64;
         if per_token > 0.0 {
@@ -260,6 +270,28 @@ impl CostEstimate {
 
     pub fn queue_us(&self) -> u64 {
         self.queue_us.load(Ordering::Relaxed)
+    }
+
+    /// A request estimated to prefill `tokens` is sent: returns the queued
+    /// tokens it goes in behind. Each call is matched by one
+    /// [`CostEstimate::dequeue`] of the same `tokens`.
+    pub fn enqueue(&self, tokens: u64) -> u64 {
+        self.queued_tokens.fetch_add(tokens, Ordering::Relaxed)
+    }
+
+    /// Its first byte came back (its prefill is done), or it ended without one.
+    pub fn dequeue(&self, tokens: u64) {
+        self.queued_tokens.fetch_sub(tokens, Ordering::Relaxed);
+    }
+
+    pub fn queued_tokens(&self) -> u64 {
+        self.queued_tokens.load(Ordering::Relaxed)
+    }
+
+    /// The prefill work queued there now, µs: the queued tokens at the learned
+    /// cost per token (`prior` until learned).
+    pub fn queued_us(&self, prior: f64) -> u64 {
+        (self.queued_tokens() as f64 * self.prefill_us_per_token(prior, COST_MIN_SAMPLES)) as u64
     }
 }
 
@@ -422,11 +454,11 @@ mod tests {
             "prior until a sample"
         );
         // 1,000 uncached tokens in 200 ms, nothing queued: 200 µs a token.
-        c.observe(Duration::from_millis(200), 1_000, 0, true);
+        c.observe(Duration::from_millis(200), 1_000, 0, true, 0);
         assert_eq!(c.prefill_us_per_token(100.0, 1), 200.0);
         assert_eq!(c.queue_us(), 0);
         // A mostly cached turn that waited: 10 uncached tokens (2 ms) in 52 ms.
-        c.observe(Duration::from_millis(52), 1_010, 1_000, false);
+        c.observe(Duration::from_millis(52), 1_010, 1_000, false, 0);
         assert_eq!(
             c.prefill_us_per_token(100.0, 1),
             200.0,
@@ -444,10 +476,10 @@ mod tests {
     fn a_busy_backend_shows_its_queue_not_a_higher_cost_per_token() {
         let c = CostEstimate::default();
         // 100 µs a token, learned from a response served alone.
-        c.observe(Duration::from_millis(100), 1_000, 0, true);
+        c.observe(Duration::from_millis(100), 1_000, 0, true, 0);
         // Then every response queues 300 ms behind others.
         for _ in 0..20 {
-            c.observe(Duration::from_millis(400), 1_000, 0, false);
+            c.observe(Duration::from_millis(400), 1_000, 0, false, 0);
         }
         assert_eq!(
             c.prefill_us_per_token(0.0, 1),
@@ -457,12 +489,44 @@ mod tests {
         let queue = c.queue_us();
         assert!(queue > 250_000, "the queue shows: {queue} µs");
         // A busy response faster than the estimate pulls it down...
-        c.observe(Duration::from_millis(50), 1_000, 0, false);
+        c.observe(Duration::from_millis(50), 1_000, 0, false, 0);
         assert!(c.prefill_us_per_token(0.0, 1) < 100.0);
         // ...and a backend that slows down teaches it when served alone.
         for _ in 0..20 {
-            c.observe(Duration::from_millis(300), 1_000, 0, true);
+            c.observe(Duration::from_millis(300), 1_000, 0, true, 0);
         }
         assert!(c.prefill_us_per_token(0.0, 1) > 290.0);
+    }
+
+    #[test]
+    fn behind_queued_prefills_the_ttfb_teaches_the_cost_of_them_all() {
+        let c = CostEstimate::default();
+        // 50 µs a token, learned alone.
+        for _ in 0..5 {
+            c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
+        }
+        assert_eq!(c.prefill_us_per_token(0.0, 5), 50.0);
+        // Two requests of 1,000 tokens are queued; the third goes in behind them.
+        assert_eq!(c.enqueue(1_000), 0);
+        assert_eq!(c.enqueue(1_000), 1_000);
+        let ahead = c.enqueue(300);
+        assert_eq!(ahead, 2_000);
+        assert_eq!(
+            c.queued_us(100.0),
+            2_300 * 50,
+            "queued work at the learned cost"
+        );
+        // The backend slowed to 150 µs a token: the third's 2,300 tokens take
+        // 345 ms. Served behind them, busy responses teach it (not only ones
+        // served alone, which a loaded backend never sends).
+        for _ in 0..10 {
+            c.observe(Duration::from_millis(345), 1_300, 1_000, false, ahead);
+        }
+        let learned = c.prefill_us_per_token(0.0, 5);
+        assert!((140.0..=150.0).contains(&learned), "{learned} µs a token");
+        c.dequeue(1_000);
+        c.dequeue(1_000);
+        c.dequeue(300);
+        assert_eq!(c.queued_tokens(), 0);
     }
 }

@@ -158,7 +158,7 @@ impl Backend {
             draining: self.draining(),
             move_on_drain: self.stats.move_on_drain.load(Ordering::Relaxed),
             prefill_us_per_token: self.stats.cost.learned_us_per_token().unwrap_or(0.0),
-            queue_us: self.stats.cost.queue_us(),
+            queued_tokens: self.stats.cost.queued_tokens(),
         }
     }
 
