@@ -925,3 +925,81 @@ async fn a_flood_of_unique_ids_keeps_the_table_bounded_and_recent_sessions_pinne
         "RSS grew {growth} KiB over the last 10,000 requests of a flood of 10× the table limit"
     );
 }
+
+#[tokio::test]
+async fn prefill_work_queued_at_a_backend_is_counted_until_its_first_byte() {
+    // A replica slow enough (1 ms a token) that a request's prefill is seen.
+    let sims = [SimBackend::start(
+        "vllm-0",
+        &["--prefill-us-per-token", "1000"],
+    )];
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(600)),
+    )
+    .await;
+    let queued = || async {
+        gw.admin_backend("vllm-0").await["learned"]["queued_prefill_tokens"]
+            .as_u64()
+            .expect("queued_prefill_tokens")
+    };
+    assert_eq!(queued().await, 0);
+    let c = client();
+    let send = |body: &Value| {
+        c.post(gw.url("/v1/chat/completions"))
+            .header("x-session-id", "queued")
+            .json(body)
+            .send()
+    };
+
+    // Turn 1 binds the session: while it prefills it counts as its body's
+    // bytes / 4, and not once its answer has begun.
+    let body = turn_with_new_text("q1", 4000);
+    let bytes = serde_json::to_vec(&body).unwrap().len() as u64;
+    let turn1 = tokio::spawn(send(&body));
+    wait_until("turn 1 counted while it prefills", || async {
+        queued().await == bytes / 4
+    })
+    .await;
+    let r1 = reply(turn1.await.unwrap().unwrap()).await;
+    assert_eq!(r1.status, 200);
+    assert_eq!(queued().await, 0, "its first byte ended its prefill");
+    let usage = r1.json()["usage"].clone();
+    let new1 = usage["prompt_tokens"].as_u64().unwrap()
+        - usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+    // Its usage is recorded (the token counter follows, in the same hook).
+    gw.metric_reaches(
+        "agentserve_prompt_tokens_total{backend=\"vllm-0\",tier=\"default\"}",
+        usage["prompt_tokens"].as_u64().unwrap() as f64,
+    )
+    .await;
+
+    // Turn 2 keeps the binding: it counts what the last turn there had to
+    // prefill, not its whole body.
+    let body2 = turn_with_new_text("q2", 2000);
+    let bytes2 = serde_json::to_vec(&body2).unwrap().len() as u64;
+    assert_ne!(new1, bytes2 / 4);
+    let turn2 = tokio::spawn(send(&body2));
+    wait_until(
+        "turn 2 counted as its session's last new tokens",
+        || async { queued().await == new1 },
+    )
+    .await;
+    assert_eq!(reply(turn2.await.unwrap().unwrap()).await.status, 200);
+
+    // A client that leaves mid-prefill leaves nothing counted behind.
+    let impatient = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let gone = impatient
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-session-id", "leaver")
+        .json(&turn_with_new_text("q3", 4000))
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client gave up first");
+    wait_until("nothing left queued", || async { queued().await == 0 }).await;
+}
