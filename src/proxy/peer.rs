@@ -22,15 +22,14 @@ fn client_gone(session: &Session) -> bool {
 const BODY_BYTES_PER_TOKEN: u64 = 4;
 
 /// The prompt tokens a request's body holds, estimated from its size (read
-/// already, or declared in Content-Length; 0 when neither is known).
+/// already, or declared in Content-Length, which `request_filter` has held
+/// to `max_body_bytes`; 0 when neither is known).
 fn body_tokens(session: &Session, ctx: &RequestCtx) -> u64 {
     let bytes = match ctx.body.as_ref() {
         Some(body) => body.len() as u64,
-        None => session
-            .req_header()
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok()?.parse().ok())
+        None => request_body::content_length(session)
+            .ok()
+            .flatten()
             .unwrap_or(0),
     };
     bytes / BODY_BYTES_PER_TOKEN
