@@ -806,9 +806,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn cost_moves_off_one_backend_are_spaced_not_a_herd() {
-        let h = HrwHasher::new("k");
+    /// A table whose bindings the cost-aware soft policy reviews.
+    fn cost_aware() -> Arc<Affinity> {
         let a = Affinity::new(1000, Some(Duration::from_secs(60)));
         a.set_policy(DefaultPolicy {
             mode: policy::Mode::Soft,
@@ -816,6 +815,13 @@ mod tests {
             soft_max_in_flight: 0,
             cost: policy::CostParams::default(),
         });
+        a
+    }
+
+    #[test]
+    fn cost_moves_off_one_backend_are_spaced_not_a_herd() {
+        let h = HrwHasher::new("k");
+        let a = cost_aware();
         let mut c = fleet(&h, 2);
         let sessions: Vec<SessionRef> = (0..4)
             .map(|i| SessionRef::new(&h, KeyKind::Session, "t", &format!("s{i}")))
@@ -841,13 +847,7 @@ mod tests {
     #[test]
     fn a_cost_move_goes_where_the_turn_starts_soonest() {
         let h = HrwHasher::new("k");
-        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
-        a.set_policy(DefaultPolicy {
-            mode: policy::Mode::Soft,
-            soft: policy::SoftPolicy::Cost,
-            soft_max_in_flight: 0,
-            cost: policy::CostParams::default(),
-        });
+        let a = cost_aware();
         let mut c = fleet(&h, 3);
         // A session whose hash, between backends 1 and 2, prefers 1: where
         // first placement would send it.
