@@ -928,10 +928,11 @@ async fn a_flood_of_unique_ids_keeps_the_table_bounded_and_recent_sessions_pinne
 
 #[tokio::test]
 async fn prefill_work_queued_at_a_backend_is_counted_until_its_first_byte() {
-    // A replica slow enough (1 ms a token) that a request's prefill is seen.
+    // A replica slow enough (2 ms a token: a second or more for each prompt
+    // below) that a request's prefill is seen however busy the machine.
     let sims = [SimBackend::start(
         "vllm-0",
-        &["--prefill-us-per-token", "1000"],
+        &["--prefill-us-per-token", "2000"],
     )];
     let gw = Gateway::start(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
@@ -943,6 +944,12 @@ async fn prefill_work_queued_at_a_backend_is_counted_until_its_first_byte() {
             .as_u64()
             .expect("queued_prefill_tokens")
     };
+    // The gateway is ready once its proxy and metrics listen; the admin
+    // listener may come a moment later.
+    wait_until("the admin API listens", || async {
+        reqwest::get(gw.admin_url("/admin/backends")).await.is_ok()
+    })
+    .await;
     assert_eq!(queued().await, 0);
     let c = client();
     let send = |body: &Value| {
