@@ -287,12 +287,6 @@ impl CostEstimate {
     pub fn queued_tokens(&self) -> u64 {
         self.queued_tokens.load(Ordering::Relaxed)
     }
-
-    /// The prefill work queued there now, µs: the queued tokens at the learned
-    /// cost per token (`prior` until learned).
-    pub fn queued_us(&self, prior: f64) -> u64 {
-        (self.queued_tokens() as f64 * self.prefill_us_per_token(prior, COST_MIN_SAMPLES)) as u64
-    }
 }
 
 /// Scrapes every backend's `/metrics` on `load.interval_ms` and refreshes the
@@ -511,11 +505,7 @@ mod tests {
         assert_eq!(c.enqueue(1_000), 1_000);
         let ahead = c.enqueue(300);
         assert_eq!(ahead, 2_000);
-        assert_eq!(
-            c.queued_us(100.0),
-            2_300 * 50,
-            "queued work at the learned cost"
-        );
+        assert_eq!(c.queued_tokens(), 2_300);
         // The backend slowed to 150 µs a token: the third's 2,300 tokens take
         // 345 ms. Served behind them, busy responses teach it (not only ones
         // served alone, which a loaded backend never sends).
