@@ -119,6 +119,8 @@ pub struct RequestCtx {
     /// `body` counted against the gateway's body budget.
     body_hold: Option<request_body::BodyHold>,
     body_bytes: u64,
+    /// The request's Content-Length, as `request_filter` read and checked it.
+    declared_len: Option<u64>,
     /// The request was re-sent on a fresh connection (see upstream_conn.rs).
     replayed: bool,
     /// Its passive-health outcome is recorded (see `settle_outcome`).
@@ -205,6 +207,7 @@ impl ProxyHttp for GatewayProxy {
             body: None,
             body_hold: None,
             body_bytes: 0,
+            declared_len: None,
             replayed: false,
             outcome_settled: false,
             backend: None,

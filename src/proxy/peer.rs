@@ -24,13 +24,10 @@ const BODY_BYTES_PER_TOKEN: u64 = 4;
 /// The prompt tokens a request's body holds, estimated from its size (read
 /// already, or declared in Content-Length, which `request_filter` has held
 /// to `max_body_bytes`; 0 when neither is known).
-fn body_tokens(session: &Session, ctx: &RequestCtx) -> u64 {
+fn body_tokens(ctx: &RequestCtx) -> u64 {
     let bytes = match ctx.body.as_ref() {
         Some(body) => body.len() as u64,
-        None => request_body::content_length(session)
-            .ok()
-            .flatten()
-            .unwrap_or(0),
+        None => ctx.declared_len.unwrap_or(0),
     };
     bytes / BODY_BYTES_PER_TOKEN
 }
@@ -146,7 +143,7 @@ impl GatewayProxy {
         }
         let tokens = match new_tokens {
             Some(n) => n as u64,
-            None => body_tokens(session, ctx),
+            None => body_tokens(ctx),
         };
         ctx.in_flight = Some(InFlight::new(&backend.stats, tokens));
         let mut peer = match &backend.tls {

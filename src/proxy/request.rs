@@ -124,6 +124,7 @@ impl GatewayProxy {
         if declared.is_some_and(|len| len > limit) {
             return Err(GatewayError::body_too_large(limit));
         }
+        ctx.declared_len = declared;
 
         let mut tier = match headers.get(&TIER_NAME) {
             Some(v) => {
