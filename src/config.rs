@@ -72,6 +72,7 @@ struct FilePlacement {
     balance_factor: f64,
     load: String,
     speed_aware: bool,
+    queue_aware: bool,
 }
 
 impl Default for FilePlacement {
@@ -86,6 +87,10 @@ impl Default for FilePlacement {
             // overheads, so on fast or lightly loaded replicas they are noise
             // that would move bounds and split gateways' choices.
             speed_aware: false,
+            // On: a first turn goes where no long prefill queues, among
+            // backends equally within the bound; idle queues tie, so it is
+            // bounded HRW whenever nothing queues.
+            queue_aware: true,
         }
     }
 }
@@ -562,6 +567,8 @@ pub struct PlacementConfig {
     pub load: crate::affinity::placement::LoadMeasure,
     /// Bounded HRW: scale each backend's share by its learned speed.
     pub speed_aware: bool,
+    /// Bounded HRW: among backends within the bound, the least queued prefill.
+    pub queue_aware: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -804,6 +811,7 @@ fn validate_placement(
             balance_factor: p.balance_factor,
             load: measure,
             speed_aware: p.speed_aware,
+            queue_aware: p.queue_aware,
         },
         LoadConfig {
             scrape: l.scrape,

@@ -37,8 +37,11 @@ fn configure_affinity(affinity: &Affinity, config: &Config) {
     let p = &config.placement;
     affinity.set_placement(crate::affinity::Placement::new(
         p.first,
-        p.balance_factor,
-        p.speed_aware,
+        crate::affinity::placement::bounded_hrw::BoundedHrw {
+            balance_factor: p.balance_factor,
+            speed_aware: p.speed_aware,
+            queue_aware: p.queue_aware,
+        },
         p.load,
     ));
 }

@@ -18,13 +18,14 @@ pub mod table;
 
 use arc_swap::ArcSwap;
 use hrw::{HrwHasher, KeyKind, Scored};
+use placement::bounded_hrw::BoundedHrw;
 use placement::{FirstKind, FirstPlacement, LoadMeasure};
 use policy::{BindingPolicy, DefaultPolicy, MoveReason};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 pub use table::BindingKey;
-use table::{Acquired, BindingTable, Decision, Turns};
+use table::{Acquired, BindingTable, Decision};
 use tokio::sync::Notify;
 
 /// One backend a request may go to: healthy, in the tier, not excluded.
@@ -47,6 +48,25 @@ pub struct Candidate {
     /// Estimated uncached tokens of this gateway's requests there that have
     /// not begun to answer: the prefill work a new request waits behind now.
     pub queued_tokens: u64,
+    /// How long the head of that queue has been prefilling, ms.
+    pub head_ms: u64,
+}
+
+impl Candidate {
+    /// The prefill work still ahead, tokens: see [`queued_after`].
+    pub fn queued_after(&self, us_per_token: f64) -> u64 {
+        queued_after(self.queued_tokens, self.head_ms, us_per_token)
+    }
+}
+
+/// `queued` tokens less what the head of the queue has prefilled in
+/// `head_ms` at `us_per_token` (0: unknown, nothing taken off). A 7,000-token
+/// prompt that has prefilled for nine tenths of its time is a short wait.
+pub fn queued_after(queued: u64, head_ms: u64, us_per_token: f64) -> u64 {
+    if us_per_token <= 0.0 {
+        return queued;
+    }
+    queued.saturating_sub((head_ms as f64 * 1000.0 / us_per_token) as u64)
 }
 
 impl Scored for Candidate {
@@ -66,6 +86,8 @@ pub struct SessionRef {
     /// For a subagent group: the parent session's binding, whose backend the
     /// group's first request prefers (the children share the parent's prefix).
     pub parent: Option<BindingKey>,
+    /// This request's prompt, estimated from its body's size (0: unknown).
+    pub prompt_tokens: u64,
 }
 
 impl SessionRef {
@@ -74,6 +96,7 @@ impl SessionRef {
             key: hasher.fingerprint(kind, tier, id),
             hash: hasher.session_hash(kind, tier, id),
             parent: None,
+            prompt_tokens: 0,
         }
     }
 }
@@ -128,10 +151,10 @@ pub struct Selection {
     pub version: u32,
     /// Set when `reason` is [`Reason::Moved`].
     pub moved: Option<MoveReason>,
-    /// For a kept binding: the tokens the session's last turn there had to
-    /// prefill (its new text), the estimate of this turn's prefill there.
-    /// `None` for new bindings, and before the backend reported any usage.
-    pub new_tokens: Option<u32>,
+    /// For a kept binding: the estimate of this turn's prefill there
+    /// ([`table::Turns::next_uncached`]). `None` for new bindings, and before
+    /// the backend reported any usage.
+    pub new_tokens: Option<u64>,
     /// Held while the request is in flight; dropping it ends the lease.
     pub lease: Option<Lease>,
 }
@@ -163,9 +186,9 @@ pub struct Placement {
 }
 
 impl Placement {
-    pub fn new(kind: FirstKind, balance_factor: f64, speed_aware: bool, load: LoadMeasure) -> Self {
+    pub fn new(kind: FirstKind, bounded: BoundedHrw, load: LoadMeasure) -> Self {
         Placement {
-            first: placement::build(kind, balance_factor, speed_aware),
+            first: placement::build(kind, bounded),
             load,
         }
     }
@@ -198,8 +221,11 @@ impl Affinity {
             policy: ArcSwap::from_pointee(DefaultPolicy::hard()),
             placement: ArcSwap::from_pointee(Placement::new(
                 FirstKind::BoundedHrw,
-                1.0,
-                false,
+                BoundedHrw {
+                    balance_factor: 1.0,
+                    speed_aware: false,
+                    queue_aware: false,
+                },
                 LoadMeasure::Sessions,
             )),
             waiters: (0..WAITER_SHARDS).map(|_| Notify::new()).collect(),
@@ -425,7 +451,7 @@ impl Affinity {
         };
         let policy = self.policy.load();
         let mut moved = None;
-        let mut kept = Turns::default();
+        let mut new_tokens = None;
         let acquired =
             self.table.acquire(
                 session.key,
@@ -434,14 +460,15 @@ impl Affinity {
                 join_pending,
                 |current| match current.and_then(|c| Some((position(c.backend)?, c.turns))) {
                     Some((i, turns)) => {
-                        kept = turns;
-                        match policy.review(&candidates[i], candidates, &turns, now) {
+                        let new = turns.next_uncached(session.prompt_tokens);
+                        new_tokens = (turns.prompt > 0).then_some(new);
+                        match policy.review(&candidates[i], candidates, &turns, new, now) {
                             None => Decision::Keep,
                             Some(MoveReason::Cost) if !self.claim_move_off(&candidates[i], now) => {
                                 Decision::Keep
                             }
                             Some(reason) => match policy
-                                .destination(reason, &candidates[i], open, &turns)
+                                .destination(reason, &candidates[i], open, &turns, new)
                                 .or_else(|| fresh(Some(candidates[i].slot)))
                             {
                                 Some(slot) => {
@@ -518,7 +545,7 @@ impl Affinity {
             reason,
             version,
             moved,
-            new_tokens: (affinity_hit && kept.prompt > 0).then(|| kept.prompt - kept.cached),
+            new_tokens: new_tokens.filter(|_| affinity_hit),
             lease,
         }))
     }

@@ -66,11 +66,14 @@ impl MoveReason {
 /// session's turns found there, keep (`None`) or move, and why; and where a
 /// move goes.
 pub trait BindingPolicy: Send + Sync {
+    /// `new`: the uncached tokens this turn brings to `bound`
+    /// ([`Turns::next_uncached`]).
     fn review(
         &self,
         bound: &Candidate,
         candidates: &[Candidate],
         turns: &Turns,
+        new: u64,
         now_ms: u64,
     ) -> Option<MoveReason>;
 
@@ -82,8 +85,9 @@ pub trait BindingPolicy: Send + Sync {
         bound: &Candidate,
         candidates: &[Candidate],
         turns: &Turns,
+        new: u64,
     ) -> Option<u32> {
-        let _ = (reason, bound, candidates, turns);
+        let _ = (reason, bound, candidates, turns, new);
         None
     }
 }
@@ -137,36 +141,55 @@ impl DefaultPolicy {
         }
     }
 
-    /// Prefill µs per uncached token at `c`: learned, else the prior.
-    fn per_token(&self, c: &Candidate) -> f64 {
+    /// The cost per token assumed for a backend that has not taught its
+    /// own yet: the mean of what the candidates have learned (it is assumed
+    /// to be like the rest of its tier), else the prior. Weighing one
+    /// backend's learned cost against another's prior would read the
+    /// difference as a queue.
+    fn unlearned_cost(&self, candidates: &[Candidate]) -> f64 {
+        let (sum, n) = candidates
+            .iter()
+            .filter(|c| c.prefill_us_per_token > 0.0)
+            .fold((0.0, 0u32), |(sum, n), c| {
+                (sum + c.prefill_us_per_token, n + 1)
+            });
+        match n {
+            0 => self.cost.prior_prefill_us_per_token,
+            n => sum / n as f64,
+        }
+    }
+
+    /// Prefill µs per uncached token at `c`: learned, else `unlearned`.
+    fn per_token(c: &Candidate, unlearned: f64) -> f64 {
         if c.prefill_us_per_token > 0.0 {
             c.prefill_us_per_token
         } else {
-            self.cost.prior_prefill_us_per_token
+            unlearned
         }
     }
 
     /// How long until a turn bringing `new` tokens gets its first token at
-    /// `c`: the prefill work queued there now, then its own, at the
-    /// backend's cost per token (a slower backend is worse for both).
-    fn wait_us(&self, c: &Candidate, new: f64) -> f64 {
-        self.per_token(c) * (c.queued_tokens as f64 + new)
+    /// `c`: the prefill work still queued there (less what its head has
+    /// done), then its own, at the backend's cost per token (a slower
+    /// backend is worse for both).
+    fn wait_us(c: &Candidate, new: f64, unlearned: f64) -> f64 {
+        let per_token = Self::per_token(c, unlearned);
+        per_token * (c.queued_after(per_token) as f64 + new)
     }
 
-    /// The candidate other than `bound` where the session's next turn would
-    /// start soonest (the work it brings: as many new tokens as its last
-    /// turn's uncached ones).
+    /// The candidate other than `bound` where a turn bringing `new` tokens
+    /// would start soonest.
     fn soonest_other<'a>(
-        &self,
         bound: &Candidate,
         candidates: &'a [Candidate],
-        turns: &Turns,
+        new: u64,
+        unlearned: f64,
     ) -> Option<&'a Candidate> {
-        let new = turns.prompt.saturating_sub(turns.cached) as f64;
+        let wait = |c: &Candidate| Self::wait_us(c, new as f64, unlearned);
         candidates
             .iter()
             .filter(|c| c.slot != bound.slot && !c.draining)
-            .min_by(|a, b| self.wait_us(a, new).total_cmp(&self.wait_us(b, new)))
+            .min_by(|a, b| wait(a).total_cmp(&wait(b)))
     }
 
     fn cost_move(
@@ -174,6 +197,7 @@ impl DefaultPolicy {
         bound: &Candidate,
         candidates: &[Candidate],
         turns: &Turns,
+        new: u64,
         now_ms: u64,
     ) -> bool {
         let p = &self.cost;
@@ -183,13 +207,14 @@ impl DefaultPolicy {
         if turns.moves > 0 && now_ms.saturating_sub(turns.moved_s as u64 * 1000) < p.cooldown_ms {
             return false;
         }
-        let Some(best) = self.soonest_other(bound, candidates, turns) else {
+        let unlearned = self.unlearned_cost(candidates);
+        let Some(best) = Self::soonest_other(bound, candidates, new, unlearned) else {
             return false;
         };
-        let new = turns.prompt.saturating_sub(turns.cached) as f64;
-        let delta_q = self.wait_us(bound, new) - self.wait_us(best, new);
+        let delta_q = Self::wait_us(bound, new as f64, unlearned)
+            - Self::wait_us(best, new as f64, unlearned);
         let p_hit = turns.retention();
-        let t_saved = turns.prompt as f64 * self.per_token(best);
+        let t_saved = turns.prompt as f64 * Self::per_token(best, unlearned);
         delta_q > p_hit * t_saved + p.hysteresis_us as f64
     }
 }
@@ -200,6 +225,7 @@ impl BindingPolicy for DefaultPolicy {
         bound: &Candidate,
         candidates: &[Candidate],
         turns: &Turns,
+        new: u64,
         now_ms: u64,
     ) -> Option<MoveReason> {
         if bound.draining && (bound.move_on_drain || self.mode == Mode::Soft) {
@@ -210,7 +236,7 @@ impl BindingPolicy for DefaultPolicy {
         }
         match self.soft {
             SoftPolicy::Cost => self
-                .cost_move(bound, candidates, turns, now_ms)
+                .cost_move(bound, candidates, turns, new, now_ms)
                 .then_some(MoveReason::Cost),
             SoftPolicy::InFlight if self.soft_max_in_flight > 0 => {
                 let limit = self.soft_max_in_flight;
@@ -231,10 +257,14 @@ impl BindingPolicy for DefaultPolicy {
         reason: MoveReason,
         bound: &Candidate,
         candidates: &[Candidate],
-        turns: &Turns,
+        _turns: &Turns,
+        new: u64,
     ) -> Option<u32> {
         match reason {
-            MoveReason::Cost => self.soonest_other(bound, candidates, turns).map(|c| c.slot),
+            MoveReason::Cost => {
+                Self::soonest_other(bound, candidates, new, self.unlearned_cost(candidates))
+                    .map(|c| c.slot)
+            }
             MoveReason::Drain | MoveReason::Overloaded => None,
         }
     }
@@ -251,6 +281,12 @@ mod tests {
         moves: 0,
         moved_s: 0,
     };
+
+    /// `p`'s review of a session bound to `all[0]` whose turn brings as many
+    /// new tokens as its last one did.
+    fn review(p: &DefaultPolicy, all: &[Candidate], t: &Turns, now_ms: u64) -> Option<MoveReason> {
+        p.review(&all[0], all, t, t.next_uncached(0), now_ms)
+    }
 
     fn c(slot: u32, in_flight: u64, draining: bool) -> Candidate {
         Candidate {
@@ -274,10 +310,10 @@ mod tests {
             cost: CostParams::default(),
         };
         let all = [c(0, 50, true), c(1, 0, false)];
-        assert_eq!(p.review(&all[0], &all, &T0, 0), None);
+        assert_eq!(review(&p, &all, &T0, 0), None);
         let mut asked = all;
         asked[0].move_on_drain = true;
-        assert_eq!(p.review(&asked[0], &asked, &T0, 0), Some(MoveReason::Drain));
+        assert_eq!(review(&p, &asked, &T0, 0), Some(MoveReason::Drain));
     }
 
     #[test]
@@ -289,18 +325,11 @@ mod tests {
             cost: CostParams::default(),
         };
         let all = [c(0, 4, false), c(1, 3, false)];
-        assert_eq!(
-            p.review(&all[0], &all, &T0, 0),
-            Some(MoveReason::Overloaded)
-        );
+        assert_eq!(review(&p, &all, &T0, 0), Some(MoveReason::Overloaded));
         let full = [c(0, 4, false), c(1, 4, false)];
-        assert_eq!(
-            p.review(&full[0], &full, &T0, 0),
-            None,
-            "nowhere better to go"
-        );
+        assert_eq!(review(&p, &full, &T0, 0), None, "nowhere better to go");
         let drain = [c(0, 0, true), c(1, 0, false)];
-        assert_eq!(p.review(&drain[0], &drain, &T0, 0), Some(MoveReason::Drain));
+        assert_eq!(review(&p, &drain, &T0, 0), Some(MoveReason::Drain));
     }
 
     fn queued(slot: u32, queued_tokens: u64, prefill_us_per_token: f64) -> Candidate {
@@ -343,31 +372,25 @@ mod tests {
         // 3,000 tokens, all it should have kept cached: T_saved = 3,000 ×
         // 200 µs = 600 ms; + 50 ms hysteresis = 650 ms < 800 ms: move.
         assert_eq!(
-            COST.review(&all[0], &all, &turns(3000, 2900, 2900, 0, 0), 0),
+            review(&COST, &all, &turns(3000, 2900, 2900, 0, 0), 0),
             Some(MoveReason::Cost)
         );
         // 4,000 tokens: 800 ms + 50 ms > 800 ms: stay.
-        assert_eq!(
-            COST.review(&all[0], &all, &turns(4000, 3900, 3900, 0, 0), 0),
-            None
-        );
+        assert_eq!(review(&COST, &all, &turns(4000, 3900, 3900, 0, 0), 0), None);
         // The backend evicted the session: of the 4,000 tokens it should
         // have kept it had 1,000 (p_hit 0.25): 1,000 ms × 0.25 + 50 < 800: move.
         assert_eq!(
-            COST.review(&all[0], &all, &turns(5000, 1000, 4000, 0, 0), 0),
+            review(&COST, &all, &turns(5000, 1000, 4000, 0, 0), 0),
             Some(MoveReason::Cost)
         );
         // Equal queues never move; hard mode never moves for cost.
         let even = [queued(0, 2_500, 200.0), queued(1, 2_500, 200.0)];
-        assert_eq!(
-            COST.review(&even[0], &even, &turns(10, 0, 0, 0, 0), 0),
-            None
-        );
+        assert_eq!(review(&COST, &even, &turns(10, 0, 0, 0, 0), 0), None);
         let hard = DefaultPolicy {
             mode: Mode::Hard,
             ..COST
         };
-        assert_eq!(hard.review(&all[0], &all, &turns(0, 0, 0, 0, 0), 0), None);
+        assert_eq!(review(&hard, &all, &turns(0, 0, 0, 0, 0), 0), None);
     }
 
     #[test]
@@ -376,13 +399,10 @@ mod tests {
         // from before) the backend holds the whole 4,000-token prompt: moving
         // re-prefills it (800 ms + 50) for a 300 ms shorter queue: stay.
         let all = [queued(0, 2_000, 200.0), queued(1, 500, 200.0)];
-        assert_eq!(
-            COST.review(&all[0], &all, &turns(4000, 0, 0, 0, 0), 0),
-            None
-        );
+        assert_eq!(review(&COST, &all, &turns(4000, 0, 0, 0, 0), 0), None);
         // Had it dropped the prompt by the next turn, moving would pay.
         assert_eq!(
-            COST.review(&all[0], &all, &turns(4300, 0, 4000, 0, 0), 0),
+            review(&COST, &all, &turns(4300, 0, 4000, 0, 0), 0),
             Some(MoveReason::Cost)
         );
     }
@@ -395,13 +415,10 @@ mod tests {
         // 100 ms: ΔQ = 200 ms. Re-prefilling 1,500 tokens elsewhere costs
         // 150 ms: + 50 ms hysteresis is not less than 200 ms: stay.
         let all = [queued(0, 0, 300.0), queued(1, 0, 100.0)];
-        assert_eq!(
-            COST.review(&all[0], &all, &turns(1500, 500, 500, 0, 0), 0),
-            None
-        );
+        assert_eq!(review(&COST, &all, &turns(1500, 500, 500, 0, 0), 0), None);
         // 1,400 new tokens of 1,900 (ΔQ 280 ms; re-prefill 190 ms + 50): move.
         assert_eq!(
-            COST.review(&all[0], &all, &turns(1900, 500, 500, 0, 0), 0),
+            review(&COST, &all, &turns(1900, 500, 500, 0, 0), 0),
             Some(MoveReason::Cost)
         );
     }
@@ -410,17 +427,10 @@ mod tests {
     fn cost_policy_respects_cooldown_and_the_move_cap() {
         let all = [queued(0, 4_500, 200.0), queued(1, 0, 200.0)];
         let t = turns(100, 100, 100, 1, 100);
+        assert_eq!(review(&COST, &all, &t, 110_000), None, "10 s after a move");
+        assert_eq!(review(&COST, &all, &t, 131_000), Some(MoveReason::Cost));
         assert_eq!(
-            COST.review(&all[0], &all, &t, 110_000),
-            None,
-            "10 s after a move"
-        );
-        assert_eq!(
-            COST.review(&all[0], &all, &t, 131_000),
-            Some(MoveReason::Cost)
-        );
-        assert_eq!(
-            COST.review(&all[0], &all, &turns(100, 100, 100, 3, 0), 10_000_000),
+            review(&COST, &all, &turns(100, 100, 100, 3, 0), 10_000_000),
             None,
             "cap"
         );
@@ -432,8 +442,45 @@ mod tests {
         // tokens are 700 and 100 ms; 5,000 tokens → 500 ms + 50 < 600.
         let all = [queued(0, 7_000, 0.0), queued(1, 1_000, 0.0)];
         assert_eq!(
-            COST.review(&all[0], &all, &turns(5000, 4900, 4900, 0, 0), 0),
+            review(&COST, &all, &turns(5000, 4900, 4900, 0, 0), 0),
             Some(MoveReason::Cost)
         );
+    }
+
+    #[test]
+    fn a_backend_that_has_not_taught_its_cost_is_assumed_like_the_others() {
+        // The bound backend has not learned its cost; the other has, 50 µs a
+        // token. 4,000 tokens queued at the bound one, none at the other, a
+        // 5,000-token session that brings 300 new: at the 100 µs prior the
+        // bound queue would read 430 ms against 15, ΔQ 415 ms > 250 + 50.
+        // Assumed like the tier (50 µs): 215 ms against 15, ΔQ 200 ms < 300: stay.
+        let all = [queued(0, 4_000, 0.0), queued(1, 0, 50.0)];
+        assert_eq!(review(&COST, &all, &turns(5000, 4700, 4700, 0, 0), 0), None);
+        // With nothing learned anywhere the prior applies to both alike:
+        // 430 ms against 30, ΔQ 400 ms < 500 + 50: stay; twice the queue moves.
+        let unknown = [queued(0, 4_000, 0.0), queued(1, 0, 0.0)];
+        assert_eq!(
+            review(&COST, &unknown, &turns(5000, 4700, 4700, 0, 0), 0),
+            None
+        );
+        let longer = [queued(0, 8_000, 0.0), queued(1, 0, 0.0)];
+        assert_eq!(
+            review(&COST, &longer, &turns(5000, 4700, 4700, 0, 0), 0),
+            Some(MoveReason::Cost)
+        );
+    }
+
+    #[test]
+    fn a_queue_whose_head_has_been_prefilling_is_a_shorter_wait() {
+        // 5,000 tokens queued at 100 µs a token: 500 ms, against none
+        // elsewhere; a 3,000-token session (300 ms + 50 to re-prefill): move.
+        let fresh = [queued(0, 5_000, 100.0), queued(1, 0, 100.0)];
+        let t = turns(3000, 2900, 2900, 0, 0);
+        assert_eq!(review(&COST, &fresh, &t, 0), Some(MoveReason::Cost));
+        // The head has been prefilling for 300 ms: 3,000 of those tokens are
+        // done, 200 ms are left: stay.
+        let mut started = fresh;
+        started[0].head_ms = 300;
+        assert_eq!(review(&COST, &started, &t, 0), None);
     }
 }

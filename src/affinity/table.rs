@@ -77,6 +77,24 @@ pub struct Turns {
 }
 
 impl Turns {
+    /// The uncached tokens the session's next turn is expected to bring to
+    /// this backend, given that turn's whole prompt as estimated from its
+    /// body (`prompt_estimate`, 0 if unknown). After a turn the backend had
+    /// kept the session for, the last turn's new tokens (the transcript
+    /// grows by about as much each turn). After its first turn there, whose
+    /// uncached tokens were the whole prompt, what the new prompt adds to
+    /// it when that is known: charging a whole re-prefill to a session whose
+    /// prompt the backend has just computed would count phantom work.
+    pub fn next_uncached(&self, prompt_estimate: u64) -> u64 {
+        let last_new = self.prompt.saturating_sub(self.cached) as u64;
+        match self.expected == 0 && prompt_estimate > 0 && self.prompt > 0 {
+            true => prompt_estimate
+                .saturating_sub(self.prompt as u64)
+                .min(last_new),
+            false => last_new,
+        }
+    }
+
     /// The share of what the backend should have held on the last turn that
     /// it had cached: 1 when the last turn was the session's first there
     /// (it has just computed the prompt; nothing says it dropped it), near 0
@@ -877,6 +895,22 @@ mod tests {
         t.record_usage(3, 1_900, 700);
         assert_eq!(turns_of(&t, 3).expected, 0);
         assert_eq!(turns_of(&t, 3).retention(), 1.0);
+    }
+
+    #[test]
+    fn the_next_turn_after_a_first_one_brings_its_growth_not_a_whole_prefill() {
+        let t = BindingTable::new(100);
+        bind(&t, 4, 1, 0);
+        t.record_usage(4, 7_000, 0);
+        // The backend has just computed all 7,000 tokens: a 7,300-token turn
+        // brings 300 there, not the first turn's 7,000 again.
+        assert_eq!(turns_of(&t, 4).next_uncached(7_300), 300);
+        // Without a body estimate, the last turn's own new tokens.
+        assert_eq!(turns_of(&t, 4).next_uncached(0), 7_000);
+        // A warm turn's new tokens are the transcript's growth: they stand
+        // for the next turn's whatever its body says.
+        t.record_usage(4, 7_300, 7_000);
+        assert_eq!(turns_of(&t, 4).next_uncached(9_000), 300);
     }
 
     #[test]

@@ -69,7 +69,8 @@ impl GatewayProxy {
                 return Err(self.fail(ctx, e));
             }
             let index = match ctx.session_ref.clone() {
-                Some(sref) => {
+                Some(mut sref) => {
+                    sref.prompt_tokens = body_tokens(ctx);
                     let wait = routing.config.affinity.single_flight_wait;
                     let store = self.gw.store.clone();
                     if let Some(store) = &store {
@@ -142,7 +143,7 @@ impl GatewayProxy {
             old.hand_over();
         }
         let tokens = match new_tokens {
-            Some(n) => n as u64,
+            Some(n) => n,
             None => body_tokens(ctx),
         };
         ctx.in_flight = Some(InFlight::new(&backend.stats, tokens));

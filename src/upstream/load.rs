@@ -187,6 +187,10 @@ pub struct CostEstimate {
     /// Estimated uncached tokens of this gateway's requests at the backend
     /// that have had no first byte back yet: prefill work still ahead.
     queued_tokens: AtomicU64,
+    /// `clock::now_ms` when the request now at the head of that queue began
+    /// to prefill: when it was sent to an empty queue, or when the one
+    /// before it answered.
+    head_since_ms: AtomicU64,
 }
 
 /// Responses a backend must have answered before its learned cost is used.
@@ -272,20 +276,45 @@ impl CostEstimate {
         self.queue_us.load(Ordering::Relaxed)
     }
 
-    /// A request estimated to prefill `tokens` is sent: returns the queued
-    /// tokens it goes in behind. Each call is matched by one
+    /// A request estimated to prefill `tokens` is sent: returns the prefill
+    /// work it goes in behind (the queued tokens less the head's progress). Each call is matched by one
     /// [`CostEstimate::dequeue`] of the same `tokens`.
     pub fn enqueue(&self, tokens: u64) -> u64 {
-        self.queued_tokens.fetch_add(tokens, Ordering::Relaxed)
+        let ahead = self.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
+        if ahead == 0 {
+            if tokens > 0 {
+                self.head_since_ms
+                    .store(crate::clock::now_ms(), Ordering::Relaxed);
+            }
+            return 0;
+        }
+        let head_ms = self.head_ms(crate::clock::now_ms());
+        crate::affinity::queued_after(ahead, head_ms, self.learned_us_per_token().unwrap_or(0.0))
     }
 
-    /// Its first byte came back (its prefill is done), or it ended without one.
+    /// Its first byte came back (its prefill is done), or it ended without
+    /// one: the next queued request, if any, starts now.
     pub fn dequeue(&self, tokens: u64) {
-        self.queued_tokens.fetch_sub(tokens, Ordering::Relaxed);
+        let before = self.queued_tokens.fetch_sub(tokens, Ordering::Relaxed);
+        if before > tokens {
+            self.head_since_ms
+                .store(crate::clock::now_ms(), Ordering::Relaxed);
+        }
     }
 
+    /// The queued tokens as counted (each request's whole estimate until its
+    /// first byte).
     pub fn queued_tokens(&self) -> u64 {
         self.queued_tokens.load(Ordering::Relaxed)
+    }
+
+    /// How long the request at the head of the queue has been prefilling
+    /// at `now_ms` (0 with nothing queued).
+    pub fn head_ms(&self, now_ms: u64) -> u64 {
+        match self.queued_tokens() {
+            0 => 0,
+            _ => now_ms.saturating_sub(self.head_since_ms.load(Ordering::Relaxed)),
+        }
     }
 }
 
@@ -464,6 +493,36 @@ mod tests {
             100.0,
             "prior until 5 samples"
         );
+    }
+
+    #[test]
+    fn the_head_of_the_queue_is_timed_from_when_it_began() {
+        let c = CostEstimate::default();
+        assert_eq!(c.head_ms(crate::clock::now_ms() + 500), 0, "nothing queued");
+        let before = crate::clock::now_ms();
+        assert_eq!(c.enqueue(1_000), 0);
+        let after = crate::clock::now_ms();
+        // The first request starts at once; the second waits behind it.
+        let head = c.head_ms(after + 300);
+        assert!((300..=300 + after - before).contains(&head), "{head}");
+        c.enqueue(500);
+        assert_eq!(
+            c.head_ms(after + 300),
+            head,
+            "a request behind does not restart it"
+        );
+        // The clock moves on (a tick is 1-4 ms), then the first answers: the
+        // second is the head now, timed from then, not from the first's start.
+        while crate::clock::now_ms() <= after + 1 {
+            std::hint::spin_loop();
+        }
+        let answered = crate::clock::now_ms();
+        c.dequeue(1_000);
+        let later = crate::clock::now_ms();
+        let head = c.head_ms(later + 50);
+        assert!((50..=50 + later - answered).contains(&head), "{head}");
+        c.dequeue(500);
+        assert_eq!(c.head_ms(later + 50), 0, "queue empty");
     }
 
     #[test]

@@ -159,6 +159,7 @@ impl Backend {
             move_on_drain: self.stats.move_on_drain.load(Ordering::Relaxed),
             prefill_us_per_token: self.stats.cost.learned_us_per_token().unwrap_or(0.0),
             queued_tokens: self.stats.cost.queued_tokens(),
+            head_ms: self.stats.cost.head_ms(now_ms),
         }
     }
 

@@ -8,6 +8,13 @@
 //! learned speed: one that prefills well slower than the fastest takes
 //! proportionally fewer sessions (see [`SAME_SPEED`]).
 //!
+//! With `placement.queue_aware`, among the backends within the bound the one
+//! with the least prefill work queued wins (the estimated uncached tokens of
+//! this gateway's requests there without a first byte), HRW order breaking
+//! ties: a first turn does not wait behind a long prefill when a backend just
+//! as balanced has none. Idle queues tie, so the choice is the bounded HRW
+//! one and gateways keep agreeing whenever nothing queues.
+//!
 //! With balanced load every backend qualifies and the choice is plain HRW, so
 //! gateways that see the same fleet agree. A backend that has run ahead (hash
 //! lumpiness, heavy sessions, a slow replica) is skipped until the others
@@ -22,6 +29,9 @@ pub struct BoundedHrw {
     pub balance_factor: f64,
     /// Scale each backend's share by its learned speed (`placement.speed_aware`).
     pub speed_aware: bool,
+    /// Among backends within the bound, prefer the least queued prefill work
+    /// (`placement.queue_aware`).
+    pub queue_aware: bool,
 }
 
 /// A backend's share of the tier's capacity counts its speed as well as its
@@ -93,9 +103,20 @@ impl BoundedHrw {
 impl FirstPlacement for BoundedHrw {
     fn place(&self, session: u64, open: &[Candidate], load: &[u64]) -> Option<usize> {
         let totals = Totals::of(open, load, self.speed_aware);
-        hrw::choose_where(session, open, |i| {
-            load[i] < self.capacity(&open[i], &totals)
-        })
+        let within = |i: usize| load[i] < self.capacity(&open[i], &totals);
+        let least_queued = match self.queue_aware {
+            true => (0..open.len())
+                .filter(|&i| within(i))
+                .map(|i| open[i].queued_after(open[i].prefill_us_per_token))
+                .min(),
+            false => None,
+        };
+        match least_queued {
+            Some(q) => hrw::choose_where(session, open, |i| {
+                within(i) && open[i].queued_after(open[i].prefill_us_per_token) <= q
+            }),
+            None => hrw::choose_where(session, open, within),
+        }
         .or_else(|| hrw::choose(session, open))
     }
 
@@ -112,6 +133,7 @@ mod tests {
     const B: BoundedHrw = BoundedHrw {
         balance_factor: 1.25,
         speed_aware: false,
+        queue_aware: false,
     };
 
     #[test]
@@ -196,6 +218,7 @@ mod tests {
         let b = BoundedHrw {
             balance_factor: 1.0,
             speed_aware: true,
+            queue_aware: false,
         };
         let mut o = open(3);
         for (c, us) in o.iter_mut().zip([150.0, 50.0, 50.0]) {
@@ -226,7 +249,7 @@ mod tests {
         for factor in [1.25, 1.1, 1.0] {
             let b = BoundedHrw {
                 balance_factor: factor,
-                speed_aware: false,
+                ..B
             };
             let mut load = [0u64; 3];
             for s in 0..64u64 {
@@ -235,5 +258,49 @@ mod tests {
             let cap = (factor * 64.0 / 3.0).ceil() as u64;
             assert!(load.iter().all(|&l| l <= cap), "factor {factor}: {load:?}");
         }
+    }
+
+    #[test]
+    fn queue_aware_takes_the_least_queued_backend_within_the_bound() {
+        let q = BoundedHrw {
+            balance_factor: 1.0,
+            queue_aware: true,
+            ..B
+        };
+        let mut o = open(3);
+        // Idle queues tie: plain (bounded) HRW, so gateways agree.
+        for s in 0..200u64 {
+            assert_eq!(q.place(s, &o, &[2, 2, 2]), hrw::choose(s, &o));
+        }
+        // 7,000 tokens queued at backends 0 and 1, 1,000 at 2: backend 2,
+        // whatever the hash says.
+        for (c, tokens) in o.iter_mut().zip([7_000, 7_000, 1_000]) {
+            c.queued_tokens = tokens;
+        }
+        for s in 0..200u64 {
+            assert_eq!(q.place(s, &o, &[2, 2, 2]), Some(2));
+        }
+        // Unless that breaks the bound (loads 2, 2, 3: capacity ⌈8 / 3⌉ = 3):
+        // then the least queued of the others, 0 and 1 tying by hash.
+        for s in 0..200u64 {
+            let pick = q.place(s, &o, &[2, 2, 3]).unwrap();
+            let by_hash = hrw::choose_where(s, &o, |i| i < 2);
+            assert_eq!(Some(pick), by_hash);
+        }
+        // A head 100 ms into its prefill at 50 µs a token has done 2,000 of
+        // backend 0's 7,000: 5,000 still beat backend 1's 7,000.
+        // (Seen by a session whose hash prefers backend 1.)
+        let s = (0..1000u64)
+            .find(|&s| hrw::choose_where(s, &o, |i| i < 2) == Some(1))
+            .expect("a session preferring backend 1");
+        o[0].prefill_us_per_token = 50.0;
+        o[0].head_ms = 100;
+        assert_eq!(q.place(s, &o, &[2, 2, 3]), Some(0));
+        // Off, the queues do not count.
+        let blind = BoundedHrw {
+            queue_aware: false,
+            ..q
+        };
+        assert_eq!(blind.place(s, &o, &[2, 2, 3]), Some(1));
     }
 }

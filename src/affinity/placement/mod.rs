@@ -89,13 +89,10 @@ pub trait FirstPlacement: Send + Sync {
     }
 }
 
-/// The algorithm `kind` names.
-pub fn build(kind: FirstKind, balance_factor: f64, speed_aware: bool) -> Box<dyn FirstPlacement> {
+/// The algorithm `kind` names; `bounded` holds bounded HRW's settings.
+pub fn build(kind: FirstKind, bounded: bounded_hrw::BoundedHrw) -> Box<dyn FirstPlacement> {
     match kind {
-        FirstKind::BoundedHrw => Box::new(bounded_hrw::BoundedHrw {
-            balance_factor,
-            speed_aware,
-        }),
+        FirstKind::BoundedHrw => Box::new(bounded),
         FirstKind::Hrw => Box::new(hrw::Hrw),
         FirstKind::LeastLoaded => Box::new(least_loaded::LeastLoaded),
         FirstKind::RoundRobin => Box::new(round_robin::RoundRobin::default()),
