@@ -97,6 +97,9 @@ fn bench_placement(c: &mut Criterion) {
         for (i, c) in cands.iter_mut().enumerate() {
             c.in_flight = (i % 7) as u64;
             c.engine_requests = (i % 5) as u64;
+            c.queued_tokens = (i % 3) as u64 * 1_000;
+            c.prefill_us_per_token = 50.0;
+            c.head_ms = (i % 4) as u64 * 10;
         }
         // Live bindings spread over the fleet, so the load reads are real.
         for i in 0..20_000u32 {
@@ -104,7 +107,12 @@ fn bench_placement(c: &mut Criterion) {
             let _ = a.select_backend(&s, 0, &cands, true);
         }
         for kind in [FirstKind::BoundedHrw, FirstKind::LeastLoaded] {
-            let first = placement::build(kind, 1.1, false);
+            let bounded = placement::bounded_hrw::BoundedHrw {
+                balance_factor: 1.1,
+                speed_aware: false,
+                queue_aware: true,
+            };
+            let first = placement::build(kind, bounded);
             let mut k = 0u64;
             g.bench_with_input(
                 BenchmarkId::new(format!("{kind:?}"), n),
