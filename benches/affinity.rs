@@ -111,6 +111,7 @@ fn bench_placement(c: &mut Criterion) {
                 balance_factor: 1.1,
                 speed_aware: false,
                 queue_aware: true,
+                prior_us_per_token: 100.0,
             };
             let first = placement::build(kind, bounded);
             let mut k = 0u64;

@@ -41,6 +41,7 @@ fn configure_affinity(affinity: &Affinity, config: &Config) {
             balance_factor: p.balance_factor,
             speed_aware: p.speed_aware,
             queue_aware: p.queue_aware,
+            prior_us_per_token: config.affinity.cost.prior_prefill_us_per_token,
         },
         p.load,
     ));

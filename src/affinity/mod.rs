@@ -53,9 +53,35 @@ pub struct Candidate {
 }
 
 impl Candidate {
+    /// Its prefill cost per token: learned, else `unlearned` ([`unlearned_cost`]).
+    pub fn cost_or(&self, unlearned: f64) -> f64 {
+        if self.prefill_us_per_token > 0.0 {
+            self.prefill_us_per_token
+        } else {
+            unlearned
+        }
+    }
+
     /// The prefill work still ahead, tokens: see [`queued_after`].
     pub fn queued_after(&self, us_per_token: f64) -> u64 {
         queued_after(self.queued_tokens, self.head_ms, us_per_token)
+    }
+}
+
+/// The prefill cost per token to assume for a candidate that has not taught
+/// its own yet: the mean of what `candidates` have learned (it is assumed to
+/// be like the rest of its tier), else `prior`. Weighing one backend's learned
+/// cost against another's prior would read the difference as a queue.
+pub fn unlearned_cost(candidates: &[Candidate], prior: f64) -> f64 {
+    let (sum, n) = candidates
+        .iter()
+        .filter(|c| c.prefill_us_per_token > 0.0)
+        .fold((0.0, 0u32), |(sum, n), c| {
+            (sum + c.prefill_us_per_token, n + 1)
+        });
+    match n {
+        0 => prior,
+        n => sum / n as f64,
     }
 }
 
@@ -225,6 +251,7 @@ impl Affinity {
                     balance_factor: 1.0,
                     speed_aware: false,
                     queue_aware: false,
+                    prior_us_per_token: 100.0,
                 },
                 LoadMeasure::Sessions,
             )),

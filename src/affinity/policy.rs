@@ -141,31 +141,8 @@ impl DefaultPolicy {
         }
     }
 
-    /// The cost per token assumed for a backend that has not taught its
-    /// own yet: the mean of what the candidates have learned (it is assumed
-    /// to be like the rest of its tier), else the prior. Weighing one
-    /// backend's learned cost against another's prior would read the
-    /// difference as a queue.
     fn unlearned_cost(&self, candidates: &[Candidate]) -> f64 {
-        let (sum, n) = candidates
-            .iter()
-            .filter(|c| c.prefill_us_per_token > 0.0)
-            .fold((0.0, 0u32), |(sum, n), c| {
-                (sum + c.prefill_us_per_token, n + 1)
-            });
-        match n {
-            0 => self.cost.prior_prefill_us_per_token,
-            n => sum / n as f64,
-        }
-    }
-
-    /// Prefill µs per uncached token at `c`: learned, else `unlearned`.
-    fn per_token(c: &Candidate, unlearned: f64) -> f64 {
-        if c.prefill_us_per_token > 0.0 {
-            c.prefill_us_per_token
-        } else {
-            unlearned
-        }
+        super::unlearned_cost(candidates, self.cost.prior_prefill_us_per_token)
     }
 
     /// How long until a turn bringing `new` tokens gets its first token at
@@ -173,7 +150,7 @@ impl DefaultPolicy {
     /// done), then its own, at the backend's cost per token (a slower
     /// backend is worse for both).
     fn wait_us(c: &Candidate, new: f64, unlearned: f64) -> f64 {
-        let per_token = Self::per_token(c, unlearned);
+        let per_token = c.cost_or(unlearned);
         per_token * (c.queued_after(per_token) as f64 + new)
     }
 
@@ -214,7 +191,7 @@ impl DefaultPolicy {
         let delta_q = Self::wait_us(bound, new as f64, unlearned)
             - Self::wait_us(best, new as f64, unlearned);
         let p_hit = turns.retention();
-        let t_saved = turns.prompt as f64 * Self::per_token(best, unlearned);
+        let t_saved = turns.prompt as f64 * best.cost_or(unlearned);
         delta_q > p_hit * t_saved + p.hysteresis_us as f64
     }
 }

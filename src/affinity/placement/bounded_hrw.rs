@@ -22,7 +22,7 @@
 //! sessions until it is level, each one's HRW order permitting.
 
 use super::FirstPlacement;
-use crate::affinity::{hrw, Candidate};
+use crate::affinity::{hrw, unlearned_cost, Candidate};
 
 pub struct BoundedHrw {
     /// ≥ 1; 1.25 is the customary choice.
@@ -32,6 +32,10 @@ pub struct BoundedHrw {
     /// Among backends within the bound, prefer the least queued prefill work
     /// (`placement.queue_aware`).
     pub queue_aware: bool,
+    /// The prefill cost per token assumed before any backend has learned its
+    /// own (`affinity.prior_prefill_us_per_token`): it times the progress of
+    /// each queue's head.
+    pub prior_us_per_token: f64,
 }
 
 /// A backend's share of the tier's capacity counts its speed as well as its
@@ -104,17 +108,13 @@ impl FirstPlacement for BoundedHrw {
     fn place(&self, session: u64, open: &[Candidate], load: &[u64]) -> Option<usize> {
         let totals = Totals::of(open, load, self.speed_aware);
         let within = |i: usize| load[i] < self.capacity(&open[i], &totals);
-        let least_queued = match self.queue_aware {
-            true => (0..open.len())
-                .filter(|&i| within(i))
-                .map(|i| open[i].queued_after(open[i].prefill_us_per_token))
-                .min(),
-            false => None,
-        };
-        match least_queued {
-            Some(q) => hrw::choose_where(session, open, |i| {
-                within(i) && open[i].queued_after(open[i].prefill_us_per_token) <= q
-            }),
+        if !self.queue_aware {
+            return hrw::choose_where(session, open, within).or_else(|| hrw::choose(session, open));
+        }
+        let unlearned = unlearned_cost(open, self.prior_us_per_token);
+        let ahead = |i: usize| open[i].queued_after(open[i].cost_or(unlearned));
+        match (0..open.len()).filter(|&i| within(i)).map(ahead).min() {
+            Some(least) => hrw::choose_where(session, open, |i| within(i) && ahead(i) <= least),
             None => hrw::choose_where(session, open, within),
         }
         .or_else(|| hrw::choose(session, open))
@@ -134,6 +134,7 @@ mod tests {
         balance_factor: 1.25,
         speed_aware: false,
         queue_aware: false,
+        prior_us_per_token: 100.0,
     };
 
     #[test]
@@ -219,6 +220,7 @@ mod tests {
             balance_factor: 1.0,
             speed_aware: true,
             queue_aware: false,
+            prior_us_per_token: 100.0,
         };
         let mut o = open(3);
         for (c, us) in o.iter_mut().zip([150.0, 50.0, 50.0]) {
