@@ -106,29 +106,32 @@ fn bench_placement(c: &mut Criterion) {
             let s = SessionRef::new(&h, KeyKind::Session, "default", &format!("pre-{i}"));
             let _ = a.select_backend(&s, 0, &cands, true);
         }
-        for kind in [FirstKind::BoundedHrw, FirstKind::LeastLoaded] {
+        // Bounded HRW as configured by default (queue-aware), the same without
+        // the queues (the baseline of what queue-awareness costs), least loaded.
+        let variants = [
+            ("BoundedHrw", FirstKind::BoundedHrw, true),
+            ("BoundedHrw_queue_blind", FirstKind::BoundedHrw, false),
+            ("LeastLoaded", FirstKind::LeastLoaded, false),
+        ];
+        for (name, kind, queue_aware) in variants {
             let bounded = placement::bounded_hrw::BoundedHrw {
                 balance_factor: 1.1,
                 speed_aware: false,
-                queue_aware: true,
+                queue_aware,
                 prior_us_per_token: 100.0,
             };
             let first = placement::build(kind, bounded);
             let mut k = 0u64;
-            g.bench_with_input(
-                BenchmarkId::new(format!("{kind:?}"), n),
-                &cands,
-                |b, cands| {
-                    b.iter(|| {
-                        k = k.wrapping_add(0x9e37_79b9_7f4a_7c15);
-                        let load: Vec<u64> = cands
-                            .iter()
-                            .map(|c| LoadMeasure::Combined.of(c, a.backend_bindings(c.slot)))
-                            .collect();
-                        black_box(first.place(k, cands, &load))
-                    })
-                },
-            );
+            g.bench_with_input(BenchmarkId::new(name, n), &cands, |b, cands| {
+                b.iter(|| {
+                    k = k.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                    let load: Vec<u64> = cands
+                        .iter()
+                        .map(|c| LoadMeasure::Combined.of(c, a.backend_bindings(c.slot)))
+                        .collect();
+                    black_box(first.place(k, cands, &load))
+                })
+            });
         }
     }
     g.finish();

@@ -123,6 +123,44 @@ pub fn choose_where<T: Scored>(
     }
 }
 
+/// Index of the item with the least `key` (`None`: not allowed), the
+/// session's HRW order breaking ties; one pass, and an item's hash is scored
+/// only when its key ties or beats the least so far.
+pub fn choose_least<T: Scored>(
+    session: u64,
+    items: &[T],
+    key: impl Fn(usize) -> Option<u64>,
+) -> Option<usize> {
+    let first = items.first()?;
+    if items.iter().all(|b| b.weight() == first.weight()) {
+        // Equal weights: the raw hash orders as the weighted score does.
+        least_then_highest(items, key, |b| mix(session ^ b.seed()))
+    } else {
+        least_then_highest(items, key, |b| {
+            weighted_score(session, b.seed(), b.weight())
+        })
+    }
+}
+
+fn least_then_highest<T, S: PartialOrd + Copy>(
+    items: &[T],
+    key: impl Fn(usize) -> Option<u64>,
+    score: impl Fn(&T) -> S,
+) -> Option<usize> {
+    let mut best: Option<(usize, u64, S)> = None;
+    for (i, item) in items.iter().enumerate() {
+        let Some(k) = key(i) else { continue };
+        if best.is_some_and(|(_, least, _)| k > least) {
+            continue;
+        }
+        let s = score(item);
+        if !best.is_some_and(|(_, least, top)| k == least && s <= top) {
+            best = Some((i, k, s));
+        }
+    }
+    best.map(|(i, _, _)| i)
+}
+
 /// Candidates in descending HRW order (the failover order for a session).
 pub fn ranked<T: Scored>(session: u64, items: &[T]) -> Vec<usize> {
     let mut idx: Vec<(f64, usize)> = items
@@ -167,6 +205,30 @@ mod tests {
             fleet,
         )
         .unwrap()
+    }
+
+    #[test]
+    fn choose_least_takes_the_least_key_and_breaks_ties_in_hrw_order() {
+        let h = HrwHasher::new("k");
+        for weights in [[1u32, 1, 1, 1, 1], [1, 2, 3, 1, 2]] {
+            let f = fleet(&h, 5, |i| weights[i]);
+            for s in 0..2_000u64 {
+                // All tie: the HRW winner. Some not allowed: the HRW winner of
+                // the rest (as choose_where).
+                assert_eq!(choose_least(s, &f, |_| Some(7)), choose(s, &f));
+                assert_eq!(
+                    choose_least(s, &f, |i| (i % 2 == 0).then_some(0)),
+                    choose_where(s, &f, |i| i % 2 == 0)
+                );
+                // Keys 3, 1, 2, 1, 5: backends 1 and 3 tie at the least, hash decides.
+                let keys = [3u64, 1, 2, 1, 5];
+                assert_eq!(
+                    choose_least(s, &f, |i| Some(keys[i])),
+                    choose_where(s, &f, |i| keys[i] == 1)
+                );
+            }
+            assert_eq!(choose_least(1, &f, |_| None), None);
+        }
     }
 
     #[test]

@@ -113,11 +113,8 @@ impl FirstPlacement for BoundedHrw {
         }
         let unlearned = unlearned_cost(open, self.prior_us_per_token);
         let ahead = |i: usize| open[i].queued_after(open[i].cost_or(unlearned));
-        match (0..open.len()).filter(|&i| within(i)).map(ahead).min() {
-            Some(least) => hrw::choose_where(session, open, |i| within(i) && ahead(i) <= least),
-            None => hrw::choose_where(session, open, within),
-        }
-        .or_else(|| hrw::choose(session, open))
+        hrw::choose_least(session, open, |i| within(i).then(|| ahead(i)))
+            .or_else(|| hrw::choose(session, open))
     }
 
     fn overloaded(&self, i: usize, open: &[Candidate], load: &[u64]) -> bool {
