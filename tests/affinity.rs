@@ -983,18 +983,53 @@ async fn prefill_work_queued_at_a_backend_is_counted_until_its_first_byte() {
     )
     .await;
 
-    // Turn 2 keeps the binding: it counts what the last turn there had to
-    // prefill, not its whole body.
-    let body2 = turn_with_new_text("q2", 2000);
+    // Turn 2 keeps the binding. Turn 1 was the session's first there, so the
+    // backend holds its whole prompt: turn 2 counts what its body adds to
+    // that prompt, not its whole body, nor turn 1's prefill again.
+    let prompt1 = usage["prompt_tokens"].as_u64().unwrap();
+    // The transcript grows: turn 1's messages, a reply, a new message.
+    let grow = |body: &Value, tag: &str| {
+        let mut next = body.clone();
+        let added = turn_with_new_text(tag, 2000)["messages"][1].clone();
+        let messages = next["messages"].as_array_mut().unwrap();
+        messages.push(json!({"role": "assistant", "content": format!("{tag} done")}));
+        messages.push(added);
+        next
+    };
+    let body2 = grow(&body, "q2");
     let bytes2 = serde_json::to_vec(&body2).unwrap().len() as u64;
-    assert_ne!(new1, bytes2 / 4);
+    let growth2 = (bytes2 / 4).saturating_sub(prompt1).min(new1);
+    assert!(growth2 > 0 && growth2 < new1, "{growth2} of {new1}");
     let turn2 = tokio::spawn(send(&body2));
-    wait_until(
-        "turn 2 counted as its session's last new tokens",
-        || async { queued().await == new1 },
+    wait_until("turn 2 counted as what it adds", || async {
+        queued().await == growth2
+    })
+    .await;
+    let r2 = reply(turn2.await.unwrap().unwrap()).await;
+    assert_eq!(r2.status, 200);
+    let usage2 = r2.json()["usage"].clone();
+    let new2 = usage2["prompt_tokens"].as_u64().unwrap()
+        - usage2["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+    gw.metric_reaches(
+        "agentserve_prompt_tokens_total{backend=\"vllm-0\",tier=\"default\"}",
+        (prompt1 + usage2["prompt_tokens"].as_u64().unwrap()) as f64,
     )
     .await;
-    assert_eq!(reply(turn2.await.unwrap().unwrap()).await.status, 200);
+
+    // Turn 3 follows a warm turn: it counts that turn's new tokens (the
+    // transcript grows by about as much each turn), whatever its body says.
+    let body3 = grow(&body2, "q3");
+    let bytes3 = serde_json::to_vec(&body3).unwrap().len() as u64;
+    assert_ne!(new2, bytes3 / 4);
+    let turn3 = tokio::spawn(send(&body3));
+    wait_until(
+        "turn 3 counted as its session's last new tokens",
+        || async { queued().await == new2 },
+    )
+    .await;
+    assert_eq!(reply(turn3.await.unwrap().unwrap()).await.status, 200);
 
     // A client that leaves mid-prefill leaves nothing counted behind.
     let impatient = reqwest::Client::builder()
@@ -1004,7 +1039,7 @@ async fn prefill_work_queued_at_a_backend_is_counted_until_its_first_byte() {
     let gone = impatient
         .post(gw.url("/v1/chat/completions"))
         .header("x-session-id", "leaver")
-        .json(&turn_with_new_text("q3", 4000))
+        .json(&turn_with_new_text("q4", 4000))
         .send()
         .await;
     assert!(gone.is_err(), "the client gave up first");

@@ -11,8 +11,10 @@
 //!   later this turn's first token comes at the bound backend than at the
 //!   best other candidate: the prefill work queued there now (the estimated
 //!   uncached tokens of this gateway's requests that have not begun to
-//!   answer) and the turn's new tokens, at each one's learned cost per token
-//!   (so a backend that has slowed down counts, not only one that queues).
+//!   answer, less what the head of the queue has prefilled since it began)
+//!   and the turn's new tokens, at each one's learned cost per token (so a
+//!   backend that has slowed down counts, not only one that queues; one that
+//!   has not learned its cost yet is assumed to cost the tier's average).
 //!   The queue is read as it stands, not learned from answers: those report
 //!   the queue as it was when they were sent, so a policy reading them sees
 //!   a slowdown late and its relief late, and moves too late and then too

@@ -10,8 +10,8 @@
 //!
 //! With `placement.queue_aware`, among the backends within the bound the one
 //! with the least prefill work queued wins (the estimated uncached tokens of
-//! this gateway's requests there without a first byte), HRW order breaking
-//! ties: a first turn does not wait behind a long prefill when a backend just
+//! this gateway's requests there without a first byte, less what the head of
+//! the queue has prefilled since it began), HRW order breaking ties: a first turn does not wait behind a long prefill when a backend just
 //! as balanced has none. Idle queues tie, so the choice is the bounded HRW
 //! one and gateways keep agreeing whenever nothing queues.
 //!
