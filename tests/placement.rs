@@ -186,3 +186,72 @@ async fn a_replica_that_prefills_slower_takes_fewer_new_sessions() {
     assert!(slow <= 6, "{count:?}");
     assert_eq!(count.values().sum::<usize>(), 20);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_turn_goes_where_no_long_prefill_queues_among_balanced_backends() {
+    // Replicas that prefill one request at a time, 2 ms a token: the long
+    // prompt below takes seconds however busy the machine. The operator's
+    // prior says so, so the queue's head is timed at the right pace.
+    let args = ["--prefill-us-per-token", "2000", "--serial-prefill"];
+    let sims = [
+        SimBackend::start("vllm-0", &args),
+        SimBackend::start("vllm-1", &args),
+    ];
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}  prior_prefill_us_per_token: 2000\n",
+            affinity_yaml(600)
+        ),
+    )
+    .await;
+    wait_until("the admin API listens", || async {
+        reqwest::get(gw.admin_url("/admin/backends")).await.is_ok()
+    })
+    .await;
+    let queued = |id: &'static str| {
+        let gw = &gw;
+        async move {
+            gw.admin_backend(id).await["learned"]["queued_prefill_tokens"]
+                .as_u64()
+                .expect("queued_prefill_tokens")
+        }
+    };
+    let ids = ["vllm-0", "vllm-1"];
+    let c = client();
+
+    // A 16 KB first turn (about 4,000 tokens, 8 s of prefill) lands on
+    // vllm-0, where its session hashes.
+    let long = sessions_hashing_to(0, &ids, 1, "long").remove(0);
+    let mut body = chat_body("qwen3-8b", 0);
+    body["messages"][1]["content"] = Value::from("a long document ".repeat(1000));
+    let long_turn = {
+        let (c, url, long) = (c.clone(), gw.url("/v1/chat/completions"), long.clone());
+        tokio::spawn(async move {
+            c.post(url)
+                .header("x-session-id", long)
+                .json(&body)
+                .send()
+                .await
+        })
+    };
+    wait_until("the long prefill is queued at vllm-0", || async {
+        queued("vllm-0").await > 0
+    })
+    .await;
+    // The bound sends the next session to vllm-1 (vllm-0 holds the only one).
+    let short = sessions_hashing_to(0, &ids, 1, "short").remove(0);
+    assert_eq!(first_turn(&c, &gw, &short).await, "vllm-1");
+    // One session each: both are within the bound, and this session hashes
+    // to vllm-0. It goes to vllm-1, where nothing queues, not behind the
+    // long prefill.
+    let probe = sessions_hashing_to(0, &ids, 1, "probe").remove(0);
+    assert_eq!(first_turn(&c, &gw, &probe).await, "vllm-1");
+    assert!(
+        queued("vllm-0").await > 0,
+        "the long prefill was still queued when the probe was placed"
+    );
+    let r = long_turn.await.unwrap().unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-agent-serve-backend"], "vllm-0");
+}
