@@ -939,17 +939,7 @@ async fn prefill_work_queued_at_a_backend_is_counted_until_its_first_byte() {
         &format!("{FAST_HEALTH}{}", affinity_yaml(600)),
     )
     .await;
-    let queued = || async {
-        gw.admin_backend("vllm-0").await["learned"]["queued_prefill_tokens"]
-            .as_u64()
-            .expect("queued_prefill_tokens")
-    };
-    // The gateway is ready once its proxy and metrics listen; the admin
-    // listener may come a moment later.
-    wait_until("the admin API listens", || async {
-        reqwest::get(gw.admin_url("/admin/backends")).await.is_ok()
-    })
-    .await;
+    let queued = || gw.queued_prefill_tokens("vllm-0");
     assert_eq!(queued().await, 0);
     let c = client();
     let send = |body: &Value| {

@@ -205,18 +205,7 @@ async fn a_first_turn_goes_where_no_long_prefill_queues_among_balanced_backends(
         ),
     )
     .await;
-    wait_until("the admin API listens", || async {
-        reqwest::get(gw.admin_url("/admin/backends")).await.is_ok()
-    })
-    .await;
-    let queued = |id: &'static str| {
-        let gw = &gw;
-        async move {
-            gw.admin_backend(id).await["learned"]["queued_prefill_tokens"]
-                .as_u64()
-                .expect("queued_prefill_tokens")
-        }
-    };
+    let queued = |id: &'static str| gw.queued_prefill_tokens(id);
     let ids = ["vllm-0", "vllm-1"];
     let c = client();
 

@@ -69,20 +69,20 @@ impl Candidate {
 }
 
 /// The prefill cost per token to assume for a candidate that has not taught
-/// its own yet: the mean of what `candidates` have learned (it is assumed to
-/// be like the rest of its tier), else `prior`. Weighing one backend's learned
-/// cost against another's prior would read the difference as a queue.
+/// its own yet: the fastest that `candidates` have learned, or `prior` if
+/// that is faster still (or nothing is learned). Weighing one backend's
+/// learned cost against another's prior reads the difference as a queue, so
+/// a backend with a few answers behind it is not costed at a prior far above
+/// what its tier shows; and a tier whose only learned backend is the one that
+/// slowed down must not make every other backend look as slow. An unknown
+/// backend is thus taken to be as fast as the best known: sessions may move
+/// to it, and leave it only for a clear gain, until it has taught its own.
 pub fn unlearned_cost(candidates: &[Candidate], prior: f64) -> f64 {
-    let (sum, n) = candidates
+    candidates
         .iter()
-        .filter(|c| c.prefill_us_per_token > 0.0)
-        .fold((0.0, 0u32), |(sum, n), c| {
-            (sum + c.prefill_us_per_token, n + 1)
-        });
-    match n {
-        0 => prior,
-        n => sum / n as f64,
-    }
+        .map(|c| c.prefill_us_per_token)
+        .filter(|&us| us > 0.0)
+        .fold(prior, f64::min)
 }
 
 /// `queued` tokens less what the head of the queue has prefilled in

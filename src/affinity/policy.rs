@@ -14,7 +14,8 @@
 //!   answer, less what the head of the queue has prefilled since it began)
 //!   and the turn's new tokens, at each one's learned cost per token (so a
 //!   backend that has slowed down counts, not only one that queues; one that
-//!   has not learned its cost yet is assumed to cost the tier's average).
+//!   has not learned its cost yet is assumed as fast as the fastest learned,
+//!   or the prior if faster).
 //!   The queue is read as it stands, not learned from answers: those report
 //!   the queue as it was when they were sent, so a policy reading them sees
 //!   a slowdown late and its relief late, and moves too late and then too
@@ -427,14 +428,24 @@ mod tests {
     }
 
     #[test]
-    fn a_backend_that_has_not_taught_its_cost_is_assumed_like_the_others() {
+    fn a_backend_that_has_not_taught_its_cost_is_assumed_as_fast_as_the_best_known() {
         // The bound backend has not learned its cost; the other has, 50 µs a
         // token. 4,000 tokens queued at the bound one, none at the other, a
         // 5,000-token session that brings 300 new: at the 100 µs prior the
         // bound queue would read 430 ms against 15, ΔQ 415 ms > 250 + 50.
-        // Assumed like the tier (50 µs): 215 ms against 15, ΔQ 200 ms < 300: stay.
+        // Assumed as fast as the other (50 µs): 215 ms against 15, ΔQ 200 ms
+        // < 300: stay.
         let all = [queued(0, 4_000, 0.0), queued(1, 0, 50.0)];
         assert_eq!(review(&COST, &all, &turns(5000, 4700, 4700, 0, 0), 0), None);
+        // The only backend that has learned is the bound one, which slowed
+        // to 1,000 µs a token: the other is not assumed as slow, but at the
+        // faster prior (100 µs). 500 new tokens: 500 ms there against 50 ms,
+        // ΔQ 450 ms > re-prefilling 1,000 tokens (100 ms) + 50: move.
+        let slowed = [queued(0, 0, 1000.0), queued(1, 0, 0.0)];
+        assert_eq!(
+            review(&COST, &slowed, &turns(1000, 500, 500, 0, 0), 0),
+            Some(MoveReason::Cost)
+        );
         // With nothing learned anywhere the prior applies to both alike:
         // 430 ms against 30, ΔQ 400 ms < 500 + 50: stay; twice the queue moves.
         let unknown = [queued(0, 4_000, 0.0), queued(1, 0, 0.0)];

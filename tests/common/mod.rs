@@ -353,6 +353,21 @@ impl Gateway {
             .unwrap_or_else(|| panic!("backend {id} listed"))
     }
 
+    /// Backend `id`'s queued prefill tokens as the admin API shows them,
+    /// once the admin listener is up (the gateway is ready once its proxy
+    /// and metrics listen; the admin listener may come a moment later).
+    pub async fn queued_prefill_tokens(&self, id: &str) -> u64 {
+        wait_until("the admin API listens", || async {
+            reqwest::get(self.admin_url("/admin/backends"))
+                .await
+                .is_ok()
+        })
+        .await;
+        self.admin_backend(id).await["learned"]["queued_prefill_tokens"]
+            .as_u64()
+            .expect("queued_prefill_tokens")
+    }
+
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{}", self.admin_port, path)
     }
