@@ -277,7 +277,8 @@ impl CostEstimate {
     }
 
     /// A request estimated to prefill `tokens` is sent: returns the prefill
-    /// work it goes in behind (the queued tokens less the head's progress). Each call is matched by one
+    /// work it goes in behind (the queued tokens less the head's progress at
+    /// the learned cost). Each call is matched by one
     /// [`CostEstimate::dequeue`] of the same `tokens`.
     pub fn enqueue(&self, tokens: u64) -> u64 {
         let ahead = self.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
