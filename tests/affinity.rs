@@ -306,6 +306,14 @@ async fn a_client_disconnect_ends_its_lease() {
 }
 
 /// A chat turn whose last user message is `bytes` of text no replica has seen.
+/// The prompt tokens a response's `usage` says were not cached.
+fn uncached(usage: &Value) -> u64 {
+    usage["prompt_tokens"].as_u64().unwrap()
+        - usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+}
+
 fn turn_with_new_text(tag: &str, bytes: usize) -> Value {
     let mut body = chat_body("m", 0);
     let text: String = (0..)
@@ -962,10 +970,7 @@ async fn prefill_work_queued_at_a_backend_is_counted_until_its_first_byte() {
     assert_eq!(r1.status, 200);
     assert_eq!(queued().await, 0, "its first byte ended its prefill");
     let usage = r1.json()["usage"].clone();
-    let new1 = usage["prompt_tokens"].as_u64().unwrap()
-        - usage["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap();
+    let new1 = uncached(&usage);
     // Its usage is recorded (the token counter follows, in the same hook).
     gw.metric_reaches(
         "agentserve_prompt_tokens_total{backend=\"vllm-0\",tier=\"default\"}",
@@ -998,10 +1003,7 @@ async fn prefill_work_queued_at_a_backend_is_counted_until_its_first_byte() {
     let r2 = reply(turn2.await.unwrap().unwrap()).await;
     assert_eq!(r2.status, 200);
     let usage2 = r2.json()["usage"].clone();
-    let new2 = usage2["prompt_tokens"].as_u64().unwrap()
-        - usage2["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap();
+    let new2 = uncached(&usage2);
     gw.metric_reaches(
         "agentserve_prompt_tokens_total{backend=\"vllm-0\",tier=\"default\"}",
         (prompt1 + usage2["prompt_tokens"].as_u64().unwrap()) as f64,

@@ -48,7 +48,8 @@ impl GatewayProxy {
         let candidates = tier.candidates(&ctx.excluded);
 
         // This request's prefill there, for the backend's queued tokens: a
-        // kept binding's last new text, else the whole body.
+        // kept binding's estimate, else the whole body.
+        let body_tokens = body_tokens(ctx);
         let mut new_tokens = None;
         let backend = if let Some(target) = ctx.explicit_target.clone() {
             let Some(b) = tier.backend_by_id(&target) else {
@@ -70,7 +71,7 @@ impl GatewayProxy {
             }
             let index = match ctx.session_ref.clone() {
                 Some(mut sref) => {
-                    sref.prompt_tokens = body_tokens(ctx);
+                    sref.prompt_tokens = body_tokens;
                     let wait = routing.config.affinity.single_flight_wait;
                     let store = self.gw.store.clone();
                     if let Some(store) = &store {
@@ -142,11 +143,10 @@ impl GatewayProxy {
         if let Some(old) = previous_lease {
             old.hand_over();
         }
-        let tokens = match new_tokens {
-            Some(n) => n,
-            None => body_tokens(ctx),
-        };
-        ctx.in_flight = Some(InFlight::new(&backend.stats, tokens));
+        ctx.in_flight = Some(InFlight::new(
+            &backend.stats,
+            new_tokens.unwrap_or(body_tokens),
+        ));
         let mut peer = match &backend.tls {
             Some(sni) => HttpPeer::new(backend.addr, true, sni.clone()),
             None => HttpPeer::new(backend.addr, false, String::new()),

@@ -289,7 +289,7 @@ impl CostEstimate {
             }
             return 0;
         }
-        let head_ms = self.head_ms(crate::clock::now_ms());
+        let head_ms = self.head_age(crate::clock::now_ms());
         crate::affinity::queued_after(ahead, head_ms, self.learned_us_per_token().unwrap_or(0.0))
     }
 
@@ -312,10 +312,20 @@ impl CostEstimate {
     /// How long the request at the head of the queue has been prefilling
     /// at `now_ms` (0 with nothing queued).
     pub fn head_ms(&self, now_ms: u64) -> u64 {
+        self.queue_at(now_ms).1
+    }
+
+    /// The queued tokens and [`CostEstimate::head_ms`], from one read of the count.
+    pub fn queue_at(&self, now_ms: u64) -> (u64, u64) {
         match self.queued_tokens() {
-            0 => 0,
-            _ => now_ms.saturating_sub(self.head_since_ms.load(Ordering::Relaxed)),
+            0 => (0, 0),
+            queued => (queued, self.head_age(now_ms)),
         }
+    }
+
+    /// `now_ms` less the head's start, for a queue known not to be empty.
+    fn head_age(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_sub(self.head_since_ms.load(Ordering::Relaxed))
     }
 }
 
@@ -555,17 +565,19 @@ mod tests {
     #[test]
     fn behind_queued_prefills_the_ttfb_teaches_the_cost_of_them_all() {
         let c = CostEstimate::default();
-        // 50 µs a token, learned alone.
-        for _ in 0..5 {
-            c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
-        }
-        assert_eq!(c.prefill_us_per_token(0.0, 5), 50.0);
-        // Two requests of 1,000 tokens are queued; the third goes in behind them.
+        // Two requests of 1,000 tokens are queued; the third goes in behind
+        // them. (Sent before any cost is learned, so the head's progress,
+        // which depends on the clock, takes nothing off.)
         assert_eq!(c.enqueue(1_000), 0);
         assert_eq!(c.enqueue(1_000), 1_000);
         let ahead = c.enqueue(300);
         assert_eq!(ahead, 2_000);
         assert_eq!(c.queued_tokens(), 2_300);
+        // 50 µs a token, learned alone.
+        for _ in 0..5 {
+            c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
+        }
+        assert_eq!(c.prefill_us_per_token(0.0, 5), 50.0);
         // The backend slowed to 150 µs a token: the third's 2,300 tokens take
         // 345 ms. Served behind them, busy responses teach it (not only ones
         // served alone, which a loaded backend never sends).

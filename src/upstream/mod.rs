@@ -149,6 +149,7 @@ impl Backend {
     /// This backend as a placement candidate: its load signals at `now_ms`
     /// (`clock::now_ms`, read once for the whole list).
     fn candidate(&self, now_ms: u64) -> Candidate {
+        let (queued_tokens, head_ms) = self.stats.cost.queue_at(now_ms);
         Candidate {
             slot: self.slot,
             seed: self.seed,
@@ -158,8 +159,8 @@ impl Backend {
             draining: self.draining(),
             move_on_drain: self.stats.move_on_drain.load(Ordering::Relaxed),
             prefill_us_per_token: self.stats.cost.learned_us_per_token().unwrap_or(0.0),
-            queued_tokens: self.stats.cost.queued_tokens(),
-            head_ms: self.stats.cost.head_ms(now_ms),
+            queued_tokens,
+            head_ms,
         }
     }
 
