@@ -87,6 +87,7 @@ impl AdminApp {
         let list: Vec<Value> = routing
             .all_backends()
             .map(|(t, b)| {
+                let queue = b.stats.cost.queue_at(crate::clock::now_ms());
                 json!({
                     "tier": &*t.name,
                     "id": &*b.id,
@@ -108,7 +109,9 @@ impl AdminApp {
                         "prefill_us_per_token": b.stats.cost.learned_us_per_token(),
                         "queue_ms": b.stats.cost.queue_us() as f64 / 1000.0,
                         "responses": b.stats.cost.samples(),
-                        "queued_prefill_tokens": b.stats.cost.queued_tokens(),
+                        "queued_prefill_tokens": queue.tokens,
+                        "queue_head_ms": queue.head_ms,
+                        "queue_head_tokens": queue.head_tokens,
                     },
                 })
             })

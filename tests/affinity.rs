@@ -399,6 +399,71 @@ async fn cost_policy_moves_a_session_off_a_backend_that_slowed_down() {
 }
 
 #[tokio::test]
+async fn cost_policy_moves_a_session_off_a_backend_whose_prefill_stalls_before_any_answer_shows_it()
+{
+    // Replicas that prefill 20 µs a token, one request at a time.
+    let args = ["--prefill-us-per-token", "20", "--serial-prefill"];
+    let sims = [
+        SimBackend::start("vllm-0", &args),
+        SimBackend::start("vllm-1", &args),
+    ];
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}",
+            affinity("  mode: soft\n  soft_policy: cost\n  allow_explicit_target: true\n")
+        ),
+    )
+    .await;
+    let c = client();
+    let s = [("x-session-id", "agent")];
+    let first = chat(&c, &gw, &s, &chat_body("m", 0)).await;
+    let home = first.backend.clone().unwrap();
+    let second = chat(&c, &gw, &s, &turn_with_new_text("t1", 2000)).await;
+    assert_eq!(second.backend.as_deref(), Some(home.as_str()));
+
+    // The home replica stalls: 200× slower, so a 1,000-token prompt sent
+    // there prefills for 4 s. No answer comes back to teach the cost; only
+    // the request at the head of its queue running far past its estimate
+    // shows it.
+    let sim = sims.iter().find(|x| x.id == home).unwrap();
+    sim.set_faults(json!({"slowdown": 200.0})).await;
+    let probe = {
+        let (c, url, home) = (c.clone(), gw.url("/v1/chat/completions"), home.clone());
+        tokio::spawn(async move {
+            c.post(url)
+                .header("x-agent-serve-backend-id", home)
+                .json(&turn_with_new_text("probe", 4000))
+                .send()
+                .await
+        })
+    };
+    wait_until("the stalled prefill has run for a second", || async {
+        gw.admin_backend(&home).await["learned"]["queue_head_ms"]
+            .as_u64()
+            .is_some_and(|ms| ms >= 1000)
+    })
+    .await;
+    // Its next turn would wait behind the stall: it moves, for cost, while
+    // the stalled request is still prefilling (nothing answered since turn 2).
+    let third = chat(&c, &gw, &s, &turn_with_new_text("t2", 2000)).await;
+    assert_ne!(third.backend.as_deref(), Some(home.as_str()));
+    assert_eq!(third.json()["x_agent_serve"]["reason"], "moved");
+    assert_eq!(
+        gw.metric("agentserve_affinity_moves_total{reason=\"cost\",tier=\"default\"}")
+            .await,
+        1.0
+    );
+    let learned = gw.admin_backend(&home).await["learned"].clone();
+    assert_eq!(learned["responses"], 2, "{learned}");
+    assert!(
+        learned["queued_prefill_tokens"].as_u64() > Some(0),
+        "{learned}"
+    );
+    probe.abort();
+}
+
+#[tokio::test]
 async fn soft_mode_moves_a_session_off_an_overloaded_backend() {
     let (sims, gw) = fleet(2, &affinity("  mode: soft\n  soft_max_in_flight: 2\n")).await;
     let first = chat(

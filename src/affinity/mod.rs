@@ -50,11 +50,31 @@ pub struct Candidate {
     pub queued_tokens: u64,
     /// How long the head of that queue has been prefilling, ms.
     pub head_ms: u64,
+    /// The head's own estimated tokens (0: unknown, the whole queue's
+    /// progress is taken as the head's).
+    pub head_tokens: u64,
 }
 
+/// A queue's head is overdue once it has prefilled this many times longer
+/// than its tokens at the backend's cost predict, plus [`OVERDUE_FLOOR_US`]
+/// (so a short prefill's scheduling jitter is not read as a slowdown).
+pub const OVERDUE: f64 = 2.0;
+pub const OVERDUE_FLOOR_US: f64 = 10_000.0;
+/// Heads smaller than this teach nothing about a backend's speed (their
+/// time is mostly fixed overheads), as in learning the cost.
+pub const OVERDUE_MIN_TOKENS: u64 = 64;
+
 impl Candidate {
-    /// Its prefill cost per token: learned, else `unlearned` ([`unlearned_cost`]).
+    /// Its prefill cost per token now: learned, else `unlearned`
+    /// ([`unlearned_cost`]); or, when the head of its queue is overdue (a
+    /// backend that has just slowed down or stalled, before any slow answer
+    /// has come back to teach it), what the head has taken per token so far.
     pub fn cost_or(&self, unlearned: f64) -> f64 {
+        let base = self.base_cost(unlearned);
+        self.overdue(base).unwrap_or(base)
+    }
+
+    fn base_cost(&self, unlearned: f64) -> f64 {
         if self.prefill_us_per_token > 0.0 {
             self.prefill_us_per_token
         } else {
@@ -62,9 +82,34 @@ impl Candidate {
         }
     }
 
-    /// The prefill work still ahead, tokens: see [`queued_after`].
-    pub fn queued_after(&self, us_per_token: f64) -> u64 {
-        queued_after(self.queued_tokens, self.head_ms, us_per_token)
+    /// `Some(µs per token so far)` when the head is overdue at `base`.
+    fn overdue(&self, base: f64) -> Option<f64> {
+        if self.queued_tokens == 0 || self.head_tokens < OVERDUE_MIN_TOKENS {
+            return None;
+        }
+        let elapsed = self.head_ms as f64 * 1000.0;
+        let expected = self.head_tokens as f64 * base;
+        (elapsed > OVERDUE * expected + OVERDUE_FLOOR_US).then(|| elapsed / self.head_tokens as f64)
+    }
+
+    /// How long, µs, until a request sent now could begin its own prefill:
+    /// the queued work at its cost per token, less what the head has done.
+    /// An overdue head (see [`Candidate::cost_or`]) is expected to run late
+    /// by as much again as it already has, and the rest of the queue at the
+    /// cost it shows; so a stalled backend's wait grows while it stalls
+    /// instead of reading as done. 0 with nothing queued.
+    pub fn wait_us(&self, unlearned: f64) -> f64 {
+        let base = self.base_cost(unlearned);
+        match self.overdue(base) {
+            Some(live) => {
+                let late = self.head_ms as f64 * 1000.0 - self.head_tokens as f64 * base;
+                late + live * self.queued_tokens.saturating_sub(self.head_tokens) as f64
+            }
+            None => {
+                let left = queued_after(self.queued_tokens, self.head_ms, self.head_tokens, base);
+                base * left as f64
+            }
+        }
     }
 }
 
@@ -85,14 +130,21 @@ pub fn unlearned_cost(candidates: &[Candidate], prior: f64) -> f64 {
         .fold(prior, f64::min)
 }
 
-/// `queued` tokens less what the head of the queue has prefilled in
-/// `head_ms` at `us_per_token` (0: unknown, nothing taken off). A 7,000-token
-/// prompt that has prefilled for nine tenths of its time is a short wait.
-pub fn queued_after(queued: u64, head_ms: u64, us_per_token: f64) -> u64 {
+/// `queued` tokens less what the head of the queue (`head_tokens` of them;
+/// 0: unknown, no limit) has prefilled in `head_ms` at `us_per_token` (0:
+/// unknown, nothing taken off). A 7,000-token prompt that has prefilled for
+/// nine tenths of its time is a short wait; a head that has run past its
+/// estimate is no more than done, the requests behind it still ahead.
+pub fn queued_after(queued: u64, head_ms: u64, head_tokens: u64, us_per_token: f64) -> u64 {
     if us_per_token <= 0.0 {
         return queued;
     }
-    queued.saturating_sub((head_ms as f64 * 1000.0 / us_per_token) as u64)
+    let done = (head_ms as f64 * 1000.0 / us_per_token) as u64;
+    let done = match head_tokens {
+        0 => done,
+        head => done.min(head),
+    };
+    queued.saturating_sub(done)
 }
 
 impl Scored for Candidate {
@@ -658,6 +710,25 @@ mod tests {
                 ..Default::default()
             })
             .collect()
+    }
+
+    #[test]
+    fn a_queue_is_read_less_its_heads_progress_and_no_more() {
+        // 7,000 + 500 tokens queued at 50 µs a token.
+        assert_eq!(queued_after(7_500, 0, 7_000, 50.0), 7_500);
+        assert_eq!(queued_after(7_500, 300, 7_000, 50.0), 1_500);
+        // Past its estimate the head is done, not the request behind it.
+        assert_eq!(queued_after(7_500, 400, 7_000, 50.0), 500);
+        assert_eq!(queued_after(7_500, 400, 0, 50.0), 0, "head unknown");
+        assert_eq!(queued_after(7_500, 400, 7_000, 0.0), 7_500, "cost unknown");
+        let c = Candidate {
+            queued_tokens: 7_500,
+            head_tokens: 7_000,
+            head_ms: 300,
+            ..Default::default()
+        };
+        assert_eq!(c.wait_us(50.0), 75_000.0);
+        assert_eq!(Candidate::default().wait_us(50.0), 0.0, "idle");
     }
 
     /// Select as a dispatched request would: confirm the binding.

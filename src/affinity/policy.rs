@@ -153,8 +153,7 @@ impl DefaultPolicy {
     /// done), then its own, at the backend's cost per token (a slower
     /// backend is worse for both).
     fn wait_us(c: &Candidate, new: f64, unlearned: f64) -> f64 {
-        let per_token = c.cost_or(unlearned);
-        per_token * (c.queued_after(per_token) as f64 + new)
+        c.wait_us(unlearned) + c.cost_or(unlearned) * new
     }
 
     /// The candidate other than `bound` where a turn bringing `new` tokens
@@ -472,5 +471,34 @@ mod tests {
         let mut started = fresh;
         started[0].head_ms = 300;
         assert_eq!(review(&COST, &started, &t, 0), None);
+    }
+
+    #[test]
+    fn a_head_far_past_its_estimate_shows_a_backend_that_slowed_before_it_answers() {
+        // Both backends learned 100 µs a token. At the bound one a 1,000-token
+        // head (100 ms expected) and 2,000 tokens behind it; nothing elsewhere.
+        // A 3,000-token session: staying costs the queue, moving 300 + 50 ms.
+        let mut q = [queued(0, 3_000, 100.0), queued(1, 0, 100.0)];
+        q[0].head_tokens = 1_000;
+        let t = turns(3000, 2900, 2900, 0, 0);
+        // 90 ms in, on time: 10 ms of the head and 200 behind it: stay.
+        q[0].head_ms = 90;
+        assert_eq!(review(&COST, &q, &t, 0), None);
+        // 200 ms in, not yet overdue (2 × 100 + 10 ms): the head is taken as
+        // done, 200 ms behind it: stay. (Read at the learned cost alone, the
+        // progress would eat into the queue behind it: 100 ms.)
+        q[0].head_ms = 200;
+        assert_eq!(review(&COST, &q, &t, 0), None);
+        // 400 ms in: the backend shows 400 µs a token. The head is expected
+        // 300 ms late again, and 2,000 tokens at 400 µs follow: 1,100 ms
+        // against 350: move, before any slow answer has taught the cost.
+        q[0].head_ms = 400;
+        assert_eq!(q[0].cost_or(100.0), 400.0);
+        assert_eq!(q[0].wait_us(100.0), 300_000.0 + 800_000.0);
+        assert_eq!(review(&COST, &q, &t, 0), Some(MoveReason::Cost));
+        // A head too small to tell (fixed overheads) is never overdue.
+        let mut small = q;
+        small[0].head_tokens = 50;
+        assert_eq!(small[0].cost_or(100.0), 100.0);
     }
 }

@@ -74,8 +74,8 @@ struct InFlight {
     /// Its estimated prefill, counted in the backend's queued tokens until
     /// its first byte comes back (0 once it has).
     tokens: u64,
-    /// The queued tokens it was sent behind.
-    ahead: u64,
+    /// Its place in the backend's queue, and the queued tokens it was sent behind.
+    queued: crate::upstream::load::Enqueued,
 }
 
 impl InFlight {
@@ -85,14 +85,15 @@ impl InFlight {
             stats: Arc::clone(stats),
             alone: before == 0 && stats.engine.requests_if_fresh() == 0,
             tokens,
-            ahead: stats.cost.enqueue(tokens),
+            queued: stats.cost.enqueue(tokens),
         }
     }
 
     /// The first byte came back: its prefill no longer waits ahead of others.
     fn prefilled(&mut self) {
         if self.tokens > 0 {
-            self.stats.cost.dequeue(std::mem::take(&mut self.tokens));
+            let tokens = std::mem::take(&mut self.tokens);
+            self.stats.cost.dequeue(self.queued.ticket, tokens);
         }
     }
 }

@@ -191,6 +191,34 @@ pub struct CostEstimate {
     /// to prefill: when it was sent to an empty queue, or when the one
     /// before it answered.
     head_since_ms: AtomicU64,
+    /// The head's estimated tokens (0: nothing queued).
+    head_tokens: AtomicU64,
+    /// Those requests, oldest first, as (ticket, tokens): which one is the
+    /// head, and what it brought. Written on send and on first byte only;
+    /// readers use the atomics above.
+    queue: parking_lot::Mutex<std::collections::VecDeque<(u64, u64)>>,
+    next_ticket: AtomicU64,
+}
+
+/// A request counted in its backend's queue ([`CostEstimate::enqueue`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Enqueued {
+    /// What [`CostEstimate::dequeue`] takes back out (0: nothing was queued).
+    pub ticket: u64,
+    /// The prefill work it went in behind, tokens.
+    pub ahead: u64,
+}
+
+/// A backend's queue of prefill work at one moment, as placement and the
+/// soft policy read it ([`CostEstimate::queue_at`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueueView {
+    /// Estimated uncached tokens without a first byte yet, the head's included.
+    pub tokens: u64,
+    /// How long the head has been prefilling, ms.
+    pub head_ms: u64,
+    /// The head's own estimated tokens.
+    pub head_tokens: u64,
 }
 
 /// Responses a backend must have answered before its learned cost is used.
@@ -276,28 +304,56 @@ impl CostEstimate {
         self.queue_us.load(Ordering::Relaxed)
     }
 
-    /// A request estimated to prefill `tokens` is sent: returns the prefill
-    /// work it goes in behind (the queued tokens less the head's progress at
-    /// the learned cost). Each call is matched by one
-    /// [`CostEstimate::dequeue`] of the same `tokens`.
-    pub fn enqueue(&self, tokens: u64) -> u64 {
-        let ahead = self.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
-        if ahead == 0 {
-            if tokens > 0 {
-                self.head_since_ms
-                    .store(crate::clock::now_ms(), Ordering::Relaxed);
-            }
-            return 0;
+    /// A request estimated to prefill `tokens` is sent: it joins the queue,
+    /// behind the queued tokens less the head's progress at the learned cost
+    /// ([`crate::affinity::queued_after`]). Each call is matched by one
+    /// [`CostEstimate::dequeue`] of its ticket and `tokens`.
+    pub fn enqueue(&self, tokens: u64) -> Enqueued {
+        if tokens == 0 {
+            let ahead = self.queue_at(crate::clock::now_ms());
+            return Enqueued {
+                ticket: 0,
+                ahead: self.ahead(ahead),
+            };
         }
-        let head_ms = self.head_age(crate::clock::now_ms());
-        crate::affinity::queued_after(ahead, head_ms, self.learned_us_per_token().unwrap_or(0.0))
+        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut queue = self.queue.lock();
+        let now_ms = crate::clock::now_ms();
+        let before = self.queue_at(now_ms);
+        if queue.is_empty() {
+            self.head_since_ms.store(now_ms, Ordering::Relaxed);
+            self.head_tokens.store(tokens, Ordering::Relaxed);
+        }
+        queue.push_back((ticket, tokens));
+        self.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
+        drop(queue);
+        Enqueued {
+            ticket,
+            ahead: self.ahead(before),
+        }
+    }
+
+    fn ahead(&self, q: QueueView) -> u64 {
+        let us = self.learned_us_per_token().unwrap_or(0.0);
+        crate::affinity::queued_after(q.tokens, q.head_ms, q.head_tokens, us)
     }
 
     /// Its first byte came back (its prefill is done), or it ended without
-    /// one: the next queued request, if any, starts now.
-    pub fn dequeue(&self, tokens: u64) {
-        let before = self.queued_tokens.fetch_sub(tokens, Ordering::Relaxed);
-        if before > tokens {
+    /// one: it leaves the queue, and if it was the head the next one starts
+    /// now.
+    pub fn dequeue(&self, ticket: u64, tokens: u64) {
+        if ticket == 0 {
+            return;
+        }
+        let mut queue = self.queue.lock();
+        let Some(at) = queue.iter().position(|&(t, _)| t == ticket) else {
+            return;
+        };
+        queue.remove(at);
+        self.queued_tokens.fetch_sub(tokens, Ordering::Relaxed);
+        if at == 0 {
+            let next = queue.front().map_or(0, |&(_, tokens)| tokens);
+            self.head_tokens.store(next, Ordering::Relaxed);
             self.head_since_ms
                 .store(crate::clock::now_ms(), Ordering::Relaxed);
         }
@@ -312,20 +368,19 @@ impl CostEstimate {
     /// How long the request at the head of the queue has been prefilling
     /// at `now_ms` (0 with nothing queued).
     pub fn head_ms(&self, now_ms: u64) -> u64 {
-        self.queue_at(now_ms).1
+        self.queue_at(now_ms).head_ms
     }
 
-    /// The queued tokens and [`CostEstimate::head_ms`], from one read of the count.
-    pub fn queue_at(&self, now_ms: u64) -> (u64, u64) {
+    /// The queue at `now_ms`, read without the lock.
+    pub fn queue_at(&self, now_ms: u64) -> QueueView {
         match self.queued_tokens() {
-            0 => (0, 0),
-            queued => (queued, self.head_age(now_ms)),
+            0 => QueueView::default(),
+            tokens => QueueView {
+                tokens,
+                head_ms: now_ms.saturating_sub(self.head_since_ms.load(Ordering::Relaxed)),
+                head_tokens: self.head_tokens.load(Ordering::Relaxed),
+            },
         }
-    }
-
-    /// `now_ms` less the head's start, for a queue known not to be empty.
-    fn head_age(&self, now_ms: u64) -> u64 {
-        now_ms.saturating_sub(self.head_since_ms.load(Ordering::Relaxed))
     }
 }
 
@@ -511,16 +566,21 @@ mod tests {
         let c = CostEstimate::default();
         assert_eq!(c.head_ms(crate::clock::now_ms() + 500), 0, "nothing queued");
         let before = crate::clock::now_ms();
-        assert_eq!(c.enqueue(1_000), 0);
+        let first = c.enqueue(1_000);
+        assert_eq!(first.ahead, 0);
         let after = crate::clock::now_ms();
         // The first request starts at once; the second waits behind it.
         let head = c.head_ms(after + 300);
         assert!((300..=300 + after - before).contains(&head), "{head}");
-        c.enqueue(500);
+        let second = c.enqueue(500);
         assert_eq!(
-            c.head_ms(after + 300),
-            head,
-            "a request behind does not restart it"
+            c.queue_at(after + 300),
+            QueueView {
+                tokens: 1_500,
+                head_ms: head,
+                head_tokens: 1_000
+            },
+            "a request behind does not restart the head"
         );
         // The clock moves on (a tick is 1-4 ms), then the first answers: the
         // second is the head now, timed from then, not from the first's start.
@@ -528,12 +588,44 @@ mod tests {
             std::hint::spin_loop();
         }
         let answered = crate::clock::now_ms();
-        c.dequeue(1_000);
+        c.dequeue(first.ticket, 1_000);
         let later = crate::clock::now_ms();
-        let head = c.head_ms(later + 50);
-        assert!((50..=50 + later - answered).contains(&head), "{head}");
-        c.dequeue(500);
-        assert_eq!(c.head_ms(later + 50), 0, "queue empty");
+        let q = c.queue_at(later + 50);
+        assert!((50..=50 + later - answered).contains(&q.head_ms), "{q:?}");
+        assert_eq!((q.tokens, q.head_tokens), (500, 500));
+        c.dequeue(second.ticket, 500);
+        assert_eq!(c.queue_at(later + 50), QueueView::default(), "queue empty");
+    }
+
+    #[test]
+    fn a_request_leaving_from_behind_the_head_leaves_the_head_as_it_was() {
+        let c = CostEstimate::default();
+        let head = c.enqueue(7_000);
+        let behind = c.enqueue(300);
+        let last = c.enqueue(200);
+        let now = crate::clock::now_ms();
+        let started = c.queue_at(now + 100);
+        // The one in the middle ends first (its client left): the head is
+        // still the 7,000-token prefill, still timed from its start.
+        while crate::clock::now_ms() <= now + 1 {
+            std::hint::spin_loop();
+        }
+        c.dequeue(behind.ticket, 300);
+        assert_eq!(
+            c.queue_at(now + 100),
+            QueueView {
+                tokens: 7_200,
+                ..started
+            }
+        );
+        // A ticket already out, or none, takes nothing.
+        c.dequeue(behind.ticket, 300);
+        c.dequeue(0, 0);
+        assert_eq!(c.queued_tokens(), 7_200);
+        c.dequeue(head.ticket, 7_000);
+        assert_eq!(c.queue_at(crate::clock::now_ms()).head_tokens, 200);
+        c.dequeue(last.ticket, 200);
+        assert_eq!(c.queue_at(now), QueueView::default());
     }
 
     #[test]
@@ -568,9 +660,11 @@ mod tests {
         // Two requests of 1,000 tokens are queued; the third goes in behind
         // them. (Sent before any cost is learned, so the head's progress,
         // which depends on the clock, takes nothing off.)
-        assert_eq!(c.enqueue(1_000), 0);
-        assert_eq!(c.enqueue(1_000), 1_000);
-        let ahead = c.enqueue(300);
+        let first = c.enqueue(1_000);
+        let second = c.enqueue(1_000);
+        assert_eq!((first.ahead, second.ahead), (0, 1_000));
+        let third = c.enqueue(300);
+        let ahead = third.ahead;
         assert_eq!(ahead, 2_000);
         assert_eq!(c.queued_tokens(), 2_300);
         // 50 µs a token, learned alone.
@@ -586,9 +680,9 @@ mod tests {
         }
         let learned = c.prefill_us_per_token(0.0, 5);
         assert!((140.0..=150.0).contains(&learned), "{learned} µs a token");
-        c.dequeue(1_000);
-        c.dequeue(1_000);
-        c.dequeue(300);
+        c.dequeue(first.ticket, 1_000);
+        c.dequeue(second.ticket, 1_000);
+        c.dequeue(third.ticket, 300);
         assert_eq!(c.queued_tokens(), 0);
     }
 }

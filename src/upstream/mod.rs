@@ -149,7 +149,7 @@ impl Backend {
     /// This backend as a placement candidate: its load signals at `now_ms`
     /// (`clock::now_ms`, read once for the whole list).
     fn candidate(&self, now_ms: u64) -> Candidate {
-        let (queued_tokens, head_ms) = self.stats.cost.queue_at(now_ms);
+        let queue = self.stats.cost.queue_at(now_ms);
         Candidate {
             slot: self.slot,
             seed: self.seed,
@@ -159,8 +159,9 @@ impl Backend {
             draining: self.draining(),
             move_on_drain: self.stats.move_on_drain.load(Ordering::Relaxed),
             prefill_us_per_token: self.stats.cost.learned_us_per_token().unwrap_or(0.0),
-            queued_tokens,
-            head_ms,
+            queued_tokens: queue.tokens,
+            head_ms: queue.head_ms,
+            head_tokens: queue.head_tokens,
         }
     }
 

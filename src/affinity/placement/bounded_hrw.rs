@@ -112,8 +112,8 @@ impl FirstPlacement for BoundedHrw {
             return hrw::choose_where(session, open, within).or_else(|| hrw::choose(session, open));
         }
         let unlearned = unlearned_cost(open, self.prior_us_per_token);
-        let ahead = |i: usize| open[i].queued_after(open[i].cost_or(unlearned));
-        hrw::choose_least(session, open, |i| within(i).then(|| ahead(i)))
+        let wait = |i: usize| open[i].wait_us(unlearned) as u64;
+        hrw::choose_least(session, open, |i| within(i).then(|| wait(i)))
             .or_else(|| hrw::choose(session, open))
     }
 
