@@ -141,8 +141,18 @@ impl Drop for Fleet {
     }
 }
 
-fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+/// `N` distinct free ports: the listeners are held until all are picked, so
+/// no two are the same (a gateway whose proxy and admin listeners shared one
+/// would answer half the proxy's requests from the admin API).
+fn free_ports<const N: usize>() -> std::io::Result<[u16; N]> {
+    let mut held = Vec::with_capacity(N);
+    let mut ports = [0; N];
+    for port in &mut ports {
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        *port = l.local_addr()?.port();
+        held.push(l);
+    }
+    Ok(ports)
 }
 
 fn start_sim(exe: &PathBuf, id: &str, m: &Model) -> std::io::Result<(Child, String)> {
@@ -243,7 +253,7 @@ async fn start_fleet(
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let (port, metrics, admin) = (free_port()?, free_port()?, free_port()?);
+        let [port, metrics, admin] = free_ports()?;
         let config = format!(
             "server:\n  listen: [\"127.0.0.1:{port}\"]\n  pid_file: \"{d}/gw.pid\"\n  upgrade_sock: \"{d}/gw.sock\"\n  grace_period_seconds: 0\n  graceful_shutdown_timeout_seconds: 1\n\
              tiers:\n  default:\n    default: true\n    backends:\n{backends}\
@@ -348,8 +358,10 @@ async fn metric_sum(metrics_url: &str, prefix: &str) -> u64 {
 }
 
 /// Wait until the gateway has served `n` requests (any status).
-async fn served_at_least(metrics_url: &str, n: u64) {
-    while metric_sum(metrics_url, "agentserve_requests_total{").await < n {
+/// Until the gateway has served `n` requests, or `bench` has ended (with
+/// errors it may never serve that many: the study must still end).
+async fn served_at_least<T>(metrics_url: &str, n: u64, bench: &tokio::task::JoinHandle<T>) {
+    while !bench.is_finished() && metric_sum(metrics_url, "agentserve_requests_total{").await < n {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -621,7 +633,7 @@ async fn soft_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repor
             }
             let bench = tokio::spawn(async move { loadgen::run(&run).await });
             if slow_at > 0.0 {
-                served_at_least(&fleet.metrics_url, (total as f64 * slow_at) as u64).await;
+                served_at_least(&fleet.metrics_url, (total as f64 * slow_at) as u64, &bench).await;
                 slow().await;
             }
             let rep = bench.await.map_err(std::io::Error::other)?;
@@ -688,7 +700,7 @@ async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<r
             run.label = format!("replica out at 1/3, back empty at 2/3: {first} (ids {r})");
             run.id_prefix = format!("recovery{r}");
             let bench = tokio::spawn(async move { loadgen::run(&run).await });
-            served_at_least(&fleet.metrics_url, total / 3).await;
+            served_at_least(&fleet.metrics_url, total / 3, &bench).await;
             // Out of service: health fails, in-flight requests finish, then it dies.
             let victim = fleet.backend_urls[2].clone();
             sim_faults(&victim, serde_json::json!({"unhealthy": true})).await;
@@ -701,7 +713,7 @@ async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<r
             }
             let _ = fleet.children[2].kill();
             let _ = fleet.children[2].wait();
-            served_at_least(&fleet.metrics_url, 2 * total / 3).await;
+            served_at_least(&fleet.metrics_url, 2 * total / 3, &bench).await;
             let listen = victim.trim_start_matches("http://").to_string();
             fleet.children[2] = start_sim_on(exe, "vllm-2", &model, &listen)?.0;
             runs[v].push(bench.await.map_err(std::io::Error::other)?);

@@ -55,11 +55,17 @@ pub struct Candidate {
     pub head_tokens: u64,
 }
 
-/// A queue's head is overdue once it has prefilled this many times longer
-/// than its tokens at the backend's cost predict, plus [`OVERDUE_FLOOR_US`]
-/// (so a short prefill's scheduling jitter is not read as a slowdown).
-pub const OVERDUE: f64 = 2.0;
-pub const OVERDUE_FLOOR_US: f64 = 10_000.0;
+/// A queue's head is overdue — the backend has stalled or slowed several
+/// times over since it last taught its cost — once it has prefilled this many
+/// times longer than the whole queue's tokens at that cost predict, plus
+/// [`OVERDUE_FLOOR_US`]. The whole queue, not the head's own tokens: an engine
+/// that prefills requests together (vLLM's and SGLang's batched, chunked
+/// prefill) may finish the head only with the others, never later than all of
+/// them. And well past it: a busy host's scheduling, or an estimate of the
+/// tokens that is off, makes heads late too (at 2× plus 10 ms, a run beside
+/// the test suite read ordinary backends as slow and moved a heavy session).
+pub const OVERDUE: f64 = 4.0;
+pub const OVERDUE_FLOOR_US: f64 = 50_000.0;
 /// Heads smaller than this teach nothing about a backend's speed (their
 /// time is mostly fixed overheads), as in learning the cost.
 pub const OVERDUE_MIN_TOKENS: u64 = 64;
@@ -88,8 +94,9 @@ impl Candidate {
             return None;
         }
         let elapsed = self.head_ms as f64 * 1000.0;
-        let expected = self.head_tokens as f64 * base;
-        (elapsed > OVERDUE * expected + OVERDUE_FLOOR_US).then(|| elapsed / self.head_tokens as f64)
+        let all_of_it = self.queued_tokens as f64 * base;
+        (elapsed > OVERDUE * all_of_it + OVERDUE_FLOOR_US)
+            .then(|| elapsed / self.head_tokens as f64)
     }
 
     /// How long, µs, until a request sent now could begin its own prefill:

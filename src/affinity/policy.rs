@@ -474,27 +474,28 @@ mod tests {
     }
 
     #[test]
-    fn a_head_far_past_its_estimate_shows_a_backend_that_slowed_before_it_answers() {
+    fn a_head_far_past_its_estimate_shows_a_backend_that_stalled_before_it_answers() {
         // Both backends learned 100 µs a token. At the bound one a 1,000-token
-        // head (100 ms expected) and 2,000 tokens behind it; nothing elsewhere.
+        // head (100 ms expected) and 1,000 tokens behind it; nothing elsewhere.
         // A 3,000-token session: staying costs the queue, moving 300 + 50 ms.
-        let mut q = [queued(0, 3_000, 100.0), queued(1, 0, 100.0)];
+        let mut q = [queued(0, 2_000, 100.0), queued(1, 0, 100.0)];
         q[0].head_tokens = 1_000;
         let t = turns(3000, 2900, 2900, 0, 0);
-        // 90 ms in, on time: 10 ms of the head and 200 behind it: stay.
+        // 90 ms in, on time: 10 ms of the head and 100 behind it: stay.
         q[0].head_ms = 90;
         assert_eq!(review(&COST, &q, &t, 0), None);
-        // 200 ms in, not yet overdue (2 × 100 + 10 ms): the head is taken as
-        // done, 200 ms behind it: stay. (Read at the learned cost alone, the
-        // progress would eat into the queue behind it: 100 ms.)
-        q[0].head_ms = 200;
+        // 800 ms in: late, but not past 4 × the whole queue + 50 ms (850 ms).
+        // The head is taken as done, 100 ms behind it: stay. (Read at the
+        // learned cost alone, its progress would eat the queue behind it.)
+        q[0].head_ms = 800;
+        assert_eq!(q[0].cost_or(100.0), 100.0);
         assert_eq!(review(&COST, &q, &t, 0), None);
-        // 400 ms in: the backend shows 400 µs a token. The head is expected
-        // 300 ms late again, and 2,000 tokens at 400 µs follow: 1,100 ms
-        // against 350: move, before any slow answer has taught the cost.
-        q[0].head_ms = 400;
-        assert_eq!(q[0].cost_or(100.0), 400.0);
-        assert_eq!(q[0].wait_us(100.0), 300_000.0 + 800_000.0);
+        // 1 s in: overdue, the backend shows 1,000 µs a token. The head is
+        // expected 900 ms late again, and 1,000 tokens at 1,000 µs follow:
+        // 1.9 s against 350 ms: move, before any slow answer taught the cost.
+        q[0].head_ms = 1_000;
+        assert_eq!(q[0].cost_or(100.0), 1_000.0);
+        assert_eq!(q[0].wait_us(100.0), 900_000.0 + 1_000_000.0);
         assert_eq!(review(&COST, &q, &t, 0), Some(MoveReason::Cost));
         // A head too small to tell (fixed overheads) is never overdue.
         let mut small = q;

@@ -71,10 +71,9 @@ struct InFlight {
     /// No other request of this gateway was in flight at the backend when
     /// this one was sent: its TTFB is the backend's speed, not its queue.
     alone: bool,
-    /// Its estimated prefill, counted in the backend's queued tokens until
-    /// its first byte comes back (0 once it has).
-    tokens: u64,
-    /// Its place in the backend's queue, and the queued tokens it was sent behind.
+    /// Its place in the backend's queued prefill work, where its estimated
+    /// tokens count until its first byte comes back (ticket 0 once it has),
+    /// and the queued tokens it was sent behind.
     queued: crate::upstream::load::Enqueued,
 }
 
@@ -84,17 +83,15 @@ impl InFlight {
         InFlight {
             stats: Arc::clone(stats),
             alone: before == 0 && stats.engine.requests_if_fresh() == 0,
-            tokens,
             queued: stats.cost.enqueue(tokens),
         }
     }
 
     /// The first byte came back: its prefill no longer waits ahead of others.
     fn prefilled(&mut self) {
-        if self.tokens > 0 {
-            let tokens = std::mem::take(&mut self.tokens);
-            self.stats.cost.dequeue(self.queued.ticket, tokens);
-        }
+        self.stats
+            .cost
+            .dequeue(std::mem::take(&mut self.queued.ticket));
     }
 }
 

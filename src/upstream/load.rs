@@ -307,7 +307,7 @@ impl CostEstimate {
     /// A request estimated to prefill `tokens` is sent: it joins the queue,
     /// behind the queued tokens less the head's progress at the learned cost
     /// ([`crate::affinity::queued_after`]). Each call is matched by one
-    /// [`CostEstimate::dequeue`] of its ticket and `tokens`.
+    /// [`CostEstimate::dequeue`] of its ticket.
     pub fn enqueue(&self, tokens: u64) -> Enqueued {
         if tokens == 0 {
             let ahead = self.queue_at(crate::clock::now_ms());
@@ -341,7 +341,7 @@ impl CostEstimate {
     /// Its first byte came back (its prefill is done), or it ended without
     /// one: it leaves the queue, and if it was the head the next one starts
     /// now.
-    pub fn dequeue(&self, ticket: u64, tokens: u64) {
+    pub fn dequeue(&self, ticket: u64) {
         if ticket == 0 {
             return;
         }
@@ -349,7 +349,7 @@ impl CostEstimate {
         let Some(at) = queue.iter().position(|&(t, _)| t == ticket) else {
             return;
         };
-        queue.remove(at);
+        let (_, tokens) = queue.remove(at).unwrap_or_default();
         self.queued_tokens.fetch_sub(tokens, Ordering::Relaxed);
         if at == 0 {
             let next = queue.front().map_or(0, |&(_, tokens)| tokens);
@@ -588,12 +588,12 @@ mod tests {
             std::hint::spin_loop();
         }
         let answered = crate::clock::now_ms();
-        c.dequeue(first.ticket, 1_000);
+        c.dequeue(first.ticket);
         let later = crate::clock::now_ms();
         let q = c.queue_at(later + 50);
         assert!((50..=50 + later - answered).contains(&q.head_ms), "{q:?}");
         assert_eq!((q.tokens, q.head_tokens), (500, 500));
-        c.dequeue(second.ticket, 500);
+        c.dequeue(second.ticket);
         assert_eq!(c.queue_at(later + 50), QueueView::default(), "queue empty");
     }
 
@@ -610,7 +610,7 @@ mod tests {
         while crate::clock::now_ms() <= now + 1 {
             std::hint::spin_loop();
         }
-        c.dequeue(behind.ticket, 300);
+        c.dequeue(behind.ticket);
         assert_eq!(
             c.queue_at(now + 100),
             QueueView {
@@ -619,12 +619,12 @@ mod tests {
             }
         );
         // A ticket already out, or none, takes nothing.
-        c.dequeue(behind.ticket, 300);
-        c.dequeue(0, 0);
+        c.dequeue(behind.ticket);
+        c.dequeue(0);
         assert_eq!(c.queued_tokens(), 7_200);
-        c.dequeue(head.ticket, 7_000);
+        c.dequeue(head.ticket);
         assert_eq!(c.queue_at(crate::clock::now_ms()).head_tokens, 200);
-        c.dequeue(last.ticket, 200);
+        c.dequeue(last.ticket);
         assert_eq!(c.queue_at(now), QueueView::default());
     }
 
@@ -680,9 +680,9 @@ mod tests {
         }
         let learned = c.prefill_us_per_token(0.0, 5);
         assert!((140.0..=150.0).contains(&learned), "{learned} µs a token");
-        c.dequeue(first.ticket, 1_000);
-        c.dequeue(second.ticket, 1_000);
-        c.dequeue(third.ticket, 300);
+        c.dequeue(first.ticket);
+        c.dequeue(second.ticket);
+        c.dequeue(third.ticket);
         assert_eq!(c.queued_tokens(), 0);
     }
 }
