@@ -325,9 +325,13 @@ fn turn_with_new_text(tag: &str, bytes: usize) -> Value {
     body
 }
 
-#[tokio::test]
-async fn cost_policy_moves_a_session_off_a_backend_that_slowed_down() {
-    // Replicas that prefill 20 µs a token, one request at a time.
+/// Two replicas that prefill 20 µs a token, one request at a time, behind
+/// the cost-aware soft policy; and a session's first two turns on one of
+/// them (the second with 500 tokens of new text): its home.
+async fn soft_cost_fleet_with_a_session_home(
+    c: &reqwest::Client,
+    s: &[(&str, &str)],
+) -> ([SimBackend; 2], Gateway, String) {
     let args = ["--prefill-us-per-token", "20", "--serial-prefill"];
     let sims = [
         SimBackend::start("vllm-0", &args),
@@ -341,14 +345,19 @@ async fn cost_policy_moves_a_session_off_a_backend_that_slowed_down() {
         ),
     )
     .await;
-    let c = client();
-    let s = [("x-session-id", "agent")];
-    // Two turns on its backend, the second with 500 tokens of new text.
-    let first = chat(&c, &gw, &s, &chat_body("m", 0)).await;
+    let first = chat(c, &gw, s, &chat_body("m", 0)).await;
     let home = first.backend.clone().unwrap();
-    let second = chat(&c, &gw, &s, &turn_with_new_text("t1", 2000)).await;
+    let second = chat(c, &gw, s, &turn_with_new_text("t1", 2000)).await;
     assert_eq!(second.backend.as_deref(), Some(home.as_str()));
     assert_eq!(second.json()["x_agent_serve"]["reason"], "hit");
+    (sims, gw, home)
+}
+
+#[tokio::test]
+async fn cost_policy_moves_a_session_off_a_backend_that_slowed_down() {
+    let c = client();
+    let s = [("x-session-id", "agent")];
+    let (sims, gw, home) = soft_cost_fleet_with_a_session_home(&c, &s).await;
 
     // The home replica becomes 50× slower; the gateway learns it from the
     // answers of requests sent there (no session, explicit target).
@@ -401,26 +410,9 @@ async fn cost_policy_moves_a_session_off_a_backend_that_slowed_down() {
 #[tokio::test]
 async fn cost_policy_moves_a_session_off_a_backend_whose_prefill_stalls_before_any_answer_shows_it()
 {
-    // Replicas that prefill 20 µs a token, one request at a time.
-    let args = ["--prefill-us-per-token", "20", "--serial-prefill"];
-    let sims = [
-        SimBackend::start("vllm-0", &args),
-        SimBackend::start("vllm-1", &args),
-    ];
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &format!(
-            "{FAST_HEALTH}{}",
-            affinity("  mode: soft\n  soft_policy: cost\n  allow_explicit_target: true\n")
-        ),
-    )
-    .await;
     let c = client();
     let s = [("x-session-id", "agent")];
-    let first = chat(&c, &gw, &s, &chat_body("m", 0)).await;
-    let home = first.backend.clone().unwrap();
-    let second = chat(&c, &gw, &s, &turn_with_new_text("t1", 2000)).await;
-    assert_eq!(second.backend.as_deref(), Some(home.as_str()));
+    let (sims, gw, home) = soft_cost_fleet_with_a_session_home(&c, &s).await;
 
     // The home replica stalls: 200× slower, so a 1,000-token prompt sent
     // there prefills for 4 s. No answer comes back to teach the cost; only
