@@ -357,9 +357,9 @@ async fn metric_sum(metrics_url: &str, prefix: &str) -> u64 {
         .sum::<f64>() as u64
 }
 
-/// Wait until the gateway has served `n` requests (any status).
-/// Until the gateway has served `n` requests, or `bench` has ended (with
-/// errors it may never serve that many: the study must still end).
+/// Wait until the gateway has served `n` requests (any status), or `bench`
+/// has ended (with errors it may never serve that many: the study must still
+/// end).
 async fn served_at_least<T>(metrics_url: &str, n: u64, bench: &tokio::task::JoinHandle<T>) {
     while !bench.is_finished() && metric_sum(metrics_url, "agentserve_requests_total{").await < n {
         tokio::time::sleep(Duration::from_millis(10)).await;
