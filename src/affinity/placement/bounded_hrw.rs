@@ -9,11 +9,13 @@
 //! proportionally fewer sessions (see [`SAME_SPEED`]).
 //!
 //! With `placement.queue_aware`, among the backends within the bound the one
-//! with the least prefill work queued wins (the estimated uncached tokens of
-//! this gateway's requests there without a first byte, less what the head of
-//! the queue has prefilled since it began), HRW order breaking ties: a first turn does not wait behind a long prefill when a backend just
-//! as balanced has none. Idle queues tie, so the choice is the bounded HRW
-//! one and gateways keep agreeing whenever nothing queues.
+//! where a request would wait least for the prefill work queued there wins
+//! ([`Candidate::wait_us`]: the estimated uncached tokens of this gateway's
+//! requests there without a first byte, at the backend's cost per token,
+//! less what the head of the queue has prefilled since it began), HRW order
+//! breaking ties: a first turn does not wait behind a long prefill when a
+//! backend just as balanced has none. Idle queues tie, so the choice is the
+//! bounded HRW one and gateways keep agreeing whenever nothing queues.
 //!
 //! With balanced load every backend qualifies and the choice is plain HRW, so
 //! gateways that see the same fleet agree. A backend that has run ahead (hash
