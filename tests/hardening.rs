@@ -299,7 +299,10 @@ async fn connections_over_the_limit_get_a_503_and_the_rest_are_served() {
     assert!(got.starts_with("HTTP/1.1 503"), "{got:?}");
     assert!(got.contains("too_many_connections"), "{got:?}");
     assert_framed(&got);
-    assert_eq!(gw.metric(refused).await, before + 1.0);
+    // At least this one counted (a harness probe still in flight when
+    // `before` was read may be refused and counted too: seen on a busy box).
+    let after = gw.metric(refused).await;
+    assert!(after >= before + 1.0, "refused {before} -> {after}");
     // One closes; a new connection is served again.
     drop(held.pop());
     wait_until("a connection slot frees up", || async {
