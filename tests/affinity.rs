@@ -353,6 +353,17 @@ async fn soft_cost_fleet_with_a_session_home(
     (sims, gw, home)
 }
 
+/// `turn` left `home` for cost, the tier's one move so far.
+async fn moved_once_for_cost(gw: &Gateway, turn: &Reply, home: &str) {
+    assert_ne!(turn.backend.as_deref(), Some(home));
+    assert_eq!(turn.json()["x_agent_serve"]["reason"], "moved");
+    assert_eq!(
+        gw.metric("agentserve_affinity_moves_total{reason=\"cost\",tier=\"default\"}")
+            .await,
+        1.0
+    );
+}
+
 #[tokio::test]
 async fn cost_policy_moves_a_session_off_a_backend_that_slowed_down() {
     let c = client();
@@ -396,13 +407,7 @@ async fn cost_policy_moves_a_session_off_a_backend_that_slowed_down() {
     // Its next turn would wait there far longer than re-reading its short
     // cached prefix elsewhere: it moves, once, for cost.
     let third = chat(&c, &gw, &s, &turn_with_new_text("t2", 2000)).await;
-    assert_ne!(third.backend.as_deref(), Some(home.as_str()));
-    assert_eq!(third.json()["x_agent_serve"]["reason"], "moved");
-    assert_eq!(
-        gw.metric("agentserve_affinity_moves_total{reason=\"cost\",tier=\"default\"}")
-            .await,
-        1.0
-    );
+    moved_once_for_cost(&gw, &third, &home).await;
     let fourth = chat(&c, &gw, &s, &chat_body("m", 3)).await;
     assert_eq!(fourth.backend, third.backend, "it stays where it moved");
 }
@@ -439,13 +444,7 @@ async fn cost_policy_moves_a_session_off_a_backend_whose_prefill_stalls_before_a
     // Its next turn would wait behind the stall: it moves, for cost, while
     // the stalled request is still prefilling (nothing answered since turn 2).
     let third = chat(&c, &gw, &s, &turn_with_new_text("t2", 2000)).await;
-    assert_ne!(third.backend.as_deref(), Some(home.as_str()));
-    assert_eq!(third.json()["x_agent_serve"]["reason"], "moved");
-    assert_eq!(
-        gw.metric("agentserve_affinity_moves_total{reason=\"cost\",tier=\"default\"}")
-            .await,
-        1.0
-    );
+    moved_once_for_cost(&gw, &third, &home).await;
     let learned = gw.admin_backend(&home).await["learned"].clone();
     assert_eq!(learned["responses"], 2, "{learned}");
     assert!(

@@ -365,12 +365,6 @@ impl CostEstimate {
         self.queued_tokens.load(Ordering::Relaxed)
     }
 
-    /// How long the request at the head of the queue has been prefilling
-    /// at `now_ms` (0 with nothing queued).
-    pub fn head_ms(&self, now_ms: u64) -> u64 {
-        self.queue_at(now_ms).head_ms
-    }
-
     /// The queue at `now_ms`, read without the lock.
     pub fn queue_at(&self, now_ms: u64) -> QueueView {
         match self.queued_tokens() {
@@ -564,13 +558,17 @@ mod tests {
     #[test]
     fn the_head_of_the_queue_is_timed_from_when_it_began() {
         let c = CostEstimate::default();
-        assert_eq!(c.head_ms(crate::clock::now_ms() + 500), 0, "nothing queued");
+        assert_eq!(
+            c.queue_at(crate::clock::now_ms() + 500),
+            QueueView::default(),
+            "nothing queued"
+        );
         let before = crate::clock::now_ms();
         let first = c.enqueue(1_000);
         assert_eq!(first.ahead, 0);
         let after = crate::clock::now_ms();
         // The first request starts at once; the second waits behind it.
-        let head = c.head_ms(after + 300);
+        let head = c.queue_at(after + 300).head_ms;
         assert!((300..=300 + after - before).contains(&head), "{head}");
         let second = c.enqueue(500);
         assert_eq!(
