@@ -184,6 +184,10 @@ pub struct CostEstimate {
     /// EWMA, microseconds between request start and the start of its prefill.
     queue_us: AtomicU64,
     samples: AtomicU64,
+    /// Tokens whose prefill time the averaged samples explained (served
+    /// alone, or with the queue they were sent behind): see
+    /// [`COST_CONFIDENT_TOKENS`].
+    taught_tokens: AtomicU64,
     /// Estimated uncached tokens of this gateway's requests at the backend
     /// that have had no first byte back yet: prefill work still ahead.
     queued_tokens: AtomicU64,
@@ -221,8 +225,14 @@ pub struct QueueView {
     pub head_tokens: u64,
 }
 
-/// Responses a backend must have answered before its learned cost is used.
+/// Responses a backend must have answered before its learned cost is used…
 pub const COST_MIN_SAMPLES: u64 = 5;
+/// …unless fewer have already explained this many tokens' prefill: one
+/// long prompt served alone times the backend far better than five short
+/// ones, whose fixed overheads weigh as much as their tokens. A fleet's first
+/// heavy prefills thus teach its speed while the sessions behind them are
+/// still being placed.
+pub const COST_CONFIDENT_TOKENS: u64 = 4096;
 
 /// Weight of a new sample in the moving averages.
 const EWMA_ALPHA: f64 = 0.3;
@@ -263,11 +273,14 @@ impl CostEstimate {
         // what it does not explain is queueing.
         if alone && uncached >= 64 {
             ewma(&self.prefill_ns_per_token, ttfb_ns / uncached as f64);
+            self.taught_tokens.fetch_add(uncached, Ordering::Relaxed);
         } else if ahead > 0 && ahead + uncached >= 64 {
             ewma(
                 &self.prefill_ns_per_token,
                 ttfb_ns / (ahead + uncached) as f64,
             );
+            self.taught_tokens
+                .fetch_add(ahead + uncached, Ordering::Relaxed);
         } else if uncached >= 64 {
             lower(&self.prefill_ns_per_token, ttfb_ns / uncached as f64);
         }
@@ -280,10 +293,12 @@ impl CostEstimate {
     }
 
     /// Prefill cost per uncached token, µs: learned after `min_samples`
-    /// responses, `prior` until then.
+    /// responses (or [`COST_CONFIDENT_TOKENS`] explained), `prior` until then.
     pub fn prefill_us_per_token(&self, prior: f64, min_samples: u64) -> f64 {
         let ns = self.prefill_ns_per_token.load(Ordering::Relaxed);
-        if ns == 0 || self.samples.load(Ordering::Relaxed) < min_samples {
+        let taught = self.samples.load(Ordering::Relaxed) >= min_samples
+            || self.taught_tokens.load(Ordering::Relaxed) >= COST_CONFIDENT_TOKENS;
+        if ns == 0 || !taught {
             prior
         } else {
             ns as f64 / 1000.0
@@ -553,6 +568,29 @@ mod tests {
             100.0,
             "prior until 5 samples"
         );
+    }
+
+    #[test]
+    fn one_long_prefill_teaches_the_cost_before_five_short_ones() {
+        let c = CostEstimate::default();
+        // Four short prompts alone (2,000 tokens in all, 60 µs a token):
+        // too few samples and too few tokens, the prior still holds.
+        for _ in 0..4 {
+            c.observe(Duration::from_millis(30), 500, 0, true, 0);
+        }
+        assert_eq!(c.learned_us_per_token(), None);
+        // A lone 7,000-token prefill in 350 ms (50 µs a token): learned now.
+        let d = CostEstimate::default();
+        d.observe(Duration::from_millis(350), 7_000, 0, true, 0);
+        assert_eq!(d.learned_us_per_token(), Some(50.0));
+        // So do 5,000 tokens explained as a queue: 1,000 sent behind 4,000.
+        let e = CostEstimate::default();
+        e.observe(Duration::from_millis(250), 1_000, 0, false, 4_000);
+        assert_eq!(e.learned_us_per_token(), Some(50.0));
+        // A busy response the gateway cannot explain teaches no confidence.
+        let f = CostEstimate::default();
+        f.observe(Duration::from_millis(350), 7_000, 0, false, 0);
+        assert_eq!(f.learned_us_per_token(), None);
     }
 
     #[test]

@@ -15,7 +15,9 @@
 //! less what the head of the queue has prefilled since it began), HRW order
 //! breaking ties: a first turn does not wait behind a long prefill when a
 //! backend just as balanced has none. Idle queues tie, so the choice is the
-//! bounded HRW one and gateways keep agreeing whenever nothing queues.
+//! bounded HRW one and gateways keep agreeing whenever nothing queues. When
+//! every backend within the bound queues much longer than one just at it, a
+//! first turn may take that one, one unit over ([`RELIEF_SHARE`]).
 //!
 //! With balanced load every backend qualifies and the choice is plain HRW, so
 //! gateways that see the same fleet agree. A backend that has run ahead (hash
@@ -91,6 +93,23 @@ fn effective_weight(c: &Candidate, fastest: f64) -> f64 {
     c.weight.max(1) as f64 * speed(c, fastest)
 }
 
+/// A first turn may go to a backend one unit over its bound (one session,
+/// with the default load measure) when its queue's wait is shorter than the
+/// best within the bound's by at least a third of that and at least
+/// [`RELIEF_FLOOR_US`]: a first turn need not wait a whole heavy prefill for
+/// one session's worth of balance. One unit and no more, so the bound still
+/// holds to within one; queues that differ little, or that are idle (where
+/// gateways must agree), leave the choice to bounded HRW.
+pub const RELIEF_SHARE: f64 = 1.0 / 3.0;
+pub const RELIEF_FLOOR_US: u64 = 50_000;
+
+/// Whether a wait of `short` µs relieves a first turn enough, against
+/// `best` µs within the bound, to exceed the bound by one ([`RELIEF_SHARE`]).
+fn relieves(short: u64, best: u64) -> bool {
+    let saving = best.saturating_sub(short);
+    saving >= RELIEF_FLOOR_US && saving as f64 >= RELIEF_SHARE * best as f64
+}
+
 impl BoundedHrw {
     /// How many load units `c` may carry: ⌈factor × (total + 1) × share⌉,
     /// its weighted (and speed-scaled) share of the tier's load with the new
@@ -115,8 +134,15 @@ impl FirstPlacement for BoundedHrw {
         }
         let unlearned = unlearned_cost(open, self.prior_us_per_token);
         let wait = |i: usize| open[i].wait_us(unlearned) as u64;
-        hrw::choose_least(session, open, |i| within(i).then(|| wait(i)))
-            .or_else(|| hrw::choose(session, open))
+        let Some(best) = hrw::choose_least(session, open, |i| within(i).then(|| wait(i))) else {
+            return hrw::choose(session, open);
+        };
+        // Relief: a backend one unit over the bound, for a queue much shorter.
+        let at_most_one_over = |i: usize| load[i] <= self.capacity(&open[i], &totals);
+        match hrw::choose_least(session, open, |i| at_most_one_over(i).then(|| wait(i))) {
+            Some(short) if relieves(wait(short), wait(best)) => Some(short),
+            _ => Some(best),
+        }
     }
 
     fn overloaded(&self, i: usize, open: &[Candidate], load: &[u64]) -> bool {
@@ -281,13 +307,27 @@ mod tests {
         for s in 0..200u64 {
             assert_eq!(q.place(s, &o, &[2, 2, 2]), Some(2));
         }
-        // Unless that breaks the bound (loads 2, 2, 3: capacity ⌈8 / 3⌉ = 3):
-        // then the least queued of the others, 0 and 1 tying by hash.
+        // Loads 2, 2, 3: capacity ⌈8 / 3⌉ = 3, backend 2 is full. Its wait,
+        // 1,000 tokens at the 100 µs prior (100 ms), is 600 ms shorter than
+        // the others' 700 ms (over 50 ms and a third): relief, one over.
         for s in 0..200u64 {
-            let pick = q.place(s, &o, &[2, 2, 3]).unwrap();
+            assert_eq!(q.place(s, &o, &[2, 2, 3]), Some(2));
+        }
+        // Two over (loads 2, 2, 4; capacity ⌈9 / 3⌉ = 3) never: the least
+        // queued of the others, 0 and 1 tying by hash.
+        for s in 0..200u64 {
+            let pick = q.place(s, &o, &[2, 2, 4]).unwrap();
             let by_hash = hrw::choose_where(s, &o, |i| i < 2);
             assert_eq!(Some(pick), by_hash);
         }
+        // Nor for a saving under a third: 5,000 tokens at backend 2 (500 ms
+        // against 700 ms saves 200 ms, 29%).
+        o[2].queued_tokens = 5_000;
+        for s in 0..200u64 {
+            let pick = q.place(s, &o, &[2, 2, 3]).unwrap();
+            assert_eq!(Some(pick), hrw::choose_where(s, &o, |i| i < 2));
+        }
+        o[2].queued_tokens = 1_000;
         // A head 100 ms into its prefill at 50 µs a token has done 2,000 of
         // backend 0's 7,000: 5,000 still beat backend 1's 7,000.
         // (Seen by a session whose hash prefers backend 1.)
@@ -296,12 +336,12 @@ mod tests {
             .expect("a session preferring backend 1");
         o[0].prefill_us_per_token = 50.0;
         o[0].head_ms = 100;
-        assert_eq!(q.place(s, &o, &[2, 2, 3]), Some(0));
+        assert_eq!(q.place(s, &o, &[2, 2, 4]), Some(0));
         // Off, the queues do not count.
         let blind = BoundedHrw {
             queue_aware: false,
             ..q
         };
-        assert_eq!(blind.place(s, &o, &[2, 2, 3]), Some(1));
+        assert_eq!(blind.place(s, &o, &[2, 2, 4]), Some(1));
     }
 }
