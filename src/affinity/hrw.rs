@@ -147,18 +147,82 @@ fn least_then_highest<T, S: PartialOrd + Copy>(
     key: impl Fn(usize) -> Option<u64>,
     score: impl Fn(&T) -> S,
 ) -> Option<usize> {
-    let mut best: Option<(usize, u64, S)> = None;
+    let mut least = Least::default();
     for (i, item) in items.iter().enumerate() {
-        let Some(k) = key(i) else { continue };
-        if best.is_some_and(|(_, least, _)| k > least) {
-            continue;
-        }
-        let s = score(item);
-        if !best.is_some_and(|(_, least, top)| k == least && s <= top) {
-            best = Some((i, k, s));
+        if let Some(k) = key(i) {
+            least.offer(i, k, || score(item));
         }
     }
-    best.map(|(i, _, _)| i)
+    least.index()
+}
+
+/// The item with the least key offered so far, the highest score breaking
+/// ties; an item is scored only when its key ties or beats the least.
+struct Least<S> {
+    best: Option<(usize, u64, S)>,
+}
+
+impl<S> Default for Least<S> {
+    fn default() -> Self {
+        Least { best: None }
+    }
+}
+
+impl<S: PartialOrd + Copy> Least<S> {
+    fn offer(&mut self, i: usize, k: u64, score: impl FnOnce() -> S) {
+        if self.best.is_some_and(|(_, least, _)| k > least) {
+            return;
+        }
+        let s = score();
+        if !self
+            .best
+            .is_some_and(|(_, least, top)| k == least && s <= top)
+        {
+            self.best = Some((i, k, s));
+        }
+    }
+
+    fn index(&self) -> Option<usize> {
+        self.best.map(|(i, _, _)| i)
+    }
+}
+
+/// [`choose_least`] over two sets in one pass: `key(i)` gives an item's key
+/// and whether it is in the narrower set (`None`: in neither). Returns the
+/// least of the narrower set and the least of all offered.
+pub fn choose_least_of_two<T: Scored>(
+    session: u64,
+    items: &[T],
+    key: impl Fn(usize) -> Option<(u64, bool)>,
+) -> (Option<usize>, Option<usize>) {
+    let Some(first) = items.first() else {
+        return (None, None);
+    };
+    if items.iter().all(|b| b.weight() == first.weight()) {
+        least_of_two(items, key, |b| mix(session ^ b.seed()))
+    } else {
+        least_of_two(items, key, |b| {
+            weighted_score(session, b.seed(), b.weight())
+        })
+    }
+}
+
+fn least_of_two<T, S: PartialOrd + Copy>(
+    items: &[T],
+    key: impl Fn(usize) -> Option<(u64, bool)>,
+    score: impl Fn(&T) -> S,
+) -> (Option<usize>, Option<usize>) {
+    let (mut narrow, mut all) = (Least::default(), Least::default());
+    for (i, item) in items.iter().enumerate() {
+        let Some((k, in_narrow)) = key(i) else {
+            continue;
+        };
+        if in_narrow {
+            narrow.offer(i, k, || score(item));
+        }
+        all.offer(i, k, || score(item));
+    }
+    (narrow.index(), all.index())
 }
 
 /// Candidates in descending HRW order (the failover order for a session).

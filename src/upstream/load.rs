@@ -181,6 +181,9 @@ impl EngineLoad {
 pub struct CostEstimate {
     /// EWMA, nanoseconds per uncached prompt token (0: no sample yet).
     prefill_ns_per_token: AtomicU64,
+    /// The last explained sample when it was a step away from the average
+    /// ([`STEP`]), ns per token; 0: it was not.
+    stepped_ns: AtomicU64,
     /// EWMA, microseconds between request start and the start of its prefill.
     queue_us: AtomicU64,
     samples: AtomicU64,
@@ -237,6 +240,14 @@ pub const COST_CONFIDENT_TOKENS: u64 = 4096;
 /// Weight of a new sample in the moving averages.
 const EWMA_ALPHA: f64 = 0.3;
 
+/// Two explained samples in a row this many times above (or below) the
+/// learned cost are a step, not noise: the cost jumps to the later one. A
+/// backend that has just slowed down 3× (a throttled GPU, a noisy
+/// neighbour) then reads as slow on its second slow answer rather than
+/// its fifth, before its queue has grown by another four turns; one spike
+/// from a busy host moves it no further than the average does.
+pub const STEP: f64 = 1.5;
+
 /// The cost per token is learned from responses whose wait the gateway can
 /// explain: served alone (no other request in flight there when it was
 /// sent), the TTFB is the prefill of its own uncached tokens; sent behind
@@ -272,13 +283,10 @@ impl CostEstimate {
         // The cost per token is learned from prefills that dominate their TTFB;
         // what it does not explain is queueing.
         if alone && uncached >= 64 {
-            ewma(&self.prefill_ns_per_token, ttfb_ns / uncached as f64);
+            self.learn_cost(ttfb_ns / uncached as f64);
             self.taught_tokens.fetch_add(uncached, Ordering::Relaxed);
         } else if ahead > 0 && ahead + uncached >= 64 {
-            ewma(
-                &self.prefill_ns_per_token,
-                ttfb_ns / (ahead + uncached) as f64,
-            );
+            self.learn_cost(ttfb_ns / (ahead + uncached) as f64);
             self.taught_tokens
                 .fetch_add(ahead + uncached, Ordering::Relaxed);
         } else if uncached >= 64 {
@@ -290,6 +298,27 @@ impl CostEstimate {
             ewma(&self.queue_us, queue_ns / 1000.0);
         }
         self.samples.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One explained sample of the cost, ns per token: averaged, unless it
+    /// and the one before are a [`STEP`] away in the same direction.
+    fn learn_cost(&self, sample: f64) {
+        let old = self.prefill_ns_per_token.load(Ordering::Relaxed) as f64;
+        let step = |x: f64| old > 0.0 && (x > STEP * old || x * STEP < old);
+        if !step(sample) {
+            self.stepped_ns.store(0, Ordering::Relaxed);
+            return ewma(&self.prefill_ns_per_token, sample);
+        }
+        let before = self
+            .stepped_ns
+            .swap(sample.round() as u64, Ordering::Relaxed) as f64;
+        if before > 0.0 && step(before) && (before > old) == (sample > old) {
+            self.prefill_ns_per_token
+                .store(sample.round() as u64, Ordering::Relaxed);
+            self.stepped_ns.store(0, Ordering::Relaxed);
+        } else {
+            ewma(&self.prefill_ns_per_token, sample);
+        }
     }
 
     /// Prefill cost per uncached token, µs: learned after `min_samples`
@@ -568,6 +597,32 @@ mod tests {
             100.0,
             "prior until 5 samples"
         );
+    }
+
+    #[test]
+    fn two_answers_a_step_away_move_the_cost_at_once_and_one_spike_does_not() {
+        let c = CostEstimate::default();
+        // 1,000 tokens alone at 50 µs a token, five times: learned 50.
+        for _ in 0..5 {
+            c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
+        }
+        assert_eq!(c.learned_us_per_token(), Some(50.0));
+        // One answer at 150 µs (a busy host's spike): averaged, 50 + 0.3 × 100.
+        c.observe(Duration::from_millis(150), 1_000, 0, true, 0);
+        assert_eq!(c.learned_us_per_token(), Some(80.0));
+        // Back to 50: the spike decays, 80 - 0.3 × 30.
+        c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
+        assert_eq!(c.learned_us_per_token(), Some(71.0));
+        // The backend slows 3×: its first slow answer is averaged (71 + 0.3
+        // × 79 = 94.7), its second, still 1.5× above that, is taken as is.
+        c.observe(Duration::from_millis(150), 1_000, 0, true, 0);
+        assert_eq!(c.learned_us_per_token(), Some(94.7));
+        c.observe(Duration::from_millis(150), 1_000, 0, true, 0);
+        assert_eq!(c.learned_us_per_token(), Some(150.0));
+        // And back down the same way once it recovers.
+        c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
+        c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
+        assert_eq!(c.learned_us_per_token(), Some(50.0));
     }
 
     #[test]

@@ -134,14 +134,16 @@ impl FirstPlacement for BoundedHrw {
         }
         let unlearned = unlearned_cost(open, self.prior_us_per_token);
         let wait = |i: usize| open[i].wait_us(unlearned) as u64;
-        let Some(best) = hrw::choose_least(session, open, |i| within(i).then(|| wait(i))) else {
-            return hrw::choose(session, open);
-        };
-        // Relief: a backend one unit over the bound, for a queue much shorter.
-        let at_most_one_over = |i: usize| load[i] <= self.capacity(&open[i], &totals);
-        match hrw::choose_least(session, open, |i| at_most_one_over(i).then(|| wait(i))) {
-            Some(short) if relieves(wait(short), wait(best)) => Some(short),
-            _ => Some(best),
+        // Within the bound, or at it (relief: one unit over for a queue much
+        // shorter), in one pass.
+        let (best, short) = hrw::choose_least_of_two(session, open, |i| {
+            let cap = self.capacity(&open[i], &totals);
+            (load[i] <= cap).then(|| (wait(i), load[i] < cap))
+        });
+        match (best, short) {
+            (Some(b), Some(s)) if relieves(wait(s), wait(b)) => Some(s),
+            (Some(b), _) => Some(b),
+            _ => hrw::choose(session, open),
         }
     }
 
