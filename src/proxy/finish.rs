@@ -170,7 +170,7 @@ impl GatewayProxy {
                 u.prompt_tokens,
                 u.cached_tokens,
                 ctx.in_flight.as_ref().is_some_and(|f| f.alone),
-                ctx.in_flight.as_ref().map_or(0, |f| f.queued.ahead),
+                ctx.in_flight.as_ref().and_then(|f| f.queued.behind()),
             );
             if let Some(sref) = ctx.session_ref.as_ref().filter(|_| !ctx.session_final) {
                 self.gw

@@ -212,8 +212,20 @@ pub struct CostEstimate {
 pub struct Enqueued {
     /// What [`CostEstimate::dequeue`] takes back out (0: nothing was queued).
     pub ticket: u64,
-    /// The prefill work it went in behind, tokens.
+    /// The prefill work it went in behind, tokens: the queue less what its
+    /// head has done at the learned cost (0 when that head looks done).
     pub ahead: u64,
+    /// Whether it went in behind requests still waiting for their first byte
+    /// at all (the head among them, however far past its estimate).
+    pub behind: bool,
+}
+
+impl Enqueued {
+    /// What [`CostEstimate::observe`] takes: `Some(ahead)` when it was
+    /// sent behind queued requests.
+    pub fn behind(&self) -> Option<u64> {
+        self.behind.then_some(self.ahead)
+    }
 }
 
 /// A backend's queue of prefill work at one moment, as placement and the
@@ -253,7 +265,9 @@ pub const STEP: f64 = 1.5;
 /// sent), the TTFB is the prefill of its own uncached tokens; sent behind
 /// requests that were still prefilling, it is theirs and its own, so the
 /// sample is the TTFB over all those tokens (a backend that slows down under
-/// load teaches it at once). Any other busy response (behind requests the
+/// load teaches it at once) — and over its own alone when the head it went
+/// in behind looked done: a head running past its estimate is what a
+/// backend that has just slowed down shows first. Any other busy response (behind requests the
 /// gateway has no tokens for: decoding, or another client's) may only pull
 /// the estimate down: averaging it would book that queue as slowness.
 fn ewma(cell: &AtomicU64, sample: f64) {
@@ -276,8 +290,16 @@ fn lower(cell: &AtomicU64, sample: f64) {
 impl CostEstimate {
     /// One response: its time to first byte, its prompt / cached tokens,
     /// whether it was the only request in flight at the backend when sent,
-    /// and the queued tokens it was sent behind ([`CostEstimate::enqueue`]).
-    pub fn observe(&self, ttfb: Duration, prompt: u64, cached: u64, alone: bool, ahead: u64) {
+    /// and, if it was sent behind queued requests, their tokens
+    /// ([`Enqueued::behind`]).
+    pub fn observe(
+        &self,
+        ttfb: Duration,
+        prompt: u64,
+        cached: u64,
+        alone: bool,
+        behind: Option<u64>,
+    ) {
         let uncached = prompt.saturating_sub(cached);
         let ttfb_ns = ttfb.as_nanos() as f64;
         // The cost per token is learned from prefills that dominate their TTFB;
@@ -285,7 +307,7 @@ impl CostEstimate {
         if alone && uncached >= 64 {
             self.learn_cost(ttfb_ns / uncached as f64);
             self.taught_tokens.fetch_add(uncached, Ordering::Relaxed);
-        } else if ahead > 0 && ahead + uncached >= 64 {
+        } else if let Some(ahead) = behind.filter(|&ahead| ahead + uncached >= 64) {
             self.learn_cost(ttfb_ns / (ahead + uncached) as f64);
             self.taught_tokens
                 .fetch_add(ahead + uncached, Ordering::Relaxed);
@@ -358,13 +380,15 @@ impl CostEstimate {
             return Enqueued {
                 ticket: 0,
                 ahead: self.ahead(ahead),
+                behind: ahead.tokens > 0,
             };
         }
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed) + 1;
         let mut queue = self.queue.lock();
         let now_ms = crate::clock::now_ms();
         let before = self.queue_at(now_ms);
-        if queue.is_empty() {
+        let behind = !queue.is_empty();
+        if !behind {
             self.head_since_ms.store(now_ms, Ordering::Relaxed);
             self.head_tokens.store(tokens, Ordering::Relaxed);
         }
@@ -374,6 +398,7 @@ impl CostEstimate {
         Enqueued {
             ticket,
             ahead: self.ahead(before),
+            behind,
         }
     }
 
@@ -581,11 +606,11 @@ mod tests {
             "prior until a sample"
         );
         // 1,000 uncached tokens in 200 ms, nothing queued: 200 µs a token.
-        c.observe(Duration::from_millis(200), 1_000, 0, true, 0);
+        c.observe(Duration::from_millis(200), 1_000, 0, true, None);
         assert_eq!(c.prefill_us_per_token(100.0, 1), 200.0);
         assert_eq!(c.queue_us(), 0);
         // A mostly cached turn that waited: 10 uncached tokens (2 ms) in 52 ms.
-        c.observe(Duration::from_millis(52), 1_010, 1_000, false, 0);
+        c.observe(Duration::from_millis(52), 1_010, 1_000, false, None);
         assert_eq!(
             c.prefill_us_per_token(100.0, 1),
             200.0,
@@ -604,25 +629,52 @@ mod tests {
         let c = CostEstimate::default();
         // 1,000 tokens alone at 50 µs a token, five times: learned 50.
         for _ in 0..5 {
-            c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
+            c.observe(Duration::from_millis(50), 1_000, 0, true, None);
         }
         assert_eq!(c.learned_us_per_token(), Some(50.0));
         // One answer at 150 µs (a busy host's spike): averaged, 50 + 0.3 × 100.
-        c.observe(Duration::from_millis(150), 1_000, 0, true, 0);
+        c.observe(Duration::from_millis(150), 1_000, 0, true, None);
         assert_eq!(c.learned_us_per_token(), Some(80.0));
         // Back to 50: the spike decays, 80 - 0.3 × 30.
-        c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
+        c.observe(Duration::from_millis(50), 1_000, 0, true, None);
         assert_eq!(c.learned_us_per_token(), Some(71.0));
         // The backend slows 3×: its first slow answer is averaged (71 + 0.3
         // × 79 = 94.7), its second, still 1.5× above that, is taken as is.
-        c.observe(Duration::from_millis(150), 1_000, 0, true, 0);
+        c.observe(Duration::from_millis(150), 1_000, 0, true, None);
         assert_eq!(c.learned_us_per_token(), Some(94.7));
-        c.observe(Duration::from_millis(150), 1_000, 0, true, 0);
+        c.observe(Duration::from_millis(150), 1_000, 0, true, None);
         assert_eq!(c.learned_us_per_token(), Some(150.0));
         // And back down the same way once it recovers.
-        c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
-        c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
+        c.observe(Duration::from_millis(50), 1_000, 0, true, None);
+        c.observe(Duration::from_millis(50), 1_000, 0, true, None);
         assert_eq!(c.learned_us_per_token(), Some(50.0));
+    }
+
+    #[test]
+    fn an_answer_behind_a_head_past_its_estimate_teaches_a_slowdown() {
+        let learned = || {
+            let c = CostEstimate::default();
+            for _ in 0..5 {
+                c.observe(Duration::from_millis(50), 1_000, 0, true, None);
+            }
+            c
+        };
+        // The backend slows 3×. Two requests, each sent while the one
+        // before had no first byte yet but had run past its estimate (so
+        // nothing was counted ahead), answer after 150 ms: slowness, and
+        // two of them a step.
+        let c = learned();
+        for _ in 0..2 {
+            c.observe(Duration::from_millis(150), 1_000, 0, false, Some(0));
+        }
+        assert_eq!(c.learned_us_per_token(), Some(150.0));
+        // The same answers sent behind nothing of ours (other requests
+        // decoding) explain nothing and teach nothing upwards.
+        let d = learned();
+        for _ in 0..2 {
+            d.observe(Duration::from_millis(150), 1_000, 0, false, None);
+        }
+        assert_eq!(d.learned_us_per_token(), Some(50.0));
     }
 
     #[test]
@@ -631,20 +683,20 @@ mod tests {
         // Four short prompts alone (2,000 tokens in all, 60 µs a token):
         // too few samples and too few tokens, the prior still holds.
         for _ in 0..4 {
-            c.observe(Duration::from_millis(30), 500, 0, true, 0);
+            c.observe(Duration::from_millis(30), 500, 0, true, None);
         }
         assert_eq!(c.learned_us_per_token(), None);
         // A lone 7,000-token prefill in 350 ms (50 µs a token): learned now.
         let d = CostEstimate::default();
-        d.observe(Duration::from_millis(350), 7_000, 0, true, 0);
+        d.observe(Duration::from_millis(350), 7_000, 0, true, None);
         assert_eq!(d.learned_us_per_token(), Some(50.0));
         // So do 5,000 tokens explained as a queue: 1,000 sent behind 4,000.
         let e = CostEstimate::default();
-        e.observe(Duration::from_millis(250), 1_000, 0, false, 4_000);
+        e.observe(Duration::from_millis(250), 1_000, 0, false, Some(4_000));
         assert_eq!(e.learned_us_per_token(), Some(50.0));
         // A busy response the gateway cannot explain teaches no confidence.
         let f = CostEstimate::default();
-        f.observe(Duration::from_millis(350), 7_000, 0, false, 0);
+        f.observe(Duration::from_millis(350), 7_000, 0, false, None);
         assert_eq!(f.learned_us_per_token(), None);
     }
 
@@ -723,10 +775,10 @@ mod tests {
     fn a_busy_backend_shows_its_queue_not_a_higher_cost_per_token() {
         let c = CostEstimate::default();
         // 100 µs a token, learned from a response served alone.
-        c.observe(Duration::from_millis(100), 1_000, 0, true, 0);
+        c.observe(Duration::from_millis(100), 1_000, 0, true, None);
         // Then every response queues 300 ms behind others.
         for _ in 0..20 {
-            c.observe(Duration::from_millis(400), 1_000, 0, false, 0);
+            c.observe(Duration::from_millis(400), 1_000, 0, false, None);
         }
         assert_eq!(
             c.prefill_us_per_token(0.0, 1),
@@ -736,11 +788,11 @@ mod tests {
         let queue = c.queue_us();
         assert!(queue > 250_000, "the queue shows: {queue} µs");
         // A busy response faster than the estimate pulls it down...
-        c.observe(Duration::from_millis(50), 1_000, 0, false, 0);
+        c.observe(Duration::from_millis(50), 1_000, 0, false, None);
         assert!(c.prefill_us_per_token(0.0, 1) < 100.0);
         // ...and a backend that slows down teaches it when served alone.
         for _ in 0..20 {
-            c.observe(Duration::from_millis(300), 1_000, 0, true, 0);
+            c.observe(Duration::from_millis(300), 1_000, 0, true, None);
         }
         assert!(c.prefill_us_per_token(0.0, 1) > 290.0);
     }
@@ -754,20 +806,21 @@ mod tests {
         let first = c.enqueue(1_000);
         let second = c.enqueue(1_000);
         assert_eq!((first.ahead, second.ahead), (0, 1_000));
+        assert_eq!((first.behind(), second.behind()), (None, Some(1_000)));
         let third = c.enqueue(300);
         let ahead = third.ahead;
         assert_eq!(ahead, 2_000);
         assert_eq!(c.queued_tokens(), 2_300);
         // 50 µs a token, learned alone.
         for _ in 0..5 {
-            c.observe(Duration::from_millis(50), 1_000, 0, true, 0);
+            c.observe(Duration::from_millis(50), 1_000, 0, true, None);
         }
         assert_eq!(c.prefill_us_per_token(0.0, 5), 50.0);
         // The backend slowed to 150 µs a token: the third's 2,300 tokens take
         // 345 ms. Served behind them, busy responses teach it (not only ones
         // served alone, which a loaded backend never sends).
         for _ in 0..10 {
-            c.observe(Duration::from_millis(345), 1_300, 1_000, false, ahead);
+            c.observe(Duration::from_millis(345), 1_300, 1_000, false, Some(ahead));
         }
         let learned = c.prefill_us_per_token(0.0, 5);
         assert!((140.0..=150.0).contains(&learned), "{learned} µs a token");
