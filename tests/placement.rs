@@ -187,11 +187,16 @@ async fn a_replica_that_prefills_slower_takes_fewer_new_sessions() {
     assert_eq!(count.values().sum::<usize>(), 20);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_first_turn_goes_where_no_long_prefill_queues_among_balanced_backends() {
-    // Replicas that prefill one request at a time, 2 ms a token: the long
-    // prompt below takes seconds however busy the machine. The operator's
-    // prior says so, so the queue's head is timed at the right pace.
+/// Two replicas that prefill one request at a time, 2 ms a token (the
+/// operator's prior says so, so the queue's head is timed at the right pace),
+/// and a 16 KB first turn (about 4,000 tokens, 8 s of prefill: seconds
+/// however busy the machine) in flight at vllm-0, where its session hashes.
+/// Returns once it is queued there, with the handle of its answer.
+async fn a_long_prefill_at_vllm_0() -> (
+    [SimBackend; 2],
+    Gateway,
+    tokio::task::JoinHandle<reqwest::Result<reqwest::Response>>,
+) {
     let args = ["--prefill-us-per-token", "2000", "--serial-prefill"];
     let sims = [
         SimBackend::start("vllm-0", &args),
@@ -205,17 +210,11 @@ async fn a_first_turn_goes_where_no_long_prefill_queues_among_balanced_backends(
         ),
     )
     .await;
-    let queued = |id: &'static str| gw.queued_prefill_tokens(id);
-    let ids = ["vllm-0", "vllm-1"];
-    let c = client();
-
-    // A 16 KB first turn (about 4,000 tokens, 8 s of prefill) lands on
-    // vllm-0, where its session hashes.
-    let long = sessions_hashing_to(0, &ids, 1, "long").remove(0);
+    let long = sessions_hashing_to(0, &TWO, 1, "long").remove(0);
     let mut body = chat_body("qwen3-8b", 0);
     body["messages"][1]["content"] = Value::from("a long document ".repeat(1000));
     let long_turn = {
-        let (c, url, long) = (c.clone(), gw.url("/v1/chat/completions"), long.clone());
+        let (c, url) = (client(), gw.url("/v1/chat/completions"));
         tokio::spawn(async move {
             c.post(url)
                 .header("x-session-id", long)
@@ -225,22 +224,59 @@ async fn a_first_turn_goes_where_no_long_prefill_queues_among_balanced_backends(
         })
     };
     wait_until("the long prefill is queued at vllm-0", || async {
-        queued("vllm-0").await > 0
+        gw.queued_prefill_tokens("vllm-0").await > 0
     })
     .await;
+    (sims, gw, long_turn)
+}
+
+const TWO: [&str; 2] = ["vllm-0", "vllm-1"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_turn_goes_where_no_long_prefill_queues_among_balanced_backends() {
+    let (_sims, gw, long_turn) = a_long_prefill_at_vllm_0().await;
+    let c = client();
     // The bound sends the next session to vllm-1 (vllm-0 holds the only one).
-    let short = sessions_hashing_to(0, &ids, 1, "short").remove(0);
+    let short = sessions_hashing_to(0, &TWO, 1, "short").remove(0);
     assert_eq!(first_turn(&c, &gw, &short).await, "vllm-1");
     // One session each: both are within the bound, and this session hashes
     // to vllm-0. It goes to vllm-1, where nothing queues, not behind the
     // long prefill.
-    let probe = sessions_hashing_to(0, &ids, 1, "probe").remove(0);
+    let probe = sessions_hashing_to(0, &TWO, 1, "probe").remove(0);
     assert_eq!(first_turn(&c, &gw, &probe).await, "vllm-1");
     assert!(
-        queued("vllm-0").await > 0,
+        gw.queued_prefill_tokens("vllm-0").await > 0,
         "the long prefill was still queued when the probe was placed"
     );
     let r = long_turn.await.unwrap().unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["x-agent-serve-backend"], "vllm-0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_turn_goes_one_session_over_the_bound_rather_than_behind_a_long_prefill() {
+    let (_sims, gw, long_turn) = a_long_prefill_at_vllm_0().await;
+    let c = client();
+    // Sessions that all hash to vllm-0, one after another. The bound sends
+    // the first to vllm-1; the second finds both within it (one session
+    // each) and takes idle vllm-1. The third finds vllm-1 at the bound (2 of
+    // ⌈4 / 2⌉) and only
+    // vllm-0 within it, behind seconds of prefill: it goes one over, to
+    // vllm-1. So does the fourth (3 of ⌈5 / 2⌉, again at the bound). The
+    // fifth would make vllm-1 two over (4 of ⌈6 / 2⌉): vllm-0 takes it,
+    // queue or not. The bound holds to within one.
+    let sessions = sessions_hashing_to(0, &TWO, 5, "relief");
+    let mut went = Vec::new();
+    for s in &sessions[..4] {
+        went.push(first_turn(&c, &gw, s).await);
+    }
+    assert!(
+        gw.queued_prefill_tokens("vllm-0").await > 0,
+        "the long prefill was still queued when the fifth session was placed"
+    );
+    // (The fifth's answer comes after the long prefill's.)
+    went.push(first_turn(&c, &gw, &sessions[4]).await);
+    assert_eq!(went, ["vllm-1", "vllm-1", "vllm-1", "vllm-1", "vllm-0"]);
+    let r = long_turn.await.unwrap().unwrap();
+    assert_eq!(r.status(), 200);
 }
