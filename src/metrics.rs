@@ -213,7 +213,7 @@ impl Metrics {
             backend_prefill_cost: float_gauge(
                 &r,
                 "agentserve_backend_prefill_seconds_per_token",
-                "Learned prefill cost per uncached prompt token (-1: fewer than 5 responses yet)",
+                "Learned prefill cost per uncached prompt token (-1: not learned yet, fewer than 5 responses and 4,096 explained tokens)",
                 &["tier", "backend"],
             ),
             backend_queue: float_gauge(

@@ -217,10 +217,12 @@ fn least_of_two<T, S: PartialOrd + Copy>(
         let Some((k, in_narrow)) = key(i) else {
             continue;
         };
+        // Scored at most once, for whichever set asks first.
+        let mut scored = None;
         if in_narrow {
-            narrow.offer(i, k, || score(item));
+            narrow.offer(i, k, || *scored.get_or_insert_with(|| score(item)));
         }
-        all.offer(i, k, || score(item));
+        all.offer(i, k, || *scored.get_or_insert_with(|| score(item)));
     }
     (narrow.index(), all.index())
 }
