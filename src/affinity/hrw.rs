@@ -298,6 +298,23 @@ mod tests {
     }
 
     #[test]
+    fn choose_least_of_two_is_choose_least_of_each_set_in_one_pass() {
+        let h = HrwHasher::new("k");
+        let keys = [3u64, 1, 2, 1, 5, 0, 2];
+        for weights in [[1u32; 7], [1, 2, 3, 1, 2, 1, 3]] {
+            let f = fleet(&h, 7, |i| weights[i]);
+            for s in 0..2_000u64 {
+                // Backend 6 is in neither set; the narrower one is 0, 2, 4.
+                let key = |i: usize| (i != 6).then(|| (keys[i], i % 2 == 0));
+                let narrow = choose_least(s, &f, |i| (i % 2 == 0 && i != 6).then(|| keys[i]));
+                let all = choose_least(s, &f, |i| (i != 6).then(|| keys[i]));
+                assert_eq!(choose_least_of_two(s, &f, key), (narrow, all));
+            }
+            assert_eq!(choose_least_of_two(1, &f, |_| None), (None, None));
+        }
+    }
+
+    #[test]
     fn removing_one_backend_moves_only_its_sessions() {
         let h = HrwHasher::new("k");
         let full = fleet(&h, 8, |_| 1);
