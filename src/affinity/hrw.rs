@@ -305,8 +305,9 @@ mod tests {
             let f = fleet(&h, 7, |i| weights[i]);
             for s in 0..2_000u64 {
                 // Backend 6 is in neither set; the narrower one is 0, 2, 4.
-                let key = |i: usize| (i != 6).then(|| (keys[i], i % 2 == 0));
-                let narrow = choose_least(s, &f, |i| (i % 2 == 0 && i != 6).then(|| keys[i]));
+                let key = |i: usize| (i != 6).then(|| (keys[i], i.is_multiple_of(2)));
+                let narrow =
+                    choose_least(s, &f, |i| (i.is_multiple_of(2) && i != 6).then(|| keys[i]));
                 let all = choose_least(s, &f, |i| (i != 6).then(|| keys[i]));
                 assert_eq!(choose_least_of_two(s, &f, key), (narrow, all));
             }
