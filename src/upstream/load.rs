@@ -267,9 +267,10 @@ pub const STEP: f64 = 1.5;
 /// sample is the TTFB over all those tokens (a backend that slows down under
 /// load teaches it at once) — and over its own alone when the head it went
 /// in behind looked done: a head running past its estimate is what a
-/// backend that has just slowed down shows first. Any other busy response (behind requests the
-/// gateway has no tokens for: decoding, or another client's) may only pull
-/// the estimate down: averaging it would book that queue as slowness.
+/// backend that has just slowed down shows first. Any other busy response
+/// (behind requests the gateway has no tokens for: decoding, or another
+/// client's) may only pull the estimate down: averaging it would book that
+/// queue as slowness.
 fn ewma(cell: &AtomicU64, sample: f64) {
     let old = cell.load(Ordering::Relaxed);
     let next = if old == 0 {
