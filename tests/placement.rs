@@ -262,14 +262,28 @@ async fn a_first_turn_goes_one_session_over_the_bound_rather_than_behind_a_long_
     // each) and takes idle vllm-1. The third finds vllm-1 at the bound (2 of
     // ⌈4 / 2⌉) and only
     // vllm-0 within it, behind seconds of prefill: it goes one over, to
-    // vllm-1. So does the fourth (3 of ⌈5 / 2⌉, again at the bound). The
-    // fifth would make vllm-1 two over (4 of ⌈6 / 2⌉): vllm-0 takes it,
-    // queue or not. The bound holds to within one.
+    // vllm-1. So does the fourth (3 of ⌈5 / 2⌉, again at the bound). A
+    // subagent of the fourth joins its parent there, though vllm-1 is one
+    // over (4 of ⌈6 / 2⌉): co-location stays the rule. The fifth session
+    // would make vllm-1 two over (5 of ⌈7 / 2⌉): vllm-0 takes it, queue or
+    // not. The bound holds to within one.
     let sessions = sessions_hashing_to(0, &TWO, 5, "relief");
     let mut went = Vec::new();
     for s in &sessions[..4] {
         went.push(first_turn(&c, &gw, s).await);
     }
+    let child = chat(
+        &c,
+        &gw,
+        &[
+            ("x-session-id", "relief-child"),
+            ("x-parent-session-id", &sessions[3]),
+        ],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
+    assert_eq!(child.status, 200);
+    assert_eq!(child.backend.as_deref(), Some("vllm-1"), "with its parent");
     assert!(
         gw.queued_prefill_tokens("vllm-0").await > 0,
         "the long prefill was still queued when the fifth session was placed"

@@ -147,8 +147,12 @@ impl FirstPlacement for BoundedHrw {
         }
     }
 
+    /// Beyond what placement itself may fill: the bound, and with
+    /// `queue_aware` relief's one unit over it, so a parent that relief
+    /// placed one over still has its subagents join it.
     fn overloaded(&self, i: usize, open: &[Candidate], load: &[u64]) -> bool {
-        load[i] > self.capacity(&open[i], &Totals::of(open, load, self.speed_aware))
+        let relief = u64::from(self.queue_aware);
+        load[i] > self.capacity(&open[i], &Totals::of(open, load, self.speed_aware)) + relief
     }
 }
 
@@ -225,6 +229,28 @@ mod tests {
         );
         // And every replica ends within the bound (capacity at 90 sessions: 38).
         assert!(load.iter().all(|&l| l <= 38), "{load:?}");
+    }
+
+    #[test]
+    fn a_parent_placed_one_over_by_relief_keeps_its_subagents() {
+        let q = BoundedHrw {
+            balance_factor: 1.0,
+            queue_aware: true,
+            ..B
+        };
+        let o = open(3);
+        // Loads 5, 3, 3: capacity ⌈12 / 3⌉ = 4, backend 0 one over (as relief
+        // leaves it). Queue-blind, that is over the bound and subagents go
+        // elsewhere; queue-aware, it is what placement itself may fill.
+        let blind = BoundedHrw {
+            queue_aware: false,
+            ..q
+        };
+        assert!(blind.overloaded(0, &o, &[5, 3, 3]));
+        assert!(!q.overloaded(0, &o, &[5, 3, 3]));
+        // Two over (7, 3, 3: capacity ⌈14 / 3⌉ = 5) is over for both.
+        assert!(q.overloaded(0, &o, &[7, 3, 3]));
+        assert!(blind.overloaded(0, &o, &[7, 3, 3]));
     }
 
     #[test]
