@@ -304,14 +304,17 @@ impl CostEstimate {
         let uncached = prompt.saturating_sub(cached);
         let ttfb_ns = ttfb.as_nanos() as f64;
         // The cost per token is learned from prefills that dominate their TTFB;
-        // what it does not explain is queueing.
-        if alone && uncached >= 64 {
-            self.learn_cost(ttfb_ns / uncached as f64);
-            self.taught_tokens.fetch_add(uncached, Ordering::Relaxed);
-        } else if let Some(ahead) = behind.filter(|&ahead| ahead + uncached >= 64) {
-            self.learn_cost(ttfb_ns / (ahead + uncached) as f64);
-            self.taught_tokens
-                .fetch_add(ahead + uncached, Ordering::Relaxed);
+        // what it does not explain is queueing. The tokens whose prefill the
+        // TTFB explains: its own served alone, or with the queue ahead of it
+        // (a request sent alone went in behind nothing).
+        let explained = match behind {
+            Some(ahead) => ahead + uncached,
+            None if alone => uncached,
+            None => 0,
+        };
+        if explained >= 64 {
+            self.learn_cost(ttfb_ns / explained as f64);
+            self.taught_tokens.fetch_add(explained, Ordering::Relaxed);
         } else if uncached >= 64 {
             lower(&self.prefill_ns_per_token, ttfb_ns / uncached as f64);
         }
