@@ -411,19 +411,23 @@ impl Sim {
         self.waiting.fetch_sub(1, Ordering::Relaxed);
         self.running.fetch_add(1, Ordering::Relaxed);
 
-        let cached = self.cache.lock().lookup(&tokens);
         let slowdown = self.slowdown();
         let prefill_started = std::time::Instant::now();
-        {
+        let cached = {
             let _serial = match self.cfg.serial_prefill {
                 true => Some(self.prefill.lock().await),
                 false => None,
             };
+            // The cache is read when this prompt's prefill starts, as an
+            // engine's scheduler does: a prompt queued behind another that
+            // shares its prefix finds the blocks that one computed.
+            let cached = self.cache.lock().lookup(&tokens);
             let us = (tokens.len() - cached) as f64 * self.cfg.prefill_us_per_token * slowdown;
             if let Some(s) = sleep_us(us) {
                 s.await;
             }
-        }
+            cached
+        };
         let prefill_us = prefill_started.elapsed().as_micros() as u64;
         self.cache.lock().insert(&tokens);
         let timing = move |mut r: Response<Body>| {
@@ -638,6 +642,41 @@ mod tests {
             2 * prompt
         )));
         assert!(m.contains("vllm:num_requests_running{model_name=\"qwen3-8b\"} 0"));
+    }
+
+    #[tokio::test]
+    async fn a_prompt_queued_behind_a_serial_prefill_finds_the_prefix_it_computed() {
+        let mut cfg = SimConfig::fast("t");
+        cfg.serial_prefill = true;
+        // About 2 s of prefill for the first prompt: the second arrives
+        // while it runs, and waits for it.
+        cfg.prefill_us_per_token = 20_000.0;
+        let addr = spawn(cfg).await.expect("sim starts");
+        let c = reqwest::Client::new();
+        let url = format!("http://{addr}/v1/chat/completions");
+        let first = tokio::spawn({
+            let (c, url) = (c.clone(), url.clone());
+            async move { post(&c, &url, &chat(false)).await }
+        });
+        // Readiness: the first prompt is admitted (it is prefilling).
+        loop {
+            let m = c.get(format!("http://{addr}/metrics")).send().await.unwrap();
+            let m = m.text().await.unwrap();
+            if m.contains("vllm:num_requests_running{model_name=\"qwen3-8b\"} 1") {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        let second = post(&c, &url, &chat(false)).await;
+        let first = first.await.unwrap();
+        let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        assert_eq!(
+            second["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+            prompt / 16 * 16
+        );
     }
 
     #[tokio::test]
