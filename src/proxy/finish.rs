@@ -165,12 +165,13 @@ impl GatewayProxy {
         // What the backend's answer teaches: its prefill cost and queueing,
         // and how much of this session it still had cached.
         if let (Some(u), Some(b), Some(fb), 200) = (usage, &ctx.backend, ctx.first_byte, status) {
+            let (alone, behind) = ctx.in_flight.as_ref().map_or((false, None), |f| f.explains());
             b.stats.cost.observe(
                 fb.duration_since(ctx.start),
                 u.prompt_tokens,
                 u.cached_tokens,
-                ctx.in_flight.as_ref().is_some_and(|f| f.alone),
-                ctx.in_flight.as_ref().and_then(|f| f.queued.behind()),
+                alone,
+                behind,
             );
             if let Some(sref) = ctx.session_ref.as_ref().filter(|_| !ctx.session_final) {
                 self.gw

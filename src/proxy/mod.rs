@@ -75,6 +75,10 @@ struct InFlight {
     /// tokens count until its first byte comes back (ticket 0 once it has),
     /// and the queued tokens it was sent behind.
     queued: crate::upstream::load::Enqueued,
+    /// The backend answered it out of the order it was sent in (it overtook
+    /// a request sent before it, or one sent after overtook it): its time to
+    /// first byte explains neither its own prefill nor the queue's.
+    out_of_order: bool,
 }
 
 impl InFlight {
@@ -84,14 +88,26 @@ impl InFlight {
             stats: Arc::clone(stats),
             alone: before == 0 && stats.engine.requests_if_fresh() == 0,
             queued: stats.cost.enqueue(tokens),
+            out_of_order: false,
         }
     }
 
     /// The first byte came back: its prefill no longer waits ahead of others.
     fn prefilled(&mut self) {
-        self.stats
-            .cost
-            .dequeue(std::mem::take(&mut self.queued.ticket));
+        let ticket = std::mem::take(&mut self.queued.ticket);
+        if ticket != 0 {
+            self.out_of_order = !self.stats.cost.dequeue(ticket);
+        }
+    }
+
+    /// What its answer may teach about the backend's speed, as
+    /// [`crate::upstream::load::CostEstimate::observe`] takes it: whether it
+    /// was served alone, and the queue it was served behind.
+    fn explains(&self) -> (bool, Option<u64>) {
+        match self.out_of_order {
+            true => (false, None),
+            false => (self.alone, self.queued.behind()),
+        }
     }
 }
 
@@ -345,5 +361,36 @@ impl ProxyHttp for GatewayProxy {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
         self.finish(session, e, ctx).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_that_overtook_a_long_prefill_teaches_no_cost() {
+        let stats = Arc::new(BackendStats::new("b"));
+        // A 7,000-token prefill is sent alone, a 300-token prompt behind it;
+        // the engine answers the short one first (it reached the engine
+        // first, or was batched ahead).
+        let mut long = InFlight::new(&stats, 7_000);
+        let mut short = InFlight::new(&stats, 300);
+        assert_eq!(long.explains(), (true, None));
+        assert_eq!(short.explains(), (false, Some(7_000)));
+        short.prefilled();
+        long.prefilled();
+        // Its 30 ms would read as 30 ms for 7,300 tokens (4 µs a token)
+        // were it taken as served behind the long one; neither is taken.
+        assert_eq!(short.explains(), (false, None));
+        assert_eq!(long.explains(), (false, None));
+        drop((long, short));
+        // Served in order, each explains what it was sent behind.
+        let mut first = InFlight::new(&stats, 1_000);
+        let mut second = InFlight::new(&stats, 1_000);
+        first.prefilled();
+        second.prefilled();
+        assert_eq!(first.explains(), (true, None));
+        assert_eq!(second.explains(), (false, Some(1_000)));
     }
 }

@@ -200,11 +200,21 @@ pub struct CostEstimate {
     head_since_ms: AtomicU64,
     /// The head's estimated tokens (0: nothing queued).
     head_tokens: AtomicU64,
-    /// Those requests, oldest first, as (ticket, tokens): which one is the
-    /// head, and what it brought. Written on send and on first byte only;
-    /// readers use the atomics above.
-    queue: parking_lot::Mutex<std::collections::VecDeque<(u64, u64)>>,
+    /// Those requests, oldest first: which one is the head, and what it
+    /// brought. Written on send and on first byte only; readers use the
+    /// atomics above.
+    queue: parking_lot::Mutex<std::collections::VecDeque<Queued>>,
     next_ticket: AtomicU64,
+}
+
+/// One request in a backend's queue of prefill work.
+#[derive(Debug, Clone, Copy)]
+struct Queued {
+    ticket: u64,
+    tokens: u64,
+    /// A request sent after it had its first byte first: the backend did
+    /// not serve the two in the order the gateway sent them.
+    overtaken: bool,
 }
 
 /// A request counted in its backend's queue ([`CostEstimate::enqueue`]).
@@ -396,7 +406,11 @@ impl CostEstimate {
             self.head_since_ms.store(now_ms, Ordering::Relaxed);
             self.head_tokens.store(tokens, Ordering::Relaxed);
         }
-        queue.push_back((ticket, tokens));
+        queue.push_back(Queued {
+            ticket,
+            tokens,
+            overtaken: false,
+        });
         self.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
         drop(queue);
         Enqueued {
@@ -413,23 +427,35 @@ impl CostEstimate {
 
     /// Its first byte came back (its prefill is done), or it ended without
     /// one: it leaves the queue, and if it was the head the next one starts
-    /// now.
-    pub fn dequeue(&self, ticket: u64) {
+    /// now. Returns whether the backend served it in the order it was sent:
+    /// every request sent before it had answered, and none sent after it
+    /// answered first. Only then does its time to first byte explain the
+    /// queue it was sent behind (or its own prefill alone): requests sent
+    /// within the same instant reach the engine in any order, and a batching
+    /// engine finishes short prompts before long ones, so a short answer
+    /// that overtook a long prefill would teach a cost many times too low.
+    pub fn dequeue(&self, ticket: u64) -> bool {
         if ticket == 0 {
-            return;
+            return false;
         }
         let mut queue = self.queue.lock();
-        let Some(at) = queue.iter().position(|&(t, _)| t == ticket) else {
-            return;
+        let Some(at) = queue.iter().position(|q| q.ticket == ticket) else {
+            return false;
         };
-        let (_, tokens) = queue.remove(at).unwrap_or_default();
-        self.queued_tokens.fetch_sub(tokens, Ordering::Relaxed);
+        let Some(done) = queue.remove(at) else {
+            return false;
+        };
+        for ahead in queue.iter_mut().take(at) {
+            ahead.overtaken = true;
+        }
+        self.queued_tokens.fetch_sub(done.tokens, Ordering::Relaxed);
         if at == 0 {
-            let next = queue.front().map_or(0, |&(_, tokens)| tokens);
+            let next = queue.front().map_or(0, |q| q.tokens);
             self.head_tokens.store(next, Ordering::Relaxed);
             self.head_since_ms
                 .store(crate::clock::now_ms(), Ordering::Relaxed);
         }
+        at == 0 && !done.overtaken
     }
 
     /// The queued tokens as counted (each request's whole estimate until its
@@ -742,6 +768,23 @@ mod tests {
         assert_eq!((q.tokens, q.head_tokens), (500, 500));
         c.dequeue(second.ticket);
         assert_eq!(c.queue_at(later + 50), QueueView::default(), "queue empty");
+    }
+
+    #[test]
+    fn answers_in_the_order_sent_are_in_order_and_an_overtaking_pair_is_not() {
+        let c = CostEstimate::default();
+        let (a, b) = (c.enqueue(1_000), c.enqueue(1_000));
+        assert!(c.dequeue(a.ticket), "the head answers first");
+        assert!(c.dequeue(b.ticket), "then the one behind it");
+        // A long prefill, then two short prompts behind it; the engine
+        // answers the first short one before the long one.
+        let long = c.enqueue(7_000);
+        let short = c.enqueue(300);
+        let last = c.enqueue(200);
+        assert!(!c.dequeue(short.ticket), "it overtook the long prefill");
+        assert!(!c.dequeue(long.ticket), "it was overtaken");
+        assert!(c.dequeue(last.ticket), "all sent before it answered first");
+        assert!(!c.dequeue(last.ticket), "a ticket already out");
     }
 
     #[test]
