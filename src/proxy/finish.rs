@@ -165,7 +165,10 @@ impl GatewayProxy {
         // What the backend's answer teaches: its prefill cost and queueing,
         // and how much of this session it still had cached.
         if let (Some(u), Some(b), Some(fb), 200) = (usage, &ctx.backend, ctx.first_byte, status) {
-            let (alone, behind) = ctx.in_flight.as_ref().map_or((false, None), |f| f.explains());
+            let (alone, behind) = ctx
+                .in_flight
+                .as_ref()
+                .map_or((false, None), |f| f.explains());
             b.stats.cost.observe(
                 fb.duration_since(ctx.start),
                 u.prompt_tokens,

@@ -660,7 +660,11 @@ mod tests {
         });
         // Readiness: the first prompt is admitted (it is prefilling).
         loop {
-            let m = c.get(format!("http://{addr}/metrics")).send().await.unwrap();
+            let m = c
+                .get(format!("http://{addr}/metrics"))
+                .send()
+                .await
+                .unwrap();
             let m = m.text().await.unwrap();
             if m.contains("vllm:num_requests_running{model_name=\"qwen3-8b\"} 1") {
                 break;
