@@ -113,7 +113,10 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.prefilled();
+        // Still queued: it ended without a first byte.
+        self.stats
+            .cost
+            .abandon(std::mem::take(&mut self.queued.ticket));
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }

@@ -425,9 +425,10 @@ impl CostEstimate {
         crate::affinity::queued_after(q.tokens, q.head_ms, q.head_tokens, us)
     }
 
-    /// Its first byte came back (its prefill is done), or it ended without
-    /// one: it leaves the queue, and if it was the head the next one starts
-    /// now. Returns whether the backend served it in the order it was sent:
+    /// Its first byte came back (its prefill is done): it leaves the queue,
+    /// and if it was the head the next one starts now; every request sent
+    /// before it and still waiting was overtaken. Returns whether the backend
+    /// served it in the order it was sent:
     /// every request sent before it had answered, and none sent after it
     /// answered first. Only then does its time to first byte explain the
     /// queue it was sent behind (or its own prefill alone): requests sent
@@ -435,6 +436,16 @@ impl CostEstimate {
     /// engine finishes short prompts before long ones, so a short answer
     /// that overtook a long prefill would teach a cost many times too low.
     pub fn dequeue(&self, ticket: u64) -> bool {
+        self.leave(ticket, true)
+    }
+
+    /// It ended without a first byte (an error, a client gone): it leaves
+    /// the queue like an answered one, but overtook nobody.
+    pub fn abandon(&self, ticket: u64) {
+        self.leave(ticket, false);
+    }
+
+    fn leave(&self, ticket: u64, answered: bool) -> bool {
         if ticket == 0 {
             return false;
         }
@@ -445,8 +456,10 @@ impl CostEstimate {
         let Some(done) = queue.remove(at) else {
             return false;
         };
-        for ahead in queue.iter_mut().take(at) {
-            ahead.overtaken = true;
+        if answered {
+            for ahead in queue.iter_mut().take(at) {
+                ahead.overtaken = true;
+            }
         }
         self.queued_tokens.fetch_sub(done.tokens, Ordering::Relaxed);
         if at == 0 {
@@ -800,7 +813,7 @@ mod tests {
         while crate::clock::now_ms() <= now + 1 {
             std::hint::spin_loop();
         }
-        c.dequeue(behind.ticket);
+        c.abandon(behind.ticket);
         assert_eq!(
             c.queue_at(now + 100),
             QueueView {
@@ -809,10 +822,11 @@ mod tests {
             }
         );
         // A ticket already out, or none, takes nothing.
-        c.dequeue(behind.ticket);
+        c.abandon(behind.ticket);
         c.dequeue(0);
         assert_eq!(c.queued_tokens(), 7_200);
-        c.dequeue(head.ticket);
+        // The one that left without an answer overtook nobody.
+        assert!(c.dequeue(head.ticket), "the head still answered in order");
         assert_eq!(c.queue_at(crate::clock::now_ms()).head_tokens, 200);
         c.dequeue(last.ticket);
         assert_eq!(c.queue_at(now), QueueView::default());
