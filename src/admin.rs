@@ -112,6 +112,7 @@ impl AdminApp {
                         "queued_prefill_tokens": queue.tokens,
                         "queue_head_ms": queue.head_ms,
                         "queue_head_tokens": queue.head_tokens,
+                        "shared_prefix_tokens": b.stats.cost.shared_prefix(),
                     },
                 })
             })

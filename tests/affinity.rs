@@ -305,15 +305,19 @@ async fn a_client_disconnect_ends_its_lease() {
     );
 }
 
-/// A chat turn whose last user message is `bytes` of text no replica has seen.
 /// The prompt tokens a response's `usage` says were not cached.
 fn uncached(usage: &Value) -> u64 {
-    usage["prompt_tokens"].as_u64().unwrap()
-        - usage["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap()
+    usage["prompt_tokens"].as_u64().unwrap() - cached_tokens(usage)
 }
 
+/// The prompt tokens a response's `usage` says were cached.
+fn cached_tokens(usage: &Value) -> u64 {
+    usage["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap()
+}
+
+/// A chat turn whose last user message is `bytes` of text no replica has seen.
 fn turn_with_new_text(tag: &str, bytes: usize) -> Value {
     let mut body = chat_body("m", 0);
     let text: String = (0..)
@@ -988,6 +992,66 @@ async fn a_flood_of_unique_ids_keeps_the_table_bounded_and_recent_sessions_pinne
         growth < 4 * 1024,
         "RSS grew {growth} KiB over the last 10,000 requests of a flood of 10× the table limit"
     );
+}
+
+#[tokio::test]
+async fn a_new_sessions_first_prompt_counts_without_the_system_prompt_its_backend_keeps() {
+    // As slow as the test above, so a prefill in progress is seen.
+    let sims = [SimBackend::start(
+        "vllm-0",
+        &["--prefill-us-per-token", "2000"],
+    )];
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(600)),
+    )
+    .await;
+    let c = client();
+    let first_turn = |session: &str, body: &Value| {
+        c.post(gw.url("/v1/chat/completions"))
+            .header("x-session-id", session)
+            .json(body)
+            .send()
+    };
+    // Two sessions with the same system prompt: the first is cold, the
+    // second finds the system prompt cached, and the gateway learns that.
+    let cold = reply(
+        first_turn("a", &turn_with_new_text("a", 400))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(cached_tokens(&cold.json()["usage"]), 0);
+    let warm = reply(
+        first_turn("b", &turn_with_new_text("b", 400))
+            .await
+            .unwrap(),
+    )
+    .await;
+    let system = cached_tokens(&warm.json()["usage"]);
+    assert!(system > 0, "the backend kept the system prompt");
+    let shared = || async {
+        gw.queued_prefill_tokens("vllm-0").await;
+        gw.admin_backend("vllm-0").await["learned"]["shared_prefix_tokens"]
+            .as_u64()
+            .expect("shared_prefix_tokens")
+    };
+    wait_until("the shared prefix learned", || async {
+        shared().await == system
+    })
+    .await;
+
+    // A third session's first turn counts its body less that prefix while
+    // it prefills: what the backend will really compute.
+    let body = turn_with_new_text("c", 4000);
+    let bytes = serde_json::to_vec(&body).unwrap().len() as u64;
+    let turn = tokio::spawn(first_turn("c", &body));
+    wait_until(
+        "the first turn counted without the system prompt",
+        || async { gw.queued_prefill_tokens("vllm-0").await == bytes / 4 - system },
+    )
+    .await;
+    assert_eq!(reply(turn.await.unwrap().unwrap()).await.status, 200);
 }
 
 #[tokio::test]

@@ -176,6 +176,9 @@ impl GatewayProxy {
                 alone,
                 behind,
             );
+            if ctx.reason == Some(Reason::FirstTurn) && ctx.parent.is_none() {
+                b.stats.cost.observe_first_prompt(u.cached_tokens);
+            }
             if let Some(sref) = ctx.session_ref.as_ref().filter(|_| !ctx.session_final) {
                 self.gw
                     .affinity

@@ -48,7 +48,8 @@ impl GatewayProxy {
         let candidates = tier.candidates(&ctx.excluded);
 
         // This request's prefill there, for the backend's queued tokens: a
-        // kept binding's estimate, else the whole body.
+        // kept binding's estimate, else the body less the prefix the
+        // backend's new sessions find cached.
         let body_tokens = body_tokens(ctx);
         let mut new_tokens = None;
         let backend = if let Some(target) = ctx.explicit_target.clone() {
@@ -145,7 +146,7 @@ impl GatewayProxy {
         }
         ctx.in_flight = Some(InFlight::new(
             &backend.stats,
-            new_tokens.unwrap_or(body_tokens),
+            new_tokens.unwrap_or_else(|| backend.stats.cost.body_estimate(body_tokens)),
         ));
         let mut peer = match &backend.tls {
             Some(sni) => HttpPeer::new(backend.addr, true, sni.clone()),

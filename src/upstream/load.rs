@@ -186,6 +186,9 @@ pub struct CostEstimate {
     stepped_ns: AtomicU64,
     /// EWMA, microseconds between request start and the start of its prefill.
     queue_us: AtomicU64,
+    /// EWMA, tokens of a new session's first prompt the backend answered as
+    /// cached: the prefix its sessions share (a system prompt).
+    shared_prefix: AtomicU64,
     samples: AtomicU64,
     /// Tokens whose prefill time the averaged samples explained (served
     /// alone, or with the queue they were sent behind): see
@@ -382,6 +385,29 @@ impl CostEstimate {
 
     pub fn queue_us(&self) -> u64 {
         self.queue_us.load(Ordering::Relaxed)
+    }
+
+    /// A new session's first prompt was answered with `cached` tokens found
+    /// cached (a subagent's is not: it finds its parent's transcript).
+    pub fn observe_first_prompt(&self, cached: u64) {
+        ewma(&self.shared_prefix, cached as f64);
+    }
+
+    /// The prefix new sessions' first prompts find cached here, tokens.
+    pub fn shared_prefix(&self) -> u64 {
+        self.shared_prefix.load(Ordering::Relaxed)
+    }
+
+    /// The prefill a prompt of `body` tokens (estimated from its size) brings
+    /// here when nothing is known of its session: less the prefix this
+    /// backend's new sessions find cached, since an engine keeps the system
+    /// prompt its sessions share; never less than a quarter of the body, as
+    /// that prefix may not be this prompt's. Counting the whole body, a
+    /// fleet's light first turns behind one another read as several times
+    /// their prefill, so what their answers taught per token was as many
+    /// times too low, and a queue of heavy prefills looked short.
+    pub fn body_estimate(&self, body: u64) -> u64 {
+        body.saturating_sub(self.shared_prefix()).max(body / 4)
     }
 
     /// A request estimated to prefill `tokens` is sent: it joins the queue,
@@ -798,6 +824,21 @@ mod tests {
         assert!(!c.dequeue(long.ticket), "it was overtaken");
         assert!(c.dequeue(last.ticket), "all sent before it answered first");
         assert!(!c.dequeue(last.ticket), "a ticket already out");
+    }
+
+    #[test]
+    fn a_first_prompt_counts_what_new_sessions_do_not_find_cached() {
+        let c = CostEstimate::default();
+        assert_eq!(c.body_estimate(1_264), 1_264, "nothing learned: the body");
+        // New sessions' first prompts find the 752-token system prompt.
+        for _ in 0..3 {
+            c.observe_first_prompt(752);
+        }
+        assert_eq!(c.shared_prefix(), 752);
+        assert_eq!(c.body_estimate(1_264), 512);
+        assert_eq!(c.body_estimate(7_014), 6_262);
+        // A prompt shorter than that prefix still counts a quarter of itself.
+        assert_eq!(c.body_estimate(800), 200);
     }
 
     #[test]
