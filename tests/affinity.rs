@@ -994,9 +994,10 @@ async fn a_flood_of_unique_ids_keeps_the_table_bounded_and_recent_sessions_pinne
     );
 }
 
-#[tokio::test]
-async fn a_new_sessions_first_prompt_counts_without_the_system_prompt_its_backend_keeps() {
-    // As slow as the test above, so a prefill in progress is seen.
+/// A gateway in front of one replica slow enough (2 ms a token: a second
+/// or more for the prompts of the tests using it) that a request's prefill
+/// is seen in progress however busy the machine.
+async fn one_slow_replica() -> ([SimBackend; 1], Gateway) {
     let sims = [SimBackend::start(
         "vllm-0",
         &["--prefill-us-per-token", "2000"],
@@ -1006,6 +1007,12 @@ async fn a_new_sessions_first_prompt_counts_without_the_system_prompt_its_backen
         &format!("{FAST_HEALTH}{}", affinity_yaml(600)),
     )
     .await;
+    (sims, gw)
+}
+
+#[tokio::test]
+async fn a_new_sessions_first_prompt_counts_without_the_system_prompt_its_backend_keeps() {
+    let (_sims, gw) = one_slow_replica().await;
     let c = client();
     let first_turn = |session: &str, body: &Value| {
         c.post(gw.url("/v1/chat/completions"))
@@ -1030,14 +1037,8 @@ async fn a_new_sessions_first_prompt_counts_without_the_system_prompt_its_backen
     .await;
     let system = cached_tokens(&warm.json()["usage"]);
     assert!(system > 0, "the backend kept the system prompt");
-    let shared = || async {
-        gw.queued_prefill_tokens("vllm-0").await;
-        gw.admin_backend("vllm-0").await["learned"]["shared_prefix_tokens"]
-            .as_u64()
-            .expect("shared_prefix_tokens")
-    };
     wait_until("the shared prefix learned", || async {
-        shared().await == system
+        gw.learned("vllm-0", "shared_prefix_tokens").await == system
     })
     .await;
 
@@ -1056,17 +1057,7 @@ async fn a_new_sessions_first_prompt_counts_without_the_system_prompt_its_backen
 
 #[tokio::test]
 async fn prefill_work_queued_at_a_backend_is_counted_until_its_first_byte() {
-    // A replica slow enough (2 ms a token: a second or more for each prompt
-    // below) that a request's prefill is seen however busy the machine.
-    let sims = [SimBackend::start(
-        "vllm-0",
-        &["--prefill-us-per-token", "2000"],
-    )];
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &format!("{FAST_HEALTH}{}", affinity_yaml(600)),
-    )
-    .await;
+    let (_sims, gw) = one_slow_replica().await;
     let queued = || gw.queued_prefill_tokens("vllm-0");
     assert_eq!(queued().await, 0);
     let c = client();

@@ -357,15 +357,21 @@ impl Gateway {
     /// once the admin listener is up (the gateway is ready once its proxy
     /// and metrics listen; the admin listener may come a moment later).
     pub async fn queued_prefill_tokens(&self, id: &str) -> u64 {
+        self.learned(id, "queued_prefill_tokens").await
+    }
+
+    /// One of backend `id`'s `learned` figures as the admin API shows them,
+    /// once the admin listener is up (see `queued_prefill_tokens`).
+    pub async fn learned(&self, id: &str, field: &str) -> u64 {
         wait_until("the admin API listens", || async {
             reqwest::get(self.admin_url("/admin/backends"))
                 .await
                 .is_ok()
         })
         .await;
-        self.admin_backend(id).await["learned"]["queued_prefill_tokens"]
+        self.admin_backend(id).await["learned"][field]
             .as_u64()
-            .expect("queued_prefill_tokens")
+            .unwrap_or_else(|| panic!("learned.{field}"))
     }
 
     pub fn admin_url(&self, path: &str) -> String {
