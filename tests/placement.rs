@@ -258,7 +258,9 @@ async fn a_first_turn_goes_one_session_over_the_bound_rather_than_behind_a_long_
     let (_sims, gw, long_turn) = a_long_prefill_at_vllm_0().await;
     let c = client();
     // Sessions that all hash to vllm-0, one after another. The bound sends
-    // the first to vllm-1; the second finds both within it (one session
+    // the first to vllm-1, whose answers to its first five turns teach the
+    // gateway vllm-1's cost per token (relief is not taken on the prior's
+    // guesses alone). The second finds both within the bound (one session
     // each) and takes idle vllm-1. The third finds vllm-1 at the bound (2 of
     // ⌈4 / 2⌉) and only
     // vllm-0 within it, behind seconds of prefill: it goes one over, to
@@ -268,8 +270,20 @@ async fn a_first_turn_goes_one_session_over_the_bound_rather_than_behind_a_long_
     // would make vllm-1 two over (5 of ⌈7 / 2⌉): vllm-0 takes it, queue or
     // not. The bound holds to within one.
     let sessions = sessions_hashing_to(0, &TWO, 5, "relief");
-    let mut went = Vec::new();
-    for s in &sessions[..4] {
+    let mut went = vec![first_turn(&c, &gw, &sessions[0]).await];
+    for turn in 1..5 {
+        let r = chat(
+            &c,
+            &gw,
+            &[("x-session-id", &sessions[0])],
+            &chat_body("qwen3-8b", turn),
+        )
+        .await;
+        assert_eq!(r.backend.as_deref(), Some("vllm-1"));
+    }
+    let learned = gw.admin_backend("vllm-1").await["learned"]["prefill_us_per_token"].clone();
+    assert!(learned.is_number(), "vllm-1's cost is learned: {learned}");
+    for s in &sessions[1..4] {
         went.push(first_turn(&c, &gw, s).await);
     }
     let child = chat(

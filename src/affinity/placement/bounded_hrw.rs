@@ -99,7 +99,10 @@ fn effective_weight(c: &Candidate, fastest: f64) -> f64 {
 /// [`RELIEF_FLOOR_US`]: a first turn need not wait a whole heavy prefill for
 /// one session's worth of balance. One unit and no more, so the bound still
 /// holds to within one; queues that differ little, or that are idle (where
-/// gateways must agree), leave the choice to bounded HRW.
+/// gateways must agree), leave the choice to bounded HRW. Some backend of the
+/// tier must have learned its cost per token: in a start-up burst, before any
+/// answer, every wait is a guess at the prior, and relief taken on guesses
+/// leaves a lasting excess of sessions on one replica for a first turn's gain.
 pub const RELIEF_SHARE: f64 = 1.0 / 3.0;
 pub const RELIEF_FLOOR_US: u64 = 50_000;
 
@@ -133,6 +136,7 @@ impl FirstPlacement for BoundedHrw {
             return hrw::choose_where(session, open, within).or_else(|| hrw::choose(session, open));
         }
         let unlearned = unlearned_cost(open, self.prior_us_per_token);
+        let learned = open.iter().any(|c| c.prefill_us_per_token > 0.0);
         let wait = |i: usize| open[i].wait_us(unlearned) as u64;
         // Within the bound, or at it (relief: one unit over for a queue much
         // shorter), in one pass.
@@ -141,7 +145,7 @@ impl FirstPlacement for BoundedHrw {
             (load[i] <= cap).then(|| (wait(i), load[i] < cap))
         });
         match (best, short) {
-            (Some(b), Some(s)) if relieves(wait(s), wait(b)) => Some(s),
+            (Some(b), Some(s)) if learned && relieves(wait(s), wait(b)) => Some(s),
             (Some(b), _) => Some(b),
             _ => hrw::choose(session, open),
         }
@@ -335,9 +339,18 @@ mod tests {
         for s in 0..200u64 {
             assert_eq!(q.place(s, &o, &[2, 2, 2]), Some(2));
         }
-        // Loads 2, 2, 3: capacity ⌈8 / 3⌉ = 3, backend 2 is full. Its wait,
-        // 1,000 tokens at the 100 µs prior (100 ms), is 600 ms shorter than
-        // the others' 700 ms (over 50 ms and a third): relief, one over.
+        // Loads 2, 2, 3: capacity ⌈8 / 3⌉ = 3, backend 2 is full. Before any
+        // backend has learned its cost the waits are guesses: no relief, the
+        // least queued of the others.
+        for s in 0..200u64 {
+            let pick = q.place(s, &o, &[2, 2, 3]).unwrap();
+            assert_eq!(Some(pick), hrw::choose_where(s, &o, |i| i < 2));
+        }
+        // Once one backend has learned 100 µs a token (what the others are
+        // then taken to cost too), backend 2's wait (100 ms) is 600 ms
+        // shorter than the others' 700 ms (over 50 ms and a third): relief,
+        // one over.
+        o[1].prefill_us_per_token = 100.0;
         for s in 0..200u64 {
             assert_eq!(q.place(s, &o, &[2, 2, 3]), Some(2));
         }
