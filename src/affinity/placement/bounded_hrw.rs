@@ -136,7 +136,7 @@ impl FirstPlacement for BoundedHrw {
             return hrw::choose_where(session, open, within).or_else(|| hrw::choose(session, open));
         }
         let unlearned = unlearned_cost(open, self.prior_us_per_token);
-        let learned = open.iter().any(|c| c.prefill_us_per_token > 0.0);
+        let learned = || open.iter().any(|c| c.prefill_us_per_token > 0.0);
         let wait = |i: usize| open[i].wait_us(unlearned) as u64;
         // Within the bound, or at it (relief: one unit over for a queue much
         // shorter), in one pass.
@@ -145,7 +145,7 @@ impl FirstPlacement for BoundedHrw {
             (load[i] <= cap).then(|| (wait(i), load[i] < cap))
         });
         match (best, short) {
-            (Some(b), Some(s)) if learned && relieves(wait(s), wait(b)) => Some(s),
+            (Some(b), Some(s)) if relieves(wait(s), wait(b)) && learned() => Some(s),
             (Some(b), _) => Some(b),
             _ => hrw::choose(session, open),
         }
