@@ -18,6 +18,8 @@ use std::hash::Hasher;
 pub enum KeyKind {
     Session = 1,
     Group = 2,
+    /// A conversation named by its prompt (`affinity.prefix`), not by the client.
+    Prompt = 3,
 }
 
 /// The keyed hash functions of one fleet (one `hash_key`).
@@ -57,6 +59,13 @@ impl HrwHasher {
         h.write(id.as_bytes());
         let v = h.finish128();
         ((v.h1 as u128) << 64) | v.h2 as u128
+    }
+
+    /// The seed prompts' block hashes start from (`affinity.prefix`): every
+    /// gateway with this key cuts and names prompts alike, and outsiders
+    /// cannot aim blocks at an index entry.
+    pub fn prefix_seed(&self) -> u64 {
+        mix(self.k0 ^ mix(self.k1 ^ 0x7072_6566_6978))
     }
 
     /// The seed a backend is scored with; computed once per config load.

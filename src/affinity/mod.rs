@@ -12,6 +12,7 @@
 pub mod hrw;
 pub mod placement;
 pub mod policy;
+pub mod prefix;
 pub mod session;
 pub mod store;
 pub mod table;
