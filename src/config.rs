@@ -316,6 +316,31 @@ struct FileAffinity {
     tenant_from_authorization: bool,
     /// Where bindings live: this process only, or shared by a fleet in Redis.
     store: FileStore,
+    /// Prefix-aware routing, also for requests without a session key.
+    prefix: FilePrefix,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct FilePrefix {
+    enabled: bool,
+    block_bytes: usize,
+    max_memory_bytes: usize,
+    max_read_bytes: usize,
+    ttl_seconds: u64,
+}
+
+impl Default for FilePrefix {
+    fn default() -> Self {
+        let d = crate::affinity::prefix::PrefixConfig::default();
+        FilePrefix {
+            enabled: d.enabled,
+            block_bytes: d.block_bytes,
+            max_memory_bytes: d.max_memory_bytes,
+            max_read_bytes: d.max_read_bytes,
+            ttl_seconds: d.ttl.as_secs(),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -377,6 +402,7 @@ impl Default for FileAffinity {
             tenant_header: None,
             tenant_from_authorization: false,
             store: FileStore::default(),
+            prefix: FilePrefix::default(),
         }
     }
 }
@@ -536,6 +562,7 @@ pub struct AffinityConfig {
     pub allow_explicit_target: bool,
     pub tenant: TenantSource,
     pub store: crate::affinity::store::StoreConfig,
+    pub prefix: crate::affinity::prefix::PrefixConfig,
 }
 
 /// Where the tenant that scopes bindings comes from.
@@ -1185,6 +1212,7 @@ fn validate_affinity(
         errors,
     );
     let store = validate_store(&a.store, a.sticky_ttl_seconds, errors);
+    let prefix = validate_prefix(&a.prefix, errors);
     let tenant = match (&a.tenant_header, a.tenant_from_authorization) {
         (Some(_), true) => {
             errors.push(err(
@@ -1229,6 +1257,45 @@ fn validate_affinity(
         allow_explicit_target: a.allow_explicit_target,
         tenant,
         store,
+        prefix,
+    }
+}
+
+/// `affinity.prefix`: prefix-aware routing.
+fn validate_prefix(
+    p: &FilePrefix,
+    errors: &mut Vec<ConfigError>,
+) -> crate::affinity::prefix::PrefixConfig {
+    if !(16..=65536).contains(&p.block_bytes) {
+        errors.push(err(
+            "affinity.prefix.block_bytes",
+            "must be between 16 and 65536",
+        ));
+    }
+    if p.max_memory_bytes < 1 << 20 {
+        errors.push(err(
+            "affinity.prefix.max_memory_bytes",
+            "must be at least 1048576 (1 MiB)",
+        ));
+    }
+    if p.max_read_bytes < p.block_bytes {
+        errors.push(err(
+            "affinity.prefix.max_read_bytes",
+            "must be at least block_bytes",
+        ));
+    }
+    if p.ttl_seconds == 0 || p.ttl_seconds > 7 * 24 * 3600 {
+        errors.push(err(
+            "affinity.prefix.ttl_seconds",
+            "must be between 1 and 604800 (a week)",
+        ));
+    }
+    crate::affinity::prefix::PrefixConfig {
+        enabled: p.enabled,
+        block_bytes: p.block_bytes.clamp(16, 65536),
+        max_memory_bytes: p.max_memory_bytes.max(1 << 20),
+        max_read_bytes: p.max_read_bytes.max(p.block_bytes),
+        ttl: Duration::from_secs(p.ttl_seconds.clamp(1, 7 * 24 * 3600)),
     }
 }
 
@@ -1518,5 +1585,34 @@ tiers:
             "tls_cert_file: /etc/hostname, url: \"rediss://",
         );
         assert_eq!(keys(&half), vec!["affinity.store.url"]);
+    }
+
+    #[test]
+    fn the_prefix_section_is_on_by_default_and_checked() {
+        let c = Config::from_yaml(GOOD).unwrap();
+        assert!(c.affinity.prefix.enabled);
+        assert_eq!(c.affinity.prefix.max_memory_bytes, 64 << 20);
+        let off = GOOD.replace(
+            "  hash_key: \"s3cret\"\n",
+            "  hash_key: \"s3cret\"\n  prefix: { enabled: false }\n",
+        );
+        assert!(!Config::from_yaml(&off).unwrap().affinity.prefix.enabled);
+        let bad = GOOD.replace(
+            "  hash_key: \"s3cret\"\n",
+            "  hash_key: \"s3cret\"\n  prefix: { block_bytes: 4, max_memory_bytes: 10, ttl_seconds: 0 }\n",
+        );
+        assert_eq!(
+            keys(&bad),
+            vec![
+                "affinity.prefix.block_bytes",
+                "affinity.prefix.max_memory_bytes",
+                "affinity.prefix.ttl_seconds"
+            ]
+        );
+        let unknown = GOOD.replace(
+            "  hash_key: \"s3cret\"\n",
+            "  hash_key: \"s3cret\"\n  prefix: { blocks: 1 }\n",
+        );
+        assert_eq!(keys(&unknown), vec!["affinity.prefix.blocks"]);
     }
 }

@@ -114,7 +114,7 @@ pub async fn publish(
         return None;
     }
     let first = match sel.reason {
-        Reason::FirstTurn | Reason::Expired => true,
+        r if r.new_binding() => true,
         Reason::Broken | Reason::Moved => false,
         _ => return None,
     };

@@ -65,6 +65,9 @@ pub struct Gateway {
     gauge_refresh: parking_lot::Mutex<()>,
     /// The fleet's shared bindings (`affinity.store: redis`).
     pub store: Option<Arc<crate::affinity::store::SharedStore>>,
+    /// Prompts, their conversations and where their prefixes are cached
+    /// (`affinity.prefix`).
+    pub prefix: crate::affinity::prefix::Prefix,
 }
 
 impl Gateway {
@@ -111,7 +114,12 @@ impl Gateway {
                 }
             }
         };
+        let prefix = crate::affinity::prefix::Prefix::new(
+            &config.affinity.prefix,
+            routing.hasher.prefix_seed(),
+        );
         Ok(Arc::new(Gateway {
+            prefix,
             routing: ArcSwap::from_pointee(routing),
             affinity,
             metrics,
@@ -190,6 +198,18 @@ impl Gateway {
             (o.trace != n.trace, "trace"),
             (o.affinity.store != n.affinity.store, "affinity.store"),
             (
+                (
+                    o.affinity.prefix.block_bytes,
+                    o.affinity.prefix.max_memory_bytes,
+                    o.affinity.prefix.ttl,
+                ) != (
+                    n.affinity.prefix.block_bytes,
+                    n.affinity.prefix.max_memory_bytes,
+                    n.affinity.prefix.ttl,
+                ),
+                "affinity.prefix.block_bytes / max_memory_bytes / ttl_seconds",
+            ),
+            (
                 tls_listeners(o) != tls_listeners(n),
                 "server.tls.listen / h2",
             ),
@@ -236,6 +256,7 @@ impl Gateway {
         self.health_check.update(&config);
         self.affinity.set_ttl(config.affinity.sticky_ttl);
         configure_affinity(&self.affinity, &config);
+        self.prefix.configure(&config.affinity.prefix);
         let live: HashSet<(u16, u32)> = new
             .tiers
             .iter()
@@ -301,6 +322,17 @@ impl Gateway {
         let routing = self.routing();
         let m = &self.metrics;
         let table = self.affinity.table();
+        m.prefix_index_entries
+            .with_label_values(&[])
+            .set(self.prefix.index.len() as i64);
+        m.prefix_index_bytes
+            .with_label_values(&[])
+            .set(self.prefix.index.heap_bytes() as i64);
+        let evicted = self.prefix.index.stats.evicted.load(Ordering::Relaxed);
+        let counter = m.prefix_index_evictions.with_label_values(&[]);
+        if evicted > counter.get() {
+            counter.inc_by(evicted - counter.get());
+        }
         for tier in &routing.tiers {
             m.bindings
                 .with_label_values(&[&tier.name])

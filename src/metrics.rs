@@ -42,6 +42,11 @@ pub struct Metrics {
     pub store_ops: IntCounterVec,
     pub store_errors: IntCounterVec,
     pub store_latency: HistogramVec,
+    pub prefix_index_entries: IntGaugeVec,
+    pub prefix_index_bytes: IntGaugeVec,
+    pub prefix_index_evictions: IntCounterVec,
+    pub prefix_index_lookups: IntCounterVec,
+    pub prefix_index_corrections: IntCounterVec,
 }
 
 /// A tier's hot-path counters, resolved once per config load.
@@ -52,6 +57,9 @@ pub struct TierMetrics {
     pub broken: IntCounter,
     pub duration: Histogram,
     pub ttfb: Histogram,
+    /// `agentserve_prefix_index_lookups_total{result="matched"|"none"}`.
+    pub prefix_matched: IntCounter,
+    pub prefix_none: IntCounter,
 }
 
 /// One backend's per-request counters in one tier, each resolved from its
@@ -295,6 +303,36 @@ impl Metrics {
                 "Configuration reloads by result",
                 &["result"],
             ),
+            prefix_index_entries: gauge(
+                &r,
+                "agentserve_prefix_index_entries",
+                "Prompt blocks the prefix index holds (affinity.prefix)",
+                &[],
+            ),
+            prefix_index_bytes: gauge(
+                &r,
+                "agentserve_prefix_index_bytes",
+                "Heap bytes the prefix index takes (bounded by affinity.prefix.max_memory_bytes)",
+                &[],
+            ),
+            prefix_index_evictions: counter(
+                &r,
+                "agentserve_prefix_index_evictions_total",
+                "Prompt blocks the prefix index dropped to stay within its memory cap",
+                &[],
+            ),
+            prefix_index_lookups: counter(
+                &r,
+                "agentserve_prefix_index_lookups_total",
+                "Requests whose prompt was looked up in the prefix index, by whether some backend held part of it",
+                &["tier", "result"],
+            ),
+            prefix_index_corrections: counter(
+                &r,
+                "agentserve_prefix_index_corrections_total",
+                "Answers whose cached tokens showed the backend had evicted what the prefix index said it held",
+                &["tier", "backend"],
+            ),
             registry: r,
         }
     }
@@ -333,6 +371,10 @@ impl Metrics {
             broken: self.affinity_broken.with_label_values(&[tier]),
             duration: self.request_duration.with_label_values(&[tier]),
             ttfb: self.time_to_first_byte.with_label_values(&[tier]),
+            prefix_matched: self
+                .prefix_index_lookups
+                .with_label_values(&[tier, "matched"]),
+            prefix_none: self.prefix_index_lookups.with_label_values(&[tier, "none"]),
         }
     }
 

@@ -29,6 +29,8 @@ pub struct TraceRecord<'a> {
     /// `hit`, `first_turn`, `expired`, `broken`, `moved`, ...
     pub reason: Option<&'a str>,
     pub moved_because: Option<&'a str>,
+    /// Tokens of the prompt the prefix index said its backend held.
+    pub prefix_tokens: Option<u64>,
     pub status: u16,
     pub prompt_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
@@ -164,6 +166,7 @@ mod tests {
             affinity_hit: i > 0,
             reason: Some("hit"),
             moved_because: None,
+            prefix_tokens: None,
             status: 200,
             prompt_tokens: Some(100),
             cached_tokens: Some(96),

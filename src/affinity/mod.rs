@@ -21,7 +21,7 @@ use arc_swap::ArcSwap;
 use hrw::{HrwHasher, KeyKind, Scored};
 use placement::bounded_hrw::BoundedHrw;
 use placement::{FirstKind, FirstPlacement, LoadMeasure};
-use policy::{BindingPolicy, DefaultPolicy, MoveReason};
+use policy::{BindingPolicy, DefaultPolicy, MoveReason, ThisTurn};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -54,6 +54,9 @@ pub struct Candidate {
     /// The head's own estimated tokens (0: unknown, the whole queue's
     /// progress is taken as the head's).
     pub head_tokens: u64,
+    /// Tokens of this request's prompt the prefix index says it holds
+    /// (`affinity.prefix`; 0: none, or not known).
+    pub prefix_tokens: u64,
 }
 
 /// A queue's head is overdue — the backend has stalled or slowed several
@@ -174,6 +177,9 @@ pub struct SessionRef {
     pub parent: Option<BindingKey>,
     /// This request's prompt, estimated from its body's size (0: unknown).
     pub prompt_tokens: u64,
+    /// The candidates' [`Candidate::prefix_tokens`] were read from the
+    /// prefix index for this prompt.
+    pub indexed: bool,
 }
 
 impl SessionRef {
@@ -183,6 +189,7 @@ impl SessionRef {
             hash: hasher.session_hash(kind, tier, id),
             parent: None,
             prompt_tokens: 0,
+            indexed: false,
         }
     }
 }
@@ -198,6 +205,8 @@ pub enum Reason {
     Expired,
     /// The binding's backend was down, removed or failed: rebound.
     Broken,
+    /// A new binding went where the prompt's prefix is cached (`affinity.prefix`).
+    Prefix,
     /// Affinity is off (TTL 0): hashed, not stored.
     Disabled,
     /// The table is full of in-flight bindings: served unpinned.
@@ -210,12 +219,31 @@ pub enum Reason {
     ExplicitTarget,
 }
 
+/// Whether the prefix index set `backend` apart among `open`: it holds
+/// more of the prompt than some other backend that could take it.
+fn prefix_chose(backend: u32, open: &[Candidate]) -> bool {
+    let held = |slot| {
+        open.iter()
+            .find(|c| c.slot == slot)
+            .map(|c| c.prefix_tokens)
+    };
+    let least = open.iter().map(|c| c.prefix_tokens).min().unwrap_or(0);
+    held(backend).is_some_and(|h| h > least)
+}
+
 impl Reason {
+    /// A new binding was made (the session's first turn here, by whatever
+    /// placement), not a kept, moved or broken one.
+    pub fn new_binding(self) -> bool {
+        matches!(self, Reason::FirstTurn | Reason::Expired | Reason::Prefix)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::Hit => "hit",
             Reason::FirstTurn => "first_turn",
             Reason::Expired => "expired",
+            Reason::Prefix => "prefix",
             Reason::Broken => "broken",
             Reason::Disabled => "affinity_disabled",
             Reason::TableFull => "table_full",
@@ -387,6 +415,11 @@ impl Affinity {
         self.waiter(key).notify_waiters();
     }
 
+    /// Whether `key` has a live binding (pending or not).
+    pub fn is_live(&self, key: BindingKey) -> bool {
+        self.table.get(key, self.now_ms()).is_some()
+    }
+
     /// Whether `key`'s binding is still waiting for its first request.
     pub fn is_pending(&self, key: BindingKey) -> bool {
         self.table
@@ -549,13 +582,17 @@ impl Affinity {
                     Some((i, turns)) => {
                         let new = turns.next_uncached(session.prompt_tokens);
                         new_tokens = (turns.prompt > 0).then_some(new);
-                        match policy.review(&candidates[i], candidates, &turns, new, now) {
+                        let turn = ThisTurn {
+                            new,
+                            indexed_prompt: session.indexed.then_some(session.prompt_tokens),
+                        };
+                        match policy.review(&candidates[i], candidates, &turns, &turn, now) {
                             None => Decision::Keep,
                             Some(MoveReason::Cost) if !self.claim_move_off(&candidates[i], now) => {
                                 Decision::Keep
                             }
                             Some(reason) => match policy
-                                .destination(reason, &candidates[i], open, &turns, new)
+                                .destination(reason, &candidates[i], open, &turns, &turn)
                                 .or_else(|| fresh(Some(candidates[i].slot)))
                             {
                                 Some(slot) => {
@@ -603,6 +640,8 @@ impl Affinity {
                     Reason::Moved
                 } else if previous.is_some() {
                     Reason::Broken
+                } else if prefix_chose(backend, open) {
+                    Reason::Prefix
                 } else if expired {
                     Reason::Expired
                 } else {

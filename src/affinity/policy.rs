@@ -65,18 +65,38 @@ impl MoveReason {
     }
 }
 
+/// What this turn brings, as a policy weighs it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ThisTurn {
+    /// The uncached tokens it brings to the bound backend, by the
+    /// session's turns there ([`Turns::next_uncached`]).
+    pub new: u64,
+    /// Its whole prompt, when the prefix index has said how much of it each
+    /// candidate holds ([`Candidate::prefix_tokens`]): each one's uncached
+    /// share is then the prompt less that.
+    pub indexed_prompt: Option<u64>,
+}
+
+impl ThisTurn {
+    /// The uncached tokens the turn would bring to `c`.
+    pub fn new_at(&self, c: &Candidate) -> u64 {
+        match self.indexed_prompt {
+            Some(p) => p.saturating_sub(c.prefix_tokens),
+            None => self.new,
+        }
+    }
+}
+
 /// The soft-mode hook: given the bound backend, every candidate, and what the
 /// session's turns found there, keep (`None`) or move, and why; and where a
 /// move goes.
 pub trait BindingPolicy: Send + Sync {
-    /// `new`: the uncached tokens this turn brings to `bound`
-    /// ([`Turns::next_uncached`]).
     fn review(
         &self,
         bound: &Candidate,
         candidates: &[Candidate],
         turns: &Turns,
-        new: u64,
+        turn: &ThisTurn,
         now_ms: u64,
     ) -> Option<MoveReason>;
 
@@ -88,9 +108,9 @@ pub trait BindingPolicy: Send + Sync {
         bound: &Candidate,
         candidates: &[Candidate],
         turns: &Turns,
-        new: u64,
+        turn: &ThisTurn,
     ) -> Option<u32> {
-        let _ = (reason, bound, candidates, turns, new);
+        let _ = (reason, bound, candidates, turns, turn);
         None
     }
 }
@@ -156,15 +176,14 @@ impl DefaultPolicy {
         c.wait_us(unlearned) + c.cost_or(unlearned) * new
     }
 
-    /// The candidate other than `bound` where a turn bringing `new` tokens
-    /// would start soonest.
+    /// The candidate other than `bound` where the turn would start soonest.
     fn soonest_other<'a>(
         bound: &Candidate,
         candidates: &'a [Candidate],
-        new: u64,
+        turn: &ThisTurn,
         unlearned: f64,
     ) -> Option<&'a Candidate> {
-        let wait = |c: &Candidate| Self::wait_us(c, new as f64, unlearned);
+        let wait = |c: &Candidate| Self::wait_us(c, turn.new_at(c) as f64, unlearned);
         candidates
             .iter()
             .filter(|c| c.slot != bound.slot && !c.draining)
@@ -176,7 +195,7 @@ impl DefaultPolicy {
         bound: &Candidate,
         candidates: &[Candidate],
         turns: &Turns,
-        new: u64,
+        turn: &ThisTurn,
         now_ms: u64,
     ) -> bool {
         let p = &self.cost;
@@ -187,14 +206,21 @@ impl DefaultPolicy {
             return false;
         }
         let unlearned = self.unlearned_cost(candidates);
-        let Some(best) = Self::soonest_other(bound, candidates, new, unlearned) else {
+        let Some(best) = Self::soonest_other(bound, candidates, turn, unlearned) else {
             return false;
         };
-        let delta_q = Self::wait_us(bound, new as f64, unlearned)
-            - Self::wait_us(best, new as f64, unlearned);
-        let p_hit = turns.retention();
-        let t_saved = turns.prompt as f64 * best.cost_or(unlearned);
-        delta_q > p_hit * t_saved + p.hysteresis_us as f64
+        let at = |c: &Candidate| Self::wait_us(c, turn.new_at(c) as f64, unlearned);
+        let delta_q = at(bound) - at(best);
+        // With the index, each side already counts the prefill its own cache
+        // leaves (what the bound backend still holds of *this* prompt, not
+        // what its last turn found: a backend that evicted once and then
+        // recomputed the whole prompt holds it again). Without it, ΔQ is
+        // weighed against p_hit · T_saved, p_hit from the last turn.
+        let saved = match turn.indexed_prompt {
+            Some(_) => 0.0,
+            None => turns.retention() * turns.prompt as f64 * best.cost_or(unlearned),
+        };
+        delta_q > saved + p.hysteresis_us as f64
     }
 }
 
@@ -204,7 +230,7 @@ impl BindingPolicy for DefaultPolicy {
         bound: &Candidate,
         candidates: &[Candidate],
         turns: &Turns,
-        new: u64,
+        turn: &ThisTurn,
         now_ms: u64,
     ) -> Option<MoveReason> {
         if bound.draining && (bound.move_on_drain || self.mode == Mode::Soft) {
@@ -215,7 +241,7 @@ impl BindingPolicy for DefaultPolicy {
         }
         match self.soft {
             SoftPolicy::Cost => self
-                .cost_move(bound, candidates, turns, new, now_ms)
+                .cost_move(bound, candidates, turns, turn, now_ms)
                 .then_some(MoveReason::Cost),
             SoftPolicy::InFlight if self.soft_max_in_flight > 0 => {
                 let limit = self.soft_max_in_flight;
@@ -237,11 +263,11 @@ impl BindingPolicy for DefaultPolicy {
         bound: &Candidate,
         candidates: &[Candidate],
         _turns: &Turns,
-        new: u64,
+        turn: &ThisTurn,
     ) -> Option<u32> {
         match reason {
             MoveReason::Cost => {
-                Self::soonest_other(bound, candidates, new, self.unlearned_cost(candidates))
+                Self::soonest_other(bound, candidates, turn, self.unlearned_cost(candidates))
                     .map(|c| c.slot)
             }
             MoveReason::Drain | MoveReason::Overloaded => None,
@@ -264,7 +290,11 @@ mod tests {
     /// `p`'s review of a session bound to `all[0]` whose turn brings as many
     /// new tokens as its last one did.
     fn review(p: &DefaultPolicy, all: &[Candidate], t: &Turns, now_ms: u64) -> Option<MoveReason> {
-        p.review(&all[0], all, t, t.next_uncached(0), now_ms)
+        let turn = ThisTurn {
+            new: t.next_uncached(0),
+            indexed_prompt: None,
+        };
+        p.review(&all[0], all, t, &turn, now_ms)
     }
 
     fn c(slot: u32, in_flight: u64, draining: bool) -> Candidate {
@@ -383,6 +413,45 @@ mod tests {
         assert_eq!(
             review(&COST, &all, &turns(4300, 0, 4000, 0, 0), 0),
             Some(MoveReason::Cost)
+        );
+    }
+
+    #[test]
+    fn with_the_index_a_backend_that_recomputed_an_evicted_prompt_keeps_it() {
+        // The last turn found 1,000 of the 4,000 tokens it should have kept:
+        // by that turn's share the backend "evicted" the session, and a
+        // 300 ms shorter queue elsewhere moved it (the thrash seen on real
+        // traces). But that turn computed the whole prompt again: the index
+        // says backend 0 holds 4,000 of this 4,300-token prompt, backend 1
+        // none. Staying: 2,000 queued + 300 new = 460 ms; moving: 500 +
+        // 4,300 = 960 ms. Stay.
+        let mut all = [queued(0, 2_000, 200.0), queued(1, 500, 200.0)];
+        let t = turns(4300, 1000, 4000, 0, 0);
+        assert_eq!(review(&COST, &all, &t, 0), Some(MoveReason::Cost));
+        all[0].prefix_tokens = 4_000;
+        let indexed = ThisTurn {
+            new: t.next_uncached(0),
+            indexed_prompt: Some(4_300),
+        };
+        assert_eq!(COST.review(&all[0], &all, &t, &indexed, 0), None);
+        // Had it dropped the prompt since (the index holds nothing there
+        // now either), each side pays the whole prefill: the shorter queue wins.
+        all[0].prefix_tokens = 0;
+        assert_eq!(
+            COST.review(&all[0], &all, &t, &indexed, 0),
+            Some(MoveReason::Cost)
+        );
+        // And a prefix the other backend holds counts for the move: with
+        // even queues, backend 1 holding the prompt (backend 0 not) moves.
+        let mut even = [queued(0, 500, 200.0), queued(1, 500, 200.0)];
+        even[1].prefix_tokens = 4_000;
+        assert_eq!(
+            COST.review(&even[0], &even, &t, &indexed, 0),
+            Some(MoveReason::Cost)
+        );
+        assert_eq!(
+            COST.destination(MoveReason::Cost, &even[0], &even, &t, &indexed),
+            Some(1)
         );
     }
 

@@ -27,6 +27,8 @@ impl std::fmt::Display for BadSessionHeader {
 pub enum Source {
     Header(HeaderName),
     Body(String),
+    /// Derived from the conversation's prompt (`affinity.prefix`).
+    Prompt,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -162,6 +164,11 @@ impl<'a> BodyProbe<'a> {
             v = v.get_mut(p.as_str())?.take();
         }
         v.as_str().map(str::to_string)
+    }
+
+    /// The raw value of a top-level member.
+    pub fn raw(&self, name: &str) -> Option<&'a RawValue> {
+        self.top.get(name).copied()
     }
 
     pub fn model(&self) -> Option<String> {

@@ -28,8 +28,8 @@ impl GatewayProxy {
         if malformed {
             // Bad input never leaves a binding behind: drop the one this
             // request made (a binding that existed before stays).
-            if let (Some(sref), Some(Reason::FirstTurn | Reason::Expired)) =
-                (&ctx.session_ref, ctx.reason)
+            if let (Some(sref), Some(true)) =
+                (&ctx.session_ref, ctx.reason.map(Reason::new_binding))
             {
                 self.gw.affinity.forget(sref.key);
             }
@@ -179,6 +179,17 @@ impl GatewayProxy {
             if ctx.reason == Some(Reason::FirstTurn) && ctx.parent.is_none() {
                 b.stats.cost.observe_first_prompt(u.cached_tokens);
             }
+            if let (Some(p), Some(routed)) = (&ctx.prompt, &ctx.prefix_routed) {
+                if self
+                    .gw
+                    .prefix
+                    .observe(p, routed, u.prompt_tokens, u.cached_tokens)
+                {
+                    m.prefix_index_corrections
+                        .with_label_values(&[tier_name, backend_id])
+                        .inc();
+                }
+            }
             if let Some(sref) = ctx.session_ref.as_ref().filter(|_| !ctx.session_final) {
                 self.gw
                     .affinity
@@ -212,6 +223,7 @@ impl GatewayProxy {
                 affinity_hit: ctx.affinity_hit,
                 reason: ctx.reason.map(Reason::as_str),
                 moved_because: ctx.moved.map(|m| m.as_str()),
+                prefix_tokens: ctx.prefix_tokens(),
                 status,
                 prompt_tokens: usage.map(|u| u.prompt_tokens),
                 cached_tokens: usage.map(|u| u.cached_tokens),

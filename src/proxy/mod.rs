@@ -131,6 +131,11 @@ pub struct RequestCtx {
     parent: Option<String>,
     /// What the binding table is keyed with (the group for subagents).
     session_ref: Option<SessionRef>,
+    /// The request's prompt as routing reads it (`affinity.prefix`; its
+    /// block hashes only, once routed).
+    prompt: Option<crate::affinity::prefix::prompt::Prompt>,
+    /// Where it went and how much of it the index said was held there.
+    prefix_routed: Option<crate::affinity::prefix::Routed>,
     /// The whole body, when it was read before routing or kept for a replay.
     body: Option<Bytes>,
     /// `body` counted against the gateway's body budget.
@@ -167,6 +172,13 @@ pub struct RequestCtx {
 }
 
 impl RequestCtx {
+    /// Tokens of the prompt the prefix index said its backend held, when
+    /// the prompt was looked up.
+    fn prefix_tokens(&self) -> Option<u64> {
+        let (p, r) = (self.prompt.as_ref()?, self.prefix_routed.as_ref()?);
+        Some(r.tokens(p))
+    }
+
     fn tier_name(&self) -> Option<&str> {
         self.tier.as_deref().map(|t| &*t.name)
     }
@@ -195,6 +207,10 @@ impl RequestCtx {
             Some(r) => string(&mut out, r.as_str()),
             None => out.extend_from_slice(b"null"),
         }
+        if let Some(tokens) = self.prefix_tokens() {
+            out.extend_from_slice(b",\"prefix_tokens\":");
+            out.extend_from_slice(tokens.to_string().as_bytes());
+        }
         out.push(b'}');
         out
     }
@@ -221,6 +237,8 @@ impl ProxyHttp for GatewayProxy {
             session: None,
             parent: None,
             session_ref: None,
+            prompt: None,
+            prefix_routed: None,
             body: None,
             body_hold: None,
             body_bytes: 0,

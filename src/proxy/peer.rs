@@ -45,7 +45,12 @@ impl GatewayProxy {
         ctx.in_flight = None;
         let previous_lease = ctx.lease.take();
         let owner = previous_lease.as_ref().is_some_and(|l| l.owns_pending());
-        let candidates = tier.candidates(&ctx.excluded);
+        let mut candidates = tier.candidates(&ctx.excluded);
+        // What each candidate holds of the prompt (`affinity.prefix`).
+        let held = ctx
+            .prompt
+            .as_ref()
+            .map(|p| self.gw.prefix.look_up(p, &mut candidates));
 
         // This request's prefill there, for the backend's queued tokens: a
         // kept binding's estimate, else the body less the prefix the
@@ -73,6 +78,7 @@ impl GatewayProxy {
             let index = match ctx.session_ref.clone() {
                 Some(mut sref) => {
                     sref.prompt_tokens = body_tokens;
+                    sref.indexed = held.is_some();
                     let wait = routing.config.affinity.single_flight_wait;
                     let store = self.gw.store.clone();
                     if let Some(store) = &store {
@@ -143,6 +149,22 @@ impl GatewayProxy {
         };
         if let Some(old) = previous_lease {
             old.hand_over();
+        }
+        if let (Some(p), Some(held)) = (ctx.prompt.as_ref(), held) {
+            let at = candidates.iter().position(|c| c.slot == backend.slot);
+            let routed =
+                self.gw
+                    .prefix
+                    .routed(p, backend.slot, at.map(|i| held[i]).unwrap_or_default());
+            match held.iter().any(|h| h.blocks > 0) {
+                true => tier.metrics.prefix_matched.inc(),
+                false => tier.metrics.prefix_none.inc(),
+            }
+            // A new binding's prefill there: the prompt less what is held.
+            if routed.held.blocks > 0 {
+                new_tokens = new_tokens.or(Some(body_tokens.saturating_sub(routed.tokens(p))));
+            }
+            ctx.prefix_routed = Some(routed);
         }
         ctx.in_flight = Some(InFlight::new(
             &backend.stats,

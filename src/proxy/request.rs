@@ -138,10 +138,27 @@ impl GatewayProxy {
             None => None,
         };
         let mut session_id = session_id;
-        let needs_body = method_has_body(session.req_header())
-            && declared != Some(0)
+        let has_body = method_has_body(session.req_header()) && declared != Some(0);
+        let prefix = &self.gw.prefix;
+        // The prompt is read to name a keyless conversation, to place a new
+        // binding where its prefix lives, and in soft mode to weigh a move
+        // by what each backend holds of it. A keyed turn of a live binding
+        // (hard mode) needs none of that and streams through unread.
+        let read_prompt = prefix.enabled()
+            && (session_id.is_none()
+                || cfg.affinity.mode == crate::affinity::policy::Mode::Soft
+                || !self.has_live_binding(
+                    &routing,
+                    tier.as_ref(),
+                    &scope_suffix,
+                    &session_id,
+                    &parent,
+                    &parent_agent,
+                ));
+        let needs_body = has_body
             && ((tier.is_none() && routing.routes_by_model())
-                || (session_id.is_none() && !cfg.affinity.body_session_fields.is_empty()));
+                || (session_id.is_none() && !cfg.affinity.body_session_fields.is_empty())
+                || read_prompt);
         // A body larger than Pingora's retry buffer is kept whole (within the
         // budget) so that a request meeting a dead pooled connection can be
         // re-sent; smaller ones Pingora's own buffer replays.
@@ -192,18 +209,37 @@ impl GatewayProxy {
                 Some(self.gw.body_budget.hold(ctx.body_bytes))
             });
             if let Some(probe) = needs_body.then(|| BodyProbe::parse(&body)).flatten() {
+                let model = probe.model();
                 if tier.is_none() {
-                    if let Some(model) = probe.model() {
-                        tier = routing.tier_by_model(&model).cloned();
+                    if let Some(model) = &model {
+                        tier = routing.tier_by_model(model).cloned();
                     }
                 }
                 if session_id.is_none() {
                     session_id = probe.session(&cfg.affinity.body_session_fields);
                 }
+                if read_prompt {
+                    let cached_in = tier.as_ref().unwrap_or_else(|| routing.default_tier());
+                    ctx.prompt = prefix.read(&cached_in.name, model.as_deref(), |f| probe.raw(f));
+                }
             }
             ctx.body = Some(body);
         }
         let tier = tier.unwrap_or_else(|| Arc::clone(routing.default_tier()));
+        // No key from the client: the conversation its prompt belongs to.
+        let mut implicit = None;
+        if let (None, Some(p)) = (&session_id, ctx.prompt.as_mut()) {
+            let conversation = prefix.conversation(p);
+            implicit = Some(format!("{conversation:032x}"));
+            session_id = Some(SessionId {
+                id: format!("prompt-{:016x}", (conversation >> 64) as u64),
+                source: session::Source::Prompt,
+            });
+        }
+        if let Some(p) = ctx.prompt.as_mut() {
+            // Only the block hashes are needed from here on.
+            p.canon = Vec::new();
+        }
 
         // Bindings are scoped by tier (and tenant, when configured).
         let scope = if scope_suffix.is_empty() {
@@ -227,6 +263,9 @@ impl GatewayProxy {
                 group.parent = Some(h.fingerprint(KeyKind::Session, &scope, &s.id));
                 Some(group)
             }
+            (None, _, Some(_)) if implicit.is_some() => implicit
+                .as_deref()
+                .map(|id| SessionRef::new(h, KeyKind::Prompt, &scope, id)),
             (None, _, Some(s)) => Some(SessionRef::new(h, KeyKind::Session, &scope, &s.id)),
             (None, _, None) => None,
         };
@@ -235,6 +274,38 @@ impl GatewayProxy {
         ctx.tier = Some(tier);
         ctx.routing = Some(routing);
         Ok(())
+    }
+
+    /// Whether a keyed request's session (or subagent group) has a live
+    /// binding here, judged before its body is read: `false` when that
+    /// cannot be told yet (the tier comes from the body's model).
+    fn has_live_binding(
+        &self,
+        routing: &Routing,
+        tier: Option<&Arc<Tier>>,
+        scope_suffix: &str,
+        session_id: &Option<SessionId>,
+        parent: &Option<SessionId>,
+        parent_agent: &Option<SessionId>,
+    ) -> bool {
+        let tier = match tier {
+            Some(t) => t,
+            None if !routing.routes_by_model() => routing.default_tier(),
+            None => return false,
+        };
+        let scope = format!("{}{scope_suffix}", tier.name);
+        let h = &routing.hasher;
+        let key = match (parent, parent_agent, session_id) {
+            (Some(p), _, _) => h.fingerprint(KeyKind::Group, &scope, &p.id),
+            (None, Some(agent), Some(s)) => h.fingerprint(
+                KeyKind::Group,
+                &scope,
+                &format!("{}\u{1f}{}", s.id, agent.id),
+            ),
+            (None, _, Some(s)) => h.fingerprint(KeyKind::Session, &scope, &s.id),
+            (None, _, None) => return false,
+        };
+        self.gw.affinity.is_live(key)
     }
 
     /// The 408 for a client that was too slow (its body stalled or crawled),

@@ -162,6 +162,8 @@ impl Backend {
             queued_tokens: queue.tokens,
             head_ms: queue.head_ms,
             head_tokens: queue.head_tokens,
+            // The request's prompt fills it in (`affinity::prefix`).
+            prefix_tokens: 0,
         }
     }
 

@@ -132,12 +132,24 @@ impl FirstPlacement for BoundedHrw {
     fn place(&self, session: u64, open: &[Candidate], load: &[u64]) -> Option<usize> {
         let totals = Totals::of(open, load, self.speed_aware);
         let within = |i: usize| load[i] < self.capacity(&open[i], &totals);
-        if !self.queue_aware {
+        let most_held = open.iter().map(|c| c.prefix_tokens).max().unwrap_or(0);
+        if !self.queue_aware && most_held == 0 {
             return hrw::choose_where(session, open, within).or_else(|| hrw::choose(session, open));
         }
         let unlearned = unlearned_cost(open, self.prior_us_per_token);
         let learned = || open.iter().any(|c| c.prefill_us_per_token > 0.0);
-        let wait = |i: usize| open[i].wait_us(unlearned) as u64;
+        // How much later the first token comes at `i` than at the best:
+        // the queue there (queue-aware), and the prefill of what it does
+        // not hold of the prompt that some backend does. One cost per token
+        // for every backend: equal holdings tie (HRW decides), and a prefix
+        // that every backend holds is no reason to pick one.
+        let wait = |i: usize| {
+            let queue = match self.queue_aware {
+                true => open[i].wait_us(unlearned),
+                false => 0.0,
+            };
+            (queue + (most_held - open[i].prefix_tokens) as f64 * unlearned) as u64
+        };
         // Within the bound, or at it (relief: one unit over for a queue much
         // shorter), in one pass.
         let (best, short) = hrw::choose_least_of_two(session, open, |i| {
@@ -384,5 +396,50 @@ mod tests {
             ..q
         };
         assert_eq!(blind.place(s, &o, &[2, 2, 4]), Some(1));
+    }
+
+    #[test]
+    fn a_new_binding_goes_where_its_prefix_is_held_within_the_bound() {
+        let q = BoundedHrw {
+            balance_factor: 1.0,
+            queue_aware: true,
+            ..B
+        };
+        let mut o = open(3);
+        // Backend 1 holds 4,000 tokens of the prompt (a fork, a retry under
+        // a fresh id, a subagent repeating its parent): it wins, whatever
+        // the hash says.
+        o[1].prefix_tokens = 4_000;
+        for s in 0..200u64 {
+            assert_eq!(q.place(s, &o, &[2, 2, 2]), Some(1));
+        }
+        // Queue-blind placement reads the prefix too.
+        let blind = BoundedHrw {
+            queue_aware: false,
+            ..q
+        };
+        assert_eq!(blind.place(7, &o, &[2, 2, 2]), Some(1));
+        // A prefix every backend holds (a shared system prompt) is no reason
+        // to pick one: plain HRW.
+        for c in o.iter_mut() {
+            c.prefix_tokens = 2_000;
+        }
+        for s in 0..200u64 {
+            assert_eq!(q.place(s, &o, &[2, 2, 2]), hrw::choose(s, &o));
+        }
+        // The bound still rules: backend 1 full (loads 2, 3, 2: capacity 3)
+        // and nothing learned yet, its prefix waits for a backend with room.
+        o[1].prefix_tokens = 4_000;
+        for s in 0..200u64 {
+            let pick = q.place(s, &o, &[2, 3, 2]).unwrap();
+            assert_eq!(Some(pick), hrw::choose_where(s, &o, |i| i != 1));
+        }
+        // A queue longer than the prefill the prefix saves outweighs it:
+        // 30,000 tokens queued at backend 1 (3 s) against 2,000 saved (200 ms).
+        o[1].queued_tokens = 30_000;
+        for s in 0..200u64 {
+            let pick = q.place(s, &o, &[2, 2, 2]).unwrap();
+            assert_eq!(Some(pick), hrw::choose_where(s, &o, |i| i != 1));
+        }
     }
 }

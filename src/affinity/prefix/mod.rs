@@ -15,6 +15,7 @@ pub mod ends;
 pub mod index;
 pub mod prompt;
 
+use super::Candidate;
 use index::PrefixIndex;
 use prompt::{Chunker, Prompt};
 use serde_json::value::RawValue;
@@ -65,6 +66,14 @@ pub struct Prefix {
 pub struct Routed {
     pub slot: u32,
     pub held: index::Held,
+    pub block_bytes: usize,
+}
+
+impl Routed {
+    /// Estimated tokens of `p` held there.
+    pub fn tokens(&self, p: &Prompt) -> u64 {
+        p.block_tokens(self.held.blocks as usize, self.block_bytes)
+    }
 }
 
 impl Prefix {
@@ -127,9 +136,26 @@ impl Prefix {
             .unwrap_or_else(|| self.ends.conversation(p, self.block_bytes))
     }
 
-    /// Estimated tokens of `p` held by a backend holding `held`.
-    pub fn held_tokens(&self, p: &Prompt, held: &index::Held) -> u64 {
-        p.block_tokens(held.blocks as usize, self.block_bytes)
+    /// Fill in each candidate's [`Candidate::prefix_tokens`] for `p`.
+    /// Returns what each holds.
+    pub fn look_up(&self, p: &Prompt, candidates: &mut [Candidate]) -> Vec<index::Held> {
+        let slots: Vec<u32> = candidates.iter().map(|c| c.slot).collect();
+        let held = self.index.lookup(&p.blocks, &slots, self.index.now());
+        for (c, h) in candidates.iter_mut().zip(&held) {
+            c.prefix_tokens = p.block_tokens(h.blocks as usize, self.block_bytes);
+        }
+        held
+    }
+
+    /// The request with prompt `p` goes to `slot`, which held `held` of it:
+    /// from now on the index takes it to hold the whole prompt.
+    pub fn routed(&self, p: &Prompt, slot: u32, held: index::Held) -> Routed {
+        self.index.record(&p.blocks, slot, self.index.now());
+        Routed {
+            slot,
+            held,
+            block_bytes: self.block_bytes,
+        }
     }
 
     /// What a routed request's answer showed: `cached` of its `prompt_tokens`

@@ -1,0 +1,216 @@
+//! Prefix-aware routing through the real gateway and simulated replicas:
+//! conversations without a session id are bound by their prompt, a new
+//! binding goes where its prefix is cached, malformed bodies bind nothing,
+//! and `affinity.prefix.enabled: false` is the behaviour before.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::collections::{HashMap, HashSet};
+
+/// 8 KiB shared by every conversation, as an agent framework's system prompt.
+fn system_prompt() -> String {
+    "You are a careful coding agent; follow the repository's conventions. ".repeat(120)
+}
+
+/// A growing transcript: turns `0..=turn` of conversation `c`.
+fn transcript(c: usize, turn: usize) -> Value {
+    let mut messages = vec![json!({"role": "system", "content": system_prompt()})];
+    for t in 0..=turn {
+        messages.push(json!({"role": "user", "content": format!("conversation {c}, turn {t}: {}", "details ".repeat(40))}));
+        if t < turn {
+            messages.push(json!({"role": "assistant", "content": format!("done with {c}.{t}")}));
+        }
+    }
+    json!({"model": "m", "messages": messages, "max_tokens": 2})
+}
+
+fn meta(r: &Reply) -> Value {
+    r.json()["x_agent_serve"].clone()
+}
+
+fn usage(r: &Reply) -> (u64, u64) {
+    let u = &r.json()["usage"];
+    (
+        u["prompt_tokens"].as_u64().unwrap_or(0),
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+    )
+}
+
+#[tokio::test]
+async fn conversations_without_a_session_id_stay_on_one_backend_and_find_their_cache() {
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let c = client();
+    let mut homes: HashMap<usize, HashSet<String>> = HashMap::new();
+    let mut sessions = HashSet::new();
+    for turn in 0..4 {
+        for conv in 0..12 {
+            let r = chat(&c, &gw, &[], &transcript(conv, turn)).await;
+            assert_eq!(r.status, 200);
+            let m = meta(&r);
+            let session = m["session"]
+                .as_str()
+                .expect("an implicit session")
+                .to_string();
+            assert!(session.starts_with("prompt-"), "{session}");
+            if turn == 0 {
+                assert!(
+                    sessions.insert(session),
+                    "conversation {conv} has its own name"
+                );
+                assert_eq!(r.hit.as_deref(), Some("false"));
+            } else {
+                assert_eq!(r.hit.as_deref(), Some("true"), "{conv}.{turn}: {m}");
+                assert_eq!(m["reason"], "hit");
+                // The backend kept the transcript: all but this turn's new
+                // message (and the sim's block rounding) was cached.
+                let (prompt, cached) = usage(&r);
+                assert!(
+                    cached * 10 >= prompt * 8,
+                    "{conv}.{turn}: {cached} of {prompt}"
+                );
+            }
+            homes.entry(conv).or_default().insert(r.backend.unwrap());
+        }
+    }
+    assert!(homes.values().all(|b| b.len() == 1), "{homes:?}");
+    // A system prompt every conversation shares pulled none of them together:
+    // bounded-load placement spread them 4/4/4.
+    let mut per_backend: HashMap<String, usize> = HashMap::new();
+    for b in homes.values() {
+        *per_backend
+            .entry(b.iter().next().unwrap().clone())
+            .or_default() += 1;
+    }
+    assert_eq!(per_backend.len(), 3, "{per_backend:?}");
+    assert!(per_backend.values().all(|&n| n == 4), "{per_backend:?}");
+    gw.metric_reaches("agentserve_affinity_hits_total{tier=\"default\"}", 36.0)
+        .await;
+    gw.metric_reaches("agentserve_affinity_misses_total{tier=\"default\"}", 12.0)
+        .await;
+    assert!(gw.metric("agentserve_prefix_index_entries").await > 0.0);
+    // Every request was looked up (all samples, matched or not).
+    assert_eq!(
+        gw.metric("agentserve_prefix_index_lookups_total{").await,
+        48.0
+    );
+}
+
+#[tokio::test]
+async fn a_new_session_goes_where_its_prompt_is_cached() {
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let c = client();
+    // Six sessions, two a backend; one of them runs three turns...
+    for other in 1..6 {
+        let sid = format!("other-{other}");
+        let r = chat(&c, &gw, &[("x-session-id", &sid)], &transcript(other, 0)).await;
+        assert_eq!(r.status, 200);
+    }
+    let mut home = None;
+    for turn in 0..3 {
+        let r = chat(
+            &c,
+            &gw,
+            &[("x-session-id", "original")],
+            &transcript(0, turn),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        home = r.backend;
+    }
+    let home = home.unwrap();
+    // ...then the client retries its next turn under a fresh id (a restarted
+    // agent, a fork): a new binding, placed where the transcript's prefix is
+    // although its hash may say otherwise.
+    let r = chat(&c, &gw, &[("x-session-id", "fresh")], &transcript(0, 3)).await;
+    assert_eq!(r.backend.as_deref(), Some(home.as_str()));
+    let m = meta(&r);
+    assert_eq!(m["reason"], "prefix", "{m}");
+    assert!(m["prefix_tokens"].as_u64().unwrap() > 2_000, "{m}");
+    let (prompt, cached) = usage(&r);
+    assert!(cached * 10 >= prompt * 7, "{cached} of {prompt}");
+}
+
+#[tokio::test]
+async fn a_body_that_is_no_prompt_routes_least_busy_and_binds_nothing() {
+    let (_sims, gw) = fleet(2, &affinity_yaml(1800)).await;
+    let c = client();
+    for body in [
+        &b"not json at all"[..],
+        br#"{"model":"m","messages":"nope"}"#,
+        br#"[1,2]"#,
+    ] {
+        let r = c
+            .post(gw.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body.to_vec())
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            r.status().is_client_error(),
+            "the sim refuses it: {}",
+            r.status()
+        );
+        assert_eq!(
+            r.headers()["x-agent-serve-affinity-hit"],
+            "false",
+            "no binding to hit"
+        );
+    }
+    assert_eq!(
+        gw.metric("agentserve_bindings{tier=\"default\"}").await,
+        0.0
+    );
+    assert_eq!(gw.metric("agentserve_prefix_index_entries").await, 0.0);
+}
+
+#[tokio::test]
+async fn prompts_of_token_ids_are_conversations_too() {
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let c = client();
+    let mut homes: HashMap<usize, HashSet<String>> = HashMap::new();
+    for turn in 1..=4usize {
+        for conv in 0..6usize {
+            // A 1,024-token prefix every conversation shares, then its own.
+            let mut ids: Vec<u32> = (1..=1024).collect();
+            ids.extend((0..turn * 300).map(|i| 10_000 + (conv * 5_000 + i) as u32));
+            let r = c
+                .post(gw.url("/v1/completions"))
+                .json(&json!({"model": "m", "prompt": ids, "max_tokens": 1}))
+                .send()
+                .await
+                .unwrap();
+            let r = reply(r).await;
+            assert_eq!(r.status, 200);
+            if turn > 1 {
+                assert_eq!(r.hit.as_deref(), Some("true"), "{conv}.{turn}");
+            }
+            homes.entry(conv).or_default().insert(r.backend.unwrap());
+        }
+    }
+    assert!(homes.values().all(|b| b.len() == 1), "{homes:?}");
+    let used: HashSet<_> = homes.values().flatten().collect();
+    assert_eq!(used.len(), 3, "spread, not merged by their shared prefix");
+}
+
+#[tokio::test]
+async fn with_prefix_routing_off_a_keyless_request_is_unbound_as_before() {
+    let off = format!("{}  prefix:\n    enabled: false\n", affinity_yaml(1800));
+    let (_sims, gw) = fleet(3, &off).await;
+    let c = client();
+    for turn in 0..3 {
+        let r = chat(&c, &gw, &[], &transcript(0, turn)).await;
+        assert_eq!(r.status, 200);
+        let m = meta(&r);
+        assert_eq!(m["reason"], "no_session");
+        assert!(m.get("prefix_tokens").is_none());
+    }
+    assert_eq!(
+        gw.metric("agentserve_bindings{tier=\"default\"}").await,
+        0.0
+    );
+}
