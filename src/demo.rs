@@ -300,23 +300,27 @@ async fn study(
     with_ideal: bool,
 ) -> std::io::Result<Vec<report::Report>> {
     let mut out = Vec::new();
+    // (client sends, gateway's affinity lines, straight to the replicas, label)
     let mut runs = vec![
-        (false, false, "affinity on"),
-        (true, false, "affinity off (fresh ids)"),
+        (Ids::Sticky, "", false, "affinity on"),
+        (Ids::None, "", false, "no session id (prefix routing)"),
+        // Nothing pins a turn: no id, and no prompt read either.
+        (Ids::Fresh, PREFIX_OFF, false, "affinity off (fresh ids)"),
     ];
     if real.is_some() {
-        runs.push((false, true, "round robin, no gateway"));
+        runs.push((Ids::Sticky, "", true, "round robin, no gateway"));
     }
-    for (fresh, direct, label) in runs {
+    for (ids, affinity, direct, label) in runs {
         // Fresh replicas for every run: no run inherits another's cache.
-        let fleet = start_fleet(exe, m, real, 3, "", "").await?;
+        let fleet = start_fleet(exe, m, real, 3, affinity, "").await?;
         let mut a = base.clone();
         a.url = if direct {
             fleet.backend_urls.join(",")
         } else {
             fleet.gateway_url.clone()
         };
-        a.fresh_ids = fresh;
+        a.fresh_ids = ids == Ids::Fresh;
+        a.keyless = ids == Ids::None;
         a.label = format!("{name}: {label}");
         // The same text in every run (each has fresh replicas): a fair comparison.
         a.id_prefix = name.to_string();
@@ -344,6 +348,20 @@ async fn study(
     }
     Ok(out)
 }
+
+/// The session ids a study's client sends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ids {
+    /// One per session, on every turn.
+    Sticky,
+    /// A new one on every request.
+    Fresh,
+    /// None at all: the OpenAI SDKs' default.
+    None,
+}
+
+/// Affinity lines that turn prefix-aware routing off.
+const PREFIX_OFF: &str = "  prefix:\n    enabled: false\n";
 
 /// The sum of a metric's samples (`prefix` is its name and `{`).
 async fn metric_sum(metrics_url: &str, prefix: &str) -> u64 {
@@ -476,7 +494,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     println!("{}", report::comparison_table(&seed_reports));
     println!("Long study ({} sessions × {} turns, c=6, 3 KB system prompt + 12 KB document per session):\n", long.sessions, long.turns);
     println!("{}", report::comparison_table(&long_reports));
-    print_turns(&long_reports[..2]);
+    print_turns(&long_reports[..3]);
     println!("chart: {}", args.svg.display());
     println!("finished in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
@@ -495,19 +513,23 @@ fn contention(args: &DemoArgs) -> Model {
 }
 
 /// A study variant, `first[,key=value...]`, as (affinity lines, placement
-/// section): `mode` and `soft_policy` are affinity keys, the rest placement
+/// section, whether the client sends no session id): `mode` and
+/// `soft_policy` are affinity keys, `prefix=off` turns prefix routing off,
+/// `ids=none` sends no session or parent header, the rest are placement
 /// keys (e.g. `bounded_hrw,load=requests,mode=soft`).
-fn variant_yaml(variant: &str) -> (String, String) {
+fn variant_yaml(variant: &str) -> (String, String, bool) {
     let (mut affinity, mut placement) = (String::new(), String::from("placement:\n"));
+    let mut keyless = false;
     for kv in variant.split(',').filter(|kv| !kv.is_empty()) {
         let (k, v) = kv.split_once('=').unwrap_or(("first", kv));
-        let section = match k {
-            "mode" | "soft_policy" => &mut affinity,
-            _ => &mut placement,
-        };
-        section.push_str(&format!("  {k}: {v}\n"));
+        match (k, v) {
+            ("ids", "none") => keyless = true,
+            ("prefix", "off") => affinity.push_str(PREFIX_OFF),
+            ("mode" | "soft_policy", _) => affinity.push_str(&format!("  {k}: {v}\n")),
+            _ => placement.push_str(&format!("  {k}: {v}\n")),
+        }
     }
-    (affinity, placement)
+    (affinity, placement, keyless)
 }
 
 /// First placement when replicas contend for compute: the load-blind HRW of
@@ -542,10 +564,11 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
         let mut runs: Vec<Vec<report::Report>> = vec![Vec::new(); variants.len()];
         for r in 0..repeats {
             for (v, first) in variants.iter().enumerate() {
-                let (affinity, placement) = variant_yaml(first);
+                let (affinity, placement, keyless) = variant_yaml(first);
                 let fleet = start_fleet(exe, &model, None, 3, &affinity, &placement).await?;
                 let mut a = a.clone();
                 a.url = fleet.gateway_url.clone();
+                a.keyless = keyless;
                 let setting = match model.serial_prefill {
                     true => "contention",
                     false => "no contention",
@@ -693,10 +716,11 @@ async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<r
     let mut runs: Vec<Vec<report::Report>> = vec![Vec::new(); variants.len()];
     for r in 0..repeats {
         for (v, first) in variants.iter().enumerate() {
-            let (affinity, placement) = variant_yaml(first);
+            let (affinity, placement, keyless) = variant_yaml(first);
             let mut fleet = start_fleet(exe, &model, None, 3, &affinity, &placement).await?;
             let mut run = a.clone();
             run.url = fleet.gateway_url.clone();
+            run.keyless = keyless;
             run.label = format!("replica out at 1/3, back empty at 2/3: {first} (ids {r})");
             run.id_prefix = format!("recovery{r}");
             let bench = tokio::spawn(async move { loadgen::run(&run).await });

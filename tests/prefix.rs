@@ -198,19 +198,44 @@ async fn prompts_of_token_ids_are_conversations_too() {
 }
 
 #[tokio::test]
-async fn with_prefix_routing_off_a_keyless_request_is_unbound_as_before() {
-    let off = format!("{}  prefix:\n    enabled: false\n", affinity_yaml(1800));
-    let (_sims, gw) = fleet(3, &off).await;
+async fn a_first_turn_is_queued_as_its_prompt_less_what_its_backend_holds() {
+    // One replica slow enough (2 ms a token) that a prefill is seen in
+    // progress however busy the machine.
+    let sims = [SimBackend::start(
+        "vllm-0",
+        &["--prefill-us-per-token", "2000"],
+    )];
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(600)),
+    )
+    .await;
     let c = client();
-    for turn in 0..3 {
-        let r = chat(&c, &gw, &[], &transcript(0, turn)).await;
-        assert_eq!(r.status, 200);
-        let m = meta(&r);
-        assert_eq!(m["reason"], "no_session");
-        assert!(m.get("prefix_tokens").is_none());
-    }
-    assert_eq!(
-        gw.metric("agentserve_bindings{tier=\"default\"}").await,
-        0.0
-    );
+    let system = "Shared instructions for every conversation. ".repeat(24);
+    let body = |user: String| {
+        json!({"model": "m", "max_tokens": 1, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user},
+        ]})
+    };
+    // One conversation computes the system prompt...
+    assert_eq!(chat(&c, &gw, &[], &body("hi".into())).await.status, 200);
+    // ...and another's first turn, with 4 KB of its own, is queued while it
+    // prefills as its body less what the index says the backend holds.
+    let second = body("a fresh question ".repeat(240));
+    let bytes = serde_json::to_vec(&second).unwrap().len() as u64;
+    let turn = {
+        let (c, url, second) = (client(), gw.url("/v1/chat/completions"), second.clone());
+        tokio::spawn(async move { reply(c.post(url).json(&second).send().await.unwrap()).await })
+    };
+    wait_until("the second first turn is queued", || async {
+        gw.queued_prefill_tokens("vllm-0").await > 0
+    })
+    .await;
+    let queued = gw.queued_prefill_tokens("vllm-0").await;
+    let r = turn.await.unwrap();
+    assert_eq!(r.status, 200);
+    let held = meta(&r)["prefix_tokens"].as_u64().unwrap();
+    assert!(held >= 256, "the system prompt's blocks: {held}");
+    assert_eq!(queued, bytes / 4 - held);
 }

@@ -390,8 +390,9 @@ async fn sse_events_are_not_buffered() {
 }
 
 #[tokio::test]
-async fn requests_without_a_session_are_served_unbound() {
-    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+async fn with_prefix_routing_off_requests_without_a_session_are_served_unbound() {
+    let off = format!("{}  prefix:\n    enabled: false\n", affinity_yaml(1800));
+    let (_sims, gw) = fleet(3, &off).await;
     let client = client();
     let mut used = HashSet::new();
     for turn in 0..9 {

@@ -64,6 +64,10 @@ pub struct BenchArgs {
     /// A new session id on every request: what a gateway sees with affinity off.
     #[arg(long)]
     pub fresh_ids: bool,
+    /// Send no session or parent header at all, as the OpenAI SDKs and most
+    /// chat front ends do: the gateway knows a conversation only by its prompt.
+    #[arg(long)]
+    pub keyless: bool,
     #[arg(long, default_value = "qwen3-8b")]
     pub model: String,
     /// Use non-streaming requests (TTFT is then the whole response time).
@@ -199,12 +203,12 @@ fn next_url(urls: &str) -> &str {
 async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
     let started = Instant::now();
     let base = next_url(&args.url);
-    let mut req = client
-        .post(format!("{base}{}", t.path))
-        .header(args.session_header.as_str(), t.session_id.as_str())
-        .json(&t.body);
-    if let Some(p) = &t.parent_id {
-        req = req.header(args.parent_header.as_str(), p.as_str());
+    let mut req = client.post(format!("{base}{}", t.path)).json(&t.body);
+    if !args.keyless {
+        req = req.header(args.session_header.as_str(), t.session_id.as_str());
+        if let Some(p) = &t.parent_id {
+            req = req.header(args.parent_header.as_str(), p.as_str());
+        }
     }
     let mut out = Outcome::default();
     let resp = match req.send().await {

@@ -81,6 +81,9 @@ pub struct Report {
     pub affinity_hit_rate: f64,
     /// Turns ≥ 2 that landed on the previous turn's backend.
     pub same_backend_rate: f64,
+    /// Distinct backends that served a conversation's turns, on average
+    /// (1.00: every conversation stayed on one replica).
+    pub replicas_per_conversation: f64,
     /// Σ cached prompt tokens / Σ prompt tokens.
     pub prefix_cache_hit_rate: f64,
     pub prompt_tokens: u64,
@@ -118,6 +121,18 @@ impl Report {
         for r in &ok {
             by_session.entry(r.session).or_default().push(r);
         }
+        let replicas_per_conversation = if by_session.is_empty() {
+            0.0
+        } else {
+            let distinct = by_session.values().map(|turns| {
+                turns
+                    .iter()
+                    .filter_map(|r| r.backend.as_deref())
+                    .collect::<std::collections::HashSet<_>>()
+                    .len()
+            });
+            distinct.sum::<usize>() as f64 / by_session.len() as f64
+        };
         let (mut later, mut same) = (0usize, 0usize);
         for turns in by_session.values_mut() {
             turns.sort_by_key(|r| r.turn);
@@ -204,6 +219,7 @@ impl Report {
             } else {
                 ok.iter().filter(|r| r.affinity_hit == Some(true)).count() as f64 / ok.len() as f64
             },
+            replicas_per_conversation,
             same_backend_rate: if later == 0 {
                 0.0
             } else {
@@ -247,21 +263,22 @@ pub fn comparison_table(reports: &[Report]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| run | requests | errors | affinity hit | same backend as last turn | prefix-cache hit | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | req/s | balance |"
+        "| run | requests | errors | affinity hit | same backend as last turn | replicas per conversation | prefix-cache hit | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | req/s | balance |"
     );
     let _ = writeln!(
         s,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in reports {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.1}% | {:.1}% | {:.1}% | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} | {:.2} |",
+            "| {} | {} | {} | {:.1}% | {:.1}% | {:.2} | {:.1}% | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} | {:.2} |",
             r.label,
             r.requests,
             r.errors,
             r.affinity_hit_rate * 100.0,
             r.same_backend_rate * 100.0,
+            r.replicas_per_conversation,
             r.prefix_cache_hit_rate * 100.0,
             r.ttft.p50_ms,
             r.ttft.p99_ms,
