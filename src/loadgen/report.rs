@@ -86,6 +86,9 @@ pub struct Report {
     pub replicas_per_conversation: f64,
     /// Σ cached prompt tokens / Σ prompt tokens.
     pub prefix_cache_hit_rate: f64,
+    /// The same over conversations' later turns (from the second on):
+    /// what a warm turn found cached.
+    pub warm_prefix_cache_hit_rate: f64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     pub ttft: Percentiles,
@@ -144,6 +147,10 @@ impl Report {
 
         let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
         let cached: u64 = ok.iter().map(|r| r.cached_tokens).sum();
+        let warm = ok.iter().filter(|r| r.turn > 0);
+        let (warm_prompt, warm_cached) = warm.fold((0u64, 0u64), |(p, c), r| {
+            (p + r.prompt_tokens, c + r.cached_tokens)
+        });
         let mut per_backend = BTreeMap::new();
         for r in &ok {
             if let Some(b) = &r.backend {
@@ -229,6 +236,11 @@ impl Report {
                 0.0
             } else {
                 cached as f64 / prompt as f64
+            },
+            warm_prefix_cache_hit_rate: if warm_prompt == 0 {
+                0.0
+            } else {
+                warm_cached as f64 / warm_prompt as f64
             },
             prompt_tokens: prompt,
             cached_tokens: cached,
