@@ -472,3 +472,53 @@ async fn a_gateway_says_it_is_starting_while_it_connects_to_the_store() {
     let r = chat(&client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
     assert_eq!(r.status, 200);
 }
+
+/// Turns `0..=turn` of keyless conversation `c`: a system prompt every
+/// conversation shares, then its own messages.
+fn conversation(c: usize, turn: usize) -> serde_json::Value {
+    let mut messages = vec![serde_json::json!({"role": "system", "content": "You are an agent. ".repeat(200)})];
+    for t in 0..=turn {
+        messages.push(serde_json::json!({"role": "user", "content": format!("conversation {c}, step {t}")}));
+        if t < turn {
+            messages.push(serde_json::json!({"role": "assistant", "content": format!("ok {c}.{t}")}));
+        }
+    }
+    serde_json::json!({"model": "m", "messages": messages, "max_tokens": 2})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_without_a_session_id_stays_on_one_backend_across_three_gateways() {
+    let redis = Redis::start_on(free_port());
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gws = fleet_of_gateways(&sims, redis.port, 3).await;
+    let c = client();
+    // Each gateway's round robin at a different point: deciding alone, they
+    // would disagree on nearly every conversation.
+    for (k, gw) in gws.iter().enumerate() {
+        for i in 0..k {
+            chat(&c, gw, &[], &conversation(1000 + 10 * k + i, 0)).await;
+        }
+    }
+    // No client sends an id; each turn goes to the next gateway. Every
+    // gateway names the conversation by its prompt alike, so the store
+    // holds one binding for it.
+    let mut seen: HashMap<String, Vec<String>> = HashMap::new();
+    for turn in 0..4 {
+        for conv in 0..24 {
+            let gw = &gws[(conv + turn) % gws.len()];
+            let r = chat(&c, gw, &[], &conversation(conv, turn)).await;
+            assert_eq!(r.status, 200);
+            if turn > 0 {
+                assert_eq!(r.hit.as_deref(), Some("true"), "{conv}.{turn}");
+            }
+            seen.entry(format!("conversation {conv}"))
+                .or_default()
+                .push(r.backend.unwrap());
+        }
+    }
+    assert!(split(&seen).is_empty(), "{:?}", split(&seen));
+    let used: HashSet<&String> = seen.values().flatten().collect();
+    assert_eq!(used.len(), 3, "spread over the fleet");
+}
