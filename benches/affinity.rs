@@ -8,7 +8,13 @@
 //!   the per-backend read of Pingora's health registry it made before the
 //!   verdicts were cached rebuilt beside it as the baseline,
 //! - binding-table insert into, and sweep of, a table holding 1M bindings,
-//! - table memory per binding (printed).
+//! - table memory per binding (printed),
+//! - prefix-aware routing (`affinity.prefix`): a keyless chat request's
+//!   decision — canonical prompt and its block hashes, the conversation's
+//!   name, the index lookup at 8 backends, bounded-load placement and the
+//!   index update — for 32 KiB and 256 KiB prompts, beside the JSON parse of
+//!   the body's top level that routing reads it from; index memory per entry
+//!   (printed).
 //!
 //! Run: `cargo bench --bench affinity`
 
@@ -238,9 +244,91 @@ fn bench_table(c: &mut Criterion) {
     });
 }
 
+/// A chat body of about `bytes`: an 8 KiB system prompt every conversation
+/// shares, then conversation `c`'s turns.
+fn chat_body(c: usize, bytes: usize) -> Vec<u8> {
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": "Follow the repository's conventions. ".repeat(230)}),
+    ];
+    let mut t = 0;
+    while serde_json::to_vec(&messages).unwrap().len() < bytes {
+        let text =
+            format!("conversation {c} turn {t}: ") + &"read the file and run the tests ".repeat(30);
+        let role = if t % 2 == 0 { "user" } else { "assistant" };
+        messages.push(serde_json::json!({"role": role, "content": text}));
+        t += 1;
+    }
+    serde_json::to_vec(
+        &serde_json::json!({"model": "qwen3-8b", "messages": messages, "stream": true}),
+    )
+    .unwrap()
+}
+
+fn bench_prefix(c: &mut Criterion) {
+    use agent_gateway::affinity::placement::{bounded_hrw::BoundedHrw, FirstPlacement};
+    use agent_gateway::affinity::prefix::{Prefix, PrefixConfig};
+    use agent_gateway::affinity::session::BodyProbe;
+    let h = HrwHasher::new("bench");
+    let prefix = Prefix::new(&PrefixConfig::default(), h.prefix_seed());
+    let cands = fleet(&h, 8, false);
+    let place = BoundedHrw {
+        balance_factor: 1.0,
+        speed_aware: false,
+        queue_aware: true,
+        prior_us_per_token: 100.0,
+    };
+    // An index holding 500 other conversations of 32 KiB, spread over the fleet.
+    for other in 0..500 {
+        let body = chat_body(10_000 + other, 32 << 10);
+        let probe = BodyProbe::parse(&body).unwrap();
+        let p = prefix
+            .read("default", Some("qwen3-8b"), |f| probe.raw(f))
+            .unwrap();
+        prefix.routed(&p, (other % 8) as u32, Default::default());
+    }
+    let mut g = c.benchmark_group("prefix_decision");
+    for kib in [32usize, 256] {
+        let body = chat_body(kib, kib << 10);
+        let probe = BodyProbe::parse(&body).unwrap();
+        // Its conversation's earlier turn is held by backend 3.
+        let earlier = chat_body(kib, (kib << 10) * 3 / 4);
+        let earlier_probe = BodyProbe::parse(&earlier).unwrap();
+        let e = prefix
+            .read("default", Some("qwen3-8b"), |f| earlier_probe.raw(f))
+            .unwrap();
+        prefix.routed(&e, 3, Default::default());
+        g.bench_function(BenchmarkId::new("decide", format!("{kib} KiB")), |b| {
+            b.iter(|| {
+                let p = prefix
+                    .read("default", Some("qwen3-8b"), |f| probe.raw(f))
+                    .unwrap();
+                let key = black_box(prefix.conversation(&p));
+                let mut cands = cands.clone();
+                let held = prefix.look_up(&p, &mut cands);
+                let load = [4u64; 8];
+                let i = place.place(key as u64, &cands, &load).unwrap();
+                debug_assert_eq!(cands[i].slot, 3);
+                black_box(prefix.routed(&p, cands[i].slot, held[i]))
+            })
+        });
+        g.bench_function(
+            BenchmarkId::new("body_top_level_parse", format!("{kib} KiB")),
+            |b| b.iter(|| black_box(BodyProbe::parse(black_box(&body)).is_some())),
+        );
+    }
+    g.finish();
+    println!(
+        "prefix index: {} entries, {} heap bytes ({:.0} bytes an entry; {} at most)",
+        prefix.index.len(),
+        prefix.index.heap_bytes(),
+        prefix.index.heap_bytes() as f64 / prefix.index.len().max(1) as f64,
+        agent_gateway::affinity::prefix::index::ENTRY_BYTES
+    );
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
-    targets = bench_hit, bench_hrw, bench_placement, bench_candidates, bench_table
+    targets = bench_hit, bench_hrw, bench_placement, bench_candidates, bench_table, bench_prefix
 }
 criterion_main!(benches);

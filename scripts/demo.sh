@@ -5,5 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cargo build --release --locked
-exec target/release/agent-gateway demo "$@"
+# The demo profile: release optimisation without fat LTO (Cargo.toml).
+cargo build --profile demo --locked
+exec target/demo/agent-gateway demo "$@"

@@ -476,11 +476,15 @@ async fn a_gateway_says_it_is_starting_while_it_connects_to_the_store() {
 /// Turns `0..=turn` of keyless conversation `c`: a system prompt every
 /// conversation shares, then its own messages.
 fn conversation(c: usize, turn: usize) -> serde_json::Value {
-    let mut messages = vec![serde_json::json!({"role": "system", "content": "You are an agent. ".repeat(200)})];
+    let mut messages =
+        vec![serde_json::json!({"role": "system", "content": "You are an agent. ".repeat(200)})];
     for t in 0..=turn {
-        messages.push(serde_json::json!({"role": "user", "content": format!("conversation {c}, step {t}")}));
+        messages.push(
+            serde_json::json!({"role": "user", "content": format!("conversation {c}, step {t}")}),
+        );
         if t < turn {
-            messages.push(serde_json::json!({"role": "assistant", "content": format!("ok {c}.{t}")}));
+            messages
+                .push(serde_json::json!({"role": "assistant", "content": format!("ok {c}.{t}")}));
         }
     }
     serde_json::json!({"model": "m", "messages": messages, "max_tokens": 2})

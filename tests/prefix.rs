@@ -18,7 +18,7 @@ fn system_prompt() -> String {
 fn transcript(c: usize, turn: usize) -> Value {
     let mut messages = vec![json!({"role": "system", "content": system_prompt()})];
     for t in 0..=turn {
-        messages.push(json!({"role": "user", "content": format!("conversation {c}, turn {t}: {}", "details ".repeat(40))}));
+        messages.push(json!({"role": "user", "content": format!("conversation {c}, turn {t}: {}", "details ".repeat(200))}));
         if t < turn {
             messages.push(json!({"role": "assistant", "content": format!("done with {c}.{t}")}));
         }

@@ -40,7 +40,7 @@ impl Default for PrefixConfig {
     fn default() -> Self {
         PrefixConfig {
             enabled: true,
-            block_bytes: 256,
+            block_bytes: 1024,
             max_memory_bytes: 64 << 20,
             max_read_bytes: 1 << 20,
             ttl: Duration::from_secs(600),

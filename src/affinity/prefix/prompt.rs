@@ -25,7 +25,7 @@
 
 use memchr::memchr2;
 use serde_json::value::RawValue;
-use xxhash_rust::xxh3::{xxh3_128_with_seed, xxh3_64_with_seed};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 
 /// Separates the elements of the canonical prompt.
 const SEPARATOR: u8 = 0x1e;
@@ -70,69 +70,63 @@ impl Chunker {
         model: Option<&str>,
         field: impl Fn(&str) -> Option<&'a RawValue>,
     ) -> Option<Prompt> {
-        let mut canon = Vec::new();
-        let mut anchor_end = None;
+        let raw = |f: &str| field(f).map(|v| v.get().as_bytes());
         let mut tokens_per_byte = 1.0 / TEXT_BYTES_PER_TOKEN;
-        if let Some(messages) = field("messages") {
-            if let Some(tools) = field("tools") {
-                push(&mut canon, tools.get().as_bytes());
-            }
-            for m in elements(messages.get().as_bytes())? {
-                push(&mut canon, m);
-                if anchor_end.is_none() && string_field(m, b"role") == Some(b"user") {
-                    anchor_end = Some(canon.len());
-                }
-            }
-            // No user message (a system prompt alone): the whole of it.
-            anchor_end.get_or_insert(canon.len());
-        } else if let Some(input) = field("input") {
-            if let Some(instructions) = field("instructions") {
-                push(&mut canon, instructions.get().as_bytes());
-            }
-            let raw = input.get().as_bytes();
-            match raw.first() {
-                Some(b'[') => {
-                    for item in elements(raw)? {
-                        push(&mut canon, item);
-                        let user = string_field(item, b"role") == Some(b"user");
-                        if anchor_end.is_none() && user {
-                            anchor_end = Some(canon.len());
-                        }
-                    }
-                    anchor_end.get_or_insert(canon.len());
-                }
+        // (what comes before the turns, the turns, where the anchor ends in
+        // them: `None` for a prompt without messages, which has none)
+        let (head, turns, anchor_end) = if let Some(messages) = raw("messages") {
+            // No user message (a system prompt alone): all of it.
+            let end = first_user_end(messages)?.unwrap_or(messages.len());
+            (raw("tools"), open(messages)?, Some(end))
+        } else if let Some(input) = raw("input") {
+            let end = match input.first() {
+                Some(b'[') => first_user_end(input)?.unwrap_or(input.len()),
                 // A string input is the user's message.
-                Some(b'"') => {
-                    push(&mut canon, raw);
-                    anchor_end = Some(canon.len());
-                }
-                _ => return None,
-            }
-        } else if let Some(prompt) = field("prompt") {
-            let raw = prompt.get().as_bytes();
-            let open = match raw.first() {
-                Some(b'"') | Some(b'[') => &raw[..raw.len() - 1],
+                Some(b'"') => input.len(),
                 _ => return None,
             };
-            if raw.starts_with(b"[") {
-                let ids = memchr::memchr_iter(b',', open).count() + 1;
-                if !open.contains(&b'"') && !open[1..].contains(&b'[') && open.len() > 1 {
-                    // Token ids: count them rather than guess.
-                    tokens_per_byte = ids as f64 / open.len() as f64;
-                }
+            (raw("instructions"), open(input)?, Some(end))
+        } else if let Some(prompt) = raw("prompt") {
+            let turns = open(prompt)?;
+            if turns.starts_with(b"[")
+                && turns.len() > 1
+                && !turns.contains(&b'"')
+                && !turns[1..].contains(&b'[')
+            {
+                // Token ids: count them rather than guess.
+                let ids = memchr::memchr_iter(b',', turns).count() + 1;
+                tokens_per_byte = ids as f64 / turns.len() as f64;
             }
-            canon.extend_from_slice(open);
+            (None, turns, None)
         } else {
             return None;
-        }
-        if canon.is_empty() {
+        };
+        // Nothing but an opening bracket or quote: no prompt.
+        if turns.len() <= 1 && head.is_none() {
             return None;
         }
+        let parts: [&[u8]; 3] = match head {
+            Some(h) => [h, &[SEPARATOR], turns],
+            None => [&[], &[], turns],
+        };
         let root = self.root(scope, model);
-        let anchor = anchor_end.map(|end| xxh3_128_with_seed(&canon[..end], root));
-        let full_bytes = canon.len();
-        canon.truncate(self.max_read_bytes);
-        let blocks = chain(&canon, self.block_bytes, root);
+        // The conversation's name: everything up to the end of its first
+        // user message, hashed with the root.
+        let anchor = anchor_end.map(|end| {
+            let mut h = Xxh3::with_seed(root);
+            h.update(parts[0]);
+            h.update(parts[1]);
+            h.update(&turns[..end.min(turns.len())]);
+            h.digest128()
+        });
+        let full_bytes = parts.iter().map(|p| p.len()).sum();
+        let blocks = chain(&parts, self.block_bytes, root, self.max_read_bytes);
+        // Only a prompt without messages keeps its bytes: its conversation
+        // is found by the earlier prompt it extends (see `ends`).
+        let canon = match anchor {
+            None => turns[..turns.len().min(self.max_read_bytes)].to_vec(),
+            Some(_) => Vec::new(),
+        };
         Some(Prompt {
             canon,
             full_bytes,
@@ -162,19 +156,63 @@ impl Prompt {
     }
 }
 
-fn push(canon: &mut Vec<u8>, raw: &[u8]) {
-    canon.extend_from_slice(raw);
-    canon.push(SEPARATOR);
+/// A prompt field's raw JSON without its closing bracket or quote, so that
+/// the field of a later turn, which extends it, has it as a byte prefix.
+fn open(raw: &[u8]) -> Option<&[u8]> {
+    match raw.first() {
+        Some(b'[') | Some(b'"') => Some(&raw[..raw.len() - 1]),
+        _ => None,
+    }
 }
 
-/// Chained hashes of `bytes`' full blocks: each block hashed with the
-/// previous block's hash as its seed.
-pub fn chain(bytes: &[u8], block: usize, root: u64) -> Vec<u64> {
-    let mut out = Vec::with_capacity(bytes.len() / block.max(1));
+/// Where the first user message of the JSON array `raw` ends (`Some(None)`:
+/// it has none; `None`: not an array). Reads no further than that message.
+fn first_user_end(raw: &[u8]) -> Option<Option<usize>> {
+    let mut end = None;
+    each_element(raw, |element, at| {
+        let user = string_field(element, b"role") == Some(b"user");
+        if user {
+            end = Some(at);
+        }
+        !user
+    })?;
+    Some(end)
+}
+
+/// Chained hashes of the full blocks of `parts` taken as one byte string
+/// (at most `max` bytes of it): each block's hash folded into the previous
+/// one's (the first into `root`, which is keyed). xxh3 without a seed: a
+/// seed makes it derive a new secret for every block over 240 bytes, which
+/// cost more than the hashing itself. Blocks are hashed where they lie; only
+/// one that straddles two parts is copied.
+pub fn chain(parts: &[&[u8]], block: usize, root: u64, max: usize) -> Vec<u64> {
+    let block = block.max(1);
+    let total = parts.iter().map(|p| p.len()).sum::<usize>().min(max);
+    let mut out = Vec::with_capacity(total / block);
     let mut h = root;
-    for b in bytes.chunks_exact(block.max(1)) {
-        h = xxh3_64_with_seed(b, h);
+    let mut fold = |b: &[u8]| {
+        h = crate::affinity::hrw::mix(h ^ xxh3_64(b)).wrapping_add(0x9e37_79b9_7f4a_7c15);
         out.push(h);
+    };
+    let mut carry: Vec<u8> = Vec::new();
+    let mut left = total;
+    for part in parts {
+        let mut p = &part[..part.len().min(left)];
+        left -= p.len();
+        if !carry.is_empty() {
+            let take = (block - carry.len()).min(p.len());
+            carry.extend_from_slice(&p[..take]);
+            p = &p[take..];
+            if carry.len() == block {
+                fold(&carry);
+                carry.clear();
+            }
+        }
+        let whole = p.len() / block * block;
+        for b in p[..whole].chunks_exact(block) {
+            fold(b);
+        }
+        carry.extend_from_slice(&p[whole..]);
     }
     out
 }
@@ -182,15 +220,27 @@ pub fn chain(bytes: &[u8], block: usize, root: u64) -> Vec<u64> {
 /// The raw elements of a JSON array `raw` (valid JSON, as serde has read
 /// it); `None` when `raw` is not an array.
 pub fn elements(raw: &[u8]) -> Option<Vec<&[u8]>> {
+    let mut out = Vec::new();
+    each_element(raw, |e, _| {
+        out.push(e);
+        true
+    })?;
+    Some(out)
+}
+
+/// Call `f` with each element of the JSON array `raw` and the offset just
+/// past it, while `f` says go on. `None` when `raw` is not an array.
+fn each_element<'a>(raw: &'a [u8], mut f: impl FnMut(&'a [u8], usize) -> bool) -> Option<()> {
     let mut i = skip_ws(raw, 0);
     if raw.get(i) != Some(&b'[') {
         return None;
     }
     i = skip_ws(raw, i + 1);
-    let mut out = Vec::new();
     while i < raw.len() && raw[i] != b']' {
         let end = skip_value(raw, i)?;
-        out.push(&raw[i..end]);
+        if !f(&raw[i..end], end) {
+            return Some(());
+        }
         i = skip_ws(raw, end);
         match raw.get(i) {
             Some(b',') => i = skip_ws(raw, i + 1),
@@ -198,7 +248,7 @@ pub fn elements(raw: &[u8]) -> Option<Vec<&[u8]>> {
             _ => return None,
         }
     }
-    Some(out)
+    Some(())
 }
 
 /// The raw content of the string member `key` of the JSON object `obj`
@@ -431,9 +481,23 @@ mod tests {
         let p = short_reader
             .prompt("tier", Some("m"), |n| top.get(n).map(|v| &**v))
             .unwrap();
-        assert_eq!(p.canon.len(), 1000);
+        assert!(p.full_bytes > 10_000);
         assert_eq!(p.blocks.len(), 1000 / 64);
+        assert_eq!(p.blocks[..], prompt_of(&long).unwrap().blocks[..1000 / 64]);
         assert_eq!(p.anchor, prompt_of(&long).unwrap().anchor);
+    }
+
+    #[test]
+    fn blocks_straddling_the_parts_of_a_prompt_hash_as_one_string() {
+        let whole: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+        let one = chain(&[&whole], 64, 9, usize::MAX);
+        assert_eq!(one.len(), 1000 / 64);
+        for cut in [0, 1, 63, 64, 65, 500, 999, 1000] {
+            let (a, b) = whole.split_at(cut);
+            assert_eq!(chain(&[a, &[], b], 64, 9, usize::MAX), one, "cut at {cut}");
+        }
+        assert_eq!(chain(&[&whole], 64, 9, 640), one[..10]);
+        assert_ne!(chain(&[&whole], 64, 8, usize::MAX), one, "the root keys it");
     }
 
     #[test]
