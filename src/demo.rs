@@ -78,6 +78,10 @@ pub struct DemoArgs {
     /// Soft study: sessions start this far apart, ms (0: all at once).
     #[arg(long, default_value_t = 0)]
     pub arrival_ms: u64,
+    /// Prefix study: KV blocks (16 tokens) of each replica in its soft-mode
+    /// part (default 700: a third of the working set).
+    #[arg(long)]
+    pub cache_blocks: Option<usize>,
     /// Placement study: the 64 × 8 workload's per-session document in the
     /// first turn, bytes (default 2000; 0: every turn alike).
     #[arg(long)]
@@ -94,6 +98,10 @@ pub enum Study {
     Soft,
     /// A replica taken out at 1/3 of a run and back, empty, at 2/3.
     Recovery,
+    /// Prefix-aware routing: conversations without session ids against the
+    /// same with ids, a trace replayed both ways, and soft mode under KV
+    /// pressure with and without the prefix index.
+    Prefix,
     All,
 }
 
@@ -414,11 +422,15 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     if args.engine == EngineKind::Llamacpp {
         return demo_llamacpp(exe, args).await;
     }
-    if matches!(args.study, Study::Placement | Study::Soft | Study::Recovery) {
+    if matches!(
+        args.study,
+        Study::Placement | Study::Soft | Study::Recovery | Study::Prefix
+    ) {
         let started = Instant::now();
         let reports = match args.study {
             Study::Soft => soft_study(exe, args).await?,
             Study::Recovery => recovery_study(exe, args).await?,
+            Study::Prefix => prefix_study(exe, args).await?,
             _ => placement_study(exe, args).await?,
         };
         std::fs::write(
@@ -512,24 +524,44 @@ fn contention(args: &DemoArgs) -> Model {
     }
 }
 
-/// A study variant, `first[,key=value...]`, as (affinity lines, placement
-/// section, whether the client sends no session id): `mode` and
-/// `soft_policy` are affinity keys, `prefix=off` turns prefix routing off,
-/// `ids=none` sends no session or parent header, the rest are placement
-/// keys (e.g. `bounded_hrw,load=requests,mode=soft`).
-fn variant_yaml(variant: &str) -> (String, String, bool) {
-    let (mut affinity, mut placement) = (String::new(), String::from("placement:\n"));
-    let mut keyless = false;
-    for kv in variant.split(',').filter(|kv| !kv.is_empty()) {
-        let (k, v) = kv.split_once('=').unwrap_or(("first", kv));
-        match (k, v) {
-            ("ids", "none") => keyless = true,
-            ("prefix", "off") => affinity.push_str(PREFIX_OFF),
-            ("mode" | "soft_policy", _) => affinity.push_str(&format!("  {k}: {v}\n")),
-            _ => placement.push_str(&format!("  {k}: {v}\n")),
+/// A study variant: the gateway's configuration and what its client sends.
+struct Variant {
+    /// Lines of the `affinity` section.
+    affinity: String,
+    /// The `placement` section.
+    placement: String,
+    ids: Ids,
+}
+
+impl Variant {
+    /// `first[,key=value...]`: `mode` and `soft_policy` are affinity keys,
+    /// `prefix=off` turns prefix routing off, `ids=none` sends no session or
+    /// parent header and `ids=fresh` a new session id on every request, the
+    /// rest are placement keys (e.g. `bounded_hrw,load=requests,mode=soft`).
+    fn parse(variant: &str) -> Variant {
+        let mut v = Variant {
+            affinity: String::new(),
+            placement: String::from("placement:\n"),
+            ids: Ids::Sticky,
+        };
+        for kv in variant.split(',').filter(|kv| !kv.is_empty()) {
+            let (k, val) = kv.split_once('=').unwrap_or(("first", kv));
+            match (k, val) {
+                ("ids", "none") => v.ids = Ids::None,
+                ("ids", "fresh") => v.ids = Ids::Fresh,
+                ("prefix", "off") => v.affinity.push_str(PREFIX_OFF),
+                ("mode" | "soft_policy", _) => v.affinity.push_str(&format!("  {k}: {val}\n")),
+                _ => v.placement.push_str(&format!("  {k}: {val}\n")),
+            }
         }
+        v
     }
-    (affinity, placement, keyless)
+
+    /// `a` as this variant's client sends it.
+    fn client(&self, a: &mut BenchArgs) {
+        a.keyless = self.ids == Ids::None;
+        a.fresh_ids = self.ids == Ids::Fresh;
+    }
 }
 
 /// First placement when replicas contend for compute: the load-blind HRW of
@@ -564,11 +596,13 @@ async fn placement_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
         let mut runs: Vec<Vec<report::Report>> = vec![Vec::new(); variants.len()];
         for r in 0..repeats {
             for (v, first) in variants.iter().enumerate() {
-                let (affinity, placement, keyless) = variant_yaml(first);
-                let fleet = start_fleet(exe, &model, None, 3, &affinity, &placement).await?;
+                let variant = Variant::parse(first);
+                let fleet =
+                    start_fleet(exe, &model, None, 3, &variant.affinity, &variant.placement)
+                        .await?;
                 let mut a = a.clone();
                 a.url = fleet.gateway_url.clone();
-                a.keyless = keyless;
+                variant.client(&mut a);
                 let setting = match model.serial_prefill {
                     true => "contention",
                     false => "no contention",
@@ -716,11 +750,12 @@ async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<r
     let mut runs: Vec<Vec<report::Report>> = vec![Vec::new(); variants.len()];
     for r in 0..repeats {
         for (v, first) in variants.iter().enumerate() {
-            let (affinity, placement, keyless) = variant_yaml(first);
-            let mut fleet = start_fleet(exe, &model, None, 3, &affinity, &placement).await?;
+            let variant = Variant::parse(first);
+            let mut fleet =
+                start_fleet(exe, &model, None, 3, &variant.affinity, &variant.placement).await?;
             let mut run = a.clone();
             run.url = fleet.gateway_url.clone();
-            run.keyless = keyless;
+            variant.client(&mut run);
             run.label = format!("replica out at 1/3, back empty at 2/3: {first} (ids {r})");
             run.id_prefix = format!("recovery{r}");
             let bench = tokio::spawn(async move { loadgen::run(&run).await });
@@ -756,6 +791,171 @@ async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<r
                 report::repeats_table(&variants, &runs)
             );
         }
+    }
+    Ok(out)
+}
+
+/// Runs `variants` (as [`variant_yaml`] reads them) of `workload` on fresh
+/// replicas each, `repeats` times with other populations of ids and text;
+/// `runs[v][r]`, and the moves the gateway made in each.
+async fn run_variants(
+    exe: &PathBuf,
+    model: &Model,
+    replicas: usize,
+    workload: &BenchArgs,
+    name: &str,
+    variants: &[&str],
+    repeats: usize,
+) -> std::io::Result<(Vec<Vec<report::Report>>, Vec<(String, u64)>)> {
+    let mut runs: Vec<Vec<report::Report>> = vec![Vec::new(); variants.len()];
+    let mut moves = Vec::new();
+    for r in 0..repeats {
+        for (v, variant) in variants.iter().enumerate() {
+            let parsed = Variant::parse(variant);
+            let fleet = start_fleet(
+                exe,
+                model,
+                None,
+                replicas,
+                &parsed.affinity,
+                &parsed.placement,
+            )
+            .await?;
+            let mut a = workload.clone();
+            a.url = fleet.gateway_url.clone();
+            parsed.client(&mut a);
+            a.label = format!("{name}: {variant} (ids {r})");
+            a.id_prefix = format!("{}{r}", name.replace(' ', "-"));
+            let rep = loadgen::run(&a).await;
+            moves.push((
+                rep.label.clone(),
+                metric_sum(&fleet.metrics_url, "agentserve_affinity_moves_total{").await,
+            ));
+            runs[v].push(rep);
+        }
+    }
+    Ok((runs, moves))
+}
+
+/// Prefix-aware routing against its baselines, in one run:
+/// - conversations that send no session id (`ids=none`) against the same
+///   workload with ids, and with a new id every request and prefix routing
+///   off (what a gateway that places only by id does for such clients), on
+///   the placement study's two workloads with an 8 KiB system prompt every
+///   conversation shares;
+/// - the Mooncake sample replayed with and without ids, 4 replicas whose KV
+///   caches hold a fraction of it;
+/// - soft mode under KV pressure (sessions of very different lengths, each
+///   replica's cache a fraction of the working set) against hard, with the
+///   prefix index and without it (soft mode's expected hit then comes from
+///   the last turn's cached share).
+async fn prefix_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    let repeats = args.repeats.max(1);
+    let model = contention(args);
+    let mut chat = BenchArgs::seed_study("");
+    chat.sessions = 64;
+    chat.turns = 8;
+    chat.concurrency = 16;
+    chat.system_prompt_bytes = 8192;
+    chat.context_bytes = 2000;
+    chat.user_bytes = 2000;
+    let mut sub = BenchArgs::seed_study("");
+    sub.sessions = 12;
+    sub.turns = 6;
+    sub.subagents = 2;
+    sub.system_prompt_bytes = 8192;
+    sub.user_bytes = 2000;
+    let ids = [
+        "bounded_hrw",
+        "bounded_hrw,ids=none",
+        "bounded_hrw,prefix=off",
+        "bounded_hrw,ids=fresh,prefix=off",
+    ];
+    let mut out = Vec::new();
+    let mut tables = Vec::new();
+    for (name, workload) in [
+        ("64x8 c=16, 8 KiB system prompt", &chat),
+        ("12x6 + 2 subagents, 8 KiB system prompt", &sub),
+    ] {
+        let (runs, _) = run_variants(exe, &model, 3, workload, name, &ids, repeats).await?;
+        tables.push((name.to_string(), ids.to_vec(), runs, Vec::new()));
+    }
+    // The trace: prompts of token ids; each replica's cache holds about a
+    // third of what the sample's conversations send (24k tokens).
+    let bounded = Model {
+        cache_blocks: 1500,
+        ..model
+    };
+    let mut trace = BenchArgs::seed_study("");
+    trace.trace = Some(PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/conf/traces/mooncake-sample.jsonl"
+    )));
+    trace.concurrency = 8;
+    let trace_variants = [
+        "bounded_hrw",
+        "bounded_hrw,ids=none",
+        "bounded_hrw,ids=fresh,prefix=off",
+    ];
+    let (runs, _) = run_variants(
+        exe,
+        &bounded,
+        4,
+        &trace,
+        "mooncake sample",
+        &trace_variants,
+        repeats,
+    )
+    .await?;
+    tables.push((
+        "Mooncake sample, 4 replicas, 1,500 KV blocks each".into(),
+        trace_variants.to_vec(),
+        runs,
+        Vec::new(),
+    ));
+    // Soft mode under KV pressure: a skewed mix whose working set is about
+    // three times what the replicas' caches hold together.
+    let mut skewed = BenchArgs::seed_study("");
+    skewed.sessions = 36;
+    skewed.turns = 8;
+    skewed.concurrency = 12;
+    skewed.context_bytes = 4000;
+    skewed.user_bytes = 1000;
+    skewed.heavy_sessions = 6;
+    skewed.heavy_context_bytes = 24_000;
+    skewed.think_ms = 200;
+    skewed.arrival_ms = 50;
+    let pressure = Model {
+        cache_blocks: args.cache_blocks.unwrap_or(700),
+        ..model
+    };
+    let soft = [
+        "bounded_hrw",
+        "bounded_hrw,mode=soft",
+        "bounded_hrw,mode=soft,prefix=off",
+    ];
+    let (runs, moves) =
+        run_variants(exe, &pressure, 3, &skewed, "KV pressure", &soft, repeats).await?;
+    tables.push((
+        format!(
+            "Soft mode under KV pressure (36 sessions, 6 heavy; {} KV blocks a replica)",
+            pressure.cache_blocks
+        ),
+        soft.to_vec(),
+        runs,
+        moves,
+    ));
+    for (name, variants, runs, moves) in tables {
+        let flat: Vec<report::Report> = runs.iter().flatten().cloned().collect();
+        if !args.json {
+            println!("{name}:\n\n{}", report::comparison_table(&flat));
+            println!("means over {repeats} population(s) (ratios against the first variant, per population):\n\n{}", report::repeats_table(&variants, &runs));
+            for (label, m) in moves {
+                println!("{label}: {m} bindings moved");
+            }
+            println!();
+        }
+        out.extend(flat);
     }
     Ok(out)
 }

@@ -389,6 +389,32 @@ impl Affinity {
             .map(|i| pool[i].slot)
     }
 
+    /// `bound` and the backends among `open` that may take one more session
+    /// within the balance bound: where a cost move may go.
+    fn with_room(
+        &self,
+        bound: &Candidate,
+        candidates: &[Candidate],
+        open: &[Candidate],
+    ) -> Vec<Candidate> {
+        let placement = self.placement.load();
+        let load: Vec<u64> = open
+            .iter()
+            .map(|c| placement.load.of(c, self.table.backend_len(c.slot)))
+            .collect();
+        candidates
+            .iter()
+            .filter(|c| {
+                c.slot == bound.slot
+                    || open
+                        .iter()
+                        .position(|o| o.slot == c.slot)
+                        .is_some_and(|i| placement.first.accepts(i, open, &load))
+            })
+            .copied()
+            .collect()
+    }
+
     /// Whether a session may move off `bound` for cost now, claiming the
     /// move if so: moves off one backend are [`policy::MOVE_GAP_MS`] apart.
     /// Without it, requests reviewed at the same moment read the same queues
@@ -586,13 +612,20 @@ impl Affinity {
                             new,
                             indexed_prompt: session.indexed.then_some(session.prompt_tokens),
                         };
-                        match policy.review(&candidates[i], candidates, &turns, &turn, now) {
+                        let room;
+                        let reviewed = if policy.moves_for_cost() {
+                            room = self.with_room(&candidates[i], candidates, open);
+                            &room[..]
+                        } else {
+                            candidates
+                        };
+                        match policy.review(&candidates[i], reviewed, &turns, &turn, now) {
                             None => Decision::Keep,
                             Some(MoveReason::Cost) if !self.claim_move_off(&candidates[i], now) => {
                                 Decision::Keep
                             }
                             Some(reason) => match policy
-                                .destination(reason, &candidates[i], open, &turns, &turn)
+                                .destination(reason, &candidates[i], reviewed, &turns, &turn)
                                 .or_else(|| fresh(Some(candidates[i].slot)))
                             {
                                 Some(slot) => {

@@ -196,6 +196,10 @@ impl GatewayProxy {
                     .record_usage(sref.key, u.prompt_tokens, u.cached_tokens);
             }
         }
+        // The backend answered: it holds the prompt now.
+        if let (Some(p), Some(routed), 200) = (&ctx.prompt, &ctx.prefix_routed, status) {
+            self.gw.prefix.answered(p, routed);
+        }
         if let (Some(u), Some(b)) = (usage, &ctx.backend) {
             b.counters
                 .prompt_tokens(m, tier_name, backend_id)

@@ -37,7 +37,34 @@ pub const TICK_MS: u64 = 10;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Holder {
     slot: u32,
+    /// When it last served the block, and in the top bit whether an answer
+    /// has confirmed it (see [`CONFIRMED`]).
     tick: u32,
+}
+
+/// A holder is recorded when a request is routed, before the backend has
+/// computed anything: placement must see it at once, or the next request of
+/// the same prefix goes elsewhere. Only once an answer comes back is it
+/// confirmed; an engine's cached tokens are weighed only against confirmed
+/// holders (a request sent while the first one with its prefix still
+/// prefills finds nothing cached, and that is no eviction).
+const CONFIRMED: u32 = 1 << 31;
+
+/// A holder no answer has confirmed counts this long at most (a request
+/// that failed, or is still prefilling a very long prompt).
+const PENDING_TICKS: u32 = 6_000;
+
+/// A learned cache lifetime is never taken shorter than this (1 s).
+const LIFETIME_FLOOR_TICKS: u32 = 100;
+
+impl Holder {
+    fn at(self) -> u32 {
+        self.tick & !CONFIRMED
+    }
+
+    fn confirmed(self) -> bool {
+        self.tick & CONFIRMED != 0
+    }
 }
 
 const EMPTY: Holder = Holder {
@@ -173,9 +200,11 @@ fn buckets(capacity: usize) -> usize {
 /// How much of a prompt the index says one backend holds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Held {
-    /// Leading blocks of the prompt held there.
+    /// Leading blocks of the prompt held there (confirmed or not).
     pub blocks: u32,
-    /// The oldest and newest last-served ticks among those blocks.
+    /// Leading blocks whose holding an answer has confirmed.
+    pub confirmed: u32,
+    /// The oldest and newest last-served ticks among the confirmed ones.
     pub oldest: u32,
     pub newest: u32,
 }
@@ -247,11 +276,12 @@ impl PrefixIndex {
         let Some(horizon) = self.horizon.get(h.slot as usize) else {
             return false;
         };
-        let age = now.saturating_sub(h.tick);
+        let age = now.saturating_sub(h.at());
         let lifetime = self.lifetime[h.slot as usize].load(Ordering::Relaxed);
-        h.tick > horizon.load(Ordering::Relaxed)
+        h.at() > horizon.load(Ordering::Relaxed)
             && age <= self.ttl_ticks
             && (lifetime == 0 || age <= lifetime)
+            && (h.confirmed() || age <= PENDING_TICKS)
     }
 
     /// How much of the prompt whose chain is `blocks` each of `slots` holds.
@@ -273,9 +303,12 @@ impl PrefixIndex {
                     let m = &mut held[c];
                     if m.blocks as usize == i {
                         m.blocks += 1;
-                        m.oldest = if i == 0 { h.tick } else { m.oldest.min(h.tick) };
-                        m.newest = m.newest.max(h.tick);
                         any = true;
+                        if h.confirmed() && m.confirmed as usize == i {
+                            m.confirmed += 1;
+                            m.oldest = if i == 0 { h.at() } else { m.oldest.min(h.at()) };
+                            m.newest = m.newest.max(h.at());
+                        }
                     }
                 }
             }
@@ -289,8 +322,9 @@ impl PrefixIndex {
         held
     }
 
-    /// `slot` served (or is about to compute) the prompt whose chain is `blocks`.
-    pub fn record(&self, blocks: &[u64], slot: u32, now: u32) {
+    /// `slot` is about to compute the prompt whose chain is `blocks`
+    /// (`confirmed`: an answer shows it did).
+    pub fn record(&self, blocks: &[u64], slot: u32, now: u32, confirmed: bool) {
         if slot as usize >= MAX_BACKENDS {
             return;
         }
@@ -308,8 +342,15 @@ impl PrefixIndex {
                         .iter()
                         .position(|&h| h.slot == NO_SLOT || !self.alive(h, now))
                 })
-                .unwrap_or_else(|| (0..HOLDERS).min_by_key(|&i| holders[i].tick).unwrap_or(0));
-            holders[i] = Holder { slot, tick: now };
+                .unwrap_or_else(|| (0..HOLDERS).min_by_key(|&i| holders[i].at()).unwrap_or(0));
+            // Once confirmed, a holder stays so while it lives.
+            let keep =
+                holders[i].slot == slot && holders[i].confirmed() && self.alive(holders[i], now);
+            let flag = if confirmed || keep { CONFIRMED } else { 0 };
+            holders[i] = Holder {
+                slot,
+                tick: (now & !CONFIRMED) | flag,
+            };
         }
         if evicted > 0 {
             self.stats.evicted.fetch_add(evicted, Ordering::Relaxed);
@@ -317,8 +358,8 @@ impl PrefixIndex {
     }
 
     /// What `slot`'s answer showed: `cached` leading blocks of a prompt the
-    /// index had found `predicted` of there. Far fewer (under half, and at
-    /// least a block short) means the backend evicted: see the module doc.
+    /// index had found `predicted` of there. Far fewer than the confirmed
+    /// ones (under half) means the backend evicted: see the module doc.
     /// Returns whether the index was corrected.
     pub fn observe(&self, slot: u32, predicted: Held, cached: u64, now: u32) -> bool {
         let (Some(horizon), Some(lifetime)) = (
@@ -327,7 +368,7 @@ impl PrefixIndex {
         ) else {
             return false;
         };
-        let p = predicted.blocks as u64;
+        let p = predicted.confirmed as u64;
         if p > 0 && cached < p.div_ceil(2) {
             // Nothing kept at all: even the most recent entry is gone.
             let gone = if cached == 0 {
@@ -336,14 +377,14 @@ impl PrefixIndex {
                 predicted.oldest
             };
             horizon.fetch_max(gone, Ordering::Relaxed);
-            let age = now.saturating_sub(gone).max(1);
+            let age = now.saturating_sub(gone).max(LIFETIME_FLOOR_TICKS);
             let _ = lifetime.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| {
                 (l == 0 || age < l).then_some(age)
             });
             self.stats.corrections.fetch_add(1, Ordering::Relaxed);
             return true;
         }
-        if cached > p + 1 {
+        if cached > (predicted.blocks as u64) + 1 {
             // It kept more than the index dared count on.
             let _ = lifetime.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| {
                 (l != 0).then(|| l.saturating_mul(2).min(self.ttl_ticks))
@@ -406,8 +447,8 @@ mod tests {
     fn a_backend_holds_the_leading_blocks_it_served_and_no_gaps() {
         let ix = PrefixIndex::new(1 << 20, 60_000);
         let conv = chain(10, 1);
-        ix.record(&conv[..4], 7, 1);
-        ix.record(&conv, 9, 2);
+        ix.record(&conv[..4], 7, 1, true);
+        ix.record(&conv, 9, 2, true);
         let held = ix.lookup(&conv, &[7, 9, 11], 3);
         assert_eq!(
             held.iter().map(|h| h.blocks).collect::<Vec<_>>(),
@@ -426,10 +467,34 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_still_being_computed_draws_requests_but_a_miss_on_it_is_no_eviction() {
+        let ix = PrefixIndex::new(1 << 20, 600_000);
+        let c = chain(8, 1);
+        // Routed to backend 2, not answered yet: the next request of the
+        // same prefix sees it there...
+        ix.record(&c, 2, 10, false);
+        let held = ix.lookup(&c, &[2], 11)[0];
+        assert_eq!((held.blocks, held.confirmed), (8, 0));
+        // ...and when that one, prefilled alongside, finds nothing cached,
+        // the backend is not taken to have evicted anything.
+        assert!(!ix.observe(2, held, 0, 12));
+        assert_eq!(ix.lookup(&c, &[2], 12)[0].blocks, 8);
+        // The first answer confirms it; routing the prompt again keeps it so.
+        ix.record(&c, 2, 20, true);
+        ix.record(&c, 2, 30, false);
+        let held = ix.lookup(&c, &[2], 31)[0];
+        assert_eq!((held.blocks, held.confirmed), (8, 8));
+        // A holder never confirmed stops counting after PENDING_TICKS.
+        ix.record(&c, 3, 40, false);
+        assert_eq!(ix.lookup(&c, &[3], 40 + PENDING_TICKS)[0].blocks, 8);
+        assert_eq!(ix.lookup(&c, &[3], 41 + PENDING_TICKS)[0].blocks, 0);
+    }
+
+    #[test]
     fn holders_expire_after_the_ttl() {
         let ix = PrefixIndex::new(1 << 20, 1_000); // 100 ticks
         let c = chain(3, 1);
-        ix.record(&c, 1, 10);
+        ix.record(&c, 1, 10, true);
         assert_eq!(ix.lookup(&c, &[1], 110)[0].blocks, 3);
         assert_eq!(ix.lookup(&c, &[1], 111)[0].blocks, 0);
     }
@@ -438,9 +503,9 @@ mod tests {
     fn an_eviction_shown_by_the_engine_drops_what_the_backend_held_as_long_ago() {
         let ix = PrefixIndex::new(1 << 20, 600_000);
         let (old, older, recent) = (chain(8, 1), chain(8, 2), chain(8, 3));
-        ix.record(&older, 4, 50);
-        ix.record(&old, 4, 100);
-        ix.record(&recent, 4, 900);
+        ix.record(&older, 4, 50, true);
+        ix.record(&old, 4, 100, true);
+        ix.record(&recent, 4, 900, true);
         let predicted = ix.lookup(&old, &[4], 1000)[0];
         assert_eq!(predicted.blocks, 8);
         // The engine had kept 2 blocks of 8: it evicted.
@@ -455,7 +520,7 @@ mod tests {
         assert_eq!(ix.lifetime_ms(4), Some(900 * TICK_MS));
         assert_eq!(ix.lookup(&recent, &[4], 1801)[0].blocks, 0);
         // The request that showed it computed its prompt again: held anew.
-        ix.record(&old, 4, 1000);
+        ix.record(&old, 4, 1000, true);
         assert_eq!(ix.lookup(&old, &[4], 1001)[0].blocks, 8);
         // Keeping about what was predicted corrects nothing; keeping more
         // gives the lifetime back.
@@ -464,7 +529,7 @@ mod tests {
         assert!(!ix.observe(4, Held { blocks: 2, ..p }, 8, 1001));
         assert_eq!(ix.lifetime_ms(4), Some(1800 * TICK_MS));
         // Other backends are not touched.
-        ix.record(&older, 5, 1001);
+        ix.record(&older, 5, 1001, true);
         assert_eq!(ix.lookup(&older, &[5], 1002)[0].blocks, 8);
     }
 
@@ -473,7 +538,7 @@ mod tests {
         let ix = PrefixIndex::new(1 << 20, 600_000);
         let c = chain(2, 1);
         for slot in 0..(HOLDERS as u32 + 2) {
-            ix.record(&c, slot, 10 + slot);
+            ix.record(&c, slot, 10 + slot, true);
         }
         let slots: Vec<u32> = (0..HOLDERS as u32 + 2).collect();
         let held = ix.lookup(&c, &slots, 100);
@@ -488,9 +553,9 @@ mod tests {
         let ix = PrefixIndex::new(cap, 600_000);
         let keep = chain(4, 0);
         for salt in 1..2_000u64 {
-            ix.record(&chain(16, salt), (salt % 3) as u32, salt as u32);
+            ix.record(&chain(16, salt), (salt % 3) as u32, salt as u32, true);
             if salt % 50 == 0 {
-                ix.record(&keep, 9, salt as u32);
+                ix.record(&keep, 9, salt as u32, true);
             }
         }
         assert!(ix.heap_bytes() <= cap, "{} > {cap}", ix.heap_bytes());

@@ -148,14 +148,22 @@ impl Prefix {
     }
 
     /// The request with prompt `p` goes to `slot`, which held `held` of it:
-    /// from now on the index takes it to hold the whole prompt.
+    /// from now on the index takes it to hold the whole prompt (pending
+    /// until [`Prefix::answered`]).
     pub fn routed(&self, p: &Prompt, slot: u32, held: index::Held) -> Routed {
-        self.index.record(&p.blocks, slot, self.index.now());
+        self.index.record(&p.blocks, slot, self.index.now(), false);
         Routed {
             slot,
             held,
             block_bytes: self.block_bytes,
         }
+    }
+
+    /// The backend answered the routed request: it holds the prompt now.
+    pub fn answered(&self, p: &Prompt, routed: &Routed) {
+        let from = (routed.held.confirmed as usize).min(p.blocks.len());
+        self.index
+            .record(&p.blocks[from..], routed.slot, self.index.now(), true);
     }
 
     /// What a routed request's answer showed: `cached` of its `prompt_tokens`
