@@ -160,10 +160,11 @@ impl GatewayProxy {
                 true => tier.metrics.prefix_matched.inc(),
                 false => tier.metrics.prefix_none.inc(),
             }
-            // A new binding's prefill there: the prompt less what is held.
-            if routed.held.blocks > 0 {
-                new_tokens = new_tokens.or(Some(body_tokens.saturating_sub(routed.tokens(p))));
-            }
+            // Its prefill there: the prompt less what the index says is
+            // held. Better than the session's last turn (which under KV
+            // pressure found its transcript evicted, yet counts only its
+            // growth) or the body less the backend's usual shared prefix.
+            new_tokens = Some(body_tokens.saturating_sub(routed.tokens(p)));
             ctx.prefix_routed = Some(routed);
         }
         ctx.in_flight = Some(InFlight::new(
