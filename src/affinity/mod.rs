@@ -1071,6 +1071,30 @@ mod tests {
     }
 
     #[test]
+    fn a_cost_move_goes_only_to_a_backend_the_bound_lets_take_a_session() {
+        let h = HrwHasher::new("k");
+        let a = cost_aware();
+        let mut c = fleet(&h, 3);
+        // Six sessions on backend 1, one (ours) on backend 0, none on 2:
+        // the bound (⌈8 / 3⌉ = 3) has no room on backend 1.
+        for i in 0..6 {
+            let other = SessionRef::new(&h, KeyKind::Session, "t", &format!("other{i}"));
+            drop(go(&a, &other, &c[1..2]));
+        }
+        let s = SessionRef::new(&h, KeyKind::Session, "t", "mover");
+        drop(go(&a, &s, &c[..1]));
+        a.record_usage(s.key, 1000, 0);
+        // Backend 0 has 2 s of prefill queued, idle backend 1 none, backend
+        // 2 half a second: the move goes to 2, not to the idle but full 1,
+        // whose share this session's later turns would exceed.
+        c[0].queued_tokens = 20_000;
+        c[2].queued_tokens = 5_000;
+        let sel = go(&a, &s, &c);
+        assert_eq!(sel.moved, Some(MoveReason::Cost));
+        assert_eq!(sel.backend, 2);
+    }
+
+    #[test]
     fn ttl_zero_stores_nothing() {
         let h = HrwHasher::new("k");
         let a = Affinity::new(1000, None);
