@@ -26,8 +26,12 @@ start_sim() {
 stop_sims() { for p in ${SIM_PIDS[@]+"${SIM_PIDS[@]}"}; do kill -TERM "$p" 2>/dev/null || true; done; }
 
 # write_load: $WORK/req.lua, chat POSTs over 500 rotating session ids.
+# PROMPT_BYTES=N makes each a chat of about N bytes (a shared system prompt,
+# then the conversation's own first message); KEYLESS=1 sends no session id,
+# so the gateway names each of the 500 conversations by its prompt.
 write_load() {
-  cat > "$WORK/req.lua" <<'LUA'
+  if [ -z "${PROMPT_BYTES:-}" ] && [ "${KEYLESS:-0}" = 0 ]; then
+    cat > "$WORK/req.lua" <<'LUA'
 wrk.method = "POST"
 wrk.headers["content-type"] = "application/json"
 wrk.body = '{"model":"qwen3-8b","max_tokens":4,"messages":[{"role":"system","content":"You are a careful coding agent. Use the tools."},{"role":"user","content":"next step"}]}'
@@ -36,6 +40,22 @@ request = function()
   n = n + 1
   wrk.headers["x-session-id"] = "session-" .. (n % 500)
   return wrk.format()
+end
+LUA
+    return
+  fi
+  cat > "$WORK/req.lua" <<LUA
+local system = string.rep("You are a careful coding agent. Use the tools. ", math.floor(${PROMPT_BYTES:-200} / 48))
+local keyless = ${KEYLESS:-0} == 1
+local n = 0
+request = function()
+  n = n + 1
+  local conv = n % 500
+  local body = '{"model":"qwen3-8b","max_tokens":4,"messages":[{"role":"system","content":"' .. system
+    .. '"},{"role":"user","content":"conversation ' .. conv .. ': next step"}]}'
+  local headers = { ["content-type"] = "application/json" }
+  if not keyless then headers["x-session-id"] = "session-" .. conv end
+  return wrk.format("POST", nil, headers, body)
 end
 LUA
 }
