@@ -239,3 +239,50 @@ async fn a_first_turn_is_queued_as_its_prompt_less_what_its_backend_holds() {
     assert!(held >= 256, "the system prompt's blocks: {held}");
     assert_eq!(queued, bytes / 4 - held);
 }
+
+#[tokio::test]
+async fn a_keyed_first_turn_is_served_whole_when_its_prompt_cannot_be_read() {
+    // Bodies read to route may hold 64 KiB together here.
+    let sims = [
+        SimBackend::start("vllm-0", &[]),
+        SimBackend::start("vllm-1", &[]),
+    ];
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        |_| "  preread_budget_bytes: 65536\n".to_string(),
+        &format!("{FAST_HEALTH}{}", affinity_yaml(600)),
+    )
+    .await;
+    let c = client();
+    let big = transcript(1, 60); // about 110 KiB
+    let bytes = serde_json::to_vec(&big).unwrap();
+    assert!(bytes.len() > 100_000);
+    // Over the budget: routed without reading its prompt (never refused as
+    // busy, as a body the tier or the key must come from would be).
+    let r = chat(&c, &gw, &[("x-session-id", "over-budget")], &big).await;
+    assert_eq!(r.status, 200);
+    assert!(meta(&r).get("prefix_tokens").is_none(), "{}", meta(&r));
+    let (prompt, _) = usage(&r);
+    // Past 64 KiB the sim counted it all: nothing was cut at the retry buffer.
+    assert!(prompt * 4 > 100_000, "whole body forwarded: {prompt}");
+    // Chunked, of unknown length and over Pingora's 64 KiB retry buffer: not
+    // read either (it could not be forwarded whole), not refused with 411.
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        bytes.chunks(16 * 1024).map(|c| Ok(c.to_vec())).collect();
+    let r = c
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-session-id", "chunked")
+        .header("content-type", "application/json")
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks,
+        )))
+        .send()
+        .await
+        .unwrap();
+    let r = reply(r).await;
+    assert_eq!(r.status, 200);
+    assert!(meta(&r).get("prefix_tokens").is_none());
+    let (prompt, _) = usage(&r);
+    // Past 64 KiB the sim counted it all: nothing was cut at the retry buffer.
+    assert!(prompt * 4 > 100_000, "whole body forwarded: {prompt}");
+}

@@ -155,10 +155,33 @@ impl GatewayProxy {
                     &parent,
                     &parent_agent,
                 ));
-        let needs_body = has_body
+        // Routing cannot do without the body when the tier or the session
+        // key is in it; the prompt alone is worth reading only when the body
+        // can still be forwarded whole (a declared length: see
+        // request_body.rs) and the budget allows — else it routes unread.
+        let must_read = has_body
             && ((tier.is_none() && routing.routes_by_model())
-                || (session_id.is_none() && !cfg.affinity.body_session_fields.is_empty())
-                || read_prompt);
+                || (session_id.is_none() && !cfg.affinity.body_session_fields.is_empty()));
+        let mut needs_body = must_read || (has_body && read_prompt && declared.is_some());
+        // Bodies read to route count against a global budget: a burst of
+        // large ones is refused (retry later) instead of exhausting memory.
+        let route_hold = if needs_body {
+            let reserve = declared.unwrap_or(request_body::UNKNOWN_LENGTH_RESERVE);
+            match self
+                .gw
+                .body_budget
+                .try_hold(reserve.min(limit), cfg.server.preread_budget_bytes)
+            {
+                Some(h) => Some(h),
+                None if must_read => return Err(GatewayError::busy_reading_bodies()),
+                None => {
+                    needs_body = false;
+                    None
+                }
+            }
+        } else {
+            None
+        };
         // A body larger than Pingora's retry buffer is kept whole (within the
         // budget) so that a request meeting a dead pooled connection can be
         // re-sent; smaller ones Pingora's own buffer replays.
@@ -173,21 +196,6 @@ impl GatewayProxy {
                     .try_hold(len, cfg.server.replay_budget_bytes)
             }
             _ => None,
-        };
-        // Bodies read to route count against a global budget: a burst of
-        // large ones is refused (retry later) instead of exhausting memory.
-        let route_hold = if needs_body {
-            let reserve = declared.unwrap_or(request_body::UNKNOWN_LENGTH_RESERVE);
-            match self
-                .gw
-                .body_budget
-                .try_hold(reserve.min(limit), cfg.server.preread_budget_bytes)
-            {
-                Some(h) => Some(h),
-                None => return Err(GatewayError::busy_reading_bodies()),
-            }
-        } else {
-            None
         };
         if needs_body || replay_hold.is_some() {
             let body = match request_body::pre_read(session, declared, limit).await {
