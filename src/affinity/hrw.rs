@@ -40,11 +40,16 @@ impl HrwHasher {
 
     /// The per-request hash a session is scored with.
     pub fn session_hash(&self, kind: KeyKind, tier: &str, id: &str) -> u64 {
+        self.session_hash_bytes(kind, tier, id.as_bytes())
+    }
+
+    /// [`HrwHasher::session_hash`] of an id that is not text (a digest).
+    pub fn session_hash_bytes(&self, kind: KeyKind, tier: &str, id: &[u8]) -> u64 {
         let mut h = SipHasher13::new_with_keys(self.k0, self.k1);
         h.write_u8(kind as u8);
         h.write(tier.as_bytes());
         h.write_u8(0xff);
-        h.write(id.as_bytes());
+        h.write(id);
         h.finish()
     }
 
@@ -52,11 +57,16 @@ impl HrwHasher {
     /// (kind, tier, id). Storing it instead of the id bounds the memory of a
     /// binding regardless of how long the client's id is.
     pub fn fingerprint(&self, kind: KeyKind, tier: &str, id: &str) -> u128 {
+        self.fingerprint_bytes(kind, tier, id.as_bytes())
+    }
+
+    /// [`HrwHasher::fingerprint`] of an id that is not text (a digest).
+    pub fn fingerprint_bytes(&self, kind: KeyKind, tier: &str, id: &[u8]) -> u128 {
         let mut h = SipHasher13_128::new_with_keys(self.k1, self.k0);
         h.write_u8(kind as u8);
         h.write(tier.as_bytes());
         h.write_u8(0xff);
-        h.write(id.as_bytes());
+        h.write(id);
         let v = h.finish128();
         ((v.h1 as u128) << 64) | v.h2 as u128
     }

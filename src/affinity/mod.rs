@@ -13,6 +13,7 @@ pub mod hrw;
 pub mod placement;
 pub mod policy;
 pub mod prefix;
+pub mod scan;
 pub mod session;
 pub mod store;
 pub mod table;
@@ -184,9 +185,14 @@ pub struct SessionRef {
 
 impl SessionRef {
     pub fn new(hasher: &HrwHasher, kind: KeyKind, tier: &str, id: &str) -> Self {
+        Self::of_bytes(hasher, kind, tier, id.as_bytes())
+    }
+
+    /// A session named by bytes that are not text (a conversation's digest).
+    pub fn of_bytes(hasher: &HrwHasher, kind: KeyKind, tier: &str, id: &[u8]) -> Self {
         SessionRef {
-            key: hasher.fingerprint(kind, tier, id),
-            hash: hasher.session_hash(kind, tier, id),
+            key: hasher.fingerprint_bytes(kind, tier, id),
+            hash: hasher.session_hash_bytes(kind, tier, id),
             parent: None,
             prompt_tokens: 0,
             indexed: false,

@@ -2,9 +2,6 @@
 //! which values are refused (SPEC §8).
 
 use http::{HeaderMap, HeaderName};
-use serde_json::value::RawValue;
-use std::borrow::Cow;
-use std::collections::HashMap;
 
 /// Longest session id accepted, in bytes.
 pub const MAX_SESSION_ID_BYTES: usize = 256;
@@ -138,37 +135,79 @@ pub fn from_headers(
 }
 
 /// The fields of a request body the gateway routes on. Only the top level is
-/// indexed; nested values stay unparsed unless a body session field asks for them.
+/// walked (by [`crate::affinity::scan`], without decoding or allocating for
+/// the prompt); a member is decoded only when routing asks for it.
 pub struct BodyProbe<'a> {
-    top: HashMap<Cow<'a, str>, &'a RawValue>,
+    /// (key as written, raw value) of each top-level member.
+    top: Vec<(&'a [u8], &'a [u8])>,
 }
 
 impl<'a> BodyProbe<'a> {
     /// `None` when the body is not a JSON object (the backend will say why).
     pub fn parse(body: &'a [u8]) -> Option<Self> {
-        let top: HashMap<Cow<'a, str>, &'a RawValue> = serde_json::from_slice(body).ok()?;
-        Some(BodyProbe { top })
+        use crate::affinity::scan::{skip_string, skip_value, skip_ws};
+        let mut i = skip_ws(body, 0);
+        if body.get(i) != Some(&b'{') {
+            return None;
+        }
+        let mut top = Vec::new();
+        i = skip_ws(body, i + 1);
+        if body.get(i) == Some(&b'}') {
+            i += 1;
+        } else {
+            loop {
+                if body.get(i) != Some(&b'"') {
+                    return None;
+                }
+                let key_end = skip_string(body, i)?;
+                let key = &body[i + 1..key_end - 1];
+                i = skip_ws(body, key_end);
+                if body.get(i) != Some(&b':') {
+                    return None;
+                }
+                i = skip_ws(body, i + 1);
+                let end = skip_value(body, i)?;
+                top.push((key, &body[i..end]));
+                i = skip_ws(body, end);
+                match body.get(i) {
+                    Some(b',') => i = skip_ws(body, i + 1),
+                    Some(b'}') => {
+                        i += 1;
+                        break;
+                    }
+                    _ => return None,
+                }
+            }
+        }
+        (skip_ws(body, i) == body.len()).then_some(BodyProbe { top })
+    }
+
+    /// The raw value of a top-level member (the last, when repeated).
+    pub fn raw(&self, name: &str) -> Option<&'a [u8]> {
+        self.top
+            .iter()
+            .rev()
+            .find(|(k, _)| *k == name.as_bytes())
+            .map(|(_, v)| *v)
     }
 
     fn string_at(&self, path: &[String]) -> Option<String> {
         let (first, rest) = path.split_first()?;
-        let raw = self.top.get(first.as_str())?;
+        let raw = self.raw(first)?;
         if rest.is_empty() {
-            return match serde_json::from_str::<Cow<'_, str>>(raw.get()) {
-                Ok(s) => Some(s.into_owned()),
-                Err(_) => None,
+            return match raw {
+                // The common case, a plain string: no decoder needed.
+                [b'"', inner @ .., b'"'] if !inner.contains(&b'\\') => {
+                    std::str::from_utf8(inner).ok().map(str::to_string)
+                }
+                _ => serde_json::from_slice::<String>(raw).ok(),
             };
         }
-        let mut v: serde_json::Value = serde_json::from_str(raw.get()).ok()?;
+        let mut v: serde_json::Value = serde_json::from_slice(raw).ok()?;
         for p in rest {
             v = v.get_mut(p.as_str())?.take();
         }
         v.as_str().map(str::to_string)
-    }
-
-    /// The raw value of a top-level member.
-    pub fn raw(&self, name: &str) -> Option<&'a RawValue> {
-        self.top.get(name).copied()
     }
 
     pub fn model(&self) -> Option<String> {
@@ -176,9 +215,7 @@ impl<'a> BodyProbe<'a> {
     }
 
     pub fn is_stream(&self) -> bool {
-        self.top
-            .get("stream")
-            .is_some_and(|raw| raw.get().trim() == "true")
+        self.raw("stream") == Some(b"true")
     }
 
     /// The first configured field holding an acceptable id. Unacceptable
@@ -309,5 +346,30 @@ mod tests {
         assert_eq!(s.source, Source::Body("metadata.user_id".into()));
         assert!(BodyProbe::parse(b"not json").is_none());
         assert!(BodyProbe::parse(b"[1,2]").is_none());
+        // What is not a JSON object at the top is no probe either.
+        for bad in [
+            &br#"{"model":"m",}"#[..],
+            br#"{"model":"m"} trailing"#,
+            br#"{"model": tru}"#,
+            br#"{"model" "m"}"#,
+            br#"{"messages":[{"role":"user"}"#,
+            br#"{"model":"m"#,
+        ] {
+            assert!(
+                BodyProbe::parse(bad).is_none(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        let p = BodyProbe::parse(br#" { } "#).unwrap();
+        assert_eq!(p.model(), None);
+        // Escapes are decoded; a repeated member is its last value, as a
+        // JSON parser reads it.
+        let p =
+            BodyProbe::parse(br#"{"model":"q\u0077en","model":"qwen3-8b","user":"a\"b"}"#).unwrap();
+        assert_eq!(p.model().as_deref(), Some("qwen3-8b"));
+        let user = vec![vec!["user".to_string()]];
+        assert_eq!(p.session(&user).unwrap().id, "a\"b");
+        assert!(!p.is_stream());
     }
 }

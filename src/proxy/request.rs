@@ -238,7 +238,7 @@ impl GatewayProxy {
         let mut implicit = None;
         if let (None, Some(p)) = (&session_id, ctx.prompt.as_mut()) {
             let conversation = prefix.conversation(p);
-            implicit = Some(format!("{conversation:032x}"));
+            implicit = Some(conversation.to_le_bytes());
             session_id = Some(SessionId {
                 id: format!("prompt-{:016x}", (conversation >> 64) as u64),
                 source: session::Source::Prompt,
@@ -272,8 +272,8 @@ impl GatewayProxy {
                 Some(group)
             }
             (None, _, Some(_)) if implicit.is_some() => implicit
-                .as_deref()
-                .map(|id| SessionRef::new(h, KeyKind::Prompt, &scope, id)),
+                .as_ref()
+                .map(|id| SessionRef::of_bytes(h, KeyKind::Prompt, &scope, id)),
             (None, _, Some(s)) => Some(SessionRef::new(h, KeyKind::Session, &scope, &s.id)),
             (None, _, None) => None,
         };

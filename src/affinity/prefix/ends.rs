@@ -137,8 +137,10 @@ mod tests {
     fn ids(v: &[u32]) -> Prompt {
         let text = serde_json::to_string(v).unwrap();
         let raw: Box<RawValue> = RawValue::from_string(text).unwrap();
-        C.prompt("t", Some("m"), |f| (f == "prompt").then_some(&*raw))
-            .unwrap()
+        C.prompt("t", Some("m"), |f| {
+            (f == "prompt").then_some(raw.get().as_bytes())
+        })
+        .unwrap()
     }
 
     fn seq(from: u32, n: u32) -> Vec<u32> {

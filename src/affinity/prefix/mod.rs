@@ -18,7 +18,6 @@ pub mod prompt;
 use super::Candidate;
 use index::PrefixIndex;
 use prompt::{Chunker, Prompt};
-use serde_json::value::RawValue;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -116,7 +115,7 @@ impl Prefix {
         &self,
         tier: &str,
         model: Option<&str>,
-        field: impl Fn(&str) -> Option<&'a RawValue>,
+        field: impl Fn(&str) -> Option<&'a [u8]>,
     ) -> Option<Prompt> {
         if !self.enabled() {
             return None;

@@ -23,8 +23,7 @@
 //! messages (completions) has no anchor: its conversation is found through
 //! the earlier prompts it extends ([`super::ends`]).
 
-use memchr::memchr2;
-use serde_json::value::RawValue;
+use crate::affinity::scan::{each_element, string_field};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 
 /// Separates the elements of the canonical prompt.
@@ -68,25 +67,24 @@ impl Chunker {
         &self,
         scope: &str,
         model: Option<&str>,
-        field: impl Fn(&str) -> Option<&'a RawValue>,
+        field: impl Fn(&str) -> Option<&'a [u8]>,
     ) -> Option<Prompt> {
-        let raw = |f: &str| field(f).map(|v| v.get().as_bytes());
         let mut tokens_per_byte = 1.0 / TEXT_BYTES_PER_TOKEN;
         // (what comes before the turns, the turns, where the anchor ends in
         // them: `None` for a prompt without messages, which has none)
-        let (head, turns, anchor_end) = if let Some(messages) = raw("messages") {
+        let (head, turns, anchor_end) = if let Some(messages) = field("messages") {
             // No user message (a system prompt alone): all of it.
             let end = first_user_end(messages)?.unwrap_or(messages.len());
-            (raw("tools"), open(messages)?, Some(end))
-        } else if let Some(input) = raw("input") {
+            (field("tools"), open(messages)?, Some(end))
+        } else if let Some(input) = field("input") {
             let end = match input.first() {
                 Some(b'[') => first_user_end(input)?.unwrap_or(input.len()),
                 // A string input is the user's message.
                 Some(b'"') => input.len(),
                 _ => return None,
             };
-            (raw("instructions"), open(input)?, Some(end))
-        } else if let Some(prompt) = raw("prompt") {
+            (field("instructions"), open(input)?, Some(end))
+        } else if let Some(prompt) = field("prompt") {
             let turns = open(prompt)?;
             if turns.starts_with(b"[")
                 && turns.len() > 1
@@ -110,17 +108,27 @@ impl Chunker {
             None => [&[], &[], turns],
         };
         let root = self.root(scope, model);
-        // The conversation's name: everything up to the end of its first
-        // user message, hashed with the root.
+        let full_bytes = parts.iter().map(|p| p.len()).sum();
+        // Where the conversation's name ends: everything up to the end of
+        // its first user message.
+        let anchor_end =
+            anchor_end.map(|end| parts[0].len() + parts[1].len() + end.min(turns.len()));
+        // The chain covers what is read to route, and the name however long
+        // it is: the name must not change with the read length.
+        let hashed = self.max_read_bytes.max(anchor_end.unwrap_or(0));
+        let mut blocks = chain(&parts, self.block_bytes, root, hashed);
+        // The name's full blocks are hashed in the chain already: the name is
+        // the rest hashed with the chain's hash before it.
         let anchor = anchor_end.map(|end| {
-            let mut h = Xxh3::with_seed(root);
-            h.update(parts[0]);
-            h.update(parts[1]);
-            h.update(&turns[..end.min(turns.len())]);
+            let k = end / self.block_bytes;
+            let base = if k == 0 { root } else { blocks[k - 1] };
+            let mut h = Xxh3::with_seed(base);
+            for p in span(&parts, k * self.block_bytes, end) {
+                h.update(p);
+            }
             h.digest128()
         });
-        let full_bytes = parts.iter().map(|p| p.len()).sum();
-        let blocks = chain(&parts, self.block_bytes, root, self.max_read_bytes);
+        blocks.truncate(self.max_read_bytes / self.block_bytes.max(1));
         // Only a prompt without messages keeps its bytes: its conversation
         // is found by the earlier prompt it extends (see `ends`).
         let canon = match anchor {
@@ -154,6 +162,17 @@ impl Prompt {
     pub fn block_tokens(&self, blocks: usize, block_bytes: usize) -> u64 {
         self.tokens_of(blocks * block_bytes)
     }
+}
+
+/// The bytes `from..to` of `parts` taken as one byte string, part by part.
+fn span<'a>(parts: &'a [&'a [u8]], from: usize, to: usize) -> impl Iterator<Item = &'a [u8]> {
+    let mut at = 0;
+    parts.iter().filter_map(move |p| {
+        let (start, end) = (at, at + p.len());
+        at = end;
+        let (a, b) = (from.max(start), to.min(end));
+        (a < b).then(|| &p[a - start..b - start])
+    })
 }
 
 /// A prompt field's raw JSON without its closing bracket or quote, so that
@@ -217,133 +236,11 @@ pub fn chain(parts: &[&[u8]], block: usize, root: u64, max: usize) -> Vec<u64> {
     out
 }
 
-/// The raw elements of a JSON array `raw` (valid JSON, as serde has read
-/// it); `None` when `raw` is not an array.
-pub fn elements(raw: &[u8]) -> Option<Vec<&[u8]>> {
-    let mut out = Vec::new();
-    each_element(raw, |e, _| {
-        out.push(e);
-        true
-    })?;
-    Some(out)
-}
-
-/// Call `f` with each element of the JSON array `raw` and the offset just
-/// past it, while `f` says go on. `None` when `raw` is not an array.
-fn each_element<'a>(raw: &'a [u8], mut f: impl FnMut(&'a [u8], usize) -> bool) -> Option<()> {
-    let mut i = skip_ws(raw, 0);
-    if raw.get(i) != Some(&b'[') {
-        return None;
-    }
-    i = skip_ws(raw, i + 1);
-    while i < raw.len() && raw[i] != b']' {
-        let end = skip_value(raw, i)?;
-        if !f(&raw[i..end], end) {
-            return Some(());
-        }
-        i = skip_ws(raw, end);
-        match raw.get(i) {
-            Some(b',') => i = skip_ws(raw, i + 1),
-            Some(b']') => {}
-            _ => return None,
-        }
-    }
-    Some(())
-}
-
-/// The raw content of the string member `key` of the JSON object `obj`
-/// (top level only; escapes left as they are).
-pub fn string_field<'a>(obj: &'a [u8], key: &[u8]) -> Option<&'a [u8]> {
-    let mut i = skip_ws(obj, 0);
-    if obj.get(i) != Some(&b'{') {
-        return None;
-    }
-    i += 1;
-    loop {
-        i = skip_ws(obj, i);
-        if obj.get(i) != Some(&b'"') {
-            return None;
-        }
-        let key_end = skip_string(obj, i)?;
-        let name = &obj[i + 1..key_end - 1];
-        i = skip_ws(obj, key_end);
-        if obj.get(i) != Some(&b':') {
-            return None;
-        }
-        i = skip_ws(obj, i + 1);
-        let end = skip_value(obj, i)?;
-        if name == key {
-            return (obj[i] == b'"').then(|| &obj[i + 1..end - 1]);
-        }
-        i = skip_ws(obj, end);
-        match obj.get(i) {
-            Some(b',') => i += 1,
-            _ => return None,
-        }
-    }
-}
-
-fn skip_ws(b: &[u8], mut i: usize) -> usize {
-    while i < b.len() && matches!(b[i], b' ' | b'\n' | b'\r' | b'\t') {
-        i += 1;
-    }
-    i
-}
-
-/// `b[i]` opens a string: the index just past its closing quote.
-fn skip_string(b: &[u8], mut i: usize) -> Option<usize> {
-    i += 1;
-    loop {
-        let j = i + memchr2(b'"', b'\\', b.get(i..)?)?;
-        if b[j] == b'\\' {
-            i = j + 2;
-        } else {
-            return Some(j + 1);
-        }
-    }
-}
-
-/// The index just past the JSON value that starts at `b[i]`.
-fn skip_value(b: &[u8], i: usize) -> Option<usize> {
-    match *b.get(i)? {
-        b'"' => skip_string(b, i),
-        b'{' | b'[' => {
-            let mut depth = 0usize;
-            let mut j = i;
-            while j < b.len() {
-                match b[j] {
-                    b'"' => {
-                        j = skip_string(b, j)?;
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            return Some(j + 1);
-                        }
-                    }
-                    _ => {}
-                }
-                j += 1;
-            }
-            None
-        }
-        _ => {
-            let mut j = i;
-            while j < b.len() && !matches!(b[j], b',' | b']' | b'}' | b' ' | b'\n' | b'\r' | b'\t')
-            {
-                j += 1;
-            }
-            Some(j)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+    use serde_json::value::RawValue;
     use std::collections::HashMap;
 
     const CHUNKER: Chunker = Chunker {
@@ -356,7 +253,9 @@ mod tests {
         let text = body.to_string();
         let top: HashMap<String, Box<RawValue>> = serde_json::from_str(&text).unwrap();
         let model = body["model"].as_str();
-        CHUNKER.prompt("tier", model, |name| top.get(name).map(|v| &**v))
+        CHUNKER.prompt("tier", model, |name| {
+            top.get(name).map(|v| v.get().as_bytes())
+        })
     }
 
     fn chat(messages: &[(&str, &str)]) -> serde_json::Value {
@@ -479,7 +378,9 @@ mod tests {
         let text = long.to_string();
         let top: HashMap<String, Box<RawValue>> = serde_json::from_str(&text).unwrap();
         let p = short_reader
-            .prompt("tier", Some("m"), |n| top.get(n).map(|v| &**v))
+            .prompt("tier", Some("m"), |n| {
+                top.get(n).map(|v| v.get().as_bytes())
+            })
             .unwrap();
         assert!(p.full_bytes > 10_000);
         assert_eq!(p.blocks.len(), 1000 / 64);
@@ -498,18 +399,5 @@ mod tests {
         }
         assert_eq!(chain(&[&whole], 64, 9, 640), one[..10]);
         assert_ne!(chain(&[&whole], 64, 8, usize::MAX), one, "the root keys it");
-    }
-
-    #[test]
-    fn the_scanner_splits_arrays_and_finds_fields_through_strings_and_nesting() {
-        let raw = br#" [ {"content":"a \"role\": \"user\" ]}","role":"assistant"} , {"x":[1,{"role":"y"}],"role" : "user"}, 3, "s\\", null ] "#;
-        let els = elements(raw).unwrap();
-        assert_eq!(els.len(), 5);
-        assert_eq!(string_field(els[0], b"role"), Some(&b"assistant"[..]));
-        assert_eq!(string_field(els[1], b"role"), Some(&b"user"[..]));
-        assert_eq!(string_field(els[2], b"role"), None);
-        assert_eq!(els[3], br#""s\\""#);
-        assert!(elements(b"{}").is_none());
-        assert_eq!(elements(b"[]").unwrap().len(), 0);
     }
 }
