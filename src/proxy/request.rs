@@ -36,6 +36,48 @@ fn tenant_scope(
     Ok(format!("\u{0}{id:032x}"))
 }
 
+/// Bindings are scoped by tier (and tenant, when configured).
+fn scope_of<'a>(tier: &'a str, tenant_suffix: &str) -> std::borrow::Cow<'a, str> {
+    if tenant_suffix.is_empty() {
+        std::borrow::Cow::Borrowed(tier)
+    } else {
+        std::borrow::Cow::Owned(format!("{tier}{tenant_suffix}"))
+    }
+}
+
+/// What the binding table is keyed with: a subagent's group, the session's
+/// own key, or the conversation `implicit` names (no key from the client).
+fn session_ref(
+    h: &crate::affinity::hrw::HrwHasher,
+    scope: &str,
+    parent: &Option<SessionId>,
+    parent_agent: &Option<SessionId>,
+    session_id: &Option<SessionId>,
+    implicit: Option<&[u8; 16]>,
+) -> Option<SessionRef> {
+    match (parent, parent_agent, session_id) {
+        // A subagent (Dynamo style): the group of the parent session.
+        (Some(p), _, _) => {
+            let mut group = SessionRef::new(h, KeyKind::Group, scope, &p.id);
+            group.parent = Some(h.fingerprint(KeyKind::Session, scope, &p.id));
+            Some(group)
+        }
+        // A subagent (Claude Code style): the group of a parent agent within
+        // this session; the session's own binding is the parent to follow.
+        (None, Some(agent), Some(s)) => {
+            let id = format!("{}\u{1f}{}", s.id, agent.id);
+            let mut group = SessionRef::new(h, KeyKind::Group, scope, &id);
+            group.parent = Some(h.fingerprint(KeyKind::Session, scope, &s.id));
+            Some(group)
+        }
+        (None, _, Some(_)) if implicit.is_some() => {
+            implicit.map(|id| SessionRef::of_bytes(h, KeyKind::Prompt, scope, id))
+        }
+        (None, _, Some(s)) => Some(SessionRef::new(h, KeyKind::Session, scope, &s.id)),
+        (None, _, None) => None,
+    }
+}
+
 /// About what the request line and headers took on the wire.
 fn header_bytes(req: &RequestHeader) -> usize {
     let uri = req.uri.path_and_query().map_or(1, |p| p.as_str().len())
@@ -144,17 +186,31 @@ impl GatewayProxy {
         // binding where its prefix lives, and in soft mode to weigh a move
         // by what each backend holds of it. A keyed turn of a live binding
         // (hard mode) needs none of that and streams through unread.
+        // A keyed request's binding key, when its tier is known before its
+        // body (it is reused below unless the body changes either).
+        let tier_now = match &tier {
+            Some(t) => Some(t),
+            None if !routing.routes_by_model() => Some(routing.default_tier()),
+            None => None,
+        };
+        let early = tier_now.and_then(|t| {
+            let scope = scope_of(&t.name, &scope_suffix);
+            session_ref(
+                &routing.hasher,
+                &scope,
+                &parent,
+                &parent_agent,
+                &session_id,
+                None,
+            )
+            .map(|s| (Arc::clone(t), s))
+        });
         let read_prompt = prefix.enabled()
             && (session_id.is_none()
                 || cfg.affinity.mode == crate::affinity::policy::Mode::Soft
-                || !self.has_live_binding(
-                    &routing,
-                    tier.as_ref(),
-                    &scope_suffix,
-                    &session_id,
-                    &parent,
-                    &parent_agent,
-                ));
+                || !early
+                    .as_ref()
+                    .is_some_and(|(_, s)| self.gw.affinity.is_live(s.key)));
         // Routing cannot do without the body when the tier or the session
         // key is in it; the prompt alone is worth reading only when the body
         // can still be forwarded whole (a declared length: see
@@ -249,71 +305,23 @@ impl GatewayProxy {
             p.canon = Vec::new();
         }
 
-        // Bindings are scoped by tier (and tenant, when configured).
-        let scope = if scope_suffix.is_empty() {
-            std::borrow::Cow::Borrowed(&*tier.name)
-        } else {
-            std::borrow::Cow::Owned(format!("{}{scope_suffix}", tier.name))
-        };
-        let h = &routing.hasher;
-        ctx.session_ref = match (&parent, &parent_agent, &session_id) {
-            // A subagent (Dynamo style): the group of the parent session.
-            (Some(p), _, _) => {
-                let mut group = SessionRef::new(h, KeyKind::Group, &scope, &p.id);
-                group.parent = Some(h.fingerprint(KeyKind::Session, &scope, &p.id));
-                Some(group)
-            }
-            // A subagent (Claude Code style): the group of a parent agent within
-            // this session; the session's own binding is the parent to follow.
-            (None, Some(agent), Some(s)) => {
-                let id = format!("{}\u{1f}{}", s.id, agent.id);
-                let mut group = SessionRef::new(h, KeyKind::Group, &scope, &id);
-                group.parent = Some(h.fingerprint(KeyKind::Session, &scope, &s.id));
-                Some(group)
-            }
-            (None, _, Some(_)) if implicit.is_some() => implicit
-                .as_ref()
-                .map(|id| SessionRef::of_bytes(h, KeyKind::Prompt, &scope, id)),
-            (None, _, Some(s)) => Some(SessionRef::new(h, KeyKind::Session, &scope, &s.id)),
-            (None, _, None) => None,
+        ctx.session_ref = match early {
+            // Nothing the body said changed the tier or the key.
+            Some((t, sref)) if Arc::ptr_eq(&t, &tier) && implicit.is_none() => Some(sref),
+            _ => session_ref(
+                &routing.hasher,
+                &scope_of(&tier.name, &scope_suffix),
+                &parent,
+                &parent_agent,
+                &session_id,
+                implicit.as_ref(),
+            ),
         };
         ctx.parent = parent.or(parent_agent).map(|p| p.id);
         ctx.session = session_id;
         ctx.tier = Some(tier);
         ctx.routing = Some(routing);
         Ok(())
-    }
-
-    /// Whether a keyed request's session (or subagent group) has a live
-    /// binding here, judged before its body is read: `false` when that
-    /// cannot be told yet (the tier comes from the body's model).
-    fn has_live_binding(
-        &self,
-        routing: &Routing,
-        tier: Option<&Arc<Tier>>,
-        scope_suffix: &str,
-        session_id: &Option<SessionId>,
-        parent: &Option<SessionId>,
-        parent_agent: &Option<SessionId>,
-    ) -> bool {
-        let tier = match tier {
-            Some(t) => t,
-            None if !routing.routes_by_model() => routing.default_tier(),
-            None => return false,
-        };
-        let scope = format!("{}{scope_suffix}", tier.name);
-        let h = &routing.hasher;
-        let key = match (parent, parent_agent, session_id) {
-            (Some(p), _, _) => h.fingerprint(KeyKind::Group, &scope, &p.id),
-            (None, Some(agent), Some(s)) => h.fingerprint(
-                KeyKind::Group,
-                &scope,
-                &format!("{}\u{1f}{}", s.id, agent.id),
-            ),
-            (None, _, Some(s)) => h.fingerprint(KeyKind::Session, &scope, &s.id),
-            (None, _, None) => return false,
-        };
-        self.gw.affinity.is_live(key)
     }
 
     /// The 408 for a client that was too slow (its body stalled or crawled),
