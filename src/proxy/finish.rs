@@ -179,7 +179,7 @@ impl GatewayProxy {
             if ctx.reason == Some(Reason::FirstTurn) && ctx.parent.is_none() {
                 b.stats.cost.observe_first_prompt(u.cached_tokens);
             }
-            if let (Some(p), Some(routed)) = (&ctx.prompt, &ctx.prefix_routed) {
+            if let Some((p, Some(routed))) = ctx.prefix.as_deref().map(|r| (&r.prompt, &r.routed)) {
                 if self
                     .gw
                     .prefix
@@ -197,8 +197,10 @@ impl GatewayProxy {
             }
         }
         // The backend answered: it holds the prompt now.
-        if let (Some(p), Some(routed), 200) = (&ctx.prompt, &ctx.prefix_routed, status) {
-            self.gw.prefix.answered(p, routed);
+        if let (Some(route), 200) = (ctx.prefix.as_deref(), status) {
+            if let Some(routed) = &route.routed {
+                self.gw.prefix.answered(&route.prompt, routed);
+            }
         }
         if let (Some(u), Some(b)) = (usage, &ctx.backend) {
             b.counters

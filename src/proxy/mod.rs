@@ -121,6 +121,13 @@ impl Drop for InFlight {
     }
 }
 
+/// A request's prompt (its block hashes only, once routed) and how much of
+/// it the index said its backend held.
+struct PromptRoute {
+    prompt: crate::affinity::prefix::prompt::Prompt,
+    routed: Option<crate::affinity::prefix::Routed>,
+}
+
 /// Everything later hooks need to know about one request.
 pub struct RequestCtx {
     start: Instant,
@@ -131,11 +138,10 @@ pub struct RequestCtx {
     parent: Option<String>,
     /// What the binding table is keyed with (the group for subagents).
     session_ref: Option<SessionRef>,
-    /// The request's prompt as routing reads it (`affinity.prefix`; its
-    /// block hashes only, once routed).
-    prompt: Option<crate::affinity::prefix::prompt::Prompt>,
-    /// Where it went and how much of it the index said was held there.
-    prefix_routed: Option<crate::affinity::prefix::Routed>,
+    /// The request's prompt as routing reads it, and where it went
+    /// (`affinity.prefix`). Boxed: the context moves with the request's
+    /// future, and most keyed turns carry none.
+    prefix: Option<Box<PromptRoute>>,
     /// The whole body, when it was read before routing or kept for a replay.
     body: Option<Bytes>,
     /// `body` counted against the gateway's body budget.
@@ -175,8 +181,8 @@ impl RequestCtx {
     /// Tokens of the prompt the prefix index said its backend held, when
     /// the prompt was looked up.
     fn prefix_tokens(&self) -> Option<u64> {
-        let (p, r) = (self.prompt.as_ref()?, self.prefix_routed.as_ref()?);
-        Some(r.tokens(p))
+        let route = self.prefix.as_ref()?;
+        Some(route.routed.as_ref()?.tokens(&route.prompt))
     }
 
     fn tier_name(&self) -> Option<&str> {
@@ -237,8 +243,7 @@ impl ProxyHttp for GatewayProxy {
             session: None,
             parent: None,
             session_ref: None,
-            prompt: None,
-            prefix_routed: None,
+            prefix: None,
             body: None,
             body_hold: None,
             body_bytes: 0,

@@ -48,9 +48,9 @@ impl GatewayProxy {
         let mut candidates = tier.candidates(&ctx.excluded);
         // What each candidate holds of the prompt (`affinity.prefix`).
         let held = ctx
-            .prompt
+            .prefix
             .as_ref()
-            .map(|p| self.gw.prefix.look_up(p, &mut candidates));
+            .map(|r| self.gw.prefix.look_up(&r.prompt, &mut candidates));
 
         // This request's prefill there, for the backend's queued tokens: a
         // kept binding's estimate, else the body less the prefix the
@@ -150,7 +150,8 @@ impl GatewayProxy {
         if let Some(old) = previous_lease {
             old.hand_over();
         }
-        if let (Some(p), Some(held)) = (ctx.prompt.as_ref(), held) {
+        if let (Some(route), Some(held)) = (ctx.prefix.as_mut(), held) {
+            let p = &route.prompt;
             let at = candidates.iter().position(|c| c.slot == backend.slot);
             let routed =
                 self.gw
@@ -165,7 +166,7 @@ impl GatewayProxy {
             // pressure found its transcript evicted, yet counts only its
             // growth) or the body less the backend's usual shared prefix.
             new_tokens = Some(body_tokens.saturating_sub(routed.tokens(p)));
-            ctx.prefix_routed = Some(routed);
+            route.routed = Some(routed);
         }
         ctx.in_flight = Some(InFlight::new(
             &backend.stats,

@@ -284,7 +284,14 @@ impl GatewayProxy {
                 }
                 if read_prompt {
                     let cached_in = tier.as_ref().unwrap_or_else(|| routing.default_tier());
-                    ctx.prompt = prefix.read(&cached_in.name, model.as_deref(), |f| probe.raw(f));
+                    ctx.prefix = prefix
+                        .read(&cached_in.name, model.as_deref(), |f| probe.raw(f))
+                        .map(|prompt| {
+                            Box::new(PromptRoute {
+                                prompt,
+                                routed: None,
+                            })
+                        });
                 }
             }
             ctx.body = Some(body);
@@ -292,7 +299,8 @@ impl GatewayProxy {
         let tier = tier.unwrap_or_else(|| Arc::clone(routing.default_tier()));
         // No key from the client: the conversation its prompt belongs to.
         let mut implicit = None;
-        if let (None, Some(p)) = (&session_id, ctx.prompt.as_mut()) {
+        if let (None, Some(route)) = (&session_id, ctx.prefix.as_mut()) {
+            let p = &route.prompt;
             let conversation = prefix.conversation(p);
             implicit = Some(conversation.to_le_bytes());
             session_id = Some(SessionId {
@@ -300,9 +308,9 @@ impl GatewayProxy {
                 source: session::Source::Prompt,
             });
         }
-        if let Some(p) = ctx.prompt.as_mut() {
+        if let Some(route) = ctx.prefix.as_mut() {
             // Only the block hashes are needed from here on.
-            p.canon = Vec::new();
+            route.prompt.canon = Vec::new();
         }
 
         ctx.session_ref = match early {
