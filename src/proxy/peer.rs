@@ -52,8 +52,9 @@ impl GatewayProxy {
             .as_ref()
             .map(|r| self.gw.prefix.look_up(&r.prompt, &mut candidates));
 
-        // This request's prefill there, for the backend's queued tokens: a
-        // kept binding's estimate, else the body less the prefix the
+        // This request's prefill there, for the backend's queued tokens: its
+        // prompt less what the prefix index says is held there (below); else
+        // a kept binding's estimate; else the body less the prefix the
         // backend's new sessions find cached.
         let body_tokens = body_tokens(ctx);
         let mut new_tokens = None;

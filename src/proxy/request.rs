@@ -182,10 +182,6 @@ impl GatewayProxy {
         let mut session_id = session_id;
         let has_body = method_has_body(session.req_header()) && declared != Some(0);
         let prefix = &self.gw.prefix;
-        // The prompt is read to name a keyless conversation, to place a new
-        // binding where its prefix lives, and in soft mode to weigh a move
-        // by what each backend holds of it. A keyed turn of a live binding
-        // (hard mode) needs none of that and streams through unread.
         // A keyed request's binding key, when its tier is known before its
         // body (it is reused below unless the body changes either).
         let tier_now = match &tier {
@@ -205,6 +201,10 @@ impl GatewayProxy {
             )
             .map(|s| (Arc::clone(t), s))
         });
+        // The prompt is read to name a keyless conversation, to place a new
+        // binding where its prefix lives, and in soft mode to weigh a move
+        // by what each backend holds of it. A keyed turn of a live binding
+        // (hard mode) needs none of that and streams through unread.
         let read_prompt = prefix.enabled()
             && (session_id.is_none()
                 || cfg.affinity.mode == crate::affinity::policy::Mode::Soft
@@ -299,9 +299,8 @@ impl GatewayProxy {
         let tier = tier.unwrap_or_else(|| Arc::clone(routing.default_tier()));
         // No key from the client: the conversation its prompt belongs to.
         let mut implicit = None;
-        if let (None, Some(route)) = (&session_id, ctx.prefix.as_mut()) {
-            let p = &route.prompt;
-            let conversation = prefix.conversation(p);
+        if let (None, Some(route)) = (&session_id, ctx.prefix.as_ref()) {
+            let conversation = prefix.conversation(&route.prompt);
             implicit = Some(conversation.to_le_bytes());
             session_id = Some(SessionId {
                 id: format!("prompt-{:016x}", (conversation >> 64) as u64),
