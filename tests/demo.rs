@@ -42,6 +42,22 @@ fn quick_demo_shows_affinity_paying() {
     assert_eq!(rate(off, "affinity_hit_rate"), 0.0);
     assert!(rate(on, "prefix_cache_hit_rate") > rate(off, "prefix_cache_hit_rate") + 0.05);
 
+    // The same sessions sending no id at all: the gateway names each
+    // conversation by its prompt and keeps it on one replica as well.
+    for study in ["seed", "long"] {
+        let on = find(&format!("{study}: affinity on"));
+        let keyless = find(&format!("{study}: no session id (prefix routing)"));
+        assert_eq!(keyless["errors"], 0);
+        assert_eq!(rate(keyless, "replicas_per_conversation"), 1.0, "{study}");
+        assert_eq!(rate(keyless, "same_backend_rate"), 1.0, "{study}");
+        assert!(
+            rate(keyless, "prefix_cache_hit_rate") >= 0.98 * rate(on, "prefix_cache_hit_rate"),
+            "{study}: keyless {} vs keyed {}",
+            keyless["prefix_cache_hit_rate"],
+            on["prefix_cache_hit_rate"]
+        );
+    }
+
     let long_on = find("long: affinity on");
     let long_off = find("long: affinity off (fresh ids)");
     let ideal = find("long: ideal (1 replica, unlimited cache)");

@@ -395,32 +395,6 @@ impl Affinity {
             .map(|i| pool[i].slot)
     }
 
-    /// `bound` and the backends among `open` that may take one more session
-    /// within the balance bound: where a cost move may go.
-    fn with_room(
-        &self,
-        bound: &Candidate,
-        candidates: &[Candidate],
-        open: &[Candidate],
-    ) -> Vec<Candidate> {
-        let placement = self.placement.load();
-        let load: Vec<u64> = open
-            .iter()
-            .map(|c| placement.load.of(c, self.table.backend_len(c.slot)))
-            .collect();
-        candidates
-            .iter()
-            .filter(|c| {
-                c.slot == bound.slot
-                    || open
-                        .iter()
-                        .position(|o| o.slot == c.slot)
-                        .is_some_and(|i| placement.first.accepts(i, open, &load))
-            })
-            .copied()
-            .collect()
-    }
-
     /// Whether a session may move off `bound` for cost now, claiming the
     /// move if so: moves off one backend are [`policy::MOVE_GAP_MS`] apart.
     /// Without it, requests reviewed at the same moment read the same queues
@@ -618,20 +592,13 @@ impl Affinity {
                             new,
                             indexed_prompt: session.indexed.then_some(session.prompt_tokens),
                         };
-                        let room;
-                        let reviewed = if policy.moves_for_cost() {
-                            room = self.with_room(&candidates[i], candidates, open);
-                            &room[..]
-                        } else {
-                            candidates
-                        };
-                        match policy.review(&candidates[i], reviewed, &turns, &turn, now) {
+                        match policy.review(&candidates[i], candidates, &turns, &turn, now) {
                             None => Decision::Keep,
                             Some(MoveReason::Cost) if !self.claim_move_off(&candidates[i], now) => {
                                 Decision::Keep
                             }
                             Some(reason) => match policy
-                                .destination(reason, &candidates[i], reviewed, &turns, &turn)
+                                .destination(reason, &candidates[i], open, &turns, &turn)
                                 .or_else(|| fresh(Some(candidates[i].slot)))
                             {
                                 Some(slot) => {
@@ -1074,30 +1041,6 @@ mod tests {
         let sel = go(&a, &s, &c);
         assert_eq!(sel.moved, Some(MoveReason::Cost));
         assert_eq!(sel.backend, 2, "the backend its ΔQ was weighed against");
-    }
-
-    #[test]
-    fn a_cost_move_goes_only_to_a_backend_the_bound_lets_take_a_session() {
-        let h = HrwHasher::new("k");
-        let a = cost_aware();
-        let mut c = fleet(&h, 3);
-        // Six sessions on backend 1, one (ours) on backend 0, none on 2:
-        // the bound (⌈8 / 3⌉ = 3) has no room on backend 1.
-        for i in 0..6 {
-            let other = SessionRef::new(&h, KeyKind::Session, "t", &format!("other{i}"));
-            drop(go(&a, &other, &c[1..2]));
-        }
-        let s = SessionRef::new(&h, KeyKind::Session, "t", "mover");
-        drop(go(&a, &s, &c[..1]));
-        a.record_usage(s.key, 1000, 0);
-        // Backend 0 has 2 s of prefill queued, idle backend 1 none, backend
-        // 2 half a second: the move goes to 2, not to the idle but full 1,
-        // whose share this session's later turns would exceed.
-        c[0].queued_tokens = 20_000;
-        c[2].queued_tokens = 5_000;
-        let sel = go(&a, &s, &c);
-        assert_eq!(sel.moved, Some(MoveReason::Cost));
-        assert_eq!(sel.backend, 2);
     }
 
     #[test]

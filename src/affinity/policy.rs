@@ -164,11 +164,6 @@ impl DefaultPolicy {
         }
     }
 
-    /// Whether this policy may move a session for cost (soft mode, cost policy).
-    pub fn moves_for_cost(&self) -> bool {
-        self.mode == Mode::Soft && self.soft == SoftPolicy::Cost
-    }
-
     fn unlearned_cost(&self, candidates: &[Candidate]) -> f64 {
         super::unlearned_cost(candidates, self.cost.prior_prefill_us_per_token)
     }

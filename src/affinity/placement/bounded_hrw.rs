@@ -121,6 +121,11 @@ impl BoundedHrw {
         let share = effective_weight(c, t.fastest) / t.weight.max(f64::MIN_POSITIVE);
         (self.balance_factor * (t.load + 1) as f64 * share).ceil() as u64
     }
+
+    /// Whether `open[i]` can take one more unit and stay within capacity.
+    pub fn accepts(&self, i: usize, open: &[Candidate], load: &[u64]) -> bool {
+        load[i] < self.capacity(&open[i], &Totals::of(open, load, self.speed_aware))
+    }
 }
 
 impl FirstPlacement for BoundedHrw {
@@ -156,11 +161,6 @@ impl FirstPlacement for BoundedHrw {
             (Some(b), _) => Some(b),
             _ => hrw::choose(session, open),
         }
-    }
-
-    /// Whether `open[i]` can take one more unit and stay within capacity.
-    fn accepts(&self, i: usize, open: &[Candidate], load: &[u64]) -> bool {
-        load[i] < self.capacity(&open[i], &Totals::of(open, load, self.speed_aware))
     }
 
     /// Beyond what placement itself may fill: the bound, and with

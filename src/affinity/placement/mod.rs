@@ -87,14 +87,6 @@ pub trait FirstPlacement: Send + Sync {
     fn overloaded(&self, _i: usize, _open: &[Candidate], _load: &[u64]) -> bool {
         false
     }
-
-    /// Whether `open[i]` may take one more session within the balance bound
-    /// (algorithms without one always may). A session moved for cost goes
-    /// only to such a backend: one that is merely the least queued now would
-    /// collect every mover's later turns.
-    fn accepts(&self, _i: usize, _open: &[Candidate], _load: &[u64]) -> bool {
-        true
-    }
 }
 
 /// The algorithm `kind` names; `bounded` holds bounded HRW's settings.
