@@ -317,11 +317,18 @@ fn bench_prefix(c: &mut Criterion) {
         );
     }
     g.finish();
+    // Memory an entry takes once the index is full (its maps are made at
+    // their full size up front): an 8 MiB index filled past its cap.
+    let full = agent_gateway::affinity::prefix::index::PrefixIndex::new(8 << 20, 600_000);
+    for salt in 0..200_000u64 {
+        let c: Vec<u64> = (0..4).map(|i| hrw::mix(salt << 8 | i)).collect();
+        full.record(&c, (salt % 8) as u32, 1, true);
+    }
     println!(
-        "prefix index: {} entries, {} heap bytes ({:.0} bytes an entry; {} at most)",
-        prefix.index.len(),
-        prefix.index.heap_bytes(),
-        prefix.index.heap_bytes() as f64 / prefix.index.len().max(1) as f64,
+        "prefix index, full: {} entries in {} heap bytes ({:.0} bytes an entry; {} at most by construction)",
+        full.len(),
+        full.heap_bytes(),
+        full.heap_bytes() as f64 / full.len().max(1) as f64,
         agent_gateway::affinity::prefix::index::ENTRY_BYTES
     );
 }
