@@ -213,18 +213,32 @@ impl AdminApp {
     }
 }
 
+/// The token of an `Authorization: Bearer <token>` value. The scheme is
+/// case-insensitive (RFC 9110 §11.1): `bearer` and `BEARER` are as good.
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let space = value.iter().position(|&b| b == b' ')?;
+    let (scheme, rest) = value.split_at(space);
+    scheme
+        .eq_ignore_ascii_case(b"bearer")
+        .then(|| rest.trim_ascii_start())
+}
+
+/// `a == b` in time that does not depend on where they differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
 #[async_trait]
 impl ServeHttp for AdminApp {
     async fn response(&self, session: &mut ServerSession) -> http::Response<Vec<u8>> {
         let token = self.0.routing().config.admin.token.clone();
         if let Some(token) = token {
-            let expected = format!("Bearer {token}");
             let given = session
                 .req_header()
                 .headers
                 .get("authorization")
-                .map(|v| v.as_bytes());
-            if given != Some(expected.as_bytes()) {
+                .and_then(|v| bearer_token(v.as_bytes()));
+            if !given.is_some_and(|g| same_secret(g, token.as_bytes())) {
                 return error(401, "unauthorized", "missing or wrong bearer token".into());
             }
         }

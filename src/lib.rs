@@ -10,6 +10,7 @@ pub mod engine;
 pub mod fleet;
 pub mod gateway;
 pub mod loadgen;
+pub mod logging;
 pub mod metrics;
 pub mod proxy;
 pub mod server;

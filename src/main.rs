@@ -44,7 +44,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    agent_gateway::logging::init();
     let cli = Cli::parse();
     match cli.command {
         Command::Demo(args) => match agent_gateway::demo::run(args) {

@@ -879,6 +879,21 @@ async fn admin_api_looks_up_and_deletes_bindings_behind_a_token() {
         .unwrap();
     assert_eq!(ok["backend"], r.backend.unwrap());
     assert_eq!(ok["version"], 1);
+    // The scheme is case-insensitive; a wrong token is not.
+    let lower = c
+        .get(gw.admin_url("/admin/sessions/look"))
+        .header("authorization", "bearer s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(lower.status().as_u16(), 200);
+    let wrong = c
+        .get(gw.admin_url("/admin/sessions/look"))
+        .header("authorization", "Bearer s3cre")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status().as_u16(), 401);
     let del = c
         .delete(gw.admin_url("/admin/sessions/look"))
         .bearer_auth("s3cret")

@@ -483,7 +483,14 @@ async fn the_engines_own_load_gauges_are_read_and_shown() {
     let running = "agentserve_backend_engine_requests{backend=\"llama-0\",state=\"running\",tier=\"default\"}";
     wait_until("the running gauge exported", || {
         let gw = &fleet.gw;
-        async move { gw.metric(running).await >= 0.0 }
+        // Present, and read from the engine (-1 until a scrape is in).
+        async move {
+            gw.metrics_text().await.lines().any(|l| {
+                l.strip_prefix(running)
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+                    .is_some_and(|v| v >= 0.0)
+            })
+        }
     })
     .await;
     assert_eq!(

@@ -183,7 +183,8 @@ async fn a_replica_that_prefills_slower_takes_fewer_new_sessions() {
             .or_default() += 1;
     }
     let slow = count.get("vllm-0").copied().unwrap_or(0);
-    assert!(slow <= 6, "{count:?}");
+    // Fewer than its plain-HRW half, yet its quarter share: not none.
+    assert!((3..=6).contains(&slow), "{count:?}");
     assert_eq!(count.values().sum::<usize>(), 20);
 }
 

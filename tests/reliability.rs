@@ -194,3 +194,71 @@ async fn backend_errors_after_the_request_was_sent_are_not_retried() {
     assert_eq!(r.backend, first.backend);
     assert_eq!(other.stats().await["requests"].as_u64().unwrap(), before);
 }
+
+#[tokio::test]
+async fn a_fleet_failing_every_request_does_not_flood_the_log() {
+    let mut sims: Vec<SimBackend> = (0..2)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let (port, mport) = (free_port(), free_port_pair());
+    // Health checks that never notice: every request tries both backends.
+    let yaml = config_yaml(
+        port,
+        mport,
+        dir.path(),
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(1800)),
+    );
+    let log_path = dir.path().join("gateway.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let gw = Gateway::start_yaml_logging_to(
+        tempfile::tempdir().unwrap(),
+        port,
+        mport,
+        &yaml,
+        std::process::Stdio::from(log),
+    )
+    .await;
+    for s in sims.iter_mut() {
+        s.kill();
+    }
+    let started = std::time::Instant::now();
+    let c = common::client();
+    let failures = 400;
+    for i in 0..failures {
+        let r = chat(
+            &c,
+            &gw,
+            &[("x-session-id", &format!("s{i}"))],
+            &chat_body("m", 0),
+        )
+        .await;
+        assert_eq!(r.status, 502);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    drop(gw);
+    let text = std::fs::read_to_string(&log_path).unwrap();
+    let lines = text
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        .count();
+    // Each failed request would log a warning per refused backend and an
+    // error; each source of them may log a burst, then a few a second.
+    let sources = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .collect::<std::collections::HashSet<_>>()
+        .len() as f64;
+    let allowed = sources
+        * (agent_gateway::logging::BURST + agent_gateway::logging::PER_SECOND * elapsed + 1.0);
+    assert!(
+        lines as f64 <= allowed,
+        "{lines} lines, {allowed} allowed: {text}"
+    );
+    assert!(lines < failures, "{lines} lines for {failures} failures");
+    assert!(
+        text.contains("similar lines from"),
+        "what was dropped is said"
+    );
+}
