@@ -278,9 +278,12 @@ impl GatewayProxy {
         };
         let cfg = &routing.config.outlier;
         let now = crate::clock::now_ms();
-        let ejected = backend.stats.outlier.record(outcome, cfg, now, || {
-            tier.may_eject(cfg.max_ejected_percent)
-        });
+        let ejected = backend
+            .stats
+            .outlier
+            .record_in(&tier.ejections, outcome, cfg, now, || {
+                tier.may_eject(cfg.max_ejected_percent)
+            });
         if let Some(span) = ejected {
             log::warn!(
                 "backend {} ejected for {} s after {} failed requests in a row",

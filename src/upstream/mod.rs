@@ -188,6 +188,8 @@ pub struct Tier {
     pub metrics: TierMetrics,
     /// `name` as a response header value.
     pub name_header: http::HeaderValue,
+    /// Its backends' ejections, decided one at a time.
+    pub ejections: outlier::EjectionGate,
 }
 
 impl Tier {
@@ -295,6 +297,7 @@ impl Routing {
                 metrics: metrics.tier(&t.name),
                 // Tier names are letters, digits, `-`, `_`, `.` (checked by config).
                 name_header: http::HeaderValue::from_str(&t.name).expect("validated tier name"),
+                ejections: Default::default(),
             }));
         }
         Ok(Routing {

@@ -35,6 +35,10 @@ impl Default for OutlierConfig {
     }
 }
 
+/// Serialises a tier's ejection decisions (see [`OutlierState::record_in`]).
+#[derive(Debug, Default)]
+pub struct EjectionGate(parking_lot::Mutex<()>);
+
 /// One backend's passive-health state (lives in its `BackendStats`).
 #[derive(Debug, Default)]
 pub struct OutlierState {
@@ -124,6 +128,22 @@ impl OutlierState {
         }
     }
 
+    /// [`Self::record`] with the ejections of the backend's tier decided one
+    /// at a time through `gate`: the panic threshold counts the backends out,
+    /// and two failing backends that counted at once would both see room and
+    /// both go, past the threshold (every backend of a tier, at worst).
+    pub fn record_in(
+        &self,
+        gate: &EjectionGate,
+        outcome: Outcome,
+        cfg: &OutlierConfig,
+        now_ms: u64,
+        may_eject: impl FnOnce() -> bool,
+    ) -> Option<Duration> {
+        let _one = (outcome == Outcome::Failure).then(|| gate.0.lock());
+        self.record(outcome, cfg, now_ms, may_eject)
+    }
+
     /// Put the backend back now (admin undrain, or a reload that re-adds it).
     pub fn reset(&self) {
         self.ejected_until_ms.store(0, Ordering::Relaxed);
@@ -149,6 +169,46 @@ pub fn may_eject(total: usize, out: usize, max_percent: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backends_failing_together_never_eject_past_the_threshold() {
+        // Two backends of a tier of two may not both be out (the threshold
+        // keeps one), and both reach their failure count at the same moment.
+        let c = OutlierConfig {
+            consecutive_failures: 1,
+            max_ejected_percent: 100,
+            ..OutlierConfig::default()
+        };
+        let gate = EjectionGate::default();
+        let states = [OutlierState::default(), OutlierState::default()];
+        // Both count the backends out, then both decide: each step waits (up
+        // to 200 ms) for the other, which forces the race the gate must close.
+        let arrived = std::sync::atomic::AtomicUsize::new(0);
+        let counted = std::sync::atomic::AtomicUsize::new(0);
+        let meet = |step: &std::sync::atomic::AtomicUsize| {
+            step.fetch_add(1, Ordering::SeqCst);
+            let until = std::time::Instant::now() + Duration::from_millis(200);
+            while step.load(Ordering::SeqCst) < 2 && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        std::thread::scope(|scope| {
+            for me in 0..2 {
+                let (gate, states, c, meet) = (&gate, &states, &c, &meet);
+                let (arrived, counted) = (&arrived, &counted);
+                scope.spawn(move || {
+                    states[me].record_in(gate, Outcome::Failure, c, 10, || {
+                        meet(arrived);
+                        let out = states.iter().filter(|s| s.ejected(10)).count();
+                        meet(counted);
+                        may_eject(2, out, c.max_ejected_percent)
+                    })
+                });
+            }
+        });
+        let out = states.iter().filter(|s| s.ejected(10)).count();
+        assert_eq!(out, 1, "one of the two is ejected, never both");
+    }
 
     fn cfg() -> OutlierConfig {
         OutlierConfig {
