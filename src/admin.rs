@@ -179,21 +179,31 @@ impl AdminApp {
             scope.push_str(&format!("\u{0}{tid:032x}"));
         }
         let key = routing.hasher.fingerprint(kind, &scope, id);
-        if let Some(store) = &self.0.store {
-            // The fleet's binding, even if no turn of it reached this gateway.
-            crate::fleet::sync_in(&self.0, store, key, tier, true).await;
-        }
         let affinity = &self.0.affinity;
-        let binding = affinity.table().get(key, affinity.now_ms());
-        let Some(b) = binding else {
-            return error(
+        let local = affinity.table().get(key, affinity.now_ms());
+        // The fleet's binding, even if no turn of it reached this gateway —
+        // read only: looking a session up takes nothing into this gateway's
+        // table and refreshes nothing in the store.
+        let stored = match (&local, &self.0.store) {
+            (None, Some(store)) if store.healthy() => store.peek(key).await.ok().flatten(),
+            _ => None,
+        };
+        let not_found = || {
+            error(
                 404,
                 "unknown_session",
                 format!("no live binding for `{}` in tier `{}`", clip(id), tier.name),
-            );
+            )
         };
-        let backend = self.0.slots.backend_id(b.backend).unwrap_or_default();
         if delete {
+            if local.is_none() && stored.is_none() {
+                return not_found();
+            }
+            let backend = match (&local, &stored) {
+                (Some(b), _) => self.0.slots.backend_id(b.backend).unwrap_or_default(),
+                (None, Some(s)) => s.backend.clone(),
+                (None, None) => String::new(),
+            };
             affinity.forget(key);
             crate::fleet::forget(&self.0, key);
             return reply(
@@ -201,15 +211,29 @@ impl AdminApp {
                 json!({"session": id, "tier": &*tier.name, "deleted": true, "backend": backend}),
             );
         }
-        let expires_in_ms =
-            (b.in_flight == 0).then(|| affinity.remaining(b.deadline_ms).as_millis() as u64);
-        reply(
-            200,
-            json!({
-                "session": id, "tier": &*tier.name, "backend": backend, "version": b.version,
-                "in_flight": b.in_flight, "pending": b.pending, "expires_in_ms": expires_in_ms,
-            }),
-        )
+        match (local, stored) {
+            (Some(b), _) => {
+                let backend = self.0.slots.backend_id(b.backend).unwrap_or_default();
+                let expires_in_ms = (b.in_flight == 0)
+                    .then(|| affinity.remaining(b.deadline_ms).as_millis() as u64);
+                reply(
+                    200,
+                    json!({
+                        "session": id, "tier": &*tier.name, "backend": backend, "version": b.version,
+                        "in_flight": b.in_flight, "pending": b.pending, "expires_in_ms": expires_in_ms,
+                        "source": "local",
+                    }),
+                )
+            }
+            (None, Some(s)) => reply(
+                200,
+                json!({
+                    "session": id, "tier": &*tier.name, "backend": s.backend, "version": s.version,
+                    "in_flight": 0, "pending": false, "expires_in_ms": null, "source": "store",
+                }),
+            ),
+            (None, None) => not_found(),
+        }
     }
 }
 

@@ -15,17 +15,11 @@ fn ttl_ms(gw: &Gateway) -> u64 {
 }
 
 /// Bring `key`'s local binding up to the store's when it was last checked
-/// too long ago — or, with `fetch_absent`, when this gateway has none (a
-/// request need not: its first binding is written create-if-absent, which
-/// answers with the fleet's binding if there is one). Never fails a
-/// request: on a store error the local state stands.
-pub async fn sync_in(
-    gw: &Gateway,
-    store: &SharedStore,
-    key: BindingKey,
-    tier: &Tier,
-    fetch_absent: bool,
-) {
+/// too long ago. A key this gateway holds no binding for is not looked up:
+/// its first binding is written create-if-absent, which answers with the
+/// fleet's binding if there is one. Never fails a request: on a store error
+/// the local state stands.
+pub async fn sync_in(gw: &Gateway, store: &SharedStore, key: BindingKey, tier: &Tier) {
     let ttl = ttl_ms(gw);
     if ttl == 0 || !store.healthy() {
         return;
@@ -34,7 +28,7 @@ pub async fn sync_in(
     let now = gw.affinity.now_ms();
     // 0: never checked (placed or restored while the store was away).
     let fresh = match table.synced_ms(key, now) {
-        None => !fetch_absent,
+        None => true,
         Some(t) => {
             t > 0
                 && t >= store.resync_since()

@@ -526,3 +526,63 @@ async fn a_conversation_without_a_session_id_stays_on_one_backend_across_three_g
     let used: HashSet<&String> = seen.values().flatten().collect();
     assert_eq!(used.len(), 3, "spread over the fleet");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_shows_and_deletes_a_fleet_binding_without_taking_it_in() {
+    let redis = Redis::start_on(free_port());
+    let sims: Vec<SimBackend> = (0..2)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gws = fleet_of_gateways(&sims, redis.port, 1).await;
+    let gw = &gws[0];
+    wait_until("the gateway's store connected", || async {
+        gw.metric("agentserve_store_ops_total{op=\"ping\"}").await > 0.0
+            || gw.metric("agentserve_store_ops_total{").await > 0.0
+    })
+    .await;
+    // A binding only the store holds (another gateway's, its message missed).
+    let h = agent_gateway::affinity::hrw::HrwHasher::new("test-fleet-key");
+    let key = h.fingerprint(
+        agent_gateway::affinity::hrw::KeyKind::Session,
+        "default",
+        "elsewhere",
+    );
+    let stored_key = format!("agentserve:{key:032x}");
+    let cli = |args: &[&str]| {
+        let out = Command::new("redis-cli")
+            .args(["-p", &redis.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert_eq!(cli(&["SET", &stored_key, "3 vllm-1", "PX", "600000"]), "OK");
+    let ttl_before: i64 = cli(&["PTTL", &stored_key]).parse().unwrap();
+    let v: serde_json::Value = reqwest::get(gw.admin_url("/admin/sessions/elsewhere"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["backend"], "vllm-1", "{v}");
+    assert_eq!(v["version"], 3);
+    assert_eq!(v["source"], "store");
+    // Looking took nothing in, and refreshed nothing.
+    assert_eq!(
+        gw.metric("agentserve_bindings{tier=\"default\"}").await,
+        0.0
+    );
+    let ttl_after: i64 = cli(&["PTTL", &stored_key]).parse().unwrap();
+    assert!(ttl_after <= ttl_before, "{ttl_before} → {ttl_after}");
+    // Deleting it removes it from the store.
+    let del = client()
+        .delete(gw.admin_url("/admin/sessions/elsewhere"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(del.status().as_u16(), 200);
+    wait_until("the stored binding deleted", || async {
+        cli(&["EXISTS", &stored_key]) == "0"
+    })
+    .await;
+}

@@ -318,6 +318,17 @@ impl SharedStore {
         Ok(v.as_deref().and_then(parse))
     }
 
+    /// The stored binding, read only (its TTL untouched): for the admin API.
+    pub async fn peek(&self, key: BindingKey) -> Result<Option<Stored>, StoreError> {
+        let k = self.key(key);
+        let v: Option<String> = self
+            .run("sync", |mut c| async move {
+                redis::cmd("GET").arg(&k).query_async(&mut c).await
+            })
+            .await?;
+        Ok(v.as_deref().and_then(parse))
+    }
+
     /// Whether Redis answers (used while it is marked down).
     pub async fn ping(&self) -> bool {
         self.run("ping", |mut c| async move {

@@ -83,7 +83,7 @@ impl GatewayProxy {
                     let wait = routing.config.affinity.single_flight_wait;
                     let store = self.gw.store.clone();
                     if let Some(store) = &store {
-                        crate::fleet::sync_in(&self.gw, store, sref.key, &tier, false).await;
+                        crate::fleet::sync_in(&self.gw, store, sref.key, &tier).await;
                     }
                     let gone = || client_gone(session);
                     let mut sel = match self
