@@ -3,7 +3,8 @@
 //! [`sync_in`] before choosing a backend and [`publish`] after; the store
 //! service runs the subscription and writes back what an outage left behind.
 
-use crate::affinity::store::{local_binding, SharedStore, Stored};
+use crate::affinity::store::{local_binding, SharedStore, StoreError, Stored};
+use crate::affinity::table::Binding;
 use crate::affinity::{BindingKey, Candidate, Reason, Selection, SessionRef};
 use crate::gateway::Gateway;
 use crate::upstream::Tier;
@@ -38,57 +39,98 @@ pub async fn sync_in(gw: &Gateway, store: &SharedStore, key: BindingKey, tier: &
     if fresh {
         return;
     }
-    match store.sync(key, ttl).await {
-        Ok(Some(stored)) => match tier.backend_by_id(&stored.backend) {
-            Some(b) => {
-                // The store is the truth: as new but elsewhere, it wins too.
-                table.adopt(
-                    key,
-                    local_binding(&stored, b.slot, tier.index, now + ttl),
-                    true,
-                    now,
-                );
+    let Ok(stored) = store.sync(key, ttl).await else {
+        return;
+    };
+    if let Some(local) = table.get(key, now) {
+        let known = match stored {
+            Some(s) => InStore::Found(s),
+            None => InStore::Absent,
+        };
+        let _ = reconcile(gw, store, key, tier, local, known).await;
+    }
+}
+
+/// What this gateway knows of the store's binding for a key.
+enum InStore {
+    /// None there (or a new binding of ours, to write create-if-absent).
+    Absent,
+    /// Older than ours (a rebind of ours, to write as a compare-and-set).
+    Older,
+    Found(Stored),
+}
+
+/// Bring the store and this gateway to one binding for `key`, whose local
+/// binding is `local` and whose stored one is `stored`: the store's
+/// invariant. The newer version wins, whichever side holds it — the store's
+/// is adopted, ours is written over it (a compare-and-set that never
+/// overwrites a newer one); at the same version the store's word stands (it
+/// decided a race). The key is marked synced only once both agree. Returns
+/// the slot the session's turns go to now when the store's binding won and
+/// this gateway has its backend.
+///
+/// A stored backend this gateway does not have in the tier (a reload that
+/// added it elsewhere first) is the one exception: the session is served
+/// from local state and the key marked synced, without overwriting the
+/// store; once a reload here adds the backend, the next check follows it.
+async fn reconcile(
+    gw: &Gateway,
+    store: &SharedStore,
+    key: BindingKey,
+    tier: &Tier,
+    local: Binding,
+    mut known: InStore,
+) -> Result<Option<u32>, StoreError> {
+    let ttl = ttl_ms(gw);
+    let table = gw.affinity.table();
+    let Some(id) = backend_id(tier, local.backend) else {
+        return Ok(None);
+    };
+    // Two rounds at most: our write may meet a newer binding, which we take.
+    for _ in 0..2 {
+        let now = gw.affinity.now_ms();
+        let answer = match &known {
+            InStore::Absent => store.create(key, &tier.name, local.version, &id, ttl).await,
+            InStore::Older => store.rebind(key, &tier.name, local.version, &id, ttl).await,
+            InStore::Found(s) if s.version < local.version => {
+                store.rebind(key, &tier.name, local.version, &id, ttl).await
             }
-            // A backend this gateway does not have in the tier (a reload
-            // that added it elsewhere first): serve from local state without
-            // overwriting the store; once a reload here adds the backend,
-            // the next check follows the store.
-            None => table.mark_synced(key, now),
-        },
-        Ok(None) => {
-            // Not in the store (first turn, or its copy expired during a
-            // long request): a live local binding is written back below.
-            if let Some(b) = table.get(key, now) {
-                if let Some(id) = backend_id(tier, b.backend) {
-                    match store.create(key, &tier.name, b.version, &id, ttl).await {
-                        Ok(Some(winner)) => {
-                            adopt_winner(gw, key, tier, &winner);
-                        }
-                        Ok(None) => table.mark_synced(key, now),
-                        Err(_) => store.remember_unsynced(key),
+            InStore::Found(s) if s.version == local.version && s.backend == id => {
+                table.mark_synced(key, now);
+                return Ok(None);
+            }
+            InStore::Found(s) => {
+                return Ok(match tier.backend_by_id(&s.backend) {
+                    Some(b) => {
+                        let deadline = now + ttl;
+                        let won = local_binding(s, b.slot, tier.index, deadline);
+                        table.adopt(key, won, true, now);
+                        Some(b.slot)
                     }
-                }
+                    None => {
+                        table.mark_synced(key, now);
+                        None
+                    }
+                });
+            }
+        };
+        match answer {
+            Ok(None) => {
+                table.mark_synced(key, now);
+                return Ok(None);
+            }
+            Ok(Some(other)) => known = InStore::Found(other),
+            Err(e) => {
+                store.remember_unsynced(key);
+                return Err(e);
             }
         }
-        Err(_) => {}
     }
+    Ok(None)
 }
 
 fn backend_id(tier: &Tier, slot: u32) -> Option<String> {
     tier.backend_by_slot(slot).map(|b| b.id.to_string())
-}
-
-/// Take the store's binding over ours (it won a race or is newer).
-fn adopt_winner(gw: &Gateway, key: BindingKey, tier: &Tier, winner: &Stored) -> Option<u32> {
-    let b = tier.backend_by_id(&winner.backend)?;
-    let now = gw.affinity.now_ms();
-    gw.affinity.table().adopt(
-        key,
-        local_binding(winner, b.slot, tier.index, now + ttl_ms(gw)),
-        true,
-        now,
-    );
-    Some(b.slot)
 }
 
 /// Tell the store what this request bound. Returns the candidate index to
@@ -112,42 +154,31 @@ pub async fn publish(
         Reason::Broken | Reason::Moved => false,
         _ => return None,
     };
-    let id = backend_id(tier, sel.backend)?;
     if !store.healthy() {
         store.remember_unsynced(sref.key);
         return None;
     }
-    let answer = if first {
-        store
-            .create(sref.key, &tier.name, sel.version, &id, ttl)
-            .await
-    } else {
-        store
-            .rebind(sref.key, &tier.name, sel.version, &id, ttl)
-            .await
+    let local = Binding {
+        backend: sel.backend,
+        version: sel.version,
+        tier: tier.index,
+        in_flight: 1,
+        deadline_ms: 0,
+        pending: false,
     };
-    match answer {
-        Ok(None) => {
-            gw.affinity
-                .table()
-                .mark_synced(sref.key, gw.affinity.now_ms());
-            None
-        }
-        Ok(Some(other)) if other.backend == id => {
-            gw.affinity
-                .table()
-                .mark_synced(sref.key, gw.affinity.now_ms());
-            None
-        }
-        Ok(Some(other)) => {
-            let slot = adopt_winner(gw, sref.key, tier, &other)?;
-            candidates.iter().position(|c| c.slot == slot)
-        }
-        Err(_) => {
-            store.remember_unsynced(sref.key);
-            None
-        }
-    }
+    // A new binding is written create-if-absent (a gateway that raced on
+    // the same new session may have written first), a rebind as a
+    // compare-and-set; either way the newer binding wins.
+    let known = if first {
+        InStore::Absent
+    } else {
+        InStore::Older
+    };
+    let slot = reconcile(gw, store, sref.key, tier, local, known)
+        .await
+        .ok()
+        .flatten()?;
+    candidates.iter().position(|c| c.slot == slot)
 }
 
 /// Forget a binding everywhere (admin delete, a session's final turn).
@@ -188,12 +219,11 @@ fn apply_remote(gw: &Gateway, key: BindingKey, tier: &str, stored: Option<Stored
 /// Bindings made while Redis was unreachable, written back create-if-absent:
 /// where another gateway wrote one meanwhile, this gateway adopts it.
 async fn write_back(gw: &Gateway, store: &SharedStore) {
-    let ttl = ttl_ms(gw);
     let routing = gw.routing();
     let table = gw.affinity.table();
-    let mut written = 0;
-    let mut adopted = 0;
-    for key in store.take_unsynced() {
+    let (mut settled, mut adopted) = (0, 0);
+    let mut keys = store.take_unsynced().into_iter();
+    while let Some(key) = keys.next() {
         let now = gw.affinity.now_ms();
         let Some(b) = table.get(key, now) else {
             continue;
@@ -201,28 +231,22 @@ async fn write_back(gw: &Gateway, store: &SharedStore) {
         let Some(tier) = routing.tiers.iter().find(|t| t.index == b.tier) else {
             continue;
         };
-        let Some(id) = backend_id(tier, b.backend) else {
-            continue;
-        };
-        match store.create(key, &tier.name, b.version, &id, ttl).await {
-            Ok(None) => {
-                table.mark_synced(key, now);
-                written += 1;
-            }
-            Ok(Some(other)) if other.backend == id => table.mark_synced(key, now),
-            Ok(Some(other)) => {
-                adopt_winner(gw, key, tier, &other);
-                adopted += 1;
-            }
+        match reconcile(gw, store, key, tier, b, InStore::Absent).await {
+            Ok(None) => settled += 1,
+            Ok(Some(_)) => adopted += 1,
+            // Down again: this key is remembered (by reconcile) and so is
+            // every one not tried yet, for the next time it is back.
             Err(_) => {
-                store.remember_unsynced(key);
+                for rest in keys {
+                    store.remember_unsynced(rest);
+                }
                 break;
             }
         }
     }
-    if written + adopted > 0 {
+    if settled + adopted > 0 {
         log::info!(
-            "binding store back: {written} bindings made during the outage written, {adopted} replaced by newer ones"
+            "binding store back: {settled} bindings made during the outage in step, {adopted} replaced by newer ones"
         );
     }
 }

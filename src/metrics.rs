@@ -42,6 +42,7 @@ pub struct Metrics {
     pub store_ops: IntCounterVec,
     pub store_errors: IntCounterVec,
     pub store_latency: HistogramVec,
+    pub store_unsynced_dropped: IntCounter,
     pub prefix_index_entries: IntGaugeVec,
     pub prefix_index_bytes: IntGaugeVec,
     pub prefix_index_evictions: IntCounterVec,
@@ -303,6 +304,15 @@ impl Metrics {
                 "Configuration reloads by result",
                 &["result"],
             ),
+            store_unsynced_dropped: {
+                let c = IntCounter::new(
+                    "agentserve_store_unsynced_dropped_total",
+                    "Bindings made while the store was unreachable that were not remembered for write-back (over 100,000 waiting)",
+                )
+                .expect("valid metric");
+                r.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
             prefix_index_entries: gauge(
                 &r,
                 "agentserve_prefix_index_entries",

@@ -586,3 +586,85 @@ async fn the_admin_api_shows_and_deletes_a_fleet_binding_without_taking_it_in() 
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_local_binding_is_written_over_an_older_stored_one() {
+    let redis = Redis::start_on(free_port());
+    let mut sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{}\"\n    timeout_ms: 200\n    revalidate_ms: 200\n",
+            affinity_yaml(1800),
+            redis.port
+        ),
+    )
+    .await;
+    let c = client();
+    let cli = |args: &[&str]| {
+        let out = Command::new("redis-cli")
+            .args(["-p", &redis.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let h = agent_gateway::affinity::hrw::HrwHasher::new("test-fleet-key");
+    let key = h.fingerprint(
+        agent_gateway::affinity::hrw::KeyKind::Session,
+        "default",
+        "inv",
+    );
+    let stored_key = format!("agentserve:{key:032x}");
+    let turn = |t: usize| {
+        let c = c.clone();
+        let gw = &gw;
+        async move {
+            let r = chat(&c, gw, &[("x-session-id", "inv")], &chat_body("m", t)).await;
+            assert_eq!(r.status, 200);
+            r.backend.unwrap()
+        }
+    };
+    wait_until("the store connected", || async {
+        gw.metric("agentserve_store_ops_total{").await > 0.0
+    })
+    .await;
+    let first = turn(0).await;
+    // Its backend dies: the session rebinds, version 2, in the store too.
+    let victim = sims.iter().position(|s| s.id == first).unwrap();
+    sims[victim].kill();
+    let healthy = format!("agentserve_backend_healthy{{backend=\"{first}\",tier=\"default\"}}");
+    wait_until("the dead backend marked down", || async {
+        gw.metric(&healthy).await == 0.0
+    })
+    .await;
+    let home = turn(1).await;
+    assert_ne!(home, first);
+    wait_until("version 2 stored", || async {
+        cli(&["GET", &stored_key]) == format!("2 {home}")
+    })
+    .await;
+    // The store goes back to an older binding elsewhere (restarted empty,
+    // then written by a gateway that had missed the rebind).
+    let other = sims
+        .iter()
+        .map(|s| s.id.clone())
+        .find(|id| *id != home && *id != first)
+        .unwrap();
+    cli(&["SET", &stored_key, &format!("1 {other}"), "PX", "600000"]);
+    // At its next check the gateway writes its newer binding back, and its
+    // turns stay where they were.
+    let mut t = 2;
+    wait_until("the newer binding written back", || {
+        t += 1;
+        let turn = turn(t);
+        let (home, stored) = (home.clone(), cli(&["GET", &stored_key]));
+        async move {
+            assert_eq!(turn.await, home);
+            stored == format!("2 {home}")
+        }
+    })
+    .await;
+}

@@ -422,10 +422,15 @@ impl SharedStore {
     }
 
     /// Remember a binding made while the store was unreachable.
+    /// Past [`MAX_PENDING_WRITES`] a key is dropped, and counted
+    /// (`agentserve_store_unsynced_dropped_total`): its binding then reaches
+    /// the store only at its next revalidation.
     pub fn remember_unsynced(&self, key: BindingKey) {
         let mut u = self.unsynced.lock();
-        if u.len() < MAX_PENDING_WRITES {
+        if u.len() < MAX_PENDING_WRITES || u.contains(&key) {
             u.insert(key);
+        } else {
+            self.metrics.store_unsynced_dropped.inc();
         }
     }
 
