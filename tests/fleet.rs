@@ -668,3 +668,91 @@ async fn a_newer_local_binding_is_written_over_an_older_stored_one() {
     })
     .await;
 }
+
+/// `n` gateways as [`fleet_on_store`] makes them, checking their bindings
+/// against the store every 300 ms.
+async fn revalidating_fleet(sims: &[SimBackend], redis_port: u16, n: usize) -> Vec<Gateway> {
+    let mut gws = Vec::new();
+    for _ in 0..n {
+        gws.push(revalidating_gateway(sims, redis_port).await);
+    }
+    gws
+}
+
+async fn revalidating_gateway(sims: &[SimBackend], redis_port: u16) -> Gateway {
+    Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{redis_port}\"\n    timeout_ms: 200\n    revalidate_ms: 300\nplacement:\n  first: round_robin\n",
+            affinity_yaml(1800)
+        ),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_converge_after_a_rebind_redis_restarting_empty_and_a_gateway_restart() {
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let mut sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let mut gws = revalidating_fleet(&sims, port, 3).await;
+    let c = client();
+    // Each gateway's round robin at a different point.
+    for (k, gw) in gws.iter().enumerate() {
+        for i in 0..k {
+            chat(
+                &c,
+                gw,
+                &[("x-session-id", &format!("warm-{k}-{i}"))],
+                &chat_body("m", 0),
+            )
+            .await;
+        }
+    }
+    let sessions: Vec<String> = (0..48).map(|i| format!("conv-{i}")).collect();
+    let first = round(&gws, &sessions, 0).await;
+    assert!(split(&first).is_empty(), "{:?}", split(&first));
+    // The busiest replica dies: its sessions rebind (version 2).
+    let mut load: HashMap<String, usize> = HashMap::new();
+    for b in first.values() {
+        *load.entry(b[0].clone()).or_default() += 1;
+    }
+    let busiest = load.iter().max_by_key(|(_, n)| **n).unwrap().0.clone();
+    let victim = sims.iter().position(|s| s.id == busiest).unwrap();
+    sims[victim].kill();
+    let healthy = format!("agentserve_backend_healthy{{backend=\"{busiest}\",tier=\"default\"}}");
+    for gw in &gws {
+        wait_until("the dead replica marked down", || async {
+            gw.metric(&healthy).await == 0.0
+        })
+        .await;
+    }
+    let _ = round(&gws, &sessions, 1).await;
+    // Redis restarts empty (it keeps nothing), and one gateway restarts
+    // with no state: the store and that gateway know nothing of version 2.
+    redis.stop();
+    let _redis = Redis::start_on(port);
+    gws.pop();
+    gws.push(revalidating_gateway(&sims, port).await);
+    wait_until("the restarted gateway's store connected", || async {
+        gws[2].metric("agentserve_store_ops_total{").await > 0.0
+    })
+    .await;
+    // Turns keep coming round robin over the three; once every gateway has
+    // checked its bindings against the store (a revalidation interval),
+    // each session is on one backend whichever gateway its turn reaches.
+    for t in 2..4 {
+        let _ = round(&gws, &sessions, t).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    let _ = round(&gws, &sessions, 4).await;
+    let after = round(&gws, &sessions, 5).await;
+    assert!(
+        split(&after).is_empty(),
+        "{} of 48 split: {:?}",
+        split(&after).len(),
+        split(&after)
+    );
+}
