@@ -756,3 +756,49 @@ async fn sessions_converge_after_a_rebind_redis_restarting_empty_and_a_gateway_r
         split(&after)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_body_leaves_no_binding_in_the_store_either() {
+    use std::io::{Read, Write};
+    let redis = Redis::start_on(free_port());
+    let sims: Vec<SimBackend> = (0..2)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gws = fleet_of_gateways(&sims, redis.port, 1).await;
+    let gw = &gws[0];
+    wait_until("the store connected", || async {
+        gw.metric("agentserve_store_ops_total{").await > 0.0
+    })
+    .await;
+    let port = gw.port;
+    let got = tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-session-id: bad-chunks\r\n\
+              content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n\
+              5\r\n{\"mod\r\nzz-not-hex\r\nxxxx\r\n",
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).to_string()
+    })
+    .await
+    .unwrap();
+    assert!(got.contains("invalid_body"), "{got:?}");
+    let h = agent_gateway::affinity::hrw::HrwHasher::new("test-fleet-key");
+    let key = h.fingerprint(
+        agent_gateway::affinity::hrw::KeyKind::Session,
+        "default",
+        "bad-chunks",
+    );
+    let stored_key = format!("agentserve:{key:032x}");
+    wait_until("the binding gone from the store", || async {
+        let out = Command::new("redis-cli")
+            .args(["-p", &redis.port.to_string(), "EXISTS", &stored_key])
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim() == "0"
+    })
+    .await;
+}

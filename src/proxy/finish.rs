@@ -27,11 +27,13 @@ impl GatewayProxy {
             && matches!(e.etype().as_str(), "InvalidChunk" | "InvalidTrailerEnd");
         if malformed {
             // Bad input never leaves a binding behind: drop the one this
-            // request made (a binding that existed before stays).
+            // request made (a binding that existed before stays), here and
+            // in the fleet's store, which it was written to when placed.
             if let (Some(sref), Some(true)) =
                 (&ctx.session_ref, ctx.reason.map(Reason::new_binding))
             {
                 self.gw.affinity.forget(sref.key);
+                crate::fleet::forget(&self.gw, sref.key);
             }
         }
         let gateway_error = match (&ctx.error, e.etype()) {
