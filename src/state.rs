@@ -164,8 +164,9 @@ pub fn load(gw: &Gateway, path: &Path) -> std::io::Result<usize> {
         ));
     }
     // The table keeps idle bindings in expiry order (its sweep stops at the
-    // first live one): insert soonest-expiring first.
-    saved.sort_by_key(|(_, b)| b.deadline_ms);
+    // first live one) and restores each as the next to expire: insert
+    // latest-expiring first.
+    saved.sort_by_key(|(_, b)| std::cmp::Reverse(b.deadline_ms));
     let restored = saved.len();
     for (key, b) in saved {
         affinity.table().restore(key, b);

@@ -212,6 +212,22 @@ impl Shard {
         self.head = i;
     }
 
+    /// Make `i` the least recently released: the next to expire.
+    fn push_tail(&mut self, i: u32) {
+        let old = self.tail;
+        {
+            let e = &mut self.entries[i as usize];
+            e.next = NIL;
+            e.prev = old;
+        }
+        if old != NIL {
+            self.entries[old as usize].next = i;
+        } else {
+            self.head = i;
+        }
+        self.tail = i;
+    }
+
     fn remove(&mut self, i: u32) -> Entry {
         let e = self.entries[i as usize];
         if e.in_flight == 0 {
@@ -623,7 +639,11 @@ impl BindingTable {
     }
 
     /// Insert an idle binding with a given deadline (restoring saved state).
-    /// Keeps a newer version already present.
+    /// Keeps a newer version already present. It goes in as the least
+    /// recently released: a saved binding's deadline is no later than those
+    /// of bindings released since, and the sweep, which stops at the first
+    /// live binding from that end, must meet it first. Restore the
+    /// latest-expiring first.
     pub fn restore(&self, key: BindingKey, b: Binding) {
         let mut shard = self.shard(key).lock();
         if let Some(&i) = shard.map.get(&key) {
@@ -641,11 +661,13 @@ impl BindingTable {
         if shard.map.len() >= shard.cap {
             return;
         }
-        self.insert_idle(&mut shard, key, b, 0);
+        let i = self.insert_idle(&mut shard, key, b, 0);
+        shard.unlink(i);
+        shard.push_tail(i);
     }
 
-    /// Insert `b` as an idle binding (most recently released).
-    fn insert_idle(&self, shard: &mut Shard, key: BindingKey, b: Binding, synced_ms: u64) {
+    /// Insert `b` as an idle binding (most recently released); its index.
+    fn insert_idle(&self, shard: &mut Shard, key: BindingKey, b: Binding, synced_ms: u64) -> u32 {
         let generation = shard.next_generation();
         let i = shard.alloc(Entry {
             key,
@@ -664,6 +686,7 @@ impl BindingTable {
         shard.map.insert(key, i);
         shard.push_head(i);
         self.count(b.tier, b.backend, 1);
+        i
     }
 
     /// Bring every idle binding's deadline forward to `latest` at most (the
@@ -961,6 +984,32 @@ mod tests {
         // Both are due at 15; the older one no longer blocks the sweep.
         assert_eq!(t.sweep(20, 100), 2);
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn bindings_restored_while_serving_are_swept_when_they_expire() {
+        let t = BindingTable::new(100);
+        // Served since the upgrade: released at 0, due at 1,000.
+        keep_or_bind(&t, 1, 0, 0);
+        rel(&t, 1, 0, 1000);
+        // Restored from the state file, due earlier (latest-expiring first).
+        for (key, due) in [(3u128, 500u64), (2, 300)] {
+            t.restore(
+                key,
+                Binding {
+                    backend: 1,
+                    version: 1,
+                    tier: 0,
+                    in_flight: 0,
+                    deadline_ms: due,
+                    pending: false,
+                },
+            );
+        }
+        assert_eq!(t.sweep(400, 100), 1, "the one due at 300");
+        assert_eq!(t.sweep(600, 100), 1, "the one due at 500");
+        assert_eq!(t.backend_len(1), 0, "restored bindings no longer counted");
+        assert!(t.get(1, 600).is_some());
     }
 
     #[test]
