@@ -54,7 +54,7 @@ struct FileOutlier {
 
 impl Default for FileOutlier {
     fn default() -> Self {
-        let d = crate::upstream::outlier::OutlierConfig::default();
+        let d = OutlierConfig::default();
         FileOutlier {
             enabled: d.enabled,
             consecutive_failures: d.consecutive_failures,
@@ -461,6 +461,28 @@ impl Default for FileMetrics {
 // Validated configuration.
 // ---------------------------------------------------------------------------
 
+/// `outlier`: passive health (see `upstream/outlier.rs`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutlierConfig {
+    pub enabled: bool,
+    pub consecutive_failures: u32,
+    pub base_ejection: Duration,
+    pub max_ejection: Duration,
+    pub max_ejected_percent: u32,
+}
+
+impl Default for OutlierConfig {
+    fn default() -> Self {
+        OutlierConfig {
+            enabled: true,
+            consecutive_failures: 5,
+            base_ejection: Duration::from_secs(30),
+            max_ejection: Duration::from_secs(300),
+            max_ejected_percent: 50,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub server: ServerConfig,
@@ -473,7 +495,7 @@ pub struct Config {
     pub trace: TraceConfig,
     pub placement: PlacementConfig,
     pub load: LoadConfig,
-    pub outlier: crate::upstream::outlier::OutlierConfig,
+    pub outlier: OutlierConfig,
     /// Things that are allowed but probably a mistake.
     pub warnings: Vec<String>,
 }
@@ -850,10 +872,7 @@ fn validate_placement(
     )
 }
 
-fn validate_outlier(
-    o: &FileOutlier,
-    errors: &mut Vec<ConfigError>,
-) -> crate::upstream::outlier::OutlierConfig {
+fn validate_outlier(o: &FileOutlier, errors: &mut Vec<ConfigError>) -> OutlierConfig {
     if o.consecutive_failures == 0 {
         errors.push(err("outlier.consecutive_failures", "must be at least 1"));
     }
@@ -869,7 +888,7 @@ fn validate_outlier(
     if o.max_ejected_percent > 100 {
         errors.push(err("outlier.max_ejected_percent", "must be 0..=100"));
     }
-    crate::upstream::outlier::OutlierConfig {
+    OutlierConfig {
         enabled: o.enabled,
         consecutive_failures: o.consecutive_failures.max(1),
         base_ejection: Duration::from_millis(o.base_ejection_ms),

@@ -13,7 +13,7 @@ use pingora_load_balancing::health_check::HealthCheck;
 use pingora_load_balancing::HealthRegistry;
 use std::collections::HashSet;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// What a reload changed.
@@ -61,7 +61,7 @@ pub struct Gateway {
     /// Certificates of the TLS listeners, reloaded on SIGHUP.
     pub tls: Option<Arc<crate::tls::SniResolver>>,
     /// Request bodies held in memory (routing pre-reads, replay copies).
-    pub body_budget: Arc<crate::proxy::request_body::BodyBudget>,
+    pub body_budget: Arc<BodyBudget>,
     gauge_refresh: parking_lot::Mutex<()>,
     /// The fleet's shared bindings (`affinity.store: redis`).
     pub store: Option<Arc<crate::affinity::store::SharedStore>>,
@@ -355,5 +355,55 @@ impl Gateway {
                     .set(b.stats.outlier.ejected(crate::clock::now_ms()) as i64);
             }
         }
+    }
+}
+
+/// Bytes of request bodies held in memory at once, across all requests.
+/// Routing pre-reads are taken while the total stays within
+/// `server.preread_budget_bytes` (else the request gets a 503); copies kept
+/// only for replay while it stays within `server.replay_budget_bytes`.
+#[derive(Debug, Default)]
+pub struct BodyBudget {
+    held: AtomicU64,
+}
+
+/// Bytes counted against a [`BodyBudget`] until dropped.
+#[derive(Debug)]
+pub struct BodyHold {
+    budget: Arc<BodyBudget>,
+    bytes: u64,
+}
+
+impl BodyBudget {
+    /// Hold `bytes` if the total stays within `limit`.
+    pub fn try_hold(self: &Arc<Self>, bytes: u64, limit: u64) -> Option<BodyHold> {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|&total| total <= limit)
+            })
+            .ok()?;
+        Some(BodyHold {
+            budget: Arc::clone(self),
+            bytes,
+        })
+    }
+
+    /// Hold `bytes` whatever the total (a body routing cannot do without).
+    pub fn hold(self: &Arc<Self>, bytes: u64) -> BodyHold {
+        self.held.fetch_add(bytes, Ordering::AcqRel);
+        BodyHold {
+            budget: Arc::clone(self),
+            bytes,
+        }
+    }
+
+    pub fn held(&self) -> u64 {
+        self.held.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for BodyHold {
+    fn drop(&mut self) {
+        self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }

@@ -13,6 +13,7 @@ pub mod loadgen;
 pub mod logging;
 pub mod metrics;
 pub mod proxy;
+pub mod scraper;
 pub mod server;
 pub mod sim;
 pub mod state;

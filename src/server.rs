@@ -124,7 +124,7 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
     }
     server.add_service(background_service(
         "load signals",
-        crate::upstream::load::LoadScraper(Arc::clone(&gw)),
+        crate::scraper::LoadScraper(Arc::clone(&gw)),
     ));
     let lifecycle = server.add_service(background_service(
         "lifecycle",

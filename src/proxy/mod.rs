@@ -74,7 +74,7 @@ struct InFlight {
     /// Its place in the backend's queued prefill work, where its estimated
     /// tokens count until its first byte comes back (ticket 0 once it has),
     /// and the queued tokens it was sent behind.
-    queued: crate::upstream::load::Enqueued,
+    queued: crate::upstream::cost::Enqueued,
     /// The backend answered it out of the order it was sent in (it overtook
     /// a request sent before it, or one sent after overtook it): its time to
     /// first byte explains neither its own prefill nor the queue's.
@@ -101,7 +101,7 @@ impl InFlight {
     }
 
     /// What its answer may teach about the backend's speed, as
-    /// [`crate::upstream::load::CostEstimate::observe`] takes it: whether it
+    /// [`crate::upstream::cost::CostEstimate::observe`] takes it: whether it
     /// was served alone, and the queue it was served behind.
     fn explains(&self) -> (bool, Option<u64>) {
         match self.out_of_order {

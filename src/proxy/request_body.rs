@@ -15,8 +15,6 @@
 use super::errors::GatewayError;
 use bytes::{Bytes, BytesMut};
 use pingora_proxy::Session;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core, h1 and h2).
 pub const RETRY_BUFFER_BYTES: u64 = 64 * 1024;
@@ -117,59 +115,12 @@ pub enum PreReadError {
 /// Reserved for a body of unknown length (chunked) the gateway reads to route.
 pub const UNKNOWN_LENGTH_RESERVE: u64 = 1024 * 1024;
 
-/// Bytes of request bodies held in memory at once, across all requests.
-/// Routing pre-reads are taken while the total stays within
-/// `server.preread_budget_bytes` (else the request gets a 503); copies kept
-/// only for replay while it stays within `server.replay_budget_bytes`.
-#[derive(Debug, Default)]
-pub struct BodyBudget {
-    held: AtomicU64,
-}
-
-/// Bytes counted against a [`BodyBudget`] until dropped.
-#[derive(Debug)]
-pub struct BodyHold {
-    budget: Arc<BodyBudget>,
-    bytes: u64,
-}
-
-impl BodyBudget {
-    /// Hold `bytes` if the total stays within `limit`.
-    pub fn try_hold(self: &Arc<Self>, bytes: u64, limit: u64) -> Option<BodyHold> {
-        self.held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(bytes).filter(|&total| total <= limit)
-            })
-            .ok()?;
-        Some(BodyHold {
-            budget: Arc::clone(self),
-            bytes,
-        })
-    }
-
-    /// Hold `bytes` whatever the total (a body routing cannot do without).
-    pub fn hold(self: &Arc<Self>, bytes: u64) -> BodyHold {
-        self.held.fetch_add(bytes, Ordering::AcqRel);
-        BodyHold {
-            budget: Arc::clone(self),
-            bytes,
-        }
-    }
-
-    pub fn held(&self) -> u64 {
-        self.held.load(Ordering::Acquire)
-    }
-}
-
-impl Drop for BodyHold {
-    fn drop(&mut self) {
-        self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
-    }
-}
+pub use crate::gateway::{BodyBudget, BodyHold};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[test]
     fn budget_refuses_past_its_limit_and_frees_on_drop() {

@@ -60,9 +60,7 @@ pub fn avoid_reuse(stats: &BackendStats) -> bool {
     until != 0 && crate::clock::now_ms() < until
 }
 
-/// Reuses of a backend's pooled connections peeked at before the backend
-/// counts as one that keeps its keep-alive promise.
-pub const REUSES_ON_PROBATION: u32 = 1000;
+pub use crate::upstream::REUSES_ON_PROBATION;
 
 /// Whether a reused connection to this backend should be peeked at before
 /// the request is written: always once it has closed one, else during its

@@ -5,6 +5,7 @@
 //! Backends and tiers keep stable numbers ("slots") across snapshots, so the
 //! binding table, in-flight counts and health survive a reload.
 
+pub mod cost;
 pub mod health;
 pub mod load;
 pub mod outlier;
@@ -22,6 +23,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// Reuses of a backend's pooled connections peeked at before the backend
+/// counts as one that keeps its keep-alive promise (`proxy/upstream_conn.rs`).
+pub const REUSES_ON_PROBATION: u32 = 1000;
 
 /// Live, per-backend state that outlives any one config snapshot.
 #[derive(Debug)]
@@ -45,7 +50,7 @@ pub struct BackendStats {
     /// What the engine last reported about its own load (see load.rs).
     pub engine: load::EngineLoad,
     /// Prefill cost and queueing learned from its responses.
-    pub cost: load::CostEstimate,
+    pub cost: cost::CostEstimate,
     /// Passive health: ejected after consecutive failed requests.
     pub outlier: outlier::OutlierState,
 }
@@ -59,7 +64,7 @@ impl BackendStats {
             move_on_drain: AtomicBool::new(false),
             admitted: AtomicBool::new(true),
             fresh_connections_until_ms: AtomicU64::new(0),
-            reuse_probation: AtomicU32::new(crate::proxy::upstream_conn::REUSES_ON_PROBATION),
+            reuse_probation: AtomicU32::new(REUSES_ON_PROBATION),
             closes_pooled: AtomicBool::new(false),
             engine: Default::default(),
             cost: Default::default(),

@@ -14,26 +14,7 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct OutlierConfig {
-    pub enabled: bool,
-    pub consecutive_failures: u32,
-    pub base_ejection: Duration,
-    pub max_ejection: Duration,
-    pub max_ejected_percent: u32,
-}
-
-impl Default for OutlierConfig {
-    fn default() -> Self {
-        OutlierConfig {
-            enabled: true,
-            consecutive_failures: 5,
-            base_ejection: Duration::from_secs(30),
-            max_ejection: Duration::from_secs(300),
-            max_ejected_percent: 50,
-        }
-    }
-}
+pub use crate::config::OutlierConfig;
 
 /// Serialises a tier's ejection decisions (see [`OutlierState::record_in`]).
 #[derive(Debug, Default)]

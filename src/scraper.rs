@@ -1,0 +1,91 @@
+//! The load scraper: a background service that reads every backend's own
+//! `/metrics` on `load.interval_ms` (vLLM, SGLang and llama.cpp gauges, see
+//! `upstream/load.rs`) and refreshes the per-backend load gauges.
+
+use crate::upstream::load::EngineGauges;
+
+/// Scrapes every backend's `/metrics` on `load.interval_ms` and refreshes the
+/// per-backend load gauges (gateway-local ones too, scraping or not).
+pub struct LoadScraper(pub std::sync::Arc<crate::gateway::Gateway>);
+
+#[async_trait::async_trait]
+impl pingora_core::services::background::BackgroundService for LoadScraper {
+    async fn start(&self, mut shutdown: pingora_core::server::ShutdownWatch) {
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(1)
+            .build()
+            .expect("an HTTP client without TLS builds");
+        loop {
+            let routing = self.0.routing();
+            let cfg = routing.config.load.clone();
+            if cfg.scrape {
+                let scrapes = routing
+                    .all_backends()
+                    .filter(|(_, b)| b.tls.is_none())
+                    .map(|(tier, b)| self.scrape(&client, &cfg, tier, b));
+                futures_util::future::join_all(scrapes).await;
+            }
+            self.export(&routing);
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = tokio::time::sleep(cfg.interval) => {}
+            }
+        }
+    }
+}
+
+impl LoadScraper {
+    async fn scrape(
+        &self,
+        client: &reqwest::Client,
+        cfg: &crate::config::LoadConfig,
+        tier: &crate::upstream::Tier,
+        b: &crate::upstream::Backend,
+    ) {
+        let url = format!("http://{}{}", b.addr, cfg.path);
+        let fetched = async {
+            let resp = client.get(&url).send().await?.error_for_status()?;
+            resp.text().await
+        };
+        match tokio::time::timeout(cfg.timeout, fetched).await {
+            Ok(Ok(text)) => b
+                .stats
+                .engine
+                .record(&EngineGauges::parse(&text), cfg.stale),
+            outcome => {
+                log::debug!("load scrape of {} failed: {outcome:?}", b.id);
+                self.0
+                    .metrics
+                    .load_scrape_failures
+                    .with_label_values(&[&tier.name, &b.id])
+                    .inc();
+            }
+        }
+    }
+
+    fn export(&self, routing: &crate::upstream::Routing) {
+        let m = &self.0.metrics;
+        for (tier, b) in routing.all_backends() {
+            let labels = [&*tier.name, &*b.id];
+            m.backend_bindings
+                .with_label_values(&labels)
+                .set(self.0.affinity.backend_bindings(b.slot) as i64);
+            let (running, waiting, kv) = b.stats.engine.snapshot().unwrap_or_default();
+            for (state, v) in [("running", running), ("waiting", waiting)] {
+                m.backend_engine_requests
+                    .with_label_values(&[&*tier.name, &*b.id, state])
+                    .set(v.map_or(-1, |v| v as i64));
+            }
+            m.backend_kv_usage
+                .with_label_values(&labels)
+                .set(kv.unwrap_or(-1.0));
+            let cost = &b.stats.cost;
+            m.backend_prefill_cost
+                .with_label_values(&labels)
+                .set(cost.learned_us_per_token().map_or(-1.0, |us| us / 1e6));
+            m.backend_queue
+                .with_label_values(&labels)
+                .set(cost.queue_us() as f64 / 1e6);
+        }
+    }
+}
