@@ -356,6 +356,8 @@ struct FileStore {
     tls_ca_file: Option<String>,
     tls_cert_file: Option<String>,
     tls_key_file: Option<String>,
+    /// `/healthz` fails while the store is unreachable.
+    required: bool,
 }
 
 impl Default for FileStore {
@@ -369,6 +371,7 @@ impl Default for FileStore {
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
+            required: false,
         }
     }
 }
@@ -1360,6 +1363,7 @@ fn validate_store(
         timeout: Duration::from_millis(f.timeout_ms),
         revalidate: Duration::from_millis(revalidate_ms.max(1)),
         tls,
+        required: f.required,
     };
     if cfg.kind == StoreKind::Redis {
         if let Err(e) = crate::affinity::store::client(&cfg) {
@@ -1604,6 +1608,12 @@ tiers:
             "tls_cert_file: /etc/hostname, url: \"rediss://",
         );
         assert_eq!(keys(&half), vec!["affinity.store.url"]);
+        // A file that is there but holds no PEM certificate is refused too.
+        let garbage = redis.replace(
+            "url: \"redis://",
+            "tls_ca_file: /etc/hostname, url: \"rediss://",
+        );
+        assert_eq!(keys(&garbage), vec!["affinity.store.url"]);
     }
 
     #[test]

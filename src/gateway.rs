@@ -322,6 +322,11 @@ impl Gateway {
         let routing = self.routing();
         let m = &self.metrics;
         let table = self.affinity.table();
+        if let Some(store) = &self.store {
+            m.store_up
+                .with_label_values(&[])
+                .set(store.healthy() as i64);
+        }
         m.prefix_index_entries
             .with_label_values(&[])
             .set(self.prefix.index.len() as i64);

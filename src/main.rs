@@ -34,6 +34,11 @@ enum Command {
     Check {
         #[arg(long, short)]
         config: PathBuf,
+        /// Also connect to the shared binding store (`affinity.store: redis`)
+        /// and ask it to answer: a wrong CA, password or address shows now,
+        /// not as a gateway that serves alone.
+        #[arg(long)]
+        connect: bool,
     },
     /// Run one simulated vLLM replica (prefix cache, latency model, faults).
     SimBackend(agent_gateway::sim::SimConfig),
@@ -62,10 +67,16 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Check { config } => match Config::load(&config) {
+        Command::Check { config, connect } => match Config::load(&config) {
             Ok(c) => {
                 for w in &c.warnings {
                     eprintln!("warning: {w}");
+                }
+                if connect {
+                    if let Err(e) = agent_gateway::affinity::store::try_connect(&c.affinity.store) {
+                        eprintln!("error: affinity.store: {e}");
+                        return ExitCode::FAILURE;
+                    }
                 }
                 let backends: usize = c.tiers.iter().map(|t| t.backends.len()).sum();
                 println!(

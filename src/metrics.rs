@@ -43,6 +43,7 @@ pub struct Metrics {
     pub store_errors: IntCounterVec,
     pub store_latency: HistogramVec,
     pub store_unsynced_dropped: IntCounter,
+    pub store_up: IntGaugeVec,
     pub prefix_index_entries: IntGaugeVec,
     pub prefix_index_bytes: IntGaugeVec,
     pub prefix_index_evictions: IntCounterVec,
@@ -313,6 +314,12 @@ impl Metrics {
                 r.register(Box::new(c.clone())).expect("unique metric");
                 c
             },
+            store_up: gauge(
+                &r,
+                "agentserve_store_up",
+                "1 while the shared binding store (affinity.store: redis) answers, 0 while this gateway places sessions alone",
+                &[],
+            ),
             prefix_index_entries: gauge(
                 &r,
                 "agentserve_prefix_index_entries",

@@ -296,12 +296,22 @@ impl ServeHttp for MetricsApp {
                 self.0.refresh_gauges();
                 (200, "text/plain; version=0.0.4", self.0.metrics.encode())
             }
-            "/healthz" if self.0.store.as_ref().is_some_and(|s| !s.started()) => (
-                503,
-                "text/plain",
-                b"starting: connecting to the binding store\n".to_vec(),
-            ),
-            "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
+            "/healthz" => match self.0.store.as_deref() {
+                Some(s) if !s.started() => (
+                    503,
+                    "text/plain",
+                    b"starting: connecting to the binding store\n".to_vec(),
+                ),
+                // Serving, but alone: say so, and fail the check when the
+                // operator asked for the store to be required.
+                Some(s) if !s.healthy() => (
+                    if s.config().required { 503 } else { 200 },
+                    "text/plain",
+                    b"degraded: the binding store is unreachable; sessions are placed by this gateway alone\n"
+                        .to_vec(),
+                ),
+                _ => (200, "text/plain", b"ok\n".to_vec()),
+            },
             _ => (404, "text/plain", b"not found\n".to_vec()),
         };
         http::Response::builder()

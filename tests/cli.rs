@@ -76,3 +76,56 @@ fn check_names_the_wrong_key_and_exits_non_zero() {
     let (ok, text) = check(base);
     assert!(ok, "{text}");
 }
+
+#[test]
+fn check_connect_asks_the_store_to_answer() {
+    let base = "tiers:\n  default:\n    default: true\n    backends:\n      - { id: a, addr: \"127.0.0.1:9001\" }\n";
+    let dir = tempfile::tempdir().unwrap();
+    let run = |port: u16| {
+        let path = dir.path().join(format!("g{port}.yaml"));
+        std::fs::write(
+            &path,
+            format!("{base}affinity:\n  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{port}\"\n"),
+        )
+        .unwrap();
+        let out = Command::new(BIN)
+            .args(["check", "--connect", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    // Nothing listens there: valid configuration, unreachable store.
+    let closed = common::free_port();
+    let (ok, err) = run(closed);
+    assert!(!ok, "{err}");
+    assert!(err.contains("affinity.store"), "{err}");
+    // A real Redis answers.
+    let mut redis = Command::new("redis-server")
+        .args([
+            "--port",
+            &closed.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server is installed (scripts/setup.sh installs it)");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", closed)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "redis-server did not start"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let (ok, err) = run(closed);
+    let _ = redis.kill();
+    let _ = redis.wait();
+    assert!(ok, "{err}");
+}

@@ -466,11 +466,61 @@ async fn a_gateway_says_it_is_starting_while_it_connects_to_the_store() {
     })
     .await;
     // The store turns out to be unreachable: the gateway becomes ready and
-    // serves from local state.
+    // serves from local state — and says it is alone.
     release.send(()).unwrap();
     let gw = starting.await.unwrap();
     let r = chat(&client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
     assert_eq!(r.status, 200);
+    let health = reqwest::get(&healthz).await.unwrap();
+    assert_eq!(health.status(), 200, "serving, alone");
+    assert!(health.text().await.unwrap().starts_with("degraded"));
+    assert_eq!(gw.metric("agentserve_store_up").await, 0.0);
+    assert!(gw.metrics_text().await.contains("agentserve_store_up 0"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_that_requires_its_store_fails_its_health_check_without_it() {
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let sim = SimBackend::start("vllm-0", &[]);
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &[&sim])],
+        &format!(
+            "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{port}\"\n    timeout_ms: 200\n    required: true\n",
+            affinity_yaml(1800)
+        ),
+    )
+    .await;
+    wait_until("the store gauge up", || async {
+        gw.metric("agentserve_store_up").await == 1.0
+    })
+    .await;
+    let healthz = gw.metrics_url("/healthz");
+    let status = || async {
+        reqwest::get(&healthz)
+            .await
+            .map(|r| r.status().as_u16())
+            .ok()
+    };
+    assert_eq!(status().await, Some(200));
+    // Redis goes away; the next request finds out (and is served, from
+    // local state): the gateway is alone, and says so where a balancer looks.
+    redis.stop();
+    let r = chat(&client(), &gw, &[("x-session-id", "s")], &chat_body("m", 0)).await;
+    assert_eq!(r.status, 200);
+    wait_until(
+        "/healthz to fail while the store is unreachable",
+        || async { status().await == Some(503) },
+    )
+    .await;
+    assert_eq!(gw.metric("agentserve_store_up").await, 0.0);
+    // Redis comes back: the gateway rejoins its fleet.
+    let _redis = Redis::start_on(port);
+    wait_until("/healthz ok with the store back", || async {
+        status().await == Some(200)
+    })
+    .await;
+    assert_eq!(gw.metric("agentserve_store_up").await, 1.0);
 }
 
 /// Turns `0..=turn` of keyless conversation `c`: a system prompt every

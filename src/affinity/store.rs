@@ -51,6 +51,9 @@ pub struct StoreConfig {
     /// `rediss://` only: PEM files of the CA to trust instead of the
     /// system's, and of this gateway's certificate and key (mutual TLS).
     pub tls: StoreTls,
+    /// `/healthz` fails while the store is unreachable (a balancer then
+    /// sends this gateway nothing it would place alone).
+    pub required: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -166,13 +169,35 @@ pub fn client(cfg: &StoreConfig) -> Result<redis::Client, String> {
     }
     let read = |path: &str| std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"));
     let client_tls = match (&t.cert_file, &t.key_file) {
-        (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
-            client_cert: read(cert)?,
-            client_key: read(key)?,
-        }),
+        (Some(cert), Some(key)) => {
+            // Parsed here, so `check` refuses a file that is no PEM
+            // certificate and key (the client would only fail to connect).
+            match pingora_rustls::load_certs_and_key_files(cert, key) {
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    return Err(format!(
+                        "{cert} / {key}: no PEM certificate and private key in them"
+                    ))
+                }
+                Err(e) => return Err(format!("{cert} / {key}: {e}")),
+            }
+            Some(redis::ClientTlsConfig {
+                client_cert: read(cert)?,
+                client_key: read(key)?,
+            })
+        }
         (None, None) => None,
         _ => return Err("tls_cert_file and tls_key_file go together".to_string()),
     };
+    if let Some(ca) = &t.ca_file {
+        let mut roots = pingora_rustls::RootCertStore::empty();
+        if let Err(e) = pingora_rustls::load_ca_file_into_store(ca, &mut roots) {
+            return Err(format!("{ca}: {e}"));
+        }
+        if roots.is_empty() {
+            return Err(format!("{ca}: no PEM certificate in it"));
+        }
+    }
     let root_cert = t.ca_file.as_deref().map(read).transpose()?;
     pingora_rustls::install_default_crypto_provider();
     redis::Client::build_with_tls(
@@ -183,6 +208,34 @@ pub fn client(cfg: &StoreConfig) -> Result<redis::Client, String> {
         },
     )
     .map_err(|e| format!("TLS settings for `{url}`: {e}"))
+}
+
+/// Connect to the store `cfg` names and ask it to answer (`check
+/// --connect`), within a few seconds. `Ok` for a local store.
+pub fn try_connect(cfg: &StoreConfig) -> Result<(), String> {
+    if cfg.kind != StoreKind::Redis {
+        return Ok(());
+    }
+    let client = client(cfg)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(async {
+        let answer = tokio::time::timeout(CONNECT_TIMEOUT.max(cfg.timeout), async {
+            let mut c = client.get_multiplexed_async_connection().await?;
+            redis::cmd("PING").query_async::<String>(&mut c).await
+        })
+        .await;
+        match answer {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(format!("{}: {e}", cfg.url)),
+            Err(_) => Err(format!(
+                "{}: no answer within {:?}",
+                cfg.url, CONNECT_TIMEOUT
+            )),
+        }
+    })
 }
 
 impl SharedStore {
