@@ -262,3 +262,47 @@ async fn a_fleet_failing_every_request_does_not_flood_the_log() {
         "what was dropped is said"
     );
 }
+
+#[tokio::test]
+async fn sessions_leave_a_failing_backend_the_ejection_cap_keeps_in() {
+    // Passive health ejects after 2 failures in a row, never past half the
+    // tier: of 3 backends, one may go, not two.
+    let (sims, gw) = fleet(
+        3,
+        &format!(
+            "{}outlier:\n  consecutive_failures: 2\n  max_ejected_percent: 50\n",
+            affinity_yaml(1800)
+        ),
+    )
+    .await;
+    let placement = bind_sessions(&gw, 15).await;
+    // Two of them answer 500 to everything while /health still says 200.
+    for s in &sims[..2] {
+        s.set_faults(json!({"fail_rate": 1.0})).await;
+    }
+    let c = client();
+    let mut last = HashMap::new();
+    for _round in 0..4 {
+        for sid in placement.keys() {
+            let r = chat(&c, &gw, &[("x-session-id", sid)], &chat_body("m", 1)).await;
+            last.insert(sid.clone(), (r.status, r.backend.unwrap_or_default()));
+        }
+    }
+    // One failing backend is ejected, the other kept in by the cap; either
+    // way every session now gets answers from the one that works.
+    let healthy = &sims[2].id;
+    for (sid, (status, backend)) in &last {
+        assert_eq!(
+            (*status, backend),
+            (200, healthy),
+            "{sid} (was on {})",
+            placement[sid]
+        );
+    }
+    assert!(
+        gw.metric("agentserve_affinity_broken_total{tier=\"default\"}")
+            .await
+            > 0.0,
+        "sessions rebound"
+    );
+}

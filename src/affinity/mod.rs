@@ -58,6 +58,9 @@ pub struct Candidate {
     /// Tokens of this request's prompt the prefix index says it holds
     /// (`affinity.prefix`; 0: none, or not known).
     pub prefix_tokens: u64,
+    /// Its last requests failed, enough in a row to eject it, but the
+    /// ejection cap keeps it in: sessions leave it for a backend that works.
+    pub failing: bool,
 }
 
 /// A queue's head is overdue — the backend has stalled or slowed several
@@ -529,11 +532,15 @@ impl Affinity {
         if candidates.is_empty() {
             return None;
         }
-        // New bindings avoid draining backends, unless nothing else is left.
-        // (No allocation in the common case where nothing drains.)
+        // New bindings avoid draining backends and failing ones, unless
+        // nothing else is left. (No allocation in the common case.)
         let undrained: Vec<Candidate>;
-        let open: &[Candidate] = if candidates.iter().any(|c| c.draining) {
-            undrained = candidates.iter().copied().filter(|c| !c.draining).collect();
+        let open: &[Candidate] = if candidates.iter().any(|c| c.draining || c.failing) {
+            undrained = candidates
+                .iter()
+                .copied()
+                .filter(|c| !c.draining && !c.failing)
+                .collect();
             if undrained.is_empty() {
                 candidates
             } else {
@@ -585,6 +592,14 @@ impl Affinity {
                 now,
                 join_pending,
                 |current| match current.and_then(|c| Some((position(c.backend)?, c.turns))) {
+                    // Its backend fails its requests but may not be ejected
+                    // (the cap): rebind where requests work, as if broken.
+                    Some((i, _)) if candidates[i].failing && open.iter().any(|c| !c.failing) => {
+                        match fresh(Some(candidates[i].slot)) {
+                            Some(slot) => Decision::Bind(slot),
+                            None => Decision::Keep,
+                        }
+                    }
                     Some((i, turns)) => {
                         let new = turns.next_uncached(session.prompt_tokens);
                         new_tokens = (turns.prompt > 0).then_some(new);
@@ -1041,6 +1056,34 @@ mod tests {
         let sel = go(&a, &s, &c);
         assert_eq!(sel.moved, Some(MoveReason::Cost));
         assert_eq!(sel.backend, 2, "the backend its ΔQ was weighed against");
+    }
+
+    #[test]
+    fn a_session_leaves_a_backend_that_fails_it_though_it_may_not_be_ejected() {
+        let h = HrwHasher::new("k");
+        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
+        let mut c = fleet(&h, 3);
+        let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
+        let home = go(&a, &s, &c).backend;
+        // Two of three fail every request; the cap keeps one of them in.
+        for x in c.iter_mut().filter(|x| x.slot != 2) {
+            x.failing = true;
+        }
+        let sel = go(&a, &s, &c);
+        if home == 2 {
+            assert!(sel.affinity_hit, "its backend works: it stays");
+        } else {
+            assert_eq!(sel.reason, Reason::Broken);
+            assert_eq!(sel.backend, 2, "to the backend that works");
+        }
+        // New sessions go where requests work, too.
+        for i in 0..20 {
+            let n = SessionRef::new(&h, KeyKind::Session, "t", &format!("new{i}"));
+            assert_eq!(go(&a, &n, &c).backend, 2);
+        }
+        // With every backend failing, nothing moves (nowhere better).
+        c[2].failing = true;
+        assert!(go(&a, &s, &c).affinity_hit);
     }
 
     #[test]

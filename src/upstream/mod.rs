@@ -169,6 +169,7 @@ impl Backend {
             head_tokens: queue.head_tokens,
             // The request's prompt fills it in (`affinity::prefix`).
             prefix_tokens: 0,
+            failing: self.stats.outlier.failing(),
         }
     }
 

@@ -24,6 +24,8 @@ pub struct EjectionGate(parking_lot::Mutex<()>);
 #[derive(Debug, Default)]
 pub struct OutlierState {
     consecutive: AtomicU32,
+    /// `consecutive_failures` as last configured (0: no outcome seen yet).
+    threshold: AtomicU32,
     /// Gateway clock (ms) until which the backend is out; 0 = in.
     ejected_until_ms: AtomicU64,
     /// Ejections since the backend last succeeded after returning.
@@ -70,6 +72,8 @@ impl OutlierState {
         if !cfg.enabled {
             return None;
         }
+        self.threshold
+            .store(cfg.consecutive_failures, Ordering::Relaxed);
         match outcome {
             Outcome::Success => {
                 self.consecutive.store(0, Ordering::Relaxed);
@@ -123,6 +127,14 @@ impl OutlierState {
     ) -> Option<Duration> {
         let _one = (outcome == Outcome::Failure).then(|| gate.0.lock());
         self.record(outcome, cfg, now_ms, may_eject)
+    }
+
+    /// Whether its last `consecutive_failures` requests in a row failed,
+    /// ejected or not: a backend the ejection cap keeps in still fails its
+    /// sessions, which then move (see `Candidate::failing`).
+    pub fn failing(&self) -> bool {
+        let threshold = self.threshold.load(Ordering::Relaxed);
+        threshold > 0 && self.consecutive.load(Ordering::Relaxed) >= threshold
     }
 
     /// Put the backend back now (admin undrain, or a reload that re-adds it).
