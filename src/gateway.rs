@@ -21,6 +21,7 @@ use std::sync::Arc;
 pub struct ReloadSummary {
     pub backends_added: Vec<String>,
     pub backends_removed: Vec<String>,
+    /// Bindings to removed backends: each rebinds at its session's next turn.
     pub bindings_broken: u64,
     /// Keys that only a restart applies (listeners, table size, ...).
     pub needs_restart: Vec<&'static str>,
@@ -151,7 +152,7 @@ impl Gateway {
             .inc();
         match &result {
             Ok(s) => log::info!(
-                "config reloaded: backends added {:?}, removed {:?}, {} bindings broken{}",
+                "config reloaded: backends added {:?}, removed {:?}, {} sessions on removed backends (they rebind at their next turn){}",
                 s.backends_added,
                 s.backends_removed,
                 s.bindings_broken,
@@ -272,20 +273,13 @@ impl Gateway {
                 self.metrics.forget_backend(&t.name, &b.id);
             }
         }
-        // Bindings to backends that left their tier are broken now.
-        for (tier_index, count) in self
+        // Bindings to backends that left their tier stay: each breaks at its
+        // session's next turn, which rebinds it and says so (`broken`, and
+        // counted then), like a binding to a backend that went down.
+        summary.bindings_broken = self
             .affinity
             .table()
-            .remove_where(|tier, slot| !live.contains(&(tier, slot)))
-        {
-            summary.bindings_broken += count;
-            if let Some(t) = old.tiers.iter().find(|t| t.index == tier_index) {
-                self.metrics
-                    .affinity_broken
-                    .with_label_values(&[&t.name])
-                    .inc_by(count);
-            }
-        }
+            .count_where(|tier, slot| !live.contains(&(tier, slot)));
         for b in probation {
             let gw = Arc::clone(self);
             tokio::spawn(async move { gw.admit(b).await });

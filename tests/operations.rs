@@ -52,14 +52,7 @@ async fn reload_changes_backends_under_steady_load() {
     std::fs::write(&gw.config_path, new_yaml).unwrap();
     let on_removed_before = gw.metric("agentserve_bindings{tier=\"default\"}").await;
     gw.reload("success", 1.0).await;
-    let broken = gw
-        .metric("agentserve_affinity_broken_total{tier=\"default\"}")
-        .await;
     let on_vllm2 = placement.values().filter(|b| *b == "vllm-2").count() as f64;
-    assert!(
-        broken >= on_vllm2,
-        "every binding to the removed backend is broken ({broken} < {on_vllm2})"
-    );
     assert!(on_removed_before > 0.0);
 
     let c = client();
@@ -68,6 +61,8 @@ async fn reload_changes_backends_under_steady_load() {
         assert_eq!(r.status, 200);
         if before == "vllm-2" {
             assert_ne!(r.backend.as_deref(), Some("vllm-2"));
+            // Its binding broke with the backend's removal, and says so.
+            assert_eq!(r.json()["x_agent_serve"]["reason"], "broken", "{sid}");
         } else {
             assert_eq!(
                 r.backend.as_ref(),
@@ -77,6 +72,13 @@ async fn reload_changes_backends_under_steady_load() {
             assert_eq!(r.hit.as_deref(), Some("true"));
         }
     }
+    let broken = gw
+        .metric("agentserve_affinity_broken_total{tier=\"default\"}")
+        .await;
+    assert!(
+        broken >= on_vllm2,
+        "every binding to the removed backend broke ({broken} < {on_vllm2})"
+    );
     // The added backend takes new sessions once its health check passed.
     wait_until("vllm-3 to take new sessions", || async {
         let mut hit = false;

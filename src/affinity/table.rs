@@ -563,27 +563,22 @@ impl BindingTable {
         Some(e.binding())
     }
 
-    /// Drop every binding whose backend matches `dead`; returns how many per tier.
-    pub fn remove_where(&self, dead: impl Fn(u16, u32) -> bool) -> Vec<(u16, u64)> {
-        let mut removed: HashMap<u16, u64> = HashMap::new();
-        for shard in self.shards.iter() {
-            let mut shard = shard.lock();
-            let victims: Vec<u32> = shard
-                .map
-                .values()
-                .copied()
-                .filter(|&i| {
-                    let e = &shard.entries[i as usize];
-                    dead(e.tier, e.backend)
-                })
-                .collect();
-            for i in victims {
-                let e = shard.remove(i);
-                self.count(e.tier, e.backend, -1);
-                *removed.entry(e.tier).or_default() += 1;
-            }
-        }
-        removed.into_iter().collect()
+    /// Bindings (live or expired but unswept) whose (tier, backend) match.
+    pub fn count_where(&self, matches: impl Fn(u16, u32) -> bool) -> u64 {
+        self.shards
+            .iter()
+            .map(|shard| {
+                let shard = shard.lock();
+                shard
+                    .map
+                    .values()
+                    .filter(|&&i| {
+                        let e = &shard.entries[i as usize];
+                        matches(e.tier, e.backend)
+                    })
+                    .count() as u64
+            })
+            .sum()
     }
 
     /// Remove expired bindings, at most `budget` per shard, taking each shard's
