@@ -69,6 +69,9 @@ pub struct Gateway {
     /// Prompts, their conversations and where their prefixes are cached
     /// (`affinity.prefix`).
     pub prefix: crate::affinity::prefix::Prefix,
+    /// The lifecycle service handles SIGHUP (reload) now: `/healthz` says
+    /// `starting` until then.
+    pub lifecycle_started: std::sync::atomic::AtomicBool,
 }
 
 impl Gateway {
@@ -121,6 +124,7 @@ impl Gateway {
         );
         Ok(Arc::new(Gateway {
             prefix,
+            lifecycle_started: Default::default(),
             routing: ArcSwap::from_pointee(routing),
             affinity,
             metrics,

@@ -12,6 +12,7 @@ use pingora_core::server::configuration::{Opt, ServerConf};
 use pingora_core::server::{Server, ShutdownWatch};
 use pingora_core::services::background::{background_service, BackgroundService};
 use pingora_core::services::listening::Service;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,6 +43,13 @@ fn pingora_conf(config: &Config) -> ServerConf {
 
 /// Build a ready-to-run server for `config`.
 pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>), String> {
+    // A SIGHUP before the lifecycle service handles it would end the process
+    // (its default action): ignored until then, never fatal.
+    // SAFETY: setting a signal's disposition to SIG_IGN, before any thread
+    // of ours waits on it.
+    unsafe {
+        libc::signal(libc::SIGHUP, libc::SIG_IGN);
+    }
     let config = Arc::new(config);
     let opt = Opt {
         upgrade: opts.upgrade,
@@ -209,6 +217,7 @@ impl BackgroundService for Lifecycle {
                 None
             }
         };
+        gw.lifecycle_started.store(true, Ordering::Relaxed);
         // Pingora marks a listening service ready when it starts, before its
         // sockets are bound: READY waits until each listener accepts.
         wait_listening(&gw.routing().config).await;
@@ -296,6 +305,11 @@ impl ServeHttp for MetricsApp {
                 self.0.refresh_gauges();
                 (200, "text/plain; version=0.0.4", self.0.metrics.encode())
             }
+            "/healthz" if !self.0.lifecycle_started.load(Ordering::Relaxed) => (
+                503,
+                "text/plain",
+                b"starting\n".to_vec(),
+            ),
             "/healthz" => match self.0.store.as_deref() {
                 Some(s) if !s.started() => (
                     503,
