@@ -64,6 +64,38 @@ impl Drop for Redis {
     }
 }
 
+impl Redis {
+    /// What `redis-cli` prints for `args` against this server.
+    fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli (installed with redis-server)");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+}
+
+/// The store's key of session `id` in the default tier (the test fleet's
+/// hash key and the default key prefix).
+fn stored_key(id: &str) -> String {
+    let h = agent_gateway::affinity::hrw::HrwHasher::new("test-fleet-key");
+    let key = h.fingerprint(
+        agent_gateway::affinity::hrw::KeyKind::Session,
+        "default",
+        id,
+    );
+    format!("agentserve:{key:032x}")
+}
+
+/// Waits until `gw` has talked to its store.
+async fn store_connected(gw: &Gateway) {
+    wait_until("the store connected", || async {
+        gw.metric("agentserve_store_ops_total{").await > 0.0
+    })
+    .await;
+}
+
 async fn fleet_of_gateways(sims: &[SimBackend], redis_port: u16, n: usize) -> Vec<Gateway> {
     fleet_on_store(sims, &format!("url: \"redis://127.0.0.1:{redis_port}\""), n).await
 }
@@ -585,27 +617,10 @@ async fn the_admin_api_shows_and_deletes_a_fleet_binding_without_taking_it_in() 
         .collect();
     let gws = fleet_of_gateways(&sims, redis.port, 1).await;
     let gw = &gws[0];
-    wait_until("the gateway's store connected", || async {
-        gw.metric("agentserve_store_ops_total{op=\"ping\"}").await > 0.0
-            || gw.metric("agentserve_store_ops_total{").await > 0.0
-    })
-    .await;
+    store_connected(gw).await;
     // A binding only the store holds (another gateway's, its message missed).
-    let h = agent_gateway::affinity::hrw::HrwHasher::new("test-fleet-key");
-    let key = h.fingerprint(
-        agent_gateway::affinity::hrw::KeyKind::Session,
-        "default",
-        "elsewhere",
-    );
-    let stored_key = format!("agentserve:{key:032x}");
-    let cli = |args: &[&str]| {
-        let out = Command::new("redis-cli")
-            .args(["-p", &redis.port.to_string()])
-            .args(args)
-            .output()
-            .expect("redis-cli");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    };
+    let stored_key = stored_key("elsewhere");
+    let cli = |args: &[&str]| redis.cli(args);
     assert_eq!(cli(&["SET", &stored_key, "3 vllm-1", "PX", "600000"]), "OK");
     let ttl_before: i64 = cli(&["PTTL", &stored_key]).parse().unwrap();
     let v: serde_json::Value = reqwest::get(gw.admin_url("/admin/sessions/elsewhere"))
@@ -653,21 +668,8 @@ async fn a_newer_local_binding_is_written_over_an_older_stored_one() {
     )
     .await;
     let c = client();
-    let cli = |args: &[&str]| {
-        let out = Command::new("redis-cli")
-            .args(["-p", &redis.port.to_string()])
-            .args(args)
-            .output()
-            .expect("redis-cli");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    };
-    let h = agent_gateway::affinity::hrw::HrwHasher::new("test-fleet-key");
-    let key = h.fingerprint(
-        agent_gateway::affinity::hrw::KeyKind::Session,
-        "default",
-        "inv",
-    );
-    let stored_key = format!("agentserve:{key:032x}");
+    let cli = |args: &[&str]| redis.cli(args);
+    let stored_key = stored_key("inv");
     let turn = |t: usize| {
         let c = c.clone();
         let gw = &gw;
@@ -677,10 +679,7 @@ async fn a_newer_local_binding_is_written_over_an_older_stored_one() {
             r.backend.unwrap()
         }
     };
-    wait_until("the store connected", || async {
-        gw.metric("agentserve_store_ops_total{").await > 0.0
-    })
-    .await;
+    store_connected(&gw).await;
     let first = turn(0).await;
     // Its backend dies: the session rebinds, version 2, in the store too.
     let victim = sims.iter().position(|s| s.id == first).unwrap();
@@ -786,10 +785,7 @@ async fn sessions_converge_after_a_rebind_redis_restarting_empty_and_a_gateway_r
     let _redis = Redis::start_on(port);
     gws.pop();
     gws.push(revalidating_gateway(&sims, port).await);
-    wait_until("the restarted gateway's store connected", || async {
-        gws[2].metric("agentserve_store_ops_total{").await > 0.0
-    })
-    .await;
+    store_connected(&gws[2]).await;
     // Turns keep coming round robin over the three; once every gateway has
     // checked its bindings against the store (a revalidation interval),
     // each session is on one backend whichever gateway its turn reaches.
@@ -816,10 +812,7 @@ async fn a_malformed_body_leaves_no_binding_in_the_store_either() {
         .collect();
     let gws = fleet_of_gateways(&sims, redis.port, 1).await;
     let gw = &gws[0];
-    wait_until("the store connected", || async {
-        gw.metric("agentserve_store_ops_total{").await > 0.0
-    })
-    .await;
+    store_connected(gw).await;
     let port = gw.port;
     let got = tokio::task::spawn_blocking(move || {
         let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -836,19 +829,9 @@ async fn a_malformed_body_leaves_no_binding_in_the_store_either() {
     .await
     .unwrap();
     assert!(got.contains("invalid_body"), "{got:?}");
-    let h = agent_gateway::affinity::hrw::HrwHasher::new("test-fleet-key");
-    let key = h.fingerprint(
-        agent_gateway::affinity::hrw::KeyKind::Session,
-        "default",
-        "bad-chunks",
-    );
-    let stored_key = format!("agentserve:{key:032x}");
+    let stored_key = stored_key("bad-chunks");
     wait_until("the binding gone from the store", || async {
-        let out = Command::new("redis-cli")
-            .args(["-p", &redis.port.to_string(), "EXISTS", &stored_key])
-            .output()
-            .expect("redis-cli");
-        String::from_utf8_lossy(&out.stdout).trim() == "0"
+        redis.cli(&["EXISTS", &stored_key]) == "0"
     })
     .await;
 }
