@@ -46,13 +46,37 @@ pub fn each_element<'a>(raw: &'a [u8], mut f: impl FnMut(&'a [u8], usize) -> boo
 /// The raw content of the string member `key` of the JSON object `obj`
 /// (top level only; escapes left as they are).
 pub fn string_field<'a>(obj: &'a [u8], key: &[u8]) -> Option<&'a [u8]> {
+    let mut found = None;
+    each_member(obj, |name, value| {
+        if name != key {
+            return true;
+        }
+        found = match value {
+            [b'"', inner @ .., b'"'] => Some(inner),
+            _ => None,
+        };
+        false
+    })?;
+    found
+}
+
+/// Call `f` with each member of the JSON object `obj` (its key as written,
+/// its raw value), while `f` says go on. Returns the index just past the
+/// object when every member was read, `Some(0)` when `f` stopped early, and
+/// `None` when `obj` is not an object.
+pub fn each_member<'a>(
+    obj: &'a [u8],
+    mut f: impl FnMut(&'a [u8], &'a [u8]) -> bool,
+) -> Option<usize> {
     let mut i = skip_ws(obj, 0);
     if obj.get(i) != Some(&b'{') {
         return None;
     }
-    i += 1;
+    i = skip_ws(obj, i + 1);
+    if obj.get(i) == Some(&b'}') {
+        return Some(i + 1);
+    }
     loop {
-        i = skip_ws(obj, i);
         if obj.get(i) != Some(&b'"') {
             return None;
         }
@@ -64,12 +88,13 @@ pub fn string_field<'a>(obj: &'a [u8], key: &[u8]) -> Option<&'a [u8]> {
         }
         i = skip_ws(obj, i + 1);
         let end = skip_value(obj, i)?;
-        if name == key {
-            return (obj[i] == b'"').then(|| &obj[i + 1..end - 1]);
+        if !f(name, &obj[i..end]) {
+            return Some(0);
         }
         i = skip_ws(obj, end);
         match obj.get(i) {
-            Some(b',') => i += 1,
+            Some(b',') => i = skip_ws(obj, i + 1),
+            Some(b'}') => return Some(i + 1),
             _ => return None,
         }
     }

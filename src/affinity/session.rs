@@ -145,41 +145,13 @@ pub struct BodyProbe<'a> {
 impl<'a> BodyProbe<'a> {
     /// `None` when the body is not a JSON object (the backend will say why).
     pub fn parse(body: &'a [u8]) -> Option<Self> {
-        use crate::affinity::scan::{skip_string, skip_value, skip_ws};
-        let mut i = skip_ws(body, 0);
-        if body.get(i) != Some(&b'{') {
-            return None;
-        }
+        use crate::affinity::scan::{each_member, skip_ws};
         let mut top = Vec::new();
-        i = skip_ws(body, i + 1);
-        if body.get(i) == Some(&b'}') {
-            i += 1;
-        } else {
-            loop {
-                if body.get(i) != Some(&b'"') {
-                    return None;
-                }
-                let key_end = skip_string(body, i)?;
-                let key = &body[i + 1..key_end - 1];
-                i = skip_ws(body, key_end);
-                if body.get(i) != Some(&b':') {
-                    return None;
-                }
-                i = skip_ws(body, i + 1);
-                let end = skip_value(body, i)?;
-                top.push((key, &body[i..end]));
-                i = skip_ws(body, end);
-                match body.get(i) {
-                    Some(b',') => i = skip_ws(body, i + 1),
-                    Some(b'}') => {
-                        i += 1;
-                        break;
-                    }
-                    _ => return None,
-                }
-            }
-        }
-        (skip_ws(body, i) == body.len()).then_some(BodyProbe { top })
+        let end = each_member(body, |key, value| {
+            top.push((key, value));
+            true
+        })?;
+        (skip_ws(body, end) == body.len()).then_some(BodyProbe { top })
     }
 
     /// The raw value of a top-level member (the last, when repeated).
