@@ -61,8 +61,8 @@ enum InStore {
 }
 
 /// Bring the store and this gateway to one binding for `key`, whose local
-/// binding is `local` and whose stored one is `stored`: the store's
-/// invariant. The newer version wins, whichever side holds it — the store's
+/// binding is `local` and of whose stored one this gateway knows `known`:
+/// the store's invariant. The newer version wins, whichever side holds it — the store's
 /// is adopted, ours is written over it (a compare-and-set that never
 /// overwrites a newer one); at the same version the store's word stands (it
 /// decided a race). The key is marked synced only once both agree. Returns
@@ -86,8 +86,9 @@ async fn reconcile(
     let Some(id) = backend_id(tier, local.backend) else {
         return Ok(None);
     };
-    // Two rounds at most: our write may meet a newer binding, which we take.
-    for _ in 0..2 {
+    // Our write may meet another binding: the next round compares with it
+    // (and, only if it is older still, writes once more).
+    for _ in 0..3 {
         let now = gw.affinity.now_ms();
         let answer = match &known {
             InStore::Absent => store.create(key, &tier.name, local.version, &id, ttl).await,
