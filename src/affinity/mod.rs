@@ -534,17 +534,17 @@ impl Affinity {
         }
         // New bindings avoid draining backends and failing ones, unless
         // nothing else is left. (No allocation in the common case.)
-        let undrained: Vec<Candidate>;
+        let usable: Vec<Candidate>;
         let open: &[Candidate] = if candidates.iter().any(|c| c.draining || c.failing) {
-            undrained = candidates
+            usable = candidates
                 .iter()
                 .copied()
                 .filter(|c| !c.draining && !c.failing)
                 .collect();
-            if undrained.is_empty() {
+            if usable.is_empty() {
                 candidates
             } else {
-                &undrained
+                &usable
             }
         } else {
             candidates
