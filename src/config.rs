@@ -358,6 +358,8 @@ struct FileStore {
     tls_key_file: Option<String>,
     /// `/healthz` fails while the store is unreachable.
     required: bool,
+    /// How often the gateway publishes a heartbeat on the bindings channel.
+    heartbeat_ms: u64,
 }
 
 impl Default for FileStore {
@@ -372,6 +374,7 @@ impl Default for FileStore {
             tls_cert_file: None,
             tls_key_file: None,
             required: false,
+            heartbeat_ms: 5000,
         }
     }
 }
@@ -1347,6 +1350,12 @@ fn validate_store(
     if f.timeout_ms == 0 {
         errors.push(err("affinity.store.timeout_ms", "must be greater than 0"));
     }
+    if !(50..=3_600_000).contains(&f.heartbeat_ms) {
+        errors.push(err(
+            "affinity.store.heartbeat_ms",
+            "must be between 50 and 3600000",
+        ));
+    }
     if f.revalidate_ms == Some(0) {
         errors.push(err(
             "affinity.store.revalidate_ms",
@@ -1364,6 +1373,7 @@ fn validate_store(
         revalidate: Duration::from_millis(revalidate_ms.max(1)),
         tls,
         required: f.required,
+        heartbeat: Duration::from_millis(f.heartbeat_ms.max(1)),
     };
     if cfg.kind == StoreKind::Redis {
         if let Err(e) = crate::affinity::store::client(&cfg) {

@@ -263,15 +263,21 @@ pub async fn run(gw: Arc<Gateway>, store: Arc<SharedStore>) {
         move || resync_store.mark_resync(resync_gw.affinity.now_ms()),
     ));
     let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let mut heartbeat = tokio::time::interval(store.config().heartbeat);
     loop {
-        tick.tick().await;
-        // Down (or not connected yet): connect, then check it answers.
-        let up = store.healthy() || (store.connect().await && store.ping().await);
-        if !up {
-            continue;
-        }
-        if store.has_unsynced() {
-            write_back(&gw, &store).await;
+        tokio::select! {
+            _ = tick.tick() => {
+                // Down (or not connected yet): connect, then check it answers.
+                let up = store.healthy() || (store.connect().await && store.ping().await);
+                if up && store.has_unsynced() {
+                    write_back(&gw, &store).await;
+                }
+            }
+            _ = heartbeat.tick() => {
+                if store.healthy() {
+                    let _ = store.heartbeat().await;
+                }
+            }
         }
     }
 }

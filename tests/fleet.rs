@@ -835,3 +835,151 @@ async fn a_malformed_body_leaves_no_binding_in_the_store_either() {
     })
     .await;
 }
+
+/// A TCP relay to a Redis server that can freeze the connections that
+/// subscribed: they stay open, and nothing more reaches the subscriber (a
+/// half-open connection: a NAT that forgot it, a peer that vanished).
+struct Relay {
+    port: u16,
+    freeze: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    fn to(redis_port: u16) -> Relay {
+        use std::io::{Read, Write};
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let freeze = Arc::new(AtomicBool::new(false));
+        let frozen = Arc::clone(&freeze);
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(mut client) = client else { break };
+                let Ok(mut server) = std::net::TcpStream::connect(("127.0.0.1", redis_port)) else {
+                    continue;
+                };
+                let subscriber = Arc::new(AtomicBool::new(false));
+                let (mut c_read, mut s_write) =
+                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let marks = Arc::clone(&subscriber);
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 16384];
+                    while let Ok(n) = c_read.read(&mut buf) {
+                        if n == 0 {
+                            break;
+                        }
+                        if buf[..n]
+                            .windows(9)
+                            .any(|w| w.eq_ignore_ascii_case(b"SUBSCRIBE"))
+                        {
+                            marks.store(true, Ordering::SeqCst);
+                        }
+                        if s_write.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                });
+                let frozen = Arc::clone(&frozen);
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 16384];
+                    while let Ok(n) = server.read(&mut buf) {
+                        if n == 0 {
+                            break;
+                        }
+                        if subscriber.load(Ordering::SeqCst) && frozen.load(Ordering::SeqCst) {
+                            continue; // swallowed: the subscriber hears nothing
+                        }
+                        if client.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        Relay { port, freeze }
+    }
+
+    fn set_frozen(&self, on: bool) {
+        self.freeze.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_that_goes_silent_is_made_again_and_the_gateway_catches_up() {
+    let redis = Redis::start_on(free_port());
+    let relay = Relay::to(redis.port);
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gateway = |port: u16| {
+        let sims = &sims;
+        async move {
+            Gateway::start(
+                &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+                &format!(
+                    "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{port}\"\n    timeout_ms: 500\n    revalidate_ms: 600000\n    heartbeat_ms: 200\nplacement:\n  first: round_robin\n",
+                    affinity_yaml(1800)
+                ),
+            )
+            .await
+        }
+    };
+    // Gateway a reaches Redis through the relay, b directly.
+    let (a, b) = (gateway(relay.port).await, gateway(redis.port).await);
+    store_connected(&a).await;
+    store_connected(&b).await;
+    let c = client();
+    let turn = |gw: &Gateway, t: usize| {
+        let c = c.clone();
+        let url = gw.url("/v1/chat/completions");
+        async move {
+            let r = c
+                .post(url)
+                .header("x-session-id", "quiet")
+                .json(&chat_body("m", t))
+                .send()
+                .await
+                .unwrap();
+            let r = reply(r).await;
+            assert_eq!(r.status, 200);
+            r.backend.unwrap()
+        }
+    };
+    let home = turn(&b, 0).await;
+    wait_until("a hears of the binding", || async {
+        turn(&a, 1).await == home
+    })
+    .await;
+    // a's subscription goes silent. Meanwhile b's operator deletes the
+    // session and its next turn is placed again (round robin: elsewhere).
+    relay.set_frozen(true);
+    let del = c
+        .delete(b.admin_url("/admin/sessions/quiet"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(del.status().as_u16(), 200);
+    let mut moved = turn(&b, 2).await;
+    while moved == home {
+        c.delete(b.admin_url("/admin/sessions/quiet"))
+            .send()
+            .await
+            .unwrap();
+        moved = turn(&b, 2).await;
+    }
+    // a notices the silence (not even its own heartbeat comes back)...
+    wait_until("a notices its subscription is dead", || async {
+        a.metric("agentserve_store_errors_total{op=\"subscription\"}")
+            .await
+            > 0.0
+    })
+    .await;
+    // ...subscribes again, re-checks what it holds, and follows the fleet
+    // long before its next revalidation (10 minutes away).
+    relay.set_frozen(false);
+    wait_until("a follows the fleet again", || async {
+        turn(&a, 3).await == moved
+    })
+    .await;
+}

@@ -54,6 +54,10 @@ pub struct StoreConfig {
     /// `/healthz` fails while the store is unreachable (a balancer then
     /// sends this gateway nothing it would place alone).
     pub required: bool,
+    /// How often this gateway publishes a heartbeat on the bindings channel;
+    /// a subscription that hears nothing, not even its own, for three of
+    /// these is taken as dead (a half-open connection) and made again.
+    pub heartbeat: Duration,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -382,6 +386,21 @@ impl SharedStore {
         Ok(v.as_deref().and_then(parse))
     }
 
+    /// Publish this gateway's heartbeat on the bindings channel (see
+    /// [`StoreConfig::heartbeat`]); every subscriber hears it and skips it.
+    pub async fn heartbeat(&self) -> Result<(), StoreError> {
+        let (ch, msg) = (self.channel(), format!("{} heartbeat", self.instance));
+        self.run("heartbeat", |mut c| async move {
+            redis::cmd("PUBLISH")
+                .arg(&ch)
+                .arg(&msg)
+                .query_async::<i64>(&mut c)
+                .await
+        })
+        .await
+        .map(|_| ())
+    }
+
     /// Whether Redis answers (used while it is marked down).
     pub async fn ping(&self) -> bool {
         self.run("ping", |mut c| async move {
@@ -526,7 +545,25 @@ impl SharedStore {
                 backoff = Duration::from_millis(100);
                 resync();
                 let mut messages = ps.on_message();
-                while let Some(msg) = messages.next().await {
+                // Every gateway of the fleet, this one included, publishes a
+                // heartbeat: silence means the connection died unnoticed.
+                let silence = self.cfg.heartbeat * 3;
+                loop {
+                    let msg = match tokio::time::timeout(silence, messages.next()).await {
+                        Ok(Some(msg)) => msg,
+                        Ok(None) => break,
+                        Err(_) => {
+                            self.metrics
+                                .store_errors
+                                .with_label_values(&["subscription"])
+                                .inc();
+                            log::warn!(
+                                "binding store: nothing heard on {} for {silence:?}, not even this gateway's heartbeat; subscribing again",
+                                self.channel()
+                            );
+                            break;
+                        }
+                    };
                     let Ok(text) = msg.get_payload::<String>() else {
                         continue;
                     };
