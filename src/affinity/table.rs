@@ -46,6 +46,11 @@ struct Entry {
     /// Which incarnation of the key this is: a lease of a removed binding
     /// must not end a lease of the key's next binding.
     generation: u32,
+    /// The generation this entry was created with. A pending binding that
+    /// is rebound takes a new generation (its old first request's end must
+    /// not remove it) but keeps its leases: one of any generation from this
+    /// one to `generation` still counts (see [`Shard::find_lease`]).
+    first_generation: u32,
     /// When this binding last agreed with the shared store (0: never).
     synced_ms: u64,
     deadline_ms: u64,
@@ -175,6 +180,17 @@ impl Shard {
     fn find(&self, key: BindingKey, generation: u32) -> Option<u32> {
         let i = *self.map.get(&key)?;
         (self.entries[i as usize].generation == generation).then_some(i)
+    }
+
+    /// `key`'s entry, if a lease of `generation` is one of its leases: its
+    /// own incarnation or an earlier one of the same entry (a pending
+    /// binding rebound while leased). Generations grow per shard, so a
+    /// removed and re-created key's new entry starts past every old lease.
+    fn find_lease(&self, key: BindingKey, generation: u32) -> Option<u32> {
+        let i = *self.map.get(&key)?;
+        let e = &self.entries[i as usize];
+        let age = generation.wrapping_sub(e.first_generation);
+        (age <= e.generation.wrapping_sub(e.first_generation)).then_some(i)
     }
 
     fn unlink(&mut self, i: u32) {
@@ -409,7 +425,9 @@ impl BindingTable {
                 if let Some(i) = idx {
                     // Rebinding a binding whose first request never arrived
                     // (its backend went away): a new incarnation, so that
-                    // request ending cannot remove or release this one.
+                    // request ending cannot remove this one; the leases it
+                    // had (requests that joined it) still count until they
+                    // end, so it cannot expire under them.
                     let fresh = shard.entries[i as usize]
                         .pending
                         .then(|| shard.next_generation());
@@ -417,7 +435,6 @@ impl BindingTable {
                     let was_idle = e.in_flight == 0;
                     if let Some(g) = fresh {
                         e.generation = g;
-                        e.in_flight = 0;
                     }
                     let previous = e.backend;
                     let tier = e.tier;
@@ -460,6 +477,7 @@ impl BindingTable {
                 let i = shard.alloc(Entry {
                     key,
                     generation,
+                    first_generation: generation,
                     synced_ms: 0,
                     deadline_ms: 0,
                     backend,
@@ -516,7 +534,7 @@ impl BindingTable {
     /// again) ends nothing.
     pub fn release(&self, key: BindingKey, generation: u32, now_ms: u64, ttl_ms: u64) {
         let mut shard = self.shard(key).lock();
-        let Some(i) = shard.find(key, generation) else {
+        let Some(i) = shard.find_lease(key, generation) else {
             return;
         };
         let e = &mut shard.entries[i as usize];
@@ -667,6 +685,7 @@ impl BindingTable {
         let i = shard.alloc(Entry {
             key,
             generation,
+            first_generation: generation,
             synced_ms,
             deadline_ms: b.deadline_ms,
             backend: b.backend,
@@ -816,6 +835,41 @@ mod tests {
         );
         t.release(1, new, 10, 5);
         assert!(t.get(1, 1_000).is_none());
+    }
+
+    #[test]
+    fn a_pending_binding_rebound_keeps_the_leases_of_the_requests_that_joined_it() {
+        let t = BindingTable::new(100);
+        let Acquired::Bound { generation: g1, .. } = bind(&t, 1, 7, 0) else {
+            panic!()
+        };
+        // A waiter out of patience joins the pending binding.
+        let Acquired::Kept {
+            generation: joined, ..
+        } = t.acquire(1, 0, 0, true, |_| Decision::Keep)
+        else {
+            panic!()
+        };
+        assert_eq!(joined, g1);
+        // Its backend went away: the first request rebinds elsewhere and
+        // hands its old lease over.
+        let Acquired::Bound { generation: g2, .. } = bind(&t, 1, 8, 0) else {
+            panic!()
+        };
+        assert_ne!(g1, g2);
+        t.release(1, g1, 10, 5);
+        // The retried request ends; the one that joined is still in flight:
+        // the binding must not idle and expire under it.
+        t.release(1, g2, 10, 5);
+        assert_eq!(
+            t.get(1, 1_000).map(|b| (b.backend, b.in_flight)),
+            Some((8, 1))
+        );
+        // Its old-generation end neither removes the new binding...
+        assert!(!t.abandon(1, g1, 20, 5));
+        // ...and, being the last lease, starts the idle deadline.
+        assert_eq!(t.get(1, 24).map(|b| b.in_flight), Some(0));
+        assert!(t.get(1, 26).is_none());
     }
 
     fn keep_or_bind(t: &BindingTable, key: u128, backend: u32, now: u64) -> Acquired {

@@ -32,12 +32,13 @@ pub struct CostEstimate {
     /// Estimated uncached tokens of this gateway's requests at the backend
     /// that have had no first byte back yet: prefill work still ahead.
     queued_tokens: AtomicU64,
-    /// `clock::now_ms` when the request now at the head of that queue began
-    /// to prefill: when it was sent to an empty queue, or when the one
-    /// before it answered.
-    head_since_ms: AtomicU64,
-    /// The head's estimated tokens (0: nothing queued).
-    head_tokens: AtomicU64,
+    /// The request now at the head of that queue, in one word so that a
+    /// reader never pairs one head's start with another's size (which made a
+    /// fresh head look overdue): `clock::now_ms` when it began to prefill
+    /// (sent to an empty queue, or the one before it answered) in the high
+    /// 40 bits, its estimated tokens (0: nothing queued; saturating) in the
+    /// low 24. See [`pack_head`].
+    head: AtomicU64,
     /// Those requests, oldest first: which one is the head, and what it
     /// brought. Written on send and on first byte only; readers use the
     /// atomics above.
@@ -264,8 +265,8 @@ impl CostEstimate {
         let before = self.queue_at(now_ms);
         let behind = !queue.is_empty();
         if !behind {
-            self.head_since_ms.store(now_ms, Ordering::Relaxed);
-            self.head_tokens.store(tokens, Ordering::Relaxed);
+            self.head
+                .store(pack_head(now_ms, tokens), Ordering::Relaxed);
         }
         queue.push_back(Queued {
             ticket,
@@ -325,9 +326,8 @@ impl CostEstimate {
         self.queued_tokens.fetch_sub(done.tokens, Ordering::Relaxed);
         if at == 0 {
             let next = queue.front().map_or(0, |q| q.tokens);
-            self.head_tokens.store(next, Ordering::Relaxed);
-            self.head_since_ms
-                .store(crate::clock::now_ms(), Ordering::Relaxed);
+            self.head
+                .store(pack_head(crate::clock::now_ms(), next), Ordering::Relaxed);
         }
         at == 0 && !done.overtaken
     }
@@ -342,18 +342,43 @@ impl CostEstimate {
     pub fn queue_at(&self, now_ms: u64) -> QueueView {
         match self.queued_tokens() {
             0 => QueueView::default(),
-            tokens => QueueView {
-                tokens,
-                head_ms: now_ms.saturating_sub(self.head_since_ms.load(Ordering::Relaxed)),
-                head_tokens: self.head_tokens.load(Ordering::Relaxed),
-            },
+            tokens => {
+                let (since_ms, head_tokens) = unpack_head(self.head.load(Ordering::Relaxed));
+                QueueView {
+                    tokens,
+                    head_ms: now_ms.saturating_sub(since_ms),
+                    head_tokens,
+                }
+            }
         }
     }
+}
+
+const HEAD_TOKEN_BITS: u32 = 24;
+const HEAD_TOKENS_MAX: u64 = (1 << HEAD_TOKEN_BITS) - 1;
+
+/// A queue head as one word: its start (ms since the process started, 40
+/// bits: 34 years) and its tokens (24 bits, saturating at 16.7M, beyond any
+/// context window).
+fn pack_head(since_ms: u64, tokens: u64) -> u64 {
+    (since_ms << HEAD_TOKEN_BITS) | tokens.min(HEAD_TOKENS_MAX)
+}
+
+fn unpack_head(word: u64) -> (u64, u64) {
+    (word >> HEAD_TOKEN_BITS, word & HEAD_TOKENS_MAX)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[test]
+    fn a_queue_head_is_read_whole() {
+        assert_eq!(
+            unpack_head(pack_head(123_456_789, 4_000)),
+            (123_456_789, 4_000)
+        );
+        assert_eq!(unpack_head(pack_head(1, u64::MAX)), (1, HEAD_TOKENS_MAX));
+    }
     #[test]
     fn costs_are_learned_from_ttfb_and_usage() {
         let c = CostEstimate::default();
