@@ -284,6 +284,18 @@ impl Gateway {
             .affinity
             .table()
             .count_where(|tier, slot| !live.contains(&(tier, slot)));
+        // Slots of backends gone from both this configuration and the one
+        // before it (which requests may still be routing by) and named by no
+        // binding go back to be reused: otherwise a process that sees many
+        // backends come and go over reloads runs out of them.
+        let live: HashSet<u32> = old_slots.union(&new_slots).copied().collect();
+        let table = self.affinity.table();
+        for slot in self
+            .slots
+            .retire_unused(&live, |slot| table.backend_len(slot) > 0)
+        {
+            self.prefix.index.forget_backend(slot);
+        }
         for b in probation {
             let gw = Arc::clone(self);
             tokio::spawn(async move { gw.admit(b).await });

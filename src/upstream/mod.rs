@@ -19,7 +19,7 @@ use futures_util::FutureExt;
 use parking_lot::RwLock;
 use pingora_load_balancing::discovery::Static;
 use pingora_load_balancing::{Backend as LbBackend, Backends, HealthRegistry};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -78,9 +78,15 @@ impl BackendStats {
 struct BackendSlots {
     by_id: HashMap<String, u32>,
     stats: Vec<Arc<BackendStats>>,
+    /// Slots of backends that left the configuration and that nothing names
+    /// any more: the next new backend id takes one.
+    free: Vec<u32>,
 }
 
-/// Stable numbers for backend ids and tier names, for the life of the process.
+/// Stable numbers for backend ids and tier names: a backend keeps its slot
+/// while it is configured or named by a binding; then the slot may go to
+/// another backend (see [`Slots::retire_unused`]), so a process that sees
+/// many backends come and go over reloads never runs out of them.
 #[derive(Default)]
 pub struct Slots {
     backends: RwLock<BackendSlots>,
@@ -99,11 +105,38 @@ impl Slots {
         if let Some(&slot) = w.by_id.get(id) {
             return (slot, Arc::clone(&w.stats[slot as usize]));
         }
-        let slot = w.stats.len() as u32;
         let stats = Arc::new(BackendStats::new(id));
-        w.stats.push(Arc::clone(&stats));
+        let slot = match w.free.pop() {
+            Some(slot) => {
+                w.stats[slot as usize] = Arc::clone(&stats);
+                slot
+            }
+            None => {
+                w.stats.push(Arc::clone(&stats));
+                (w.stats.len() - 1) as u32
+            }
+        };
         w.by_id.insert(id.to_string(), slot);
         (slot, stats)
+    }
+
+    /// Free the slots of backends that are not `live` (in no tier of the
+    /// configurations that may still be routing) and that no binding names
+    /// (`in_use`); returns them. What is keyed by slot elsewhere (the prefix
+    /// index) must forget them.
+    pub fn retire_unused(&self, live: &HashSet<u32>, in_use: impl Fn(u32) -> bool) -> Vec<u32> {
+        let mut w = self.backends.write();
+        let gone: Vec<(String, u32)> = w
+            .by_id
+            .iter()
+            .filter(|(_, slot)| !live.contains(slot) && !in_use(**slot))
+            .map(|(id, &slot)| (id.clone(), slot))
+            .collect();
+        for (id, slot) in &gone {
+            w.by_id.remove(id);
+            w.free.push(*slot);
+        }
+        gone.into_iter().map(|(_, slot)| slot).collect()
     }
 
     pub fn backend_id(&self, slot: u32) -> Option<String> {
@@ -363,5 +396,33 @@ fn make_backend(b: &BackendConfig, slots: &Slots, hasher: &HrwHasher) -> Backend
         stats,
         tls: b.tls.clone(),
         checks: Default::default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::affinity::table::MAX_BACKENDS;
+
+    #[test]
+    fn backends_that_come_and_go_over_reloads_never_run_out_of_slots() {
+        let slots = Slots::default();
+        let named = HashSet::from([1u32]); // slot 1 is still named by a binding
+        let (mut highest, mut live) = (0, HashSet::new());
+        for i in 0..MAX_BACKENDS as u32 + 4_000 {
+            // Each reload replaces the tier's backend with a new id.
+            let (slot, stats) = slots.backend(&format!("replica-{i}"));
+            assert_eq!(&*stats.id, format!("replica-{i}").as_str(), "fresh state");
+            highest = highest.max(slot);
+            let before = std::mem::replace(&mut live, HashSet::from([slot]));
+            let all: HashSet<u32> = before.union(&live).copied().collect();
+            slots.retire_unused(&all, |s| named.contains(&s));
+        }
+        assert!(highest < 4, "slots reused: the highest was {highest}");
+        // A backend still configured, or named by a binding, keeps its slot.
+        assert_eq!(slots.backend_id(1).as_deref(), Some("replica-1"));
+        let (slot, _) = slots.backend("replica-again");
+        let (same, _) = slots.backend("replica-again");
+        assert_eq!(slot, same);
     }
 }

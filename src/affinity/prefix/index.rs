@@ -421,13 +421,15 @@ impl PrefixIndex {
         (l > 0).then_some(l as u64 * TICK_MS)
     }
 
-    /// Forget what the index learned of `slot` (its slot now names another backend).
+    /// Forget what the index learned of `slot`: its backend left, and the
+    /// slot may come to name another one. Every entry naming it is dead from
+    /// now (its horizon), and its learned lifetime goes.
     pub fn forget_backend(&self, slot: u32) {
         if let (Some(h), Some(l)) = (
             self.horizon.get(slot as usize),
             self.lifetime.get(slot as usize),
         ) {
-            h.store(0, Ordering::Relaxed);
+            h.fetch_max(self.now(), Ordering::Relaxed);
             l.store(0, Ordering::Relaxed);
         }
     }
@@ -488,6 +490,22 @@ mod tests {
         ix.record(&c, 3, 40, false);
         assert_eq!(ix.lookup(&c, &[3], 40 + PENDING_TICKS)[0].blocks, 8);
         assert_eq!(ix.lookup(&c, &[3], 41 + PENDING_TICKS)[0].blocks, 0);
+    }
+
+    #[test]
+    fn a_forgotten_backend_holds_nothing_and_its_slot_starts_afresh() {
+        let ix = PrefixIndex::new(1 << 20, 600_000);
+        let c = chain(8, 1);
+        let now = ix.now();
+        ix.record(&c, 5, now, true);
+        assert_eq!(ix.lookup(&c, &[5], now)[0].blocks, 8);
+        // The backend left; its slot may name another one from now on.
+        ix.forget_backend(5);
+        assert_eq!(ix.lookup(&c, &[5], now + 1)[0].blocks, 0);
+        // What the slot's next backend computes counts again.
+        let later = ix.now() + 1;
+        ix.record(&c[..2], 5, later, true);
+        assert_eq!(ix.lookup(&c, &[5], later)[0].blocks, 2);
     }
 
     #[test]
