@@ -428,6 +428,33 @@ async fn body_field_is_the_session_key_when_no_header_is_sent() {
 }
 
 #[tokio::test]
+async fn a_body_field_that_cannot_be_a_key_is_passed_over_not_refused() {
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let client = client();
+    for (bad, why) in [
+        (json!("x".repeat(300)), "over 256 bytes"),
+        (json!(42), "a number"),
+        (json!("a\u{1}b"), "a control character"),
+    ] {
+        let mut body = chat_body("qwen3-8b", 0);
+        body["prompt_cache_key"] = bad;
+        body["user"] = json!("next-field");
+        let r = chat(&client, &gw, &[], &body).await;
+        assert_eq!(r.status, 200, "{why}");
+        assert_eq!(r.json()["x_agent_serve"]["session"], "next-field", "{why}");
+    }
+    // The same value in a header, which a client sets for the gateway: 400.
+    let r = chat(
+        &client,
+        &gw,
+        &[("x-session-id", &"x".repeat(300))],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+}
+
+#[tokio::test]
 async fn two_gateways_with_one_hash_key_agree() {
     let sims: Vec<SimBackend> = (0..5)
         .map(|i| SimBackend::start(&format!("b{i}"), &[]))
