@@ -266,18 +266,32 @@ async fn garbage_requests_do_not_take_the_gateway_down() {
     let junk: Vec<Vec<u8>> = vec![
         b"GARBAGE\r\n\r\n".to_vec(),
         b"POST / HTTP/1.1\r\ncontent-length: -5\r\n\r\n".to_vec(),
-        b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 10\r\n\r\n{not".to_vec(),
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n{not".to_vec(),
         vec![0xff; 10_000],
-        b"POST /v1/chat/completions HTTP/1.1\r\nx-agent-serve-tier: \xff\xfe\r\ncontent-length: 2\r\n\r\n{}".to_vec(),
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-agent-serve-tier: \xff\xfe\r\ncontent-length: 2\r\n\r\n{}".to_vec(),
+        b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 2\r\n\r\n{}".to_vec(),
     ];
     for j in junk {
-        if let Ok(mut s) = TcpStream::connect(("127.0.0.1", gw.port)) {
-            let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(5)));
-            let _ = s.write_all(&j);
-            let _ = s.shutdown(std::net::Shutdown::Write);
-            let mut sink = Vec::new();
-            let _ = s.read_to_end(&mut sink);
-        }
+        let mut s = TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .unwrap();
+        // The gateway may close before reading all of it: a reset is an answer too.
+        let _ = s.write_all(&j);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer);
+        let answer = String::from_utf8_lossy(&answer);
+        let status = answer.split(' ').nth(1).unwrap_or("none");
+        assert!(
+            answer.starts_with("HTTP/1.1 4") && ["400", "404"].contains(&status),
+            "{:?} → {answer:?}",
+            String::from_utf8_lossy(&j[..j.len().min(60)])
+        );
+        // A request whose framing is broken cannot be followed by another.
+        assert!(
+            answer.to_ascii_lowercase().contains("connection: close"),
+            "{answer:?}"
+        );
     }
     // Still serving, and a malformed JSON body is forwarded for the backend to judge.
     let client = client();

@@ -195,7 +195,9 @@ impl GatewayError {
             resp.insert_header("retry-after", "1")?;
         }
         let unread_body = !session.is_body_done();
-        if unread_body {
+        // A body that could not be read (cut short, bad chunking) leaves the
+        // connection's framing unknown: it cannot carry another request.
+        if unread_body || self.code == "invalid_body" {
             session.set_keepalive(None);
         }
         session.write_response_header(Box::new(resp), false).await?;
