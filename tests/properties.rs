@@ -126,22 +126,52 @@ proptest! {
     /// short and free of control characters.
     #[test]
     fn session_headers_are_validated_not_trusted(
-        values in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..300), 0..4),
+        values in prop::collection::vec(
+            prop_oneof![
+                prop::collection::vec(any::<u8>(), 0..300),
+                // Mostly acceptable bytes, so that every outcome is reached.
+                prop::collection::vec(prop::sample::select(b"ab  \t\x7f\xc3\xa9".to_vec()), 0..30),
+                "[a-zé ]{0,300}".prop_map(String::into_bytes),
+            ],
+            0..4,
+        ),
     ) {
         let names = vec![
             http::HeaderName::from_static("x-session-id"),
             http::HeaderName::from_static("x-other-id"),
         ];
         let mut headers = http::HeaderMap::new();
+        let mut sent: Vec<(usize, Vec<u8>)> = Vec::new();
         for (i, v) in values.iter().enumerate() {
             if let Ok(hv) = http::HeaderValue::from_bytes(v) {
                 headers.append(if i % 2 == 0 { "x-session-id" } else { "x-other-id" }, hv);
+                sent.push((i % 2, v.clone()));
             }
         }
-        if let Ok(Some(id)) = session::from_headers(&session::RequestHeaders::new(&headers), &names) {
-            prop_assert!(id.id.len() <= 256);
-            prop_assert!(!id.id.chars().any(char::is_control));
+        // What SPEC §8 says of them, worked out apart from the gateway: each
+        // name's values checked in precedence order; the first acceptable
+        // non-blank value is the key.
+        let mut expect: Result<Option<String>, ()> = Ok(None);
+        for name in 0..2 {
+            let of_name: Vec<&Vec<u8>> = sent.iter().filter(|(n, _)| *n == name).map(|(_, v)| v).collect();
+            let Some(first) = of_name.first() else { continue };
+            let bad = first.len() > 256
+                || first.iter().any(|&b| b < 0x20 || b == 0x7f)
+                || std::str::from_utf8(first).is_err()
+                || of_name.iter().any(|v| v != first);
+            if bad {
+                expect = Err(());
+                break;
+            }
+            let value = std::str::from_utf8(first).unwrap().trim();
+            if !value.is_empty() && expect == Ok(None) {
+                expect = Ok(Some(value.to_string()));
+            }
         }
+        let got = session::from_headers(&session::RequestHeaders::new(&headers), &names)
+            .map(|id| id.map(|id| id.id))
+            .map_err(|_| ());
+        prop_assert_eq!(got, expect);
     }
 
     /// Session keys and model from bodies: any bytes, never a panic.
