@@ -331,6 +331,9 @@ pub struct Affinity {
     /// Per backend slot (modulo [`MOVE_SLOTS`]): when a session last moved
     /// off it for cost (table ms; 0: never).
     moved_off: Box<[AtomicU64]>,
+    /// Unit tests stop the table's clock here (0: it runs).
+    #[cfg(test)]
+    frozen_ms: AtomicU64,
 }
 
 const MOVE_SLOTS: usize = 1024;
@@ -340,6 +343,8 @@ impl Affinity {
         Arc::new(Affinity {
             table: BindingTable::new(max_bindings),
             epoch_ms: crate::clock::now_ms(),
+            #[cfg(test)]
+            frozen_ms: AtomicU64::new(0),
             ttl_ms: AtomicU64::new(ttl.map_or(0, |d| d.as_millis() as u64)),
             policy: ArcSwap::from_pointee(DefaultPolicy::hard()),
             placement: ArcSwap::from_pointee(Placement::new(
@@ -459,6 +464,11 @@ impl Affinity {
 
     /// Milliseconds since this table was created: the clock deadlines use.
     pub fn now_ms(&self) -> u64 {
+        #[cfg(test)]
+        match self.frozen_ms.load(Ordering::Relaxed) {
+            0 => {}
+            ms => return ms,
+        }
         crate::clock::now_ms().saturating_sub(self.epoch_ms)
     }
 
@@ -846,7 +856,7 @@ mod tests {
         assert_eq!(second.backend, first.backend);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_waiting_request_follows_the_first_placement_once_it_is_confirmed() {
         let h = HrwHasher::new("k");
         let a = Affinity::new(1000, Some(Duration::from_secs(60)));
@@ -857,13 +867,23 @@ mod tests {
             .select_waiting(&s, 0, &c, false, wait, || false)
             .await
             .expect("the first request places the session");
+        let polls = Arc::new(AtomicU64::new(0));
         let waiter = {
-            let (a, s, c) = (Arc::clone(&a), s.clone(), c.clone());
-            tokio::spawn(async move { a.select_waiting(&s, 0, &c, false, wait, || false).await })
+            let (a, s, c, polls) = (Arc::clone(&a), s.clone(), c.clone(), Arc::clone(&polls));
+            tokio::spawn(async move {
+                a.select_waiting(&s, 0, &c, false, wait, || {
+                    polls.fetch_add(1, Ordering::Relaxed);
+                    false
+                })
+                .await
+            })
         };
-        // The second request is parked until the first reaches its backend.
-        tokio::task::yield_now().await;
+        // The second request is parked until the first reaches its backend:
+        // an hour of (paused) time later it is still waiting, and has been
+        // checking on its client all along.
+        tokio::time::sleep(Duration::from_secs(1)).await;
         assert!(!waiter.is_finished());
+        assert!(polls.load(Ordering::Relaxed) >= 10, "it waited in its loop");
         first.lease.as_mut().unwrap().confirm();
         let second = waiter.await.unwrap().expect("follows the placement");
         assert!(second.affinity_hit);
@@ -1028,13 +1048,25 @@ mod tests {
         // 100 µs prior), backend 1 nothing: each session alone would leave,
         // but reviewed at the same moment only one may.
         c[0].queued_tokens = 20_000;
-        let moved: Vec<u32> = sessions
-            .iter()
-            .map(|s| go(&a, s, &c))
-            .filter(|sel| sel.reason == Reason::Moved)
-            .map(|sel| sel.backend)
-            .collect();
-        assert_eq!(moved, vec![1]);
+        let moves = |sessions: &[SessionRef]| -> Vec<u32> {
+            sessions
+                .iter()
+                .map(|s| go(&a, s, &c))
+                .filter(|sel| sel.reason == Reason::Moved)
+                .map(|sel| sel.backend)
+                .collect()
+        };
+        // The clock stands still: on a busy machine the reviews of one
+        // moment could otherwise span the gap.
+        a.frozen_ms.store(10_000, Ordering::Relaxed);
+        assert_eq!(moves(&sessions), vec![1]);
+        // Just short of the gap: still none; at the gap, one more.
+        a.frozen_ms
+            .store(10_000 + policy::MOVE_GAP_MS - 1, Ordering::Relaxed);
+        assert_eq!(moves(&sessions[1..]), Vec::<u32>::new());
+        a.frozen_ms
+            .store(10_000 + policy::MOVE_GAP_MS, Ordering::Relaxed);
+        assert_eq!(moves(&sessions[1..]), vec![1]);
     }
 
     #[test]
