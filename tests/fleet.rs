@@ -983,3 +983,232 @@ async fn a_subscription_that_goes_silent_is_made_again_and_the_gateway_catches_u
     })
     .await;
 }
+
+impl Redis {
+    fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).expect("running")
+    }
+}
+
+/// A gateway of the fault schedule: soft mode, revalidating every 300 ms,
+/// heartbeats every 200 ms, bindings saved to its state file every 200 ms.
+async fn fault_gateway(sims: &[&SimBackend], redis_port: u16) -> Gateway {
+    Gateway::start_with(
+        &[tier("default", true, &[], sims)],
+        |dir| {
+            format!(
+                "  state_file: \"{}\"\n  state_save_interval_ms: 200\n",
+                dir.join("bindings.state").display()
+            )
+        },
+        &format!(
+            "{FAST_HEALTH}{}  mode: soft\n  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{redis_port}\"\n    timeout_ms: 200\n    revalidate_ms: 300\n    heartbeat_ms: 200\nplacement:\n  first: round_robin\n",
+            affinity_yaml(1800)
+        ),
+    )
+    .await
+}
+
+/// Kill `gw` (SIGKILL: no goodbye) and start it again on its own config,
+/// ports and state file.
+async fn restart_keeping_state(gw: &mut Gateway) {
+    gw.stop();
+    let dir = std::mem::replace(&mut gw.dir, tempfile::tempdir().unwrap());
+    let yaml = std::fs::read_to_string(&gw.config_path).unwrap();
+    let (port, metrics_port) = (gw.port, gw.metrics_port);
+    *gw = Gateway::start_yaml(dir, port, metrics_port, &yaml).await;
+    store_connected(gw).await;
+}
+
+/// Reload `gw` with `yaml` as its config; `reloads` counts its successes.
+async fn reload_with(gw: &Gateway, yaml: &str, reloads: &mut f64) {
+    std::fs::write(&gw.config_path, yaml).unwrap();
+    *reloads += 1.0;
+    gw.reload("success", *reloads).await;
+}
+
+/// Waits until every gateway sees each of `ids` healthy.
+async fn all_healthy(gws: &[Gateway], ids: &[String]) {
+    for gw in gws {
+        for id in ids {
+            let healthy =
+                format!("agentserve_backend_healthy{{backend=\"{id}\",tier=\"default\"}}");
+            wait_until("backends healthy again", || async {
+                gw.metric(&healthy).await == 1.0
+            })
+            .await;
+        }
+    }
+}
+
+/// xorshift64*: the schedule's faults from one seed.
+struct Seeded(u64);
+
+impl Seeded {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % n
+    }
+}
+
+/// Issue 28's fault schedule: 3 gateways in soft mode share a real Redis;
+/// 24 sessions' turns go round robin over them; each step brings one fault
+/// chosen by the seed (the first 9 steps: each kind once), a round of turns under it, the fault's healing and a
+/// revalidation interval. After every step each session is on one backend
+/// fleet-wide, and no turn failed.
+/// `FAULT_SEED=… FAULT_STEPS=… cargo test --test fleet fault_schedule -- --nocapture`
+/// runs another or a longer schedule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_schedule_every_session_on_one_backend_once_faults_heal() {
+    let seed: u64 = std::env::var("FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed_2028);
+    let steps: usize = std::env::var("FAULT_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(9);
+    eprintln!("fault schedule: FAULT_SEED={seed} FAULT_STEPS={steps}");
+    let mut rng = Seeded(seed | 1);
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let mut sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let extra = SimBackend::start("vllm-extra", &[]);
+    let mut gws = Vec::new();
+    for _ in 0..3 {
+        gws.push(fault_gateway(&sims.iter().collect::<Vec<_>>(), port).await);
+    }
+    for gw in &gws {
+        store_connected(gw).await;
+    }
+    let mut reloads = [0.0f64; 3];
+    let sessions: Vec<String> = (0..24).map(|i| format!("sched-{i}")).collect();
+    let mut turn = 0;
+    macro_rules! next_round {
+        () => {{
+            turn += 1;
+            round(&gws, &sessions, turn).await
+        }};
+    }
+    let base_ids: Vec<String> = sims.iter().map(|s| s.id.clone()).collect();
+    next_round!();
+    // Every kind of fault once, in the seed's order; then the seed's choice.
+    const KINDS: usize = 9;
+    let mut kinds: Vec<usize> = (0..KINDS).collect();
+    for i in (1..kinds.len()).rev() {
+        kinds.swap(i, rng.below(i + 1));
+    }
+    for step in 0..steps {
+        let fault = kinds.get(step).copied().unwrap_or_else(|| rng.below(KINDS));
+        let g = rng.below(3);
+        let r = rng.below(3);
+        let name = match fault {
+            0 => {
+                redis.cli(&["FLUSHALL"]);
+                next_round!();
+                "Redis FLUSHALL".to_string()
+            }
+            1 => {
+                redis.stop();
+                redis = Redis::start_on(port);
+                next_round!();
+                "Redis restarted empty".to_string()
+            }
+            2 => {
+                // Stopped past every gateway's timeout_ms, with turns going on.
+                signal(redis.pid(), libc::SIGSTOP);
+                next_round!();
+                signal(redis.pid(), libc::SIGCONT);
+                "Redis stopped (SIGSTOP) under a round of turns".to_string()
+            }
+            3 => {
+                gws[g] = fault_gateway(&sims.iter().collect::<Vec<_>>(), port).await;
+                store_connected(&gws[g]).await;
+                reloads[g] = 0.0;
+                next_round!();
+                format!("gateway {g} replaced by a new one (no state)")
+            }
+            4 => {
+                restart_keeping_state(&mut gws[g]).await;
+                reloads[g] = 0.0;
+                next_round!();
+                format!("gateway {g} killed and restarted with its state file")
+            }
+            5 => {
+                sims[r].kill();
+                next_round!();
+                sims[r].restart(&[]);
+                all_healthy(&gws, &base_ids).await;
+                format!("replica {} killed, then restored", sims[r].id)
+            }
+            6 => {
+                // One gateway alone takes a new backend, then gives it up.
+                let before = std::fs::read_to_string(&gws[g].config_path).unwrap();
+                let line = before
+                    .lines()
+                    .find(|l| l.contains(&format!("id: \"{}\"", sims[0].id)))
+                    .unwrap();
+                let added = line
+                    .replace(&sims[0].id, &extra.id)
+                    .replace(&sims[0].addr.to_string(), &extra.addr.to_string());
+                let with = before.replace(line, &format!("{line}\n{added}"));
+                reload_with(&gws[g], &with, &mut reloads[g]).await;
+                next_round!();
+                reload_with(&gws[g], &before, &mut reloads[g]).await;
+                format!("gateway {g} reloaded with vllm-extra added, then removed")
+            }
+            8 => {
+                // Issue 28's scenario: sessions rebound (version 2), then the
+                // store and one gateway lose everything at once.
+                sims[r].kill();
+                next_round!();
+                sims[r].restart(&[]);
+                all_healthy(&gws, &base_ids).await;
+                redis.stop();
+                redis = Redis::start_on(port);
+                gws[g] = fault_gateway(&sims.iter().collect::<Vec<_>>(), port).await;
+                store_connected(&gws[g]).await;
+                reloads[g] = 0.0;
+                next_round!();
+                format!(
+                    "replica {} killed and restored, then Redis restarted empty and gateway {g} replaced",
+                    sims[r].id
+                )
+            }
+            7 => {
+                // One gateway alone drops a backend, then takes it back.
+                let before = std::fs::read_to_string(&gws[g].config_path).unwrap();
+                let without: String = before
+                    .lines()
+                    .filter(|l| !l.contains(&format!("id: \"{}\"", sims[r].id)))
+                    .map(|l| format!("{l}\n"))
+                    .collect();
+                reload_with(&gws[g], &without, &mut reloads[g]).await;
+                next_round!();
+                reload_with(&gws[g], &before, &mut reloads[g]).await;
+                all_healthy(&gws, &base_ids).await;
+                format!("gateway {g} reloaded without {}, then with it", sims[r].id)
+            }
+            _ => unreachable!(),
+        };
+        for gw in &gws {
+            store_connected(gw).await;
+        }
+        // Healed: one revalidation interval (300 ms) on, every gateway has
+        // checked what it holds at each session's next turn.
+        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+        next_round!();
+        let after = next_round!();
+        assert!(
+            split(&after).is_empty(),
+            "step {step} ({name}), FAULT_SEED={seed}: {} of 24 on two backends: {:?}",
+            split(&after).len(),
+            split(&after)
+        );
+        eprintln!("step {step}: {name}: every session on one backend");
+    }
+}
