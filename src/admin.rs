@@ -221,7 +221,7 @@ impl AdminApp {
                     json!({
                         "session": id, "tier": &*tier.name, "backend": backend, "version": b.version,
                         "in_flight": b.in_flight, "pending": b.pending, "expires_in_ms": expires_in_ms,
-                        "source": "local",
+                        "moves": b.moves.count, "source": "local",
                     }),
                 )
             }
@@ -229,7 +229,8 @@ impl AdminApp {
                 200,
                 json!({
                     "session": id, "tier": &*tier.name, "backend": s.backend, "version": s.version,
-                    "in_flight": 0, "pending": false, "expires_in_ms": null, "source": "store",
+                    "in_flight": 0, "pending": false, "expires_in_ms": null,
+                    "moves": s.moves.count, "source": "store",
                 }),
             ),
             (None, None) => not_found(),

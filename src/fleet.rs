@@ -3,8 +3,8 @@
 //! [`sync_in`] before choosing a backend and [`publish`] after; the store
 //! service runs the subscription and writes back what an outage left behind.
 
-use crate::affinity::store::{local_binding, SharedStore, StoreError, Stored};
-use crate::affinity::table::Binding;
+use crate::affinity::store::{local_binding, SharedStore, StoreError, Stored, StoredMoves};
+use crate::affinity::table::{Binding, Moves};
 use crate::affinity::{BindingKey, Candidate, Reason, Selection, SessionRef};
 use crate::gateway::Gateway;
 use crate::upstream::Tier;
@@ -13,6 +13,27 @@ use std::time::Duration;
 
 fn ttl_ms(gw: &Gateway) -> u64 {
     gw.affinity.ttl().map_or(0, |t| t.as_millis() as u64)
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// This gateway's binding as the store keeps it: its moves travel with it,
+/// so soft mode's cap and cooldown hold fleet-wide.
+fn as_stored(gw: &Gateway, local: &Binding, backend: String) -> Stored {
+    Stored {
+        version: local.version,
+        backend,
+        moves: StoredMoves::from_table(local.moves, gw.affinity.now_ms(), unix_ms()),
+    }
+}
+
+/// A stored binding's moves on this gateway's table clock.
+fn moves_here(gw: &Gateway, s: &Stored) -> Moves {
+    s.moves.to_table(gw.affinity.now_ms(), unix_ms())
 }
 
 /// Bring `key`'s local binding up to the store's when it was last checked
@@ -88,13 +109,14 @@ async fn reconcile(
     };
     // Our write may meet another binding: the next round compares with it
     // (and, only if it is older still, writes once more).
+    let ours = as_stored(gw, &local, id.clone());
     for _ in 0..3 {
         let now = gw.affinity.now_ms();
         let answer = match &known {
-            InStore::Absent => store.create(key, &tier.name, local.version, &id, ttl).await,
-            InStore::Older => store.rebind(key, &tier.name, local.version, &id, ttl).await,
+            InStore::Absent => store.create(key, &tier.name, &ours, ttl).await,
+            InStore::Older => store.rebind(key, &tier.name, &ours, ttl).await,
             InStore::Found(s) if s.version < local.version => {
-                store.rebind(key, &tier.name, local.version, &id, ttl).await
+                store.rebind(key, &tier.name, &ours, ttl).await
             }
             InStore::Found(s) if s.version == local.version && s.backend == id => {
                 table.mark_synced(key, now);
@@ -104,7 +126,7 @@ async fn reconcile(
                 return Ok(match tier.backend_by_id(&s.backend) {
                     Some(b) => {
                         let deadline = now + ttl;
-                        let won = local_binding(s, b.slot, tier.index, deadline);
+                        let won = local_binding(s, b.slot, tier.index, deadline, moves_here(gw, s));
                         table.adopt(key, won, true, now);
                         Some(b.slot)
                     }
@@ -159,6 +181,13 @@ pub async fn publish(
         store.remember_unsynced(sref.key);
         return None;
     }
+    let moves = gw
+        .affinity
+        .table()
+        .get(sref.key, gw.affinity.now_ms())
+        .filter(|b| b.version == sel.version)
+        .map(|b| b.moves)
+        .unwrap_or_default();
     let local = Binding {
         backend: sel.backend,
         version: sel.version,
@@ -166,6 +195,7 @@ pub async fn publish(
         in_flight: 1,
         deadline_ms: 0,
         pending: false,
+        moves,
     };
     // A new binding is written create-if-absent (a gateway that raced on
     // the same new session may have written first), a rebind as a
@@ -210,7 +240,13 @@ fn apply_remote(gw: &Gateway, key: BindingKey, tier: &str, stored: Option<Stored
     if let Some(b) = tier.backend_by_id(&stored.backend) {
         table.adopt(
             key,
-            local_binding(&stored, b.slot, tier.index, now + ttl_ms(gw)),
+            local_binding(
+                &stored,
+                b.slot,
+                tier.index,
+                now + ttl_ms(gw),
+                moves_here(gw, &stored),
+            ),
             true,
             now,
         );

@@ -160,6 +160,7 @@ pub fn load(gw: &Gateway, path: &Path) -> std::io::Result<usize> {
                 in_flight: 0,
                 deadline_ms: now + ttl,
                 pending: false,
+                moves: Default::default(),
             },
         ));
     }

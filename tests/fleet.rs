@@ -691,8 +691,10 @@ async fn a_newer_local_binding_is_written_over_an_older_stored_one() {
     .await;
     let home = turn(1).await;
     assert_ne!(home, first);
+    // "<version> <backend>", then the session's moves (it moved once).
+    let binding = |stored: String| stored.split(' ').take(2).collect::<Vec<_>>().join(" ");
     wait_until("version 2 stored", || async {
-        cli(&["GET", &stored_key]) == format!("2 {home}")
+        binding(cli(&["GET", &stored_key])) == format!("2 {home}")
     })
     .await;
     // The store goes back to an older binding elsewhere (restarted empty,
@@ -712,7 +714,7 @@ async fn a_newer_local_binding_is_written_over_an_older_stored_one() {
         let (home, stored) = (home.clone(), cli(&["GET", &stored_key]));
         async move {
             assert_eq!(turn.await, home);
-            stored == format!("2 {home}")
+            binding(stored) == format!("2 {home}")
         }
     })
     .await;
@@ -1211,4 +1213,80 @@ async fn fault_schedule_every_session_on_one_backend_once_faults_heal() {
         );
         eprintln!("step {step}: {name}: every session on one backend");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_moves_travel_with_its_binding_to_every_gateway() {
+    let redis = Redis::start_on(free_port());
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gws = fleet_of_gateways(&sims, redis.port, 3).await;
+    for gw in &gws {
+        store_connected(gw).await;
+    }
+    let c = client();
+    let h = [("x-session-id", "mover")];
+    let home = chat(&c, &gws[0], &h, &chat_body("m", 0))
+        .await
+        .backend
+        .unwrap();
+    assert_eq!(
+        chat(&c, &gws[1], &h, &chat_body("m", 1))
+            .await
+            .backend
+            .as_ref(),
+        Some(&home)
+    );
+    // Gateway 0 drains the session's backend and moves it at its next turn.
+    let r = c
+        .post(gws[0].admin_url(&format!("/admin/backends/{home}/drain")))
+        .json(&serde_json::json!({"move_sessions": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let moved = chat(&c, &gws[0], &h, &chat_body("m", 2)).await;
+    assert_eq!(moved.json()["x_agent_serve"]["reason"], "moved");
+    let to = moved.backend.unwrap();
+    assert_ne!(to, home);
+    let view = |gw: &Gateway| {
+        let url = gw.admin_url("/admin/sessions/mover");
+        async move {
+            reqwest::get(url)
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        }
+    };
+    // Gateway 1 held the binding and takes the move in (published); it
+    // counts the move gateway 0 made, as soft mode's cap and cooldown must.
+    wait_until("gateway 1 follows the move", || async {
+        view(&gws[1]).await["backend"] == to.as_str()
+    })
+    .await;
+    let v = view(&gws[1]).await;
+    assert_eq!(
+        (v["source"].as_str(), v["moves"].as_u64()),
+        (Some("local"), Some(1)),
+        "{v}"
+    );
+    // Gateway 2 never served it, and knows it from the store's message.
+    let v = view(&gws[2]).await;
+    assert_eq!(v["moves"].as_u64(), Some(1), "{v}");
+    // The store's copy: version 2 on the new backend, moved once, lately.
+    let stored = redis.cli(&["GET", &stored_key("mover")]);
+    let fields: Vec<&str> = stored.split(' ').collect();
+    assert_eq!(fields[..3], ["2", to.as_str(), "1"], "{stored}");
+    let unix_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let at: u64 = fields[3].parse().unwrap();
+    assert!(
+        unix_s.abs_diff(at) < 600,
+        "{stored}: moved {at}, now {unix_s}"
+    );
 }

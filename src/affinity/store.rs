@@ -26,7 +26,7 @@
 //! Values are `"<version> <backend id>"`; keys `<prefix><binding key hex>` (the
 //! binding key already covers tier, tenant and session or group).
 
-use super::table::Binding;
+use super::table::{Binding, Moves};
 use super::BindingKey;
 use crate::metrics::Metrics;
 use parking_lot::Mutex;
@@ -72,22 +72,76 @@ pub struct StoreTls {
 pub struct Stored {
     pub version: u32,
     pub backend: String,
+    pub moves: StoredMoves,
 }
 
+/// A session's moves as the store keeps them: on the wall clock, which
+/// every gateway reads alike (each table has its own clock).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoredMoves {
+    pub count: u8,
+    /// Unix seconds of the last move.
+    pub unix_s: u64,
+}
+
+impl StoredMoves {
+    /// `m` (table seconds) on the wall clock, given both clocks now.
+    pub fn from_table(m: Moves, table_now_ms: u64, unix_now_ms: u64) -> StoredMoves {
+        if m.count == 0 {
+            return StoredMoves::default();
+        }
+        let ago_ms = table_now_ms.saturating_sub(m.at_s as u64 * 1000);
+        StoredMoves {
+            count: m.count,
+            unix_s: unix_now_ms.saturating_sub(ago_ms) / 1000,
+        }
+    }
+
+    /// These moves on a table's clock (a move from before the table began
+    /// reads as its first second).
+    pub fn to_table(self, table_now_ms: u64, unix_now_ms: u64) -> Moves {
+        if self.count == 0 {
+            return Moves::default();
+        }
+        let ago_ms = unix_now_ms.saturating_sub(self.unix_s * 1000);
+        Moves {
+            count: self.count,
+            at_s: (table_now_ms.saturating_sub(ago_ms) / 1000) as u32,
+        }
+    }
+}
+
+/// `<version> <backend>`, then `<moves> <unix s of the last>` once it moved.
+/// (Backend ids have no spaces. A gateway built before the moves were kept
+/// reads a moved binding's backend as unknown and serves it from its own
+/// table until upgraded.)
 fn parse(v: &str) -> Option<Stored> {
-    let (version, backend) = v.split_once(' ')?;
+    let mut it = v.split(' ');
+    let version = it.next()?.parse().ok()?;
+    let backend = it.next().filter(|b| !b.is_empty())?.to_string();
+    let moves = match (it.next(), it.next()) {
+        (Some(c), Some(t)) => StoredMoves {
+            count: c.parse().ok()?,
+            unix_s: t.parse().ok()?,
+        },
+        _ => StoredMoves::default(),
+    };
     Some(Stored {
-        version: version.parse().ok()?,
-        backend: backend.to_string(),
+        version,
+        backend,
+        moves,
     })
 }
 
-fn value(version: u32, backend: &str) -> String {
-    format!("{version} {backend}")
+fn value(s: &Stored) -> String {
+    match s.moves.count {
+        0 => format!("{} {}", s.version, s.backend),
+        n => format!("{} {} {n} {}", s.version, s.backend, s.moves.unix_s),
+    }
 }
 
-// Both scripts take the same arguments: ARGV = value ("<version> <backend>"),
-// TTL in ms, version, channel, this gateway's instance, tier.
+// Both scripts take the same arguments: ARGV = value (see `value`), TTL in
+// ms, version, channel, this gateway's instance, tier.
 
 /// Create-if-absent: returns the existing value, or nil after writing ours
 /// and publishing it (every gateway learns the binding without asking).
@@ -415,11 +469,10 @@ impl SharedStore {
         &self,
         key: BindingKey,
         tier: &str,
-        version: u32,
-        backend: &str,
+        ours: &Stored,
         ttl_ms: u64,
     ) -> Result<Option<Stored>, StoreError> {
-        self.write("create", &self.create, key, tier, version, backend, ttl_ms)
+        self.write("create", &self.create, key, tier, ours, ttl_ms)
             .await
     }
 
@@ -428,30 +481,28 @@ impl SharedStore {
         &self,
         key: BindingKey,
         tier: &str,
-        version: u32,
-        backend: &str,
+        ours: &Stored,
         ttl_ms: u64,
     ) -> Result<Option<Stored>, StoreError> {
-        self.write("rebind", &self.rebind, key, tier, version, backend, ttl_ms)
+        self.write("rebind", &self.rebind, key, tier, ours, ttl_ms)
             .await
     }
 
     /// Run a writing script (`CREATE` or `REBIND`); `Some` is the binding it
     /// found instead of writing ours.
-    #[allow(clippy::too_many_arguments)]
     async fn write(
         &self,
         op: &'static str,
         script: &redis::Script,
         key: BindingKey,
         tier: &str,
-        version: u32,
-        backend: &str,
+        ours: &Stored,
         ttl_ms: u64,
     ) -> Result<Option<Stored>, StoreError> {
+        let version = ours.version;
         let (k, v, ch, me) = (
             self.key(key),
-            value(version, backend),
+            value(ours),
             self.channel(),
             self.instance.clone(),
         );
@@ -588,16 +639,14 @@ impl SharedStore {
                     let Ok(key) = u128::from_str_radix(hex, 16) else {
                         continue;
                     };
+                    // The rest is the stored value, version first.
                     match version.parse::<u32>() {
                         Ok(0) | Err(_) => apply(key, tier, None),
-                        Ok(v) => apply(
-                            key,
-                            tier,
-                            Some(Stored {
-                                version: v,
-                                backend: backend.to_string(),
-                            }),
-                        ),
+                        Ok(_) => {
+                            if let Some(s) = parse(&format!("{version} {backend}")) {
+                                apply(key, tier, Some(s));
+                            }
+                        }
                     }
                 }
             }
@@ -607,8 +656,9 @@ impl SharedStore {
     }
 }
 
-/// A stored binding as the local table holds it.
-pub fn local_binding(s: &Stored, slot: u32, tier: u16, deadline_ms: u64) -> Binding {
+/// A stored binding as the local table holds it (`moves`: the stored ones
+/// on the table's clock, [`StoredMoves::to_table`]).
+pub fn local_binding(s: &Stored, slot: u32, tier: u16, deadline_ms: u64, moves: Moves) -> Binding {
     Binding {
         backend: slot,
         version: s.version,
@@ -616,6 +666,7 @@ pub fn local_binding(s: &Stored, slot: u32, tier: u16, deadline_ms: u64) -> Bind
         in_flight: 0,
         deadline_ms,
         pending: false,
+        moves,
     }
 }
 
@@ -625,14 +676,52 @@ mod tests {
 
     #[test]
     fn values_round_trip() {
+        let plain = Stored {
+            version: 7,
+            backend: "vllm-0".into(),
+            moves: StoredMoves::default(),
+        };
         assert_eq!(
-            parse(&value(7, "vllm-0")),
-            Some(Stored {
-                version: 7,
-                backend: "vllm-0".into()
-            })
+            value(&plain),
+            "7 vllm-0",
+            "as a build before moves wrote it"
         );
+        assert_eq!(parse(&value(&plain)), Some(plain.clone()));
+        let moved = Stored {
+            moves: StoredMoves {
+                count: 2,
+                unix_s: 1_790_000_000,
+            },
+            ..plain
+        };
+        assert_eq!(parse(&value(&moved)), Some(moved));
         assert_eq!(parse("x vllm"), None);
         assert_eq!(parse("3"), None);
+        assert_eq!(parse("3 "), None);
+        assert_eq!(parse("3 vllm-0 x 5"), None);
+    }
+
+    #[test]
+    fn moves_cross_from_one_table_clock_to_another_by_the_wall_clock() {
+        // Gateway A's table is 100 s old, its session moved 5 s ago.
+        let unix_now_ms = 1_790_000_000_000;
+        let at_a = Moves { count: 2, at_s: 95 };
+        let stored = StoredMoves::from_table(at_a, 100_000, unix_now_ms);
+        assert_eq!(stored.unix_s, 1_789_999_995);
+        // Gateway B's table is 3,600 s old: the move was 5 s ago there too.
+        let at_b = stored.to_table(3_600_000, unix_now_ms);
+        assert_eq!(
+            at_b,
+            Moves {
+                count: 2,
+                at_s: 3_595
+            }
+        );
+        // A table younger than the move reads it as its first second.
+        assert_eq!(stored.to_table(2_000, unix_now_ms).at_s, 0);
+        assert_eq!(
+            StoredMoves::from_table(Moves::default(), 1, 1),
+            StoredMoves::default()
+        );
     }
 }

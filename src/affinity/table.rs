@@ -28,7 +28,7 @@ pub const MAX_BACKENDS: usize = 16384;
 const NIL: u32 = u32::MAX;
 
 /// What a binding points at.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Binding {
     pub backend: u32,
     pub version: u32,
@@ -38,6 +38,18 @@ pub struct Binding {
     pub deadline_ms: u64,
     /// A new binding whose first request has not yet reached its backend.
     pub pending: bool,
+    /// How often, and when last, the session moved: soft mode's cap and
+    /// cooldown read it, so it travels with the binding between gateways.
+    pub moves: Moves,
+}
+
+/// A session's moves (rebinds for cost, drain or a broken backend).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Moves {
+    pub count: u8,
+    /// When the last one was, seconds on the table's clock (meaningless
+    /// while `count` is 0).
+    pub at_s: u32,
 }
 
 #[derive(Clone, Copy)]
@@ -122,6 +134,10 @@ impl Entry {
             in_flight: self.in_flight,
             deadline_ms: self.deadline_ms,
             pending: self.pending,
+            moves: Moves {
+                count: self.turns.moves,
+                at_s: self.turns.moved_s,
+            },
         }
     }
 }
@@ -695,7 +711,11 @@ impl BindingTable {
             next: NIL,
             tier: b.tier,
             pending: false,
-            turns: Turns::default(),
+            turns: Turns {
+                moves: b.moves.count,
+                moved_s: b.moves.at_s,
+                ..Turns::default()
+            },
         });
         shard.map.insert(key, i);
         shard.push_head(i);
@@ -736,9 +756,15 @@ impl BindingTable {
             e.backend = b.backend;
             e.version = b.version;
             if previous != b.backend {
+                // What was cached where it was is no guide to where it goes.
                 e.turns = Turns::default();
                 self.count(tier, previous, -1);
                 self.count(tier, b.backend, 1);
+            }
+            // The newer binding's moves, made by whichever gateway.
+            if b.moves.count > 0 {
+                e.turns.moves = b.moves.count;
+                e.turns.moved_s = b.moves.at_s;
             }
             return true;
         }
@@ -1052,6 +1078,7 @@ mod tests {
                     in_flight: 0,
                     deadline_ms: due,
                     pending: false,
+                    moves: Moves::default(),
                 },
             );
         }
