@@ -108,6 +108,7 @@ impl AdminApp {
                     "learned": {
                         "prefill_us_per_token": b.stats.cost.learned_us_per_token(),
                         "queue_ms": b.stats.cost.queue_us() as f64 / 1000.0,
+                        "decode_us_per_token": b.stats.cost.decode_us_per_token(),
                         "responses": b.stats.cost.samples(),
                         "queued_prefill_tokens": queue.tokens,
                         "queue_head_ms": queue.head_ms,

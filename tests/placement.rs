@@ -309,3 +309,72 @@ async fn a_first_turn_goes_one_session_over_the_bound_rather_than_behind_a_long_
     let r = long_turn.await.unwrap().unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// A JSON (non-streamed) answer's first byte comes after its whole decode:
+/// its time to first byte must not teach the decode as prefill. Until a
+/// stream taught the decode speed, a long one teaches nothing; after, its
+/// decode is taken off.
+#[tokio::test]
+async fn a_json_answer_does_not_teach_its_decode_as_prefill() {
+    // 100 µs a prompt token, 2 ms a generated one: 100 generated tokens
+    // take twice a 1,000-token prefill.
+    let sim = SimBackend::start(
+        "vllm-0",
+        &[
+            "--prefill-us-per-token",
+            "100",
+            "--decode-us-per-token",
+            "2000",
+        ],
+    );
+    let gw = Gateway::start(&[tier("default", true, &[], &[&sim])], &affinity_yaml(600)).await;
+    let c = client();
+    let body = |i: usize, max_tokens: u64, stream: bool| {
+        let mut b = chat_body("qwen3-8b", 0);
+        b["messages"][1]["content"] = Value::from(format!("probe-{i} ").repeat(4000 / 9));
+        b["max_tokens"] = Value::from(max_tokens);
+        if stream {
+            b["stream"] = Value::from(true);
+            b["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        b
+    };
+    let send = |b: Value| {
+        let c = c.clone();
+        let url = gw.url("/v1/chat/completions");
+        async move {
+            let r = c.post(url).json(&b).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.bytes().await.unwrap();
+        }
+    };
+    for i in 0..4 {
+        send(body(i, 100, false)).await;
+    }
+    // One streamed answer teaches the decode speed (and its prefill).
+    send(body(10, 100, true)).await;
+    let learned = || async { gw.admin_backend("vllm-0").await["learned"].clone() };
+    wait_until("the stream taught the decode speed", || async {
+        learned().await["decode_us_per_token"].is_number()
+    })
+    .await;
+    assert_eq!(
+        learned().await["responses"],
+        1,
+        "the long JSON answers taught nothing before the decode speed was known"
+    );
+    // Now JSON answers teach with their decode taken off.
+    for i in 20..26 {
+        send(body(i, 100, false)).await;
+    }
+    wait_until("the JSON answers taught", || async {
+        learned().await["responses"] == 7
+    })
+    .await;
+    let l = learned().await;
+    let us = l["prefill_us_per_token"].as_f64().expect("learned");
+    let decode = l["decode_us_per_token"].as_f64().unwrap();
+    // The decode (200 ms) counted as prefill would read about 3x the cost.
+    eprintln!("learned prefill {us} µs/token, decode {decode}");
+    assert!(us < 200.0, "prefill {us} µs/token, decode {decode}: {l}");
+}

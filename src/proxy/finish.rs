@@ -171,13 +171,21 @@ impl GatewayProxy {
                 .in_flight
                 .as_ref()
                 .map_or((false, None), |f| f.explains());
-            b.stats.cost.observe(
-                fb.duration_since(ctx.start),
-                u.prompt_tokens,
-                u.cached_tokens,
-                alone,
-                behind,
-            );
+            let ttfb = fb.duration_since(ctx.start);
+            if ctx.streamed {
+                b.stats
+                    .cost
+                    .observe_decode(fb.elapsed(), u.completion_tokens);
+            }
+            if let Some(prefill) =
+                b.stats
+                    .cost
+                    .prefill_part(ttfb, u.completion_tokens, ctx.streamed)
+            {
+                b.stats
+                    .cost
+                    .observe(prefill, u.prompt_tokens, u.cached_tokens, alone, behind);
+            }
             if ctx.reason == Some(Reason::FirstTurn) && ctx.parent.is_none() {
                 b.stats.cost.observe_first_prompt(u.cached_tokens);
             }

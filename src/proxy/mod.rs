@@ -173,6 +173,10 @@ pub struct RequestCtx {
     upstream_body_seen: usize,
     usage: Option<UsageScanner>,
     first_byte: Option<Instant>,
+    /// The answer is a server-sent-event stream: its first byte came when
+    /// its prefill was done. A JSON answer's first byte comes after its
+    /// whole decode.
+    streamed: bool,
     /// The client connection's limits (HTTP/1 on a proxy listener).
     conn: Option<Arc<conn_guard::ConnState>>,
 }
@@ -265,6 +269,7 @@ impl ProxyHttp for GatewayProxy {
             upstream_body_seen: 0,
             usage: None,
             first_byte: None,
+            streamed: false,
             conn: None,
         }
     }

@@ -68,6 +68,7 @@ impl GatewayProxy {
         if (is_json || is_sse) && !encoded {
             ctx.usage = Some(UsageScanner::default());
         }
+        ctx.streamed = is_sse;
         let bodyless = session.req_header().method == http::Method::HEAD
             || resp.status.as_u16() == 204
             || resp.status.as_u16() == 304;

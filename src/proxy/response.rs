@@ -116,12 +116,15 @@ impl JsonAppender {
 pub struct Usage {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// Tokens generated (0 when not said).
+    pub completion_tokens: u64,
 }
 
 #[derive(Deserialize)]
 struct UsageJson {
     prompt_tokens: Option<u64>,
     prompt_tokens_details: Option<DetailsJson>,
+    completion_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -181,6 +184,7 @@ impl UsageScanner {
                                 .prompt_tokens_details
                                 .and_then(|d| d.cached_tokens)
                                 .unwrap_or(0),
+                            completion_tokens: u.completion_tokens.unwrap_or(0),
                         });
                     }
                 }
@@ -274,7 +278,8 @@ mod tests {
             s.usage(),
             Some(Usage {
                 prompt_tokens: 4096,
-                cached_tokens: 4000
+                cached_tokens: 4000,
+                completion_tokens: 0
             })
         );
     }
@@ -287,7 +292,8 @@ mod tests {
             s.usage(),
             Some(Usage {
                 prompt_tokens: 100,
-                cached_tokens: 64
+                cached_tokens: 64,
+                completion_tokens: 5
             })
         );
         let mut s = UsageScanner::default();
@@ -297,7 +303,8 @@ mod tests {
             s.usage(),
             Some(Usage {
                 prompt_tokens: 7,
-                cached_tokens: 0
+                cached_tokens: 0,
+                completion_tokens: 0
             })
         );
         let mut s = UsageScanner::default();

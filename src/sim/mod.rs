@@ -481,11 +481,15 @@ impl Sim {
                                "choices": choice, "usage": usage});
                 Bytes::from(format!("data: {v}\n\n"))
             };
+            // Token i leaves at start + i × the decode time: paced against
+            // the start, so timer granularity does not add up per token
+            // (a stream then decodes as fast as a JSON answer does).
+            let start = tokio::time::Instant::now();
+            let per_token = sim.cfg.decode_us_per_token * slowdown;
             for i in 0..max_out {
-                if i > 0 {
-                    if let Some(s) = sleep_us(sim.cfg.decode_us_per_token * slowdown) {
-                        s.await;
-                    }
+                if i > 0 && per_token >= 1.0 {
+                    let at = Duration::from_micros((per_token * i as f64) as u64);
+                    tokio::time::sleep_until(start + at).await;
                 }
                 let finish = if i + 1 == max_out {
                     json!("length")

@@ -21,6 +21,9 @@ pub struct CostEstimate {
     stepped_ns: AtomicU64,
     /// EWMA, microseconds between request start and the start of its prefill.
     queue_us: AtomicU64,
+    /// EWMA, nanoseconds per generated token, from streamed answers (first
+    /// byte to last); 0: none yet.
+    decode_ns_per_token: AtomicU64,
     /// EWMA, tokens of a new session's first prompt the backend answered as
     /// cached: the prefix its sessions share (a system prompt).
     shared_prefix: AtomicU64,
@@ -101,6 +104,15 @@ pub const COST_CONFIDENT_TOKENS: u64 = 4096;
 /// Weight of a new sample in the moving averages.
 const EWMA_ALPHA: f64 = 0.3;
 
+/// A streamed answer teaches the decode speed once it generated this many
+/// tokens (fewer: its end is mostly the stream's fixed overhead).
+const DECODE_MIN_TOKENS: u64 = 8;
+
+/// Until streams taught the decode speed, a JSON answer of at most this many
+/// generated tokens still teaches the prefill cost: its decode is a small
+/// part of its time to first byte.
+pub const DECODE_NEGLIGIBLE_TOKENS: u64 = 16;
+
 /// Two explained samples in a row this many times above (or below) the
 /// learned cost are a step, not noise: the cost jumps to the later one. A
 /// backend that has just slowed down 3× (a throttled GPU, a noisy
@@ -173,6 +185,49 @@ impl CostEstimate {
             ewma(&self.queue_us, queue_ns / 1000.0);
         }
         self.samples.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A streamed answer: `after_first_byte` from its first byte to its end,
+    /// over `completion` generated tokens, teaches the decode speed.
+    pub fn observe_decode(&self, after_first_byte: Duration, completion: u64) {
+        if completion >= DECODE_MIN_TOKENS {
+            ewma(
+                &self.decode_ns_per_token,
+                after_first_byte.as_nanos() as f64 / completion as f64,
+            );
+        }
+    }
+
+    /// Learned decode time per generated token, µs.
+    pub fn decode_us_per_token(&self) -> Option<f64> {
+        match self.decode_ns_per_token.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(ns as f64 / 1000.0),
+        }
+    }
+
+    /// The part of a response's time to first byte that was queue and
+    /// prefill, as [`CostEstimate::observe`] takes it. A streamed answer's
+    /// first byte is its first token: all of it. A JSON answer's first byte
+    /// follows its whole decode: its `completion` tokens at the decode speed
+    /// streams taught are taken off; before any did, only an answer of at
+    /// most [`DECODE_NEGLIGIBLE_TOKENS`] teaches (its decode is small beside
+    /// a prefill), and a longer one teaches nothing rather than book its
+    /// decode as prefill.
+    pub fn prefill_part(
+        &self,
+        ttfb: Duration,
+        completion: u64,
+        streamed: bool,
+    ) -> Option<Duration> {
+        if streamed {
+            return Some(ttfb);
+        }
+        match self.decode_ns_per_token.load(Ordering::Relaxed) {
+            0 if completion <= DECODE_NEGLIGIBLE_TOKENS => Some(ttfb),
+            0 => None,
+            ns => Some(ttfb.saturating_sub(Duration::from_nanos(ns.saturating_mul(completion)))),
+        }
     }
 
     /// One explained sample of the cost, ns per token: averaged, unless it
@@ -371,6 +426,28 @@ fn unpack_head(word: u64) -> (u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[test]
+    fn a_json_answers_decode_is_not_its_prefill() {
+        let c = CostEstimate::default();
+        let ms = Duration::from_millis;
+        // A stream's first byte is its first token.
+        assert_eq!(c.prefill_part(ms(300), 100, true), Some(ms(300)));
+        // Decode speed unknown: a short JSON answer teaches, a long one not.
+        assert_eq!(
+            c.prefill_part(ms(300), DECODE_NEGLIGIBLE_TOKENS, false),
+            Some(ms(300))
+        );
+        assert_eq!(c.prefill_part(ms(300), 100, false), None);
+        // Streams teach 2 ms a token (a short one teaches nothing)...
+        c.observe_decode(ms(10), 4);
+        assert_eq!(c.decode_us_per_token(), None);
+        c.observe_decode(ms(200), 100);
+        assert_eq!(c.decode_us_per_token(), Some(2000.0));
+        // ...then a JSON answer's decode is taken off.
+        assert_eq!(c.prefill_part(ms(300), 100, false), Some(ms(100)));
+        assert_eq!(c.prefill_part(ms(100), 100, false), Some(ms(0)));
+    }
+
     #[test]
     fn a_queue_head_is_read_whole() {
         assert_eq!(
