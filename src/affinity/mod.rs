@@ -9,298 +9,34 @@
 //! request reaches the backend; concurrent requests of that session wait for it
 //! (single-flight). It needs no network, so unit tests and benchmarks drive it.
 
+pub mod candidate;
+pub mod flight;
 pub mod hrw;
 pub mod placement;
 pub mod policy;
 pub mod prefix;
+pub mod route;
 pub mod scan;
 pub mod session;
 pub mod store;
 pub mod table;
 
+pub use candidate::{queued_after, unlearned_cost, Candidate};
+pub use flight::{Lease, WaitEnd};
+pub use route::{Choice, Reason, Selection, SessionRef};
+pub use table::BindingKey;
+
 use arc_swap::ArcSwap;
-use hrw::{HrwHasher, KeyKind, Scored};
+use flight::WAITER_SHARDS;
 use placement::bounded_hrw::BoundedHrw;
 use placement::{FirstKind, FirstPlacement, LoadMeasure};
 use policy::{BindingPolicy, DefaultPolicy, MoveReason, ThisTurn};
+use route::prefix_chose;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-pub use table::BindingKey;
 use table::{Acquired, BindingTable, Decision};
 use tokio::sync::Notify;
-
-/// One backend a request may go to: healthy, in the tier, not excluded.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Candidate {
-    /// Stable process-wide backend number (see `upstream::Slots`).
-    pub slot: u32,
-    pub seed: u64,
-    pub weight: u32,
-    pub in_flight: u64,
-    /// Running + waiting requests as the engine itself last reported them
-    /// (fresh scrapes only; 0 when unknown).
-    pub engine_requests: u64,
-    /// Takes no new bindings.
-    pub draining: bool,
-    /// Drained with "move sessions": its bindings move on their next turn.
-    pub move_on_drain: bool,
-    /// Learned prefill cost per uncached token, µs (0: not enough samples yet).
-    pub prefill_us_per_token: f64,
-    /// Estimated uncached tokens of this gateway's requests there that have
-    /// not begun to answer: the prefill work a new request waits behind now.
-    pub queued_tokens: u64,
-    /// How long the head of that queue has been prefilling, ms.
-    pub head_ms: u64,
-    /// The head's own estimated tokens (0: unknown, the whole queue's
-    /// progress is taken as the head's).
-    pub head_tokens: u64,
-    /// Tokens of this request's prompt the prefix index says it holds
-    /// (`affinity.prefix`; 0: none, or not known).
-    pub prefix_tokens: u64,
-    /// Its last requests failed, enough in a row to eject it, but the
-    /// ejection cap keeps it in: sessions leave it for a backend that works.
-    pub failing: bool,
-}
-
-/// A queue's head is overdue — the backend has stalled or slowed several
-/// times over since it last taught its cost — once it has prefilled this many
-/// times longer than the whole queue's tokens at that cost predict, plus
-/// [`OVERDUE_FLOOR_US`]. The whole queue, not the head's own tokens: an engine
-/// that prefills requests together (vLLM's and SGLang's batched, chunked
-/// prefill) may finish the head only with the others, never later than all of
-/// them. And well past it: a busy host's scheduling, or an estimate of the
-/// tokens that is off, makes heads late too (at 2× plus 10 ms, a run beside
-/// the test suite read ordinary backends as slow and moved a heavy session).
-pub const OVERDUE: f64 = 4.0;
-pub const OVERDUE_FLOOR_US: f64 = 50_000.0;
-/// Heads smaller than this teach nothing about a backend's speed (their
-/// time is mostly fixed overheads), as in learning the cost.
-pub const OVERDUE_MIN_TOKENS: u64 = 64;
-
-impl Candidate {
-    /// Its prefill cost per token now: learned, else `unlearned`
-    /// ([`unlearned_cost`]); or, when the head of its queue is overdue (a
-    /// backend that has just slowed down or stalled, before any slow answer
-    /// has come back to teach it), what the head has taken per token so far.
-    pub fn cost_or(&self, unlearned: f64) -> f64 {
-        let base = self.base_cost(unlearned);
-        self.overdue(base).unwrap_or(base)
-    }
-
-    fn base_cost(&self, unlearned: f64) -> f64 {
-        if self.prefill_us_per_token > 0.0 {
-            self.prefill_us_per_token
-        } else {
-            unlearned
-        }
-    }
-
-    /// `Some(µs per token so far)` when the head is overdue at `base`.
-    fn overdue(&self, base: f64) -> Option<f64> {
-        if self.queued_tokens == 0 || self.head_tokens < OVERDUE_MIN_TOKENS {
-            return None;
-        }
-        let elapsed = self.head_ms as f64 * 1000.0;
-        let all_of_it = self.queued_tokens as f64 * base;
-        (elapsed > OVERDUE * all_of_it + OVERDUE_FLOOR_US)
-            .then(|| elapsed / self.head_tokens as f64)
-    }
-
-    /// How long, µs, until a request sent now could begin its own prefill:
-    /// the queued work at its cost per token, less what the head has done.
-    /// An overdue head (see [`Candidate::cost_or`]) is expected to run late
-    /// by as much again as it already has, and the rest of the queue at the
-    /// cost it shows; so a stalled backend's wait grows while it stalls
-    /// instead of reading as done. 0 with nothing queued.
-    pub fn wait_us(&self, unlearned: f64) -> f64 {
-        let base = self.base_cost(unlearned);
-        match self.overdue(base) {
-            Some(live) => {
-                let late = self.head_ms as f64 * 1000.0 - self.head_tokens as f64 * base;
-                late + live * self.queued_tokens.saturating_sub(self.head_tokens) as f64
-            }
-            None => {
-                let left = queued_after(self.queued_tokens, self.head_ms, self.head_tokens, base);
-                base * left as f64
-            }
-        }
-    }
-}
-
-/// The prefill cost per token to assume for a candidate that has not taught
-/// its own yet: the fastest that `candidates` have learned, or `prior` if
-/// that is faster still (or nothing is learned). Weighing one backend's
-/// learned cost against another's prior reads the difference as a queue, so
-/// a backend with a few answers behind it is not costed at a prior far above
-/// what its tier shows; and a tier whose only learned backend is the one that
-/// slowed down must not make every other backend look as slow. An unknown
-/// backend is thus taken to be as fast as the best known: sessions may move
-/// to it, and leave it only for a clear gain, until it has taught its own.
-pub fn unlearned_cost(candidates: &[Candidate], prior: f64) -> f64 {
-    candidates
-        .iter()
-        .map(|c| c.prefill_us_per_token)
-        .filter(|&us| us > 0.0)
-        .fold(prior, f64::min)
-}
-
-/// `queued` tokens less what the head of the queue (`head_tokens` of them;
-/// 0: unknown, no limit) has prefilled in `head_ms` at `us_per_token` (0:
-/// unknown, nothing taken off). A 7,000-token prompt that has prefilled for
-/// nine tenths of its time is a short wait; a head that has run past its
-/// estimate is no more than done, the requests behind it still ahead.
-pub fn queued_after(queued: u64, head_ms: u64, head_tokens: u64, us_per_token: f64) -> u64 {
-    if us_per_token <= 0.0 {
-        return queued;
-    }
-    let done = (head_ms as f64 * 1000.0 / us_per_token) as u64;
-    let done = match head_tokens {
-        0 => done,
-        head => done.min(head),
-    };
-    queued.saturating_sub(done)
-}
-
-impl Scored for Candidate {
-    fn seed(&self) -> u64 {
-        self.seed
-    }
-    fn weight(&self) -> u32 {
-        self.weight
-    }
-}
-
-/// A session as the policy sees it.
-#[derive(Clone, Debug)]
-pub struct SessionRef {
-    pub key: BindingKey,
-    pub hash: u64,
-    /// For a subagent group: the parent session's binding, whose backend the
-    /// group's first request prefers (the children share the parent's prefix).
-    pub parent: Option<BindingKey>,
-    /// This request's prompt, estimated from its body's size (0: unknown).
-    pub prompt_tokens: u64,
-    /// The candidates' [`Candidate::prefix_tokens`] were read from the
-    /// prefix index for this prompt.
-    pub indexed: bool,
-}
-
-impl SessionRef {
-    pub fn new(hasher: &HrwHasher, kind: KeyKind, tier: &str, id: &str) -> Self {
-        Self::of_bytes(hasher, kind, tier, id.as_bytes())
-    }
-
-    /// A session named by bytes that are not text (a conversation's digest).
-    pub fn of_bytes(hasher: &HrwHasher, kind: KeyKind, tier: &str, id: &[u8]) -> Self {
-        SessionRef {
-            key: hasher.fingerprint_bytes(kind, tier, id),
-            hash: hasher.session_hash_bytes(kind, tier, id),
-            parent: None,
-            prompt_tokens: 0,
-            indexed: false,
-        }
-    }
-}
-
-/// Why a request went where it went (the `reason` of `x_agent_serve`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reason {
-    /// The live binding was used.
-    Hit,
-    /// No binding existed.
-    FirstTurn,
-    /// The binding had expired.
-    Expired,
-    /// The binding's backend was down, removed or failed: rebound.
-    Broken,
-    /// A new binding went where the prompt's prefix is cached (`affinity.prefix`).
-    Prefix,
-    /// Affinity is off (TTL 0): hashed, not stored.
-    Disabled,
-    /// The table is full of in-flight bindings: served unpinned.
-    TableFull,
-    /// The request carried no session key.
-    NoSession,
-    /// The policy moved a live binding (soft mode, or a drain that moves sessions).
-    Moved,
-    /// `x-agent-serve-backend-id` named the backend.
-    ExplicitTarget,
-}
-
-/// Whether the prefix index set `backend` apart among `open`: it holds
-/// more of the prompt than some other backend that could take it.
-fn prefix_chose(backend: u32, open: &[Candidate]) -> bool {
-    let held = |slot| {
-        open.iter()
-            .find(|c| c.slot == slot)
-            .map(|c| c.prefix_tokens)
-    };
-    let least = open.iter().map(|c| c.prefix_tokens).min().unwrap_or(0);
-    held(backend).is_some_and(|h| h > least)
-}
-
-impl Reason {
-    /// A new binding was made (the session's first turn here, by whatever
-    /// placement), not a kept, moved or broken one.
-    pub fn new_binding(self) -> bool {
-        matches!(self, Reason::FirstTurn | Reason::Expired | Reason::Prefix)
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Hit => "hit",
-            Reason::FirstTurn => "first_turn",
-            Reason::Expired => "expired",
-            Reason::Prefix => "prefix",
-            Reason::Broken => "broken",
-            Reason::Disabled => "affinity_disabled",
-            Reason::TableFull => "table_full",
-            Reason::NoSession => "no_session",
-            Reason::Moved => "moved",
-            Reason::ExplicitTarget => "explicit_target",
-        }
-    }
-}
-
-/// The outcome of [`Affinity::select_backend`].
-#[derive(Debug)]
-pub struct Selection {
-    /// Index into the candidates slice.
-    pub index: usize,
-    pub backend: u32,
-    pub affinity_hit: bool,
-    pub reason: Reason,
-    pub version: u32,
-    /// Set when `reason` is [`Reason::Moved`].
-    pub moved: Option<MoveReason>,
-    /// For a kept binding: the estimate of this turn's prefill there
-    /// ([`table::Turns::next_uncached`]). `None` for new bindings, and before
-    /// the backend reported any usage.
-    pub new_tokens: Option<u64>,
-    /// Held while the request is in flight; dropping it ends the lease.
-    pub lease: Option<Lease>,
-}
-
-/// Why [`Affinity::select_waiting`] returned without a selection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WaitEnd {
-    /// `candidates` was empty.
-    NoCandidate,
-    /// The client closed its connection while the request waited.
-    ClientGone,
-}
-
-/// What [`Affinity::select_backend`] decided.
-#[derive(Debug)]
-pub enum Choice {
-    Go(Selection),
-    /// Another request of this session is placing it: wait on
-    /// [`Affinity::waiter`], then ask again.
-    Wait,
-}
-
-const WAITER_SHARDS: usize = 64;
 
 /// How sessions without a live binding are placed.
 pub struct Placement {
@@ -419,26 +155,9 @@ impl Affinity {
                 .is_ok()
     }
 
-    /// Notified when a pending binding of `key` (or one sharing its shard)
-    /// is confirmed or abandoned.
-    pub fn waiter(&self, key: BindingKey) -> &Notify {
-        &self.waiters[(key as usize) % WAITER_SHARDS]
-    }
-
-    fn wake(&self, key: BindingKey) {
-        self.waiter(key).notify_waiters();
-    }
-
     /// Whether `key` has a live binding (pending or not).
     pub fn is_live(&self, key: BindingKey) -> bool {
         self.table.get(key, self.now_ms()).is_some()
-    }
-
-    /// Whether `key`'s binding is still waiting for its first request.
-    pub fn is_pending(&self, key: BindingKey) -> bool {
-        self.table
-            .get(key, self.now_ms())
-            .is_some_and(|b| b.pending)
     }
 
     /// A shorter TTL applies to idle bindings at once (and keeps their
@@ -475,55 +194,6 @@ impl Affinity {
     /// Convert a table deadline to wall-clock time remaining.
     pub fn remaining(&self, deadline_ms: u64) -> Duration {
         Duration::from_millis(deadline_ms.saturating_sub(self.now_ms()))
-    }
-
-    /// [`Affinity::select_backend`], waiting (at most `wait`) while another
-    /// request of the same session is placing it: single-flight. Nearly every
-    /// request is decided at once; only one that has to wait registers as a
-    /// waiter and reads the clock. Out of patience, it follows the pending
-    /// placement. `client_gone` is polled while waiting; when it says the
-    /// client left, the wait ends with [`WaitEnd::ClientGone`].
-    pub async fn select_waiting(
-        self: &Arc<Self>,
-        session: &SessionRef,
-        tier: u16,
-        candidates: &[Candidate],
-        owner: bool,
-        wait: Duration,
-        client_gone: impl Fn() -> bool,
-    ) -> Result<Selection, WaitEnd> {
-        let mut join = owner;
-        match self.select_backend(session, tier, candidates, join) {
-            Some(Choice::Go(sel)) => return Ok(sel),
-            Some(Choice::Wait) => {}
-            None => return Err(WaitEnd::NoCandidate),
-        }
-        let deadline = tokio::time::Instant::now() + wait;
-        loop {
-            let notified = self.waiter(session.key).notified();
-            tokio::pin!(notified);
-            // Register before asking, so a confirmation in between is not missed.
-            notified.as_mut().enable();
-            match self.select_backend(session, tier, candidates, join) {
-                Some(Choice::Go(sel)) => return Ok(sel),
-                Some(Choice::Wait) => {}
-                None => return Err(WaitEnd::NoCandidate),
-            }
-            let now = tokio::time::Instant::now();
-            if now >= deadline {
-                join = true;
-                continue;
-            }
-            let poll = Duration::from_millis(25).min(deadline - now);
-            tokio::select! {
-                _ = notified => {}
-                _ = tokio::time::sleep(poll) => {
-                    if client_gone() {
-                        return Err(WaitEnd::ClientGone);
-                    }
-                }
-            }
-        }
     }
 
     /// Choose the backend for `session` among `candidates` and lease its binding.
@@ -718,99 +388,13 @@ impl Affinity {
     }
 }
 
-/// A request's hold on its binding; released on drop, so a finished, failed or
-/// abandoned request (client gone) all end the lease the same way. The first
-/// request of a new binding owns its pending state: it confirms the binding
-/// once it reaches the backend, and dropping it unconfirmed removes the
-/// binding so a waiting request can choose instead.
-pub struct Lease {
-    affinity: Arc<Affinity>,
-    key: BindingKey,
-    /// The binding's incarnation this lease is on (see the table).
-    generation: u32,
-    pending_owner: bool,
-}
-
-impl Lease {
-    pub fn key(&self) -> BindingKey {
-        self.key
-    }
-
-    pub fn owns_pending(&self) -> bool {
-        self.pending_owner
-    }
-
-    /// The request reached its backend: waiters may follow the binding.
-    pub fn confirm(&mut self) {
-        if self.pending_owner {
-            self.pending_owner = false;
-            self.affinity.table.confirm(self.key, self.generation);
-            self.affinity.wake(self.key);
-        }
-    }
-
-    /// End the lease without giving up a pending binding (its owner is
-    /// retrying under a new lease).
-    pub fn hand_over(mut self) {
-        self.pending_owner = false;
-    }
-}
-
-impl std::fmt::Debug for Lease {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Lease({:032x})", self.key)
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        let a = &self.affinity;
-        let (now, ttl) = (a.now_ms(), a.ttl_ms.load(Ordering::Relaxed));
-        if self.pending_owner {
-            a.table.abandon(self.key, self.generation, now, ttl);
-            a.wake(self.key);
-        } else {
-            a.table.release(self.key, self.generation, now, ttl);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn fleet(h: &HrwHasher, n: u32) -> Vec<Candidate> {
-        (0..n)
-            .map(|i| Candidate {
-                slot: i,
-                seed: h.backend_seed(&format!("b{i}")),
-                weight: 1,
-                ..Default::default()
-            })
-            .collect()
-    }
-
-    #[test]
-    fn a_queue_is_read_less_its_heads_progress_and_no_more() {
-        // 7,000 + 500 tokens queued at 50 µs a token.
-        assert_eq!(queued_after(7_500, 0, 7_000, 50.0), 7_500);
-        assert_eq!(queued_after(7_500, 300, 7_000, 50.0), 1_500);
-        // Past its estimate the head is done, not the request behind it.
-        assert_eq!(queued_after(7_500, 400, 7_000, 50.0), 500);
-        assert_eq!(queued_after(7_500, 400, 0, 50.0), 0, "head unknown");
-        assert_eq!(queued_after(7_500, 400, 7_000, 0.0), 7_500, "cost unknown");
-        let c = Candidate {
-            queued_tokens: 7_500,
-            head_tokens: 7_000,
-            head_ms: 300,
-            ..Default::default()
-        };
-        assert_eq!(c.wait_us(50.0), 75_000.0);
-        assert_eq!(Candidate::default().wait_us(50.0), 0.0, "idle");
-    }
+    use hrw::{HrwHasher, KeyKind};
 
     /// Select as a dispatched request would: confirm the binding.
-    fn go(a: &Arc<Affinity>, s: &SessionRef, c: &[Candidate]) -> Selection {
+    pub(super) fn go(a: &Arc<Affinity>, s: &SessionRef, c: &[Candidate]) -> Selection {
         match a.select_backend(s, 0, c, false) {
             Some(Choice::Go(mut sel)) => {
                 if let Some(l) = sel.lease.as_mut() {
@@ -820,6 +404,17 @@ mod tests {
             }
             other => panic!("expected a selection, got {other:?}"),
         }
+    }
+
+    pub(super) fn fleet(h: &HrwHasher, n: u32) -> Vec<Candidate> {
+        (0..n)
+            .map(|i| Candidate {
+                slot: i,
+                seed: h.backend_seed(&format!("b{i}")),
+                weight: 1,
+                ..Default::default()
+            })
+            .collect()
     }
 
     #[test]
@@ -835,134 +430,6 @@ mod tests {
         let second = go(&a, &s, &c);
         assert!(second.affinity_hit);
         assert_eq!(second.backend, first.backend);
-    }
-
-    #[test]
-    fn concurrent_first_requests_wait_for_the_first_placement() {
-        let h = HrwHasher::new("k");
-        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
-        let c = fleet(&h, 3);
-        let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
-        let Some(Choice::Go(mut first)) = a.select_backend(&s, 0, &c, false) else {
-            panic!("first request places the session");
-        };
-        assert!(matches!(
-            a.select_backend(&s, 0, &c, false),
-            Some(Choice::Wait)
-        ));
-        first.lease.as_mut().unwrap().confirm();
-        let second = go(&a, &s, &c);
-        assert!(second.affinity_hit);
-        assert_eq!(second.backend, first.backend);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_waiting_request_follows_the_first_placement_once_it_is_confirmed() {
-        let h = HrwHasher::new("k");
-        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
-        let c = fleet(&h, 3);
-        let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
-        let wait = Duration::from_secs(3600);
-        let mut first = a
-            .select_waiting(&s, 0, &c, false, wait, || false)
-            .await
-            .expect("the first request places the session");
-        let polls = Arc::new(AtomicU64::new(0));
-        let waiter = {
-            let (a, s, c, polls) = (Arc::clone(&a), s.clone(), c.clone(), Arc::clone(&polls));
-            tokio::spawn(async move {
-                a.select_waiting(&s, 0, &c, false, wait, || {
-                    polls.fetch_add(1, Ordering::Relaxed);
-                    false
-                })
-                .await
-            })
-        };
-        // The second request is parked until the first reaches its backend:
-        // an hour of (paused) time later it is still waiting, and has been
-        // checking on its client all along.
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        assert!(!waiter.is_finished());
-        assert!(polls.load(Ordering::Relaxed) >= 10, "it waited in its loop");
-        first.lease.as_mut().unwrap().confirm();
-        let second = waiter.await.unwrap().expect("follows the placement");
-        assert!(second.affinity_hit);
-        assert_eq!(second.backend, first.backend);
-    }
-
-    #[tokio::test]
-    async fn a_waiter_out_of_patience_joins_the_pending_placement_or_leaves_with_its_client() {
-        let h = HrwHasher::new("k");
-        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
-        let c = fleet(&h, 3);
-        let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
-        let wait = Duration::from_millis(100);
-        let first = a
-            .select_waiting(&s, 0, &c, false, wait, || false)
-            .await
-            .unwrap();
-        // Never confirmed: after `wait` the second request goes where the first went.
-        let second = a
-            .select_waiting(&s, 0, &c, false, wait, || false)
-            .await
-            .expect("joins after the wait");
-        assert_eq!(second.backend, first.backend);
-        // A client that leaves while waiting ends the wait.
-        let third = a.select_waiting(&s, 0, &c, false, Duration::from_secs(60), || true);
-        assert_eq!(third.await.unwrap_err(), WaitEnd::ClientGone);
-        assert_eq!(
-            a.select_waiting(&s, 0, &[], false, wait, || false)
-                .await
-                .unwrap_err(),
-            WaitEnd::NoCandidate
-        );
-    }
-
-    #[test]
-    fn a_waiter_stops_waiting_when_the_pending_backend_is_no_longer_a_candidate() {
-        let h = HrwHasher::new("k");
-        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
-        let c = fleet(&h, 3);
-        let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
-        let Some(Choice::Go(first)) = a.select_backend(&s, 0, &c, false) else {
-            panic!("first request places the session");
-        };
-        // Its backend goes down while its first request is still connecting.
-        let rest: Vec<Candidate> = c
-            .iter()
-            .filter(|x| x.slot != first.backend)
-            .cloned()
-            .collect();
-        let Some(Choice::Go(second)) = a.select_backend(&s, 0, &rest, false) else {
-            panic!("no point waiting for a backend that is gone");
-        };
-        assert_ne!(second.backend, first.backend);
-        assert_eq!(second.reason, Reason::Broken);
-        // The first request gives up: the second one's binding stays.
-        let (first_backend, second_backend) = (first.backend, second.backend);
-        drop(first);
-        let mut second = second;
-        second.lease.as_mut().unwrap().confirm();
-        drop(second);
-        let third = go(&a, &s, &rest);
-        assert!(third.affinity_hit);
-        assert_eq!(third.backend, second_backend);
-        assert_ne!(third.backend, first_backend);
-    }
-
-    #[test]
-    fn an_abandoned_first_placement_lets_the_next_request_choose() {
-        let h = HrwHasher::new("k");
-        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
-        let c = fleet(&h, 3);
-        let s = SessionRef::new(&h, KeyKind::Session, "t", "s1");
-        let Some(Choice::Go(first)) = a.select_backend(&s, 0, &c, false) else {
-            panic!();
-        };
-        drop(first); // client gone before the backend was reached
-        assert!(a.table().is_empty());
-        let next = go(&a, &s, &c);
-        assert_eq!(next.reason, Reason::FirstTurn);
     }
 
     #[test]
