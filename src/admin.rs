@@ -79,9 +79,8 @@ fn percent_decode(s: &str) -> String {
 impl AdminApp {
     fn backends(&self) -> http::Response<Vec<u8>> {
         let routing = self.0.routing();
-        let now = self.0.affinity.now_ms();
         let mut per_backend: HashMap<(u16, u32), u64> = HashMap::new();
-        for (_, b) in self.0.affinity.table().snapshot(now) {
+        for (_, b) in self.0.affinity.bindings() {
             *per_backend.entry((b.tier, b.backend)).or_default() += 1;
         }
         let list: Vec<Value> = routing
@@ -181,7 +180,7 @@ impl AdminApp {
         }
         let key = routing.hasher.fingerprint(kind, &scope, id);
         let affinity = &self.0.affinity;
-        let local = affinity.table().get(key, affinity.now_ms());
+        let local = affinity.binding(key);
         // The fleet's binding, even if no turn of it reached this gateway —
         // read only: looking a session up takes nothing into this gateway's
         // table and refreshes nothing in the store.

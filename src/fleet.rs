@@ -46,10 +46,10 @@ pub async fn sync_in(gw: &Gateway, store: &SharedStore, key: BindingKey, tier: &
     if ttl == 0 || !store.healthy() {
         return;
     }
-    let table = gw.affinity.table();
+    let affinity = &gw.affinity;
     let now = gw.affinity.now_ms();
     // 0: never checked (placed or restored while the store was away).
-    let fresh = match table.synced_ms(key, now) {
+    let fresh = match affinity.synced_ms(key) {
         None => true,
         Some(t) => {
             t > 0
@@ -63,7 +63,7 @@ pub async fn sync_in(gw: &Gateway, store: &SharedStore, key: BindingKey, tier: &
     let Ok(stored) = store.sync(key, ttl).await else {
         return;
     };
-    if let Some(local) = table.get(key, now) {
+    if let Some(local) = affinity.binding(key) {
         let known = match stored {
             Some(s) => InStore::Found(s),
             None => InStore::Absent,
@@ -103,7 +103,7 @@ async fn reconcile(
     mut known: InStore,
 ) -> Result<Option<u32>, StoreError> {
     let ttl = ttl_ms(gw);
-    let table = gw.affinity.table();
+    let affinity = &gw.affinity;
     let Some(id) = backend_id(tier, local.backend) else {
         return Ok(None);
     };
@@ -119,7 +119,7 @@ async fn reconcile(
                 store.rebind(key, &tier.name, &ours, ttl).await
             }
             InStore::Found(s) if s.version == local.version && s.backend == id => {
-                table.mark_synced(key, now);
+                affinity.mark_synced(key, now);
                 return Ok(None);
             }
             InStore::Found(s) => {
@@ -127,11 +127,11 @@ async fn reconcile(
                     Some(b) => {
                         let deadline = now + ttl;
                         let won = local_binding(s, b.slot, tier.index, deadline, moves_here(gw, s));
-                        table.adopt(key, won, true, now);
+                        affinity.adopt(key, won, true, now);
                         Some(b.slot)
                     }
                     None => {
-                        table.mark_synced(key, now);
+                        affinity.mark_synced(key, now);
                         None
                     }
                 });
@@ -139,7 +139,7 @@ async fn reconcile(
         };
         match answer {
             Ok(None) => {
-                table.mark_synced(key, now);
+                affinity.mark_synced(key, now);
                 return Ok(None);
             }
             Ok(Some(other)) => known = InStore::Found(other),
@@ -183,8 +183,7 @@ pub async fn publish(
     }
     let moves = gw
         .affinity
-        .table()
-        .get(sref.key, gw.affinity.now_ms())
+        .binding(sref.key)
         .filter(|b| b.version == sel.version)
         .map(|b| b.moves)
         .unwrap_or_default();
@@ -225,10 +224,10 @@ pub fn forget(gw: &Arc<Gateway>, key: BindingKey) {
 /// the local table, so this gateway's next turn of the session needs no
 /// lookup.
 fn apply_remote(gw: &Gateway, key: BindingKey, tier: &str, stored: Option<Stored>) {
-    let table = gw.affinity.table();
+    let affinity = &gw.affinity;
     let now = gw.affinity.now_ms();
     let Some(stored) = stored else {
-        table.remove(key);
+        affinity.forget(key);
         return;
     };
     let routing = gw.routing();
@@ -238,7 +237,7 @@ fn apply_remote(gw: &Gateway, key: BindingKey, tier: &str, stored: Option<Stored
     // A message is what the store accepted: it wins over a local binding
     // as new as it.
     if let Some(b) = tier.backend_by_id(&stored.backend) {
-        table.adopt(
+        affinity.adopt(
             key,
             local_binding(
                 &stored,
@@ -257,12 +256,11 @@ fn apply_remote(gw: &Gateway, key: BindingKey, tier: &str, stored: Option<Stored
 /// where another gateway wrote one meanwhile, this gateway adopts it.
 async fn write_back(gw: &Gateway, store: &SharedStore) {
     let routing = gw.routing();
-    let table = gw.affinity.table();
+    let affinity = &gw.affinity;
     let (mut settled, mut adopted) = (0, 0);
     let mut keys = store.take_unsynced().into_iter();
     while let Some(key) = keys.next() {
-        let now = gw.affinity.now_ms();
-        let Some(b) = table.get(key, now) else {
+        let Some(b) = affinity.binding(key) else {
             continue;
         };
         let Some(tier) = routing.tiers.iter().find(|t| t.index == b.tier) else {

@@ -282,17 +282,16 @@ impl Gateway {
         // counted then), like a binding to a backend that went down.
         summary.bindings_broken = self
             .affinity
-            .table()
-            .count_where(|tier, slot| !live.contains(&(tier, slot)));
+            .count_bindings_where(|tier, slot| !live.contains(&(tier, slot)));
         // Slots of backends gone from both this configuration and the one
         // before it (which requests may still be routing by) and named by no
         // binding go back to be reused: otherwise a process that sees many
         // backends come and go over reloads runs out of them.
         let live: HashSet<u32> = old_slots.union(&new_slots).copied().collect();
-        let table = self.affinity.table();
+        let affinity = &self.affinity;
         for slot in self
             .slots
-            .retire_unused(&live, |slot| table.backend_len(slot) > 0)
+            .retire_unused(&live, |slot| affinity.backend_bindings(slot) > 0)
         {
             self.prefix.index.forget_backend(slot);
         }
@@ -331,7 +330,6 @@ impl Gateway {
         let _one = self.gauge_refresh.lock();
         let routing = self.routing();
         let m = &self.metrics;
-        let table = self.affinity.table();
         if let Some(store) = &self.store {
             m.store_up
                 .with_label_values(&[])
@@ -349,10 +347,8 @@ impl Gateway {
             counter.inc_by(evicted - counter.get());
         }
         for tier in &routing.tiers {
-            m.bindings
-                .with_label_values(&[&tier.name])
-                .set(table.tier_len(tier.index));
-            let evicted = table.tier_evictions(tier.index);
+            let (bindings, evicted) = self.affinity.tier_bindings(tier.index);
+            m.bindings.with_label_values(&[&tier.name]).set(bindings);
             let counter = m.bindings_evicted.with_label_values(&[&tier.name]);
             if evicted > counter.get() {
                 counter.inc_by(evicted - counter.get());

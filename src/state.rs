@@ -69,7 +69,7 @@ pub fn save(gw: &Gateway, path: &Path) -> std::io::Result<usize> {
     )?;
     out.push(b'\n');
     let mut n = 0;
-    for (key, b) in affinity.table().snapshot(now) {
+    for (key, b) in affinity.bindings() {
         let (Some(tier), Some(backend)) = (tier_names.get(&b.tier), gw.slots.backend_id(b.backend))
         else {
             continue;
@@ -170,7 +170,7 @@ pub fn load(gw: &Gateway, path: &Path) -> std::io::Result<usize> {
     saved.sort_by_key(|(_, b)| std::cmp::Reverse(b.deadline_ms));
     let restored = saved.len();
     for (key, b) in saved {
-        affinity.table().restore(key, b);
+        affinity.restore(key, b);
     }
     Ok(restored)
 }

@@ -168,3 +168,28 @@ fn the_cycle_finder_finds_cycles() {
         ["gateway", "upstream"]
     );
 }
+
+/// The session router (`affinity::Affinity`) is the only way to a route: no
+/// code outside `src/affinity/` reaches the binding table itself.
+#[test]
+fn the_binding_table_is_reached_only_through_the_router() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    walk(&src, &mut files);
+    let mut read = 0;
+    for f in files {
+        let rel = f.strip_prefix(&src).unwrap().to_string_lossy().to_string();
+        if rel.starts_with("affinity/") {
+            continue;
+        }
+        read += 1;
+        let text = code(&std::fs::read_to_string(&f).unwrap());
+        for reach in ["BindingTable", ".table()"] {
+            assert!(
+                !text.contains(reach),
+                "{rel} reaches the binding table ({reach}): go through affinity::Affinity"
+            );
+        }
+    }
+    assert!(read > 10, "the sources are read");
+}

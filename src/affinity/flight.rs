@@ -278,7 +278,7 @@ mod tests {
             panic!();
         };
         drop(first); // client gone before the backend was reached
-        assert!(a.table().is_empty());
+        assert!(a.table.is_empty());
         let next = go(&a, &s, &c);
         assert_eq!(next.reason, Reason::FirstTurn);
     }

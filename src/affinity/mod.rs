@@ -35,7 +35,7 @@ use route::prefix_chose;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use table::{Acquired, BindingTable, Decision};
+use table::{Acquired, Binding, BindingTable, Decision};
 use tokio::sync::Notify;
 
 /// How sessions without a live binding are placed.
@@ -177,8 +177,49 @@ impl Affinity {
         }
     }
 
-    pub fn table(&self) -> &BindingTable {
-        &self.table
+    /// `key`'s live binding (pending or not).
+    pub fn binding(&self, key: BindingKey) -> Option<Binding> {
+        self.table.get(key, self.now_ms())
+    }
+
+    /// Every live binding (the admin API's counts, the state file).
+    pub fn bindings(&self) -> Vec<(BindingKey, Binding)> {
+        self.table.snapshot(self.now_ms())
+    }
+
+    /// Take back a binding saved before a restart (see [`BindingTable::restore`]).
+    pub fn restore(&self, key: BindingKey, b: Binding) {
+        self.table.restore(key, b)
+    }
+
+    /// Bindings whose (tier, backend) `matches`.
+    pub fn count_bindings_where(&self, matches: impl Fn(u16, u32) -> bool) -> u64 {
+        self.table.count_where(matches)
+    }
+
+    /// Bindings in a tier, and how many it evicted for room.
+    pub fn tier_bindings(&self, tier: u16) -> (i64, u64) {
+        (self.table.tier_len(tier), self.table.tier_evictions(tier))
+    }
+
+    /// Another gateway's binding for `key` (the fleet's store), as the store
+    /// said it at `checked_ms` (this table's clock, taken before asking):
+    /// taken in when newer, or, with `force`, as new but elsewhere (the
+    /// store decided a race). See [`BindingTable::adopt`].
+    pub fn adopt(&self, key: BindingKey, b: Binding, force: bool, checked_ms: u64) -> bool {
+        self.table.adopt(key, b, force, checked_ms)
+    }
+
+    /// When `key`'s live binding last agreed with the fleet's store.
+    pub fn synced_ms(&self, key: BindingKey) -> Option<u64> {
+        self.table.synced_ms(key, self.now_ms())
+    }
+
+    /// `key`'s binding agreed with the fleet's store as it was at
+    /// `checked_ms` (taken before asking: a message missed meanwhile makes
+    /// the next check come sooner, not later).
+    pub fn mark_synced(&self, key: BindingKey, checked_ms: u64) {
+        self.table.mark_synced(key, checked_ms)
     }
 
     /// Milliseconds since this table was created: the clock deadlines use.
@@ -596,7 +637,7 @@ mod tests {
             assert!(!sel.affinity_hit);
             assert_eq!(sel.reason, Reason::Disabled);
         }
-        assert!(a.table().is_empty());
+        assert!(a.table.is_empty());
     }
 
     #[test]
@@ -626,6 +667,6 @@ mod tests {
         let a = Affinity::new(10, Some(Duration::from_secs(1)));
         let s = SessionRef::new(&h, KeyKind::Session, "t", "s");
         assert!(a.select_backend(&s, 0, &[], false).is_none());
-        assert!(a.table().is_empty());
+        assert!(a.table.is_empty());
     }
 }
