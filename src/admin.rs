@@ -205,7 +205,6 @@ impl AdminApp {
                 (None, None) => String::new(),
             };
             affinity.forget(key);
-            crate::fleet::forget(&self.0, key);
             return reply(
                 200,
                 json!({"session": id, "tier": &*tier.name, "deleted": true, "backend": backend}),

@@ -74,6 +74,19 @@ pub struct Gateway {
     pub lifecycle_started: std::sync::atomic::AtomicBool,
 }
 
+/// The tiers of the configuration in force, for the fleet's store (which
+/// names backends by id, and outlives reloads).
+impl crate::affinity::fleet::Tiers for Gateway {
+    fn by_name(&self, name: &str) -> Option<Arc<dyn crate::affinity::fleet::TierBackends>> {
+        let t = Arc::clone(self.routing().tier_by_name(name)?);
+        Some(t)
+    }
+    fn by_index(&self, index: u16) -> Option<Arc<dyn crate::affinity::fleet::TierBackends>> {
+        let t = Arc::clone(self.routing().tiers.iter().find(|t| t.index == index)?);
+        Some(t)
+    }
+}
+
 impl Gateway {
     pub fn new(
         config: Arc<Config>,
@@ -118,6 +131,11 @@ impl Gateway {
                 }
             }
         };
+        if let Some(store) = &store {
+            affinity.set_store(Arc::new(crate::affinity::fleet::Fleet {
+                store: Arc::clone(store),
+            }));
+        }
         let prefix = crate::affinity::prefix::Prefix::new(
             &config.affinity.prefix,
             routing.hasher.prefix_seed(),

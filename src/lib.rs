@@ -7,7 +7,6 @@ pub mod clock;
 pub mod config;
 pub mod demo;
 pub mod engine;
-pub mod fleet;
 pub mod gateway;
 pub mod loadgen;
 pub mod logging;

@@ -279,8 +279,12 @@ struct StoreService(Arc<Gateway>, Arc<crate::affinity::store::SharedStore>);
 #[async_trait]
 impl BackgroundService for StoreService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
+        let fleet = crate::affinity::fleet::Fleet {
+            store: Arc::clone(&self.1),
+        };
+        let tiers: Arc<dyn crate::affinity::fleet::Tiers> = Arc::clone(&self.0) as _;
         tokio::select! {
-            _ = crate::fleet::run(Arc::clone(&self.0), Arc::clone(&self.1)) => {}
+            _ = fleet.run(Arc::clone(&self.0.affinity), tiers) => {}
             _ = shutdown.changed() => {}
         }
     }

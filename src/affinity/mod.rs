@@ -10,6 +10,7 @@
 //! (single-flight). It needs no network, so unit tests and benchmarks drive it.
 
 pub mod candidate;
+pub mod fleet;
 pub mod flight;
 pub mod hrw;
 pub mod placement;
@@ -27,6 +28,7 @@ pub use route::{Choice, Reason, Selection, SessionRef};
 pub use table::BindingKey;
 
 use arc_swap::ArcSwap;
+use fleet::{Alone, BindingStore, TierBackends};
 use flight::WAITER_SHARDS;
 use placement::bounded_hrw::BoundedHrw;
 use placement::{FirstKind, FirstPlacement, LoadMeasure};
@@ -67,6 +69,9 @@ pub struct Affinity {
     /// Per backend slot (modulo [`MOVE_SLOTS`]): when a session last moved
     /// off it for cost (table ms; 0: never).
     moved_off: Box<[AtomicU64]>,
+    /// Where bindings are kept besides the table (see [`fleet`]); unset:
+    /// nowhere ([`Alone`]).
+    store: std::sync::OnceLock<Arc<dyn BindingStore>>,
     /// Unit tests stop the table's clock here (0: it runs).
     #[cfg(test)]
     frozen_ms: AtomicU64,
@@ -79,6 +84,7 @@ impl Affinity {
         Arc::new(Affinity {
             table: BindingTable::new(max_bindings),
             epoch_ms: crate::clock::now_ms(),
+            store: std::sync::OnceLock::new(),
             #[cfg(test)]
             frozen_ms: AtomicU64::new(0),
             ttl_ms: AtomicU64::new(ttl.map_or(0, |d| d.as_millis() as u64)),
@@ -418,8 +424,57 @@ impl Affinity {
         }))
     }
 
-    /// Forget a session's binding (admin delete, `x-dynamo-session-final`).
+    /// Keep bindings in `store` besides the table too (a fleet's Redis); set
+    /// once, before the first request.
+    pub fn set_store(&self, store: Arc<dyn BindingStore>) {
+        let _ = self.store.set(store);
+    }
+
+    fn store(&self) -> &dyn BindingStore {
+        match self.store.get() {
+            Some(s) => &**s,
+            None => &Alone,
+        }
+    }
+
+    /// The route of a session's request: its binding, brought in step with
+    /// the store first; kept, or else placed, waiting while another request
+    /// of the session places it ([`Affinity::select_waiting`]); then told to
+    /// the store, whose answer wins when another gateway decided first. The
+    /// one way a session's request is routed.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn route(
+        self: &Arc<Self>,
+        session: &SessionRef,
+        tier: &dyn TierBackends,
+        candidates: &[Candidate],
+        owner: bool,
+        wait: Duration,
+        client_gone: impl Fn() -> bool,
+    ) -> Result<Selection, WaitEnd> {
+        let store = self.store();
+        store.sync_in(self, session.key, tier).await;
+        let mut sel = self
+            .select_waiting(session, tier.index(), candidates, owner, wait, client_gone)
+            .await?;
+        if let Some(slot) = store.publish(self, session.key, tier, &sel).await {
+            if let Some(i) = candidates.iter().position(|c| c.slot == slot) {
+                sel.index = i;
+                sel.backend = slot;
+            }
+        }
+        Ok(sel)
+    }
+
+    /// Forget a session's binding here and in the store (admin delete,
+    /// `x-dynamo-session-final`).
     pub fn forget(&self, key: BindingKey) -> bool {
+        self.store().forget(key);
+        self.forget_here(key)
+    }
+
+    /// Forget a session's binding in this table only (the store said so).
+    fn forget_here(&self, key: BindingKey) -> bool {
         self.table.remove(key).is_some()
     }
 

@@ -33,7 +33,6 @@ impl GatewayProxy {
                 (&ctx.session_ref, ctx.reason.map(Reason::new_binding))
             {
                 self.gw.affinity.forget(sref.key);
-                crate::fleet::forget(&self.gw, sref.key);
             }
         }
         let gateway_error = match (&ctx.error, e.etype()) {
@@ -152,7 +151,6 @@ impl GatewayProxy {
         if ctx.session_final {
             if let Some(sref) = &ctx.session_ref {
                 self.gw.affinity.forget(sref.key);
-                crate::fleet::forget(&self.gw, sref.key);
             }
         }
         let backend_id = ctx.backend.as_ref().map_or("none", |b| &*b.id);

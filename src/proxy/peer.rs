@@ -81,15 +81,11 @@ impl GatewayProxy {
                     sref.prompt_tokens = body_tokens;
                     sref.indexed = held.is_some();
                     let wait = routing.config.affinity.single_flight_wait;
-                    let store = self.gw.store.clone();
-                    if let Some(store) = &store {
-                        crate::fleet::sync_in(&self.gw, store, sref.key, &tier).await;
-                    }
                     let gone = || client_gone(session);
-                    let mut sel = match self
+                    let sel = match self
                         .gw
                         .affinity
-                        .select_waiting(&sref, tier.index, &candidates, owner, wait, gone)
+                        .route(&sref, &*tier, &candidates, owner, wait, gone)
                         .await
                     {
                         Ok(sel) => sel,
@@ -105,16 +101,6 @@ impl GatewayProxy {
                             .into_down())
                         }
                     };
-                    if let Some(store) = &store {
-                        // Another gateway's answer for this session wins.
-                        if let Some(i) =
-                            crate::fleet::publish(&self.gw, store, &sref, &tier, &candidates, &sel)
-                                .await
-                        {
-                            sel.index = i;
-                            sel.backend = candidates[i].slot;
-                        }
-                    }
                     match sel.reason {
                         Reason::Broken => tier.metrics.broken.inc(),
                         Reason::Moved => {

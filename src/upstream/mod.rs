@@ -280,6 +280,21 @@ impl Tier {
     }
 }
 
+impl crate::affinity::fleet::TierBackends for Tier {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn index(&self) -> u16 {
+        self.index
+    }
+    fn backend_id(&self, slot: u32) -> Option<&str> {
+        self.backend_by_slot(slot).map(|b| &*b.id)
+    }
+    fn backend_slot(&self, id: &str) -> Option<u32> {
+        self.backend_by_id(id).map(|b| b.slot)
+    }
+}
+
 /// One immutable routing snapshot.
 pub struct Routing {
     pub config: Arc<Config>,
