@@ -1,13 +1,18 @@
 //! Session affinity: which backend a session's request goes to.
 //!
-//! [`Affinity::select_backend`] is the whole policy: look the session's binding
-//! up; keep it while its backend is a candidate and the policy agrees (a hit);
-//! otherwise choose by first placement ([`placement`]: bounded-load keyed
-//! rendezvous hashing by default) and bind (a miss, "broken" when
-//! a binding to a backend that is no longer a candidate was replaced, "moved"
-//! when the policy moved a live one). A new binding is *pending* until its first
-//! request reaches the backend; concurrent requests of that session wait for it
-//! (single-flight). It needs no network, so unit tests and benchmarks drive it.
+//! [`Affinity`] is the session router, and [`Affinity::route`] the one way to
+//! a session's route: the binding is brought in step with the store
+//! ([`fleet`]: alone, or a fleet's Redis), then [`Affinity::select_backend`]
+//! decides — keep the binding while its backend is a candidate and the
+//! policy ([`policy`]) agrees (a hit); otherwise choose by first placement
+//! ([`placement`]: bounded-load keyed rendezvous hashing by default) and bind
+//! (a miss, "broken" when a binding to a backend that is no longer a
+//! candidate was replaced, "moved" when the policy moved a live one) — and
+//! the store is told. A new binding is *pending* until its first request
+//! reaches the backend; concurrent requests of that session wait for it
+//! ([`flight`]: single-flight). The binding table ([`table`]) is private to
+//! the router. None of it needs a network, so unit tests and benchmarks
+//! drive it.
 
 pub mod candidate;
 pub mod fleet;

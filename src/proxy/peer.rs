@@ -1,6 +1,6 @@
 //! Peer selection: which backend serves the request (binding, else first
 //! placement; least in flight without a session), waiting while another
-//! request of the session places it (`Affinity::select_waiting`); connect
+//! request of the session places it (`Affinity::route`); connect
 //! failures and replays; what a request's outcome tells passive health.
 
 use super::*;
