@@ -2,6 +2,7 @@
 //! agent session on the replica that already holds its KV cache.
 
 pub mod admin;
+pub mod admission;
 pub mod affinity;
 pub mod clock;
 pub mod config;

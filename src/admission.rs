@@ -1,0 +1,406 @@
+//! Admission when backends are saturated (issue 29; not yet wired into the
+//! proxy): each backend runs at most its limit of requests at once, and the
+//! rest wait here, in the gateway, instead of in the engine's own queue,
+//! where they could only be served in arrival order.
+//!
+//! Order among the waiters of one backend: strictly by [`Class`] (a person
+//! waits on an interactive turn; a batch is told to back off by its
+//! deadline), and within a class by start-time fair queueing on estimated
+//! tokens: each tenant's requests get virtual finish tags `start + tokens /
+//! weight`, with `start` no earlier than the tenant's last finish nor than the
+//! virtual time of the last request admitted, so one tenant's long prompts
+//! cannot starve another's short ones, and a tenant that was idle does not
+//! bank credit. A released slot goes straight to the best waiter of that
+//! backend (no herd of waiters racing for it).
+
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use tokio::sync::oneshot;
+
+/// A request's priority class (`x-agent-serve-priority`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Class {
+    Interactive,
+    Normal,
+    Batch,
+}
+
+impl Class {
+    pub fn parse(s: &str) -> Option<Class> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "interactive" => Some(Class::Interactive),
+            "normal" => Some(Class::Normal),
+            "batch" => Some(Class::Batch),
+            _ => None,
+        }
+    }
+}
+
+/// Virtual-time units per token at weight 1.
+const TAG_SCALE: u64 = 1 << 10;
+
+/// Tenants remembered for fair share at most; idle ones (whose last finish
+/// the virtual time has passed) are forgotten first.
+const MAX_TENANTS: usize = 4096;
+
+/// Where a waiting request stands in its backend's queue.
+type Place = (Class, u64, u64);
+
+struct Waiter {
+    wake: oneshot::Sender<()>,
+}
+
+#[derive(Default)]
+struct Backend {
+    running: u32,
+    limit: u32,
+    waiting: BTreeMap<Place, Waiter>,
+}
+
+#[derive(Default)]
+struct State {
+    backends: HashMap<u32, Backend>,
+    /// Each tenant's last virtual finish tag.
+    tenants: HashMap<String, u64>,
+    /// The start tag of the request admitted last.
+    vtime: u64,
+    seq: u64,
+    queued: usize,
+}
+
+/// The admission state of a set of backends (one gateway's).
+pub struct Admission {
+    state: Mutex<State>,
+    /// Requests that may wait at once, over all backends.
+    max_queued: usize,
+}
+
+/// A running request's slot at its backend; dropping it frees the slot for
+/// the backend's best waiter.
+pub struct Permit {
+    admission: Arc<Admission>,
+    backend: u32,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.admission.release(self.backend);
+    }
+}
+
+/// A request waiting for a slot: await [`Ticket::wait`] for its permit; drop
+/// it (client gone, deadline past) to leave the queue at once.
+pub struct Ticket {
+    admission: Arc<Admission>,
+    backend: u32,
+    place: Place,
+    woken: Option<oneshot::Receiver<()>>,
+}
+
+impl Ticket {
+    /// The permit, once a slot has been handed to this request.
+    pub async fn wait(mut self) -> Permit {
+        // Awaited in place: if this wait is dropped (client gone, deadline
+        // past), the ticket's drop still sees whether a slot came and
+        // passes it on. The sender goes only after handing the slot over.
+        if let Some(woken) = self.woken.as_mut() {
+            let _ = woken.await;
+        }
+        self.woken = None;
+        Permit {
+            admission: Arc::clone(&self.admission),
+            backend: self.backend,
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if let Some(mut woken) = self.woken.take() {
+            let mut st = self.admission.state.lock();
+            let left = st
+                .backends
+                .get_mut(&self.backend)
+                .and_then(|b| b.waiting.remove(&self.place))
+                .is_some();
+            if left {
+                st.queued -= 1;
+            } else if woken.try_recv().is_ok() {
+                // Handed a slot, then gone before using it: pass it on.
+                drop(st);
+                self.admission.release(self.backend);
+            }
+        }
+    }
+}
+
+/// What [`Admission::admit`] decided.
+pub enum Admit {
+    Now(Permit),
+    Wait(Ticket),
+    /// The queue is full: refuse (429).
+    Full,
+}
+
+impl Admission {
+    pub fn new(max_queued: usize) -> Arc<Admission> {
+        Arc::new(Admission {
+            state: Mutex::new(State::default()),
+            max_queued,
+        })
+    }
+
+    /// Set how many requests `backend` runs at once (0: no limit).
+    pub fn set_limit(&self, backend: u32, limit: u32) {
+        self.state.lock().backends.entry(backend).or_default().limit = limit;
+    }
+
+    /// A request of `tenant` (fair-share `weight`, at least 1), estimated at
+    /// `tokens`, in `class`, for `backend`.
+    pub fn admit(
+        self: &Arc<Self>,
+        backend: u32,
+        class: Class,
+        tenant: &str,
+        weight: u32,
+        tokens: u64,
+    ) -> Admit {
+        let mut st = self.state.lock();
+        let vtime = st.vtime;
+        let last = st.tenants.get(tenant).copied().unwrap_or(0);
+        let start = last.max(vtime);
+        let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
+        let b = st.backends.entry(backend).or_default();
+        if b.limit == 0 || (b.running < b.limit && b.waiting.is_empty()) {
+            b.running += 1;
+            st.vtime = st.vtime.max(start);
+            remember(&mut st, tenant, finish);
+            return Admit::Now(Permit {
+                admission: Arc::clone(self),
+                backend,
+            });
+        }
+        if st.queued >= self.max_queued {
+            return Admit::Full;
+        }
+        st.seq += 1;
+        let place = (class, finish, st.seq);
+        let (wake, woken) = oneshot::channel();
+        st.backends
+            .entry(backend)
+            .or_default()
+            .waiting
+            .insert(place, Waiter { wake });
+        st.queued += 1;
+        remember(&mut st, tenant, finish);
+        Admit::Wait(Ticket {
+            admission: Arc::clone(self),
+            backend,
+            place,
+            woken: Some(woken),
+        })
+    }
+
+    /// A slot of `backend` is free: hand it to its best waiter, or count it free.
+    fn release(&self, backend: u32) {
+        let mut st = self.state.lock();
+        loop {
+            let Some(b) = st.backends.get_mut(&backend) else {
+                return;
+            };
+            let Some(((_, finish, _), w)) = b.waiting.pop_first() else {
+                b.running = b.running.saturating_sub(1);
+                return;
+            };
+            st.queued -= 1;
+            if w.wake.send(()).is_ok() {
+                // Its start was at most its finish; the virtual time moves on.
+                st.vtime = st.vtime.max(finish.saturating_sub(1));
+                return;
+            }
+            // Its ticket is gone (a race with its drop): try the next.
+        }
+    }
+
+    /// Requests waiting for `backend`, and running there.
+    pub fn depth(&self, backend: u32) -> (usize, u32) {
+        let st = self.state.lock();
+        st.backends
+            .get(&backend)
+            .map_or((0, 0), |b| (b.waiting.len(), b.running))
+    }
+}
+
+fn remember(st: &mut State, tenant: &str, finish: u64) {
+    if st.tenants.len() >= MAX_TENANTS && !st.tenants.contains_key(tenant) {
+        let vtime = st.vtime;
+        st.tenants.retain(|_, last| *last > vtime);
+        if st.tenants.len() >= MAX_TENANTS {
+            return; // every one busy: this tenant starts from the virtual time
+        }
+    }
+    st.tenants.insert(tenant.to_string(), finish);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn now(a: Admit) -> Permit {
+        match a {
+            Admit::Now(p) => p,
+            _ => panic!("expected to run at once"),
+        }
+    }
+
+    fn waits(a: Admit) -> Ticket {
+        match a {
+            Admit::Wait(t) => t,
+            _ => panic!("expected to wait"),
+        }
+    }
+
+    /// The order in which `tickets` get their slot as one slot is freed
+    /// again and again.
+    async fn order(first: Permit, tickets: Vec<(&'static str, Ticket)>) -> Vec<&'static str> {
+        let mut pending: Vec<(&str, tokio::task::JoinHandle<Permit>)> = tickets
+            .into_iter()
+            .map(|(name, t)| (name, tokio::spawn(t.wait())))
+            .collect();
+        let mut served = Vec::new();
+        let mut slot = first;
+        while !pending.is_empty() {
+            drop(slot);
+            tokio::task::yield_now().await;
+            let i = loop {
+                if let Some(i) = pending.iter().position(|(_, h)| h.is_finished()) {
+                    break i;
+                }
+                tokio::task::yield_now().await;
+            };
+            let (name, h) = pending.remove(i);
+            slot = h.await.unwrap();
+            served.push(name);
+        }
+        served
+    }
+
+    #[tokio::test]
+    async fn a_backend_runs_its_limit_and_hands_a_freed_slot_to_a_waiter() {
+        let a = Admission::new(100);
+        a.set_limit(0, 2);
+        let p1 = now(a.admit(0, Class::Normal, "t", 1, 100));
+        let _p2 = now(a.admit(0, Class::Normal, "t", 1, 100));
+        let t = waits(a.admit(0, Class::Normal, "t", 1, 100));
+        assert_eq!(a.depth(0), (1, 2));
+        drop(p1);
+        let _p3 = t.wait().await;
+        assert_eq!(a.depth(0), (0, 2), "the slot was handed over, not freed");
+        // Another backend is not held up by this one.
+        let _q = now(a.admit(1, Class::Normal, "t", 1, 100));
+    }
+
+    #[tokio::test]
+    async fn interactive_turns_go_before_normal_and_batch_whenever_they_came() {
+        let a = Admission::new(100);
+        a.set_limit(0, 1);
+        let first = now(a.admit(0, Class::Batch, "t", 1, 10));
+        let tickets = vec![
+            ("batch", waits(a.admit(0, Class::Batch, "t", 1, 10))),
+            ("normal", waits(a.admit(0, Class::Normal, "t", 1, 10))),
+            (
+                "interactive",
+                waits(a.admit(0, Class::Interactive, "t", 1, 10)),
+            ),
+        ];
+        assert_eq!(
+            order(first, tickets).await,
+            ["interactive", "normal", "batch"]
+        );
+    }
+
+    #[tokio::test]
+    async fn one_tenants_long_prompts_do_not_starve_anothers_short_ones() {
+        let a = Admission::new(100);
+        a.set_limit(0, 1);
+        let first = now(a.admit(0, Class::Normal, "noisy", 1, 8_000));
+        // The noisy tenant queues four long prompts, then the quiet one two
+        // short ones: the quiet tenant's come next, not after all of noisy's.
+        let mut tickets = Vec::new();
+        for _ in 0..4 {
+            tickets.push(("noisy", waits(a.admit(0, Class::Normal, "noisy", 1, 8_000))));
+        }
+        for _ in 0..2 {
+            tickets.push(("quiet", waits(a.admit(0, Class::Normal, "quiet", 1, 500))));
+        }
+        let served = order(first, tickets).await;
+        assert_eq!(served[..2], ["quiet", "quiet"], "{served:?}");
+    }
+
+    #[tokio::test]
+    async fn a_heavier_weight_gets_a_larger_share() {
+        let a = Admission::new(100);
+        a.set_limit(0, 1);
+        let first = now(a.admit(0, Class::Normal, "x", 1, 1));
+        let mut tickets = Vec::new();
+        for _ in 0..4 {
+            tickets.push(("light", waits(a.admit(0, Class::Normal, "light", 1, 1_000))));
+            tickets.push(("heavy", waits(a.admit(0, Class::Normal, "heavy", 3, 1_000))));
+        }
+        let served = order(first, tickets).await;
+        let heavy_first_half = served[..4].iter().filter(|n| **n == "heavy").count();
+        assert_eq!(heavy_first_half, 3, "{served:?}");
+    }
+
+    #[tokio::test]
+    async fn a_request_that_leaves_the_queue_is_gone_at_once_and_skipped() {
+        let a = Admission::new(2);
+        a.set_limit(0, 1);
+        let p = now(a.admit(0, Class::Normal, "t", 1, 10));
+        let gone = waits(a.admit(0, Class::Normal, "t", 1, 10));
+        let stays = waits(a.admit(0, Class::Normal, "t", 1, 10));
+        assert!(matches!(a.admit(0, Class::Normal, "t", 1, 10), Admit::Full));
+        drop(gone); // its client disconnected
+        assert_eq!(a.depth(0), (1, 1));
+        drop(p);
+        let _next = stays.wait().await;
+        assert_eq!(a.depth(0), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn a_slot_handed_to_a_request_gone_meanwhile_is_passed_on() {
+        let a = Admission::new(10);
+        a.set_limit(0, 1);
+        let p = now(a.admit(0, Class::Normal, "t", 1, 10));
+        let gone = waits(a.admit(0, Class::Normal, "t", 1, 10));
+        let next = waits(a.admit(0, Class::Normal, "t", 1, 10));
+        drop(p); // handed to `gone`...
+        drop(gone); // ...which left before taking it
+        let _p = next.wait().await;
+        assert_eq!(a.depth(0), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn a_wait_abandoned_after_its_slot_came_passes_the_slot_on() {
+        use futures_util::FutureExt;
+        let a = Admission::new(10);
+        a.set_limit(0, 1);
+        let p = now(a.admit(0, Class::Normal, "t", 1, 10));
+        let mut waiting = Box::pin(waits(a.admit(0, Class::Normal, "t", 1, 10)).wait());
+        let next = waits(a.admit(0, Class::Normal, "t", 1, 10));
+        assert!((&mut waiting).now_or_never().is_none(), "parked");
+        drop(p); // the slot goes to the parked wait...
+        drop(waiting); // ...whose client leaves before it runs
+        let passed = next.wait().now_or_never();
+        assert!(passed.is_some(), "the slot was passed on");
+        assert_eq!(a.depth(0), (0, 1));
+    }
+
+    #[test]
+    fn classes_parse_from_the_header() {
+        assert_eq!(Class::parse(" Interactive"), Some(Class::Interactive));
+        assert_eq!(Class::parse("batch"), Some(Class::Batch));
+        assert_eq!(Class::parse("urgent"), None);
+    }
+}
