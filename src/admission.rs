@@ -5,12 +5,12 @@
 //!
 //! Order among the waiters of one backend: strictly by [`Class`] (a person
 //! waits on an interactive turn; a batch is told to back off by its
-//! deadline), and within a class by start-time fair queueing on estimated
+//! deadline), and within a class by weighted fair queueing on estimated
 //! tokens: each tenant's requests get virtual finish tags `start + tokens /
 //! weight`, with `start` no earlier than the tenant's last finish nor than the
-//! virtual time of the last request admitted, so one tenant's long prompts
-//! cannot starve another's short ones, and a tenant that was idle does not
-//! bank credit. A released slot goes straight to the best waiter of that
+//! virtual time (the start tag of the request admitted last), and wait in
+//! finish-tag order; so one tenant's long prompts cannot starve another's
+//! short ones, and a tenant that was idle does not bank credit. A released slot goes straight to the best waiter of that
 //! backend (no herd of waiters racing for it).
 
 use parking_lot::Mutex;
@@ -49,6 +49,8 @@ type Place = (Class, u64, u64);
 
 struct Waiter {
     wake: oneshot::Sender<()>,
+    /// Its virtual start tag.
+    start: u64,
 }
 
 #[derive(Default)]
@@ -151,9 +153,25 @@ impl Admission {
         })
     }
 
-    /// Set how many requests `backend` runs at once (0: no limit).
+    /// Set how many requests `backend` runs at once (0: no limit); a raised
+    /// limit takes waiters in at once.
     pub fn set_limit(&self, backend: u32, limit: u32) {
-        self.state.lock().backends.entry(backend).or_default().limit = limit;
+        let mut st = self.state.lock();
+        st.backends.entry(backend).or_default().limit = limit;
+        loop {
+            let b = st.backends.get_mut(&backend).expect("just made");
+            if b.limit != 0 && b.running >= b.limit {
+                return;
+            }
+            let Some((_, w)) = b.waiting.pop_first() else {
+                return;
+            };
+            st.queued -= 1;
+            if w.wake.send(()).is_ok() {
+                st.backends.get_mut(&backend).expect("just made").running += 1;
+                st.vtime = st.vtime.max(w.start);
+            }
+        }
     }
 
     /// A request of `tenant` (fair-share `weight`, at least 1), estimated at
@@ -191,7 +209,7 @@ impl Admission {
             .entry(backend)
             .or_default()
             .waiting
-            .insert(place, Waiter { wake });
+            .insert(place, Waiter { wake, start });
         st.queued += 1;
         remember(&mut st, tenant, finish);
         Admit::Wait(Ticket {
@@ -209,14 +227,13 @@ impl Admission {
             let Some(b) = st.backends.get_mut(&backend) else {
                 return;
             };
-            let Some(((_, finish, _), w)) = b.waiting.pop_first() else {
+            let Some((_, w)) = b.waiting.pop_first() else {
                 b.running = b.running.saturating_sub(1);
                 return;
             };
             st.queued -= 1;
             if w.wake.send(()).is_ok() {
-                // Its start was at most its finish; the virtual time moves on.
-                st.vtime = st.vtime.max(finish.saturating_sub(1));
+                st.vtime = st.vtime.max(w.start);
                 return;
             }
             // Its ticket is gone (a race with its drop): try the next.
@@ -395,6 +412,19 @@ mod tests {
         let passed = next.wait().now_or_never();
         assert!(passed.is_some(), "the slot was passed on");
         assert_eq!(a.depth(0), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn a_raised_limit_takes_waiters_in_at_once() {
+        let a = Admission::new(10);
+        a.set_limit(0, 1);
+        let _p = now(a.admit(0, Class::Normal, "t", 1, 10));
+        let t = waits(a.admit(0, Class::Normal, "t", 1, 10));
+        a.set_limit(0, 2);
+        use futures_util::FutureExt;
+        let in_now = t.wait().now_or_never();
+        assert!(in_now.is_some());
+        assert_eq!(a.depth(0), (0, 2));
     }
 
     #[test]
