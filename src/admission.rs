@@ -158,19 +158,11 @@ impl Admission {
     pub fn set_limit(&self, backend: u32, limit: u32) {
         let mut st = self.state.lock();
         st.backends.entry(backend).or_default().limit = limit;
-        loop {
-            let b = st.backends.get_mut(&backend).expect("just made");
-            if b.limit != 0 && b.running >= b.limit {
+        while st.backends[&backend].running < limit || limit == 0 {
+            if !hand_over(&mut st, backend) {
                 return;
             }
-            let Some((_, w)) = b.waiting.pop_first() else {
-                return;
-            };
-            st.queued -= 1;
-            if w.wake.send(()).is_ok() {
-                st.backends.get_mut(&backend).expect("just made").running += 1;
-                st.vtime = st.vtime.max(w.start);
-            }
+            st.backends.get_mut(&backend).expect("just made").running += 1;
         }
     }
 
@@ -223,20 +215,10 @@ impl Admission {
     /// A slot of `backend` is free: hand it to its best waiter, or count it free.
     fn release(&self, backend: u32) {
         let mut st = self.state.lock();
-        loop {
-            let Some(b) = st.backends.get_mut(&backend) else {
-                return;
-            };
-            let Some((_, w)) = b.waiting.pop_first() else {
+        if !hand_over(&mut st, backend) {
+            if let Some(b) = st.backends.get_mut(&backend) {
                 b.running = b.running.saturating_sub(1);
-                return;
-            };
-            st.queued -= 1;
-            if w.wake.send(()).is_ok() {
-                st.vtime = st.vtime.max(w.start);
-                return;
             }
-            // Its ticket is gone (a race with its drop): try the next.
         }
     }
 
@@ -247,6 +229,24 @@ impl Admission {
             .get(&backend)
             .map_or((0, 0), |b| (b.waiting.len(), b.running))
     }
+}
+
+/// Give a slot of `backend` to its best waiter still there (one whose ticket
+/// is gone meanwhile is skipped); whether one took it. The virtual time moves
+/// to the taker's start tag.
+fn hand_over(st: &mut State, backend: u32) -> bool {
+    while let Some((_, w)) = st
+        .backends
+        .get_mut(&backend)
+        .and_then(|b| b.waiting.pop_first())
+    {
+        st.queued -= 1;
+        if w.wake.send(()).is_ok() {
+            st.vtime = st.vtime.max(w.start);
+            return true;
+        }
+    }
+    false
 }
 
 fn remember(st: &mut State, tenant: &str, finish: u64) {

@@ -43,6 +43,15 @@ fn instant_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// Wall-clock milliseconds since the Unix epoch (0 before it): for what
+/// outlives the process or crosses to another one (state files, the fleet's
+/// store), never for deadlines.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// Milliseconds since the process first asked; never 0, so 0 can mean "never".
 pub fn now_ms() -> u64 {
     static START: OnceLock<u64> = OnceLock::new();

@@ -14,7 +14,6 @@ use crate::gateway::Gateway;
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::Path;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 const FORMAT: u32 = 1;
 
@@ -32,12 +31,6 @@ struct Line {
     backend: String,
     v: u32,
     ttl_ms: u64,
-}
-
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn key_id(gw: &Gateway) -> String {
@@ -64,7 +57,7 @@ pub fn save(gw: &Gateway, path: &Path) -> std::io::Result<usize> {
         &Header {
             format: FORMAT,
             key_id: key_id(gw),
-            saved_at_ms: unix_ms(),
+            saved_at_ms: crate::clock::unix_ms(),
         },
     )?;
     out.push(b'\n');
@@ -129,7 +122,7 @@ pub fn load(gw: &Gateway, path: &Path) -> std::io::Result<usize> {
         );
         return Ok(0);
     }
-    let elapsed = unix_ms().saturating_sub(header.saved_at_ms);
+    let elapsed = crate::clock::unix_ms().saturating_sub(header.saved_at_ms);
     let routing = gw.routing();
     let affinity = &gw.affinity;
     let now = affinity.now_ms();

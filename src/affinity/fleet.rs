@@ -6,8 +6,8 @@
 //! invariant of [`reconcile`]; its background work ([`Fleet::run`]) is the
 //! subscription, the heartbeat, and writing back what an outage left behind.
 
-use super::store::{local_binding, SharedStore, StoreError, Stored, StoredMoves};
-use super::table::{Binding, Moves};
+use super::store::{SharedStore, StoreError, Stored, StoredMoves};
+use super::table::Binding;
 use super::{Affinity, BindingKey, Reason, Selection};
 use std::sync::Arc;
 use std::time::Duration;
@@ -102,25 +102,36 @@ fn ttl_ms(affinity: &Affinity) -> u64 {
     affinity.ttl().map_or(0, |t| t.as_millis() as u64)
 }
 
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 /// This gateway's binding as the store keeps it: its moves travel with it,
 /// so soft mode's cap and cooldown hold fleet-wide.
 fn as_stored(affinity: &Affinity, local: &Binding, backend: String) -> Stored {
     Stored {
         version: local.version,
         backend,
-        moves: StoredMoves::from_table(local.moves, affinity.now_ms(), unix_ms()),
+        moves: StoredMoves::from_table(local.moves, affinity.now_ms(), crate::clock::unix_ms()),
     }
 }
 
-/// A stored binding's moves on this gateway's table clock.
-fn moves_here(affinity: &Affinity, s: &Stored) -> Moves {
-    s.moves.to_table(affinity.now_ms(), unix_ms())
+/// Take the store's binding `s` for `key` in (its backend is `slot` here),
+/// as the store said it at `checked_ms`: it wins over a local binding as new
+/// as it (the store decided a race), and keeps the moves it made elsewhere.
+fn adopt_stored(
+    affinity: &Affinity,
+    key: BindingKey,
+    s: &Stored,
+    slot: u32,
+    tier: &dyn TierBackends,
+    checked_ms: u64,
+) {
+    let b = Binding {
+        backend: slot,
+        version: s.version,
+        tier: tier.index(),
+        deadline_ms: checked_ms + ttl_ms(affinity),
+        moves: s.moves.to_table(affinity.now_ms(), crate::clock::unix_ms()),
+        ..Binding::default()
+    };
+    affinity.adopt(key, b, true, checked_ms);
 }
 
 /// Bring `key`'s local binding up to the store's when it was last checked
@@ -215,10 +226,7 @@ async fn reconcile(
             InStore::Found(s) => {
                 return Ok(match tier.backend_slot(&s.backend) {
                     Some(slot) => {
-                        let deadline = now + ttl;
-                        let moves = moves_here(affinity, s);
-                        let won = local_binding(s, slot, tier.index(), deadline, moves);
-                        affinity.adopt(key, won, true, now);
+                        adopt_stored(affinity, key, s, slot, tier, now);
                         Some(slot)
                     }
                     None => {
@@ -313,10 +321,7 @@ fn apply_remote(
     // A message is what the store accepted: it wins over a local binding
     // as new as it.
     if let Some(slot) = tier.backend_slot(&stored.backend) {
-        let deadline = now + ttl_ms(affinity);
-        let moves = moves_here(affinity, &stored);
-        let b = local_binding(&stored, slot, tier.index(), deadline, moves);
-        affinity.adopt(key, b, true, now);
+        adopt_stored(affinity, key, &stored, slot, &*tier, now);
     }
 }
 

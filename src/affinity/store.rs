@@ -26,7 +26,7 @@
 //! Values are `"<version> <backend id>"`; keys `<prefix><binding key hex>` (the
 //! binding key already covers tier, tenant and session or group).
 
-use super::table::{Binding, Moves};
+use super::table::Moves;
 use super::BindingKey;
 use crate::metrics::Metrics;
 use parking_lot::Mutex;
@@ -653,20 +653,6 @@ impl SharedStore {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(5));
         }
-    }
-}
-
-/// A stored binding as the local table holds it (`moves`: the stored ones
-/// on the table's clock, [`StoredMoves::to_table`]).
-pub fn local_binding(s: &Stored, slot: u32, tier: u16, deadline_ms: u64, moves: Moves) -> Binding {
-    Binding {
-        backend: slot,
-        version: s.version,
-        tier,
-        in_flight: 0,
-        deadline_ms,
-        pending: false,
-        moves,
     }
 }
 
