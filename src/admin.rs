@@ -99,6 +99,10 @@ impl AdminApp {
                     "move_sessions": b.stats.move_on_drain.load(Ordering::Relaxed),
                     "in_flight": b.in_flight(),
                     "bindings": per_backend.get(&(t.index, b.slot)).copied().unwrap_or(0),
+                    "admission": {
+                        "running": self.0.admission.depth(b.slot).1,
+                        "waiting": self.0.admission.depth(b.slot).0,
+                    },
                     "engine": b.stats.engine.snapshot().map(|(running, waiting, kv)| json!({
                         "running": running,
                         "waiting": waiting,
@@ -118,6 +122,46 @@ impl AdminApp {
             })
             .collect();
         reply(200, json!({ "backends": list }))
+    }
+
+    /// The admission queue: each backend's slots and waiters, and the keys
+    /// in force (tenant names only).
+    fn admission(&self) -> http::Response<Vec<u8>> {
+        let routing = self.0.routing();
+        let cfg = &routing.config;
+        let slots: HashMap<u32, (usize, u32, u32)> = self
+            .0
+            .admission
+            .snapshot()
+            .into_iter()
+            .map(|(slot, waiting, running, limit)| (slot, (waiting, running, limit)))
+            .collect();
+        let backends: Vec<Value> = routing
+            .all_backends()
+            .map(|(t, b)| {
+                let (waiting, running, limit) = slots.get(&b.slot).copied().unwrap_or_default();
+                json!({
+                    "tier": &*t.name,
+                    "id": &*b.id,
+                    "max_in_flight": limit,
+                    "running": running,
+                    "waiting": waiting,
+                })
+            })
+            .collect();
+        let keys = self.0.auth.keys();
+        reply(
+            200,
+            json!({
+                "enabled": cfg.admission.enabled,
+                "queued": self.0.admission.queued(),
+                "max_queued": cfg.admission.max_queued,
+                "max_wait_ms": cfg.admission.max_wait.as_millis() as u64,
+                "backends": backends,
+                "keys": keys.len(),
+                "tenants": keys.tenants.iter().map(|t| &**t).collect::<Vec<&str>>(),
+            }),
+        )
     }
 
     fn drain(&self, id: &str, drain: bool, body: &[u8]) -> http::Response<Vec<u8>> {
@@ -288,6 +332,7 @@ impl ServeHttp for AdminApp {
         let parts: Vec<&str> = path.iter().map(String::as_str).collect();
         match (method.as_str(), parts.as_slice()) {
             ("GET", ["admin", "backends"]) => self.backends(),
+            ("GET", ["admin", "admission"]) => self.admission(),
             ("POST", ["admin", "backends", id, "drain"]) => self.drain(id, true, &body),
             ("POST", ["admin", "backends", id, "undrain"]) => self.drain(id, false, &body),
             ("GET", ["admin", "sessions", id]) => self.session(id, &query(&uri), false).await,

@@ -1,5 +1,4 @@
-//! Admission when backends are saturated (issue 29; not yet wired into the
-//! proxy): each backend runs at most its limit of requests at once, and the
+//! Admission when backends are saturated (`admission`): each backend runs at most its limit of requests at once, and the
 //! rest wait here, in the gateway, instead of in the engine's own queue,
 //! where they could only be served in arrival order.
 //!
@@ -16,6 +15,7 @@
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::Instant;
 use tokio::sync::oneshot;
 
 /// A request's priority class (`x-agent-serve-priority`).
@@ -27,6 +27,16 @@ pub enum Class {
 }
 
 impl Class {
+    pub const ALL: [Class; 3] = [Class::Interactive, Class::Normal, Class::Batch];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Class::Interactive => "interactive",
+            Class::Normal => "normal",
+            Class::Batch => "batch",
+        }
+    }
+
     pub fn parse(s: &str) -> Option<Class> {
         match s.trim().to_ascii_lowercase().as_str() {
             "interactive" => Some(Class::Interactive),
@@ -58,13 +68,21 @@ struct Backend {
     running: u32,
     limit: u32,
     waiting: BTreeMap<Place, Waiter>,
+    /// How long its requests have held a slot, ms (a moving average; 0:
+    /// none has finished yet).
+    hold_ms: f64,
 }
+
+/// The weight of the newest slot-hold time in the moving average.
+const HOLD_ALPHA: f64 = 0.1;
+/// What a slot is taken to be held for before any request has finished.
+const HOLD_PRIOR_MS: f64 = 1_000.0;
 
 #[derive(Default)]
 struct State {
     backends: HashMap<u32, Backend>,
     /// Each tenant's last virtual finish tag.
-    tenants: HashMap<String, u64>,
+    tenants: HashMap<u64, u64>,
     /// The start tag of the request admitted last.
     vtime: u64,
     seq: u64,
@@ -83,11 +101,13 @@ pub struct Admission {
 pub struct Permit {
     admission: Arc<Admission>,
     backend: u32,
+    since: Instant,
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.admission.release(self.backend);
+        let held_ms = self.since.elapsed().as_secs_f64() * 1000.0;
+        self.admission.release(self.backend, Some(held_ms));
     }
 }
 
@@ -113,6 +133,7 @@ impl Ticket {
         Permit {
             admission: Arc::clone(&self.admission),
             backend: self.backend,
+            since: Instant::now(),
         }
     }
 }
@@ -131,7 +152,7 @@ impl Drop for Ticket {
             } else if woken.try_recv().is_ok() {
                 // Handed a slot, then gone before using it: pass it on.
                 drop(st);
-                self.admission.release(self.backend);
+                self.admission.release(self.backend, None);
             }
         }
     }
@@ -166,19 +187,19 @@ impl Admission {
         }
     }
 
-    /// A request of `tenant` (fair-share `weight`, at least 1), estimated at
-    /// `tokens`, in `class`, for `backend`.
+    /// A request of `tenant` (an id: fair-share `weight`, at least 1),
+    /// estimated at `tokens`, in `class`, for `backend`.
     pub fn admit(
         self: &Arc<Self>,
         backend: u32,
         class: Class,
-        tenant: &str,
+        tenant: u64,
         weight: u32,
         tokens: u64,
     ) -> Admit {
         let mut st = self.state.lock();
         let vtime = st.vtime;
-        let last = st.tenants.get(tenant).copied().unwrap_or(0);
+        let last = st.tenants.get(&tenant).copied().unwrap_or(0);
         let start = last.max(vtime);
         let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
         let b = st.backends.entry(backend).or_default();
@@ -189,6 +210,7 @@ impl Admission {
             return Admit::Now(Permit {
                 admission: Arc::clone(self),
                 backend,
+                since: Instant::now(),
             });
         }
         if st.queued >= self.max_queued {
@@ -212,14 +234,68 @@ impl Admission {
         })
     }
 
-    /// A slot of `backend` is free: hand it to its best waiter, or count it free.
-    fn release(&self, backend: u32) {
+    /// A slot of `backend` is free (after `held_ms` in use, when it was):
+    /// hand it to its best waiter, or count it free.
+    fn release(&self, backend: u32, held_ms: Option<f64>) {
         let mut st = self.state.lock();
+        if let (Some(ms), Some(b)) = (held_ms, st.backends.get_mut(&backend)) {
+            b.hold_ms = match b.hold_ms {
+                0.0 => ms,
+                avg => avg + HOLD_ALPHA * (ms - avg),
+            };
+        }
         if !hand_over(&mut st, backend) {
             if let Some(b) = st.backends.get_mut(&backend) {
                 b.running = b.running.saturating_sub(1);
             }
         }
+    }
+
+    /// An honest `Retry-After` for a request refused a slot at `backend`,
+    /// in whole seconds (at least 1): the time its queue takes to drain
+    /// through its slots at the slot-hold time seen so far.
+    pub fn retry_after_s(&self, backend: u32) -> u64 {
+        let st = self.state.lock();
+        let Some(b) = st.backends.get(&backend) else {
+            return 1;
+        };
+        let hold = if b.hold_ms > 0.0 {
+            b.hold_ms
+        } else {
+            HOLD_PRIOR_MS
+        };
+        let rounds = (b.waiting.len() + 1) as f64 / b.limit.max(1) as f64;
+        ((rounds * hold / 1000.0).ceil() as u64).clamp(1, 3600)
+    }
+
+    /// Mark the candidates whose slots are all taken (`full`: new
+    /// conversations go where there is room) and count the requests waiting
+    /// for each as in flight there (they will be).
+    pub fn mark(&self, candidates: &mut [crate::affinity::Candidate]) {
+        let st = self.state.lock();
+        for c in candidates {
+            if let Some(b) = st.backends.get(&c.slot) {
+                c.full = b.limit > 0 && (b.running >= b.limit || !b.waiting.is_empty());
+                c.in_flight += b.waiting.len() as u64;
+            }
+        }
+    }
+
+    /// Requests waiting, over all backends.
+    pub fn queued(&self) -> usize {
+        self.state.lock().queued
+    }
+
+    /// Each backend's (slot, waiting, running, limit), for the admin view.
+    pub fn snapshot(&self) -> Vec<(u32, usize, u32, u32)> {
+        let st = self.state.lock();
+        let mut out: Vec<_> = st
+            .backends
+            .iter()
+            .map(|(&slot, b)| (slot, b.waiting.len(), b.running, b.limit))
+            .collect();
+        out.sort_unstable();
+        out
     }
 
     /// Requests waiting for `backend`, and running there.
@@ -249,20 +325,25 @@ fn hand_over(st: &mut State, backend: u32) -> bool {
     false
 }
 
-fn remember(st: &mut State, tenant: &str, finish: u64) {
-    if st.tenants.len() >= MAX_TENANTS && !st.tenants.contains_key(tenant) {
+fn remember(st: &mut State, tenant: u64, finish: u64) {
+    if st.tenants.len() >= MAX_TENANTS && !st.tenants.contains_key(&tenant) {
         let vtime = st.vtime;
         st.tenants.retain(|_, last| *last > vtime);
         if st.tenants.len() >= MAX_TENANTS {
             return; // every one busy: this tenant starts from the virtual time
         }
     }
-    st.tenants.insert(tenant.to_string(), finish);
+    st.tenants.insert(tenant, finish);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tenant's id, from a name.
+    fn t(name: &str) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(name.as_bytes())
+    }
 
     fn now(a: Admit) -> Permit {
         match a {
@@ -307,28 +388,28 @@ mod tests {
     async fn a_backend_runs_its_limit_and_hands_a_freed_slot_to_a_waiter() {
         let a = Admission::new(100);
         a.set_limit(0, 2);
-        let p1 = now(a.admit(0, Class::Normal, "t", 1, 100));
-        let _p2 = now(a.admit(0, Class::Normal, "t", 1, 100));
-        let t = waits(a.admit(0, Class::Normal, "t", 1, 100));
+        let p1 = now(a.admit(0, Class::Normal, t("t"), 1, 100));
+        let _p2 = now(a.admit(0, Class::Normal, t("t"), 1, 100));
+        let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 100));
         assert_eq!(a.depth(0), (1, 2));
         drop(p1);
-        let _p3 = t.wait().await;
+        let _p3 = ticket.wait().await;
         assert_eq!(a.depth(0), (0, 2), "the slot was handed over, not freed");
         // Another backend is not held up by this one.
-        let _q = now(a.admit(1, Class::Normal, "t", 1, 100));
+        let _q = now(a.admit(1, Class::Normal, t("t"), 1, 100));
     }
 
     #[tokio::test]
     async fn interactive_turns_go_before_normal_and_batch_whenever_they_came() {
         let a = Admission::new(100);
         a.set_limit(0, 1);
-        let first = now(a.admit(0, Class::Batch, "t", 1, 10));
+        let first = now(a.admit(0, Class::Batch, t("t"), 1, 10));
         let tickets = vec![
-            ("batch", waits(a.admit(0, Class::Batch, "t", 1, 10))),
-            ("normal", waits(a.admit(0, Class::Normal, "t", 1, 10))),
+            ("batch", waits(a.admit(0, Class::Batch, t("t"), 1, 10))),
+            ("normal", waits(a.admit(0, Class::Normal, t("t"), 1, 10))),
             (
                 "interactive",
-                waits(a.admit(0, Class::Interactive, "t", 1, 10)),
+                waits(a.admit(0, Class::Interactive, t("t"), 1, 10)),
             ),
         ];
         assert_eq!(
@@ -341,15 +422,21 @@ mod tests {
     async fn one_tenants_long_prompts_do_not_starve_anothers_short_ones() {
         let a = Admission::new(100);
         a.set_limit(0, 1);
-        let first = now(a.admit(0, Class::Normal, "noisy", 1, 8_000));
+        let first = now(a.admit(0, Class::Normal, t("noisy"), 1, 8_000));
         // The noisy tenant queues four long prompts, then the quiet one two
         // short ones: the quiet tenant's come next, not after all of noisy's.
         let mut tickets = Vec::new();
         for _ in 0..4 {
-            tickets.push(("noisy", waits(a.admit(0, Class::Normal, "noisy", 1, 8_000))));
+            tickets.push((
+                "noisy",
+                waits(a.admit(0, Class::Normal, t("noisy"), 1, 8_000)),
+            ));
         }
         for _ in 0..2 {
-            tickets.push(("quiet", waits(a.admit(0, Class::Normal, "quiet", 1, 500))));
+            tickets.push((
+                "quiet",
+                waits(a.admit(0, Class::Normal, t("quiet"), 1, 500)),
+            ));
         }
         let served = order(first, tickets).await;
         assert_eq!(served[..2], ["quiet", "quiet"], "{served:?}");
@@ -359,11 +446,17 @@ mod tests {
     async fn a_heavier_weight_gets_a_larger_share() {
         let a = Admission::new(100);
         a.set_limit(0, 1);
-        let first = now(a.admit(0, Class::Normal, "x", 1, 1));
+        let first = now(a.admit(0, Class::Normal, t("x"), 1, 1));
         let mut tickets = Vec::new();
         for _ in 0..4 {
-            tickets.push(("light", waits(a.admit(0, Class::Normal, "light", 1, 1_000))));
-            tickets.push(("heavy", waits(a.admit(0, Class::Normal, "heavy", 3, 1_000))));
+            tickets.push((
+                "light",
+                waits(a.admit(0, Class::Normal, t("light"), 1, 1_000)),
+            ));
+            tickets.push((
+                "heavy",
+                waits(a.admit(0, Class::Normal, t("heavy"), 3, 1_000)),
+            ));
         }
         let served = order(first, tickets).await;
         let heavy_first_half = served[..4].iter().filter(|n| **n == "heavy").count();
@@ -374,10 +467,13 @@ mod tests {
     async fn a_request_that_leaves_the_queue_is_gone_at_once_and_skipped() {
         let a = Admission::new(2);
         a.set_limit(0, 1);
-        let p = now(a.admit(0, Class::Normal, "t", 1, 10));
-        let gone = waits(a.admit(0, Class::Normal, "t", 1, 10));
-        let stays = waits(a.admit(0, Class::Normal, "t", 1, 10));
-        assert!(matches!(a.admit(0, Class::Normal, "t", 1, 10), Admit::Full));
+        let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let gone = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let stays = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        assert!(matches!(
+            a.admit(0, Class::Normal, t("t"), 1, 10),
+            Admit::Full
+        ));
         drop(gone); // its client disconnected
         assert_eq!(a.depth(0), (1, 1));
         drop(p);
@@ -389,9 +485,9 @@ mod tests {
     async fn a_slot_handed_to_a_request_gone_meanwhile_is_passed_on() {
         let a = Admission::new(10);
         a.set_limit(0, 1);
-        let p = now(a.admit(0, Class::Normal, "t", 1, 10));
-        let gone = waits(a.admit(0, Class::Normal, "t", 1, 10));
-        let next = waits(a.admit(0, Class::Normal, "t", 1, 10));
+        let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let gone = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         drop(p); // handed to `gone`...
         drop(gone); // ...which left before taking it
         let _p = next.wait().await;
@@ -403,9 +499,9 @@ mod tests {
         use futures_util::FutureExt;
         let a = Admission::new(10);
         a.set_limit(0, 1);
-        let p = now(a.admit(0, Class::Normal, "t", 1, 10));
-        let mut waiting = Box::pin(waits(a.admit(0, Class::Normal, "t", 1, 10)).wait());
-        let next = waits(a.admit(0, Class::Normal, "t", 1, 10));
+        let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let mut waiting = Box::pin(waits(a.admit(0, Class::Normal, t("t"), 1, 10)).wait());
+        let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         assert!((&mut waiting).now_or_never().is_none(), "parked");
         drop(p); // the slot goes to the parked wait...
         drop(waiting); // ...whose client leaves before it runs
@@ -418,13 +514,59 @@ mod tests {
     async fn a_raised_limit_takes_waiters_in_at_once() {
         let a = Admission::new(10);
         a.set_limit(0, 1);
-        let _p = now(a.admit(0, Class::Normal, "t", 1, 10));
-        let t = waits(a.admit(0, Class::Normal, "t", 1, 10));
+        let _p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         a.set_limit(0, 2);
         use futures_util::FutureExt;
-        let in_now = t.wait().now_or_never();
+        let in_now = ticket.wait().now_or_never();
         assert!(in_now.is_some());
         assert_eq!(a.depth(0), (0, 2));
+    }
+
+    #[tokio::test]
+    async fn retry_after_grows_with_the_queue_and_the_slot_hold_time() {
+        let a = Admission::new(100);
+        a.set_limit(0, 2);
+        // Before any request has finished, a slot is taken to be held 1 s.
+        let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let _q = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        assert_eq!(a.retry_after_s(0), 1);
+        let waiting: Vec<Ticket> = (0..5)
+            .map(|_| waits(a.admit(0, Class::Normal, t("t"), 1, 10)))
+            .collect();
+        // Six to get through two slots, a second each.
+        assert_eq!(a.retry_after_s(0), 3);
+        drop(waiting);
+        drop(p);
+        assert_eq!(a.retry_after_s(0), 1);
+    }
+
+    #[test]
+    fn full_backends_are_marked_and_their_queues_count_as_load() {
+        use crate::affinity::Candidate;
+        let a = Admission::new(100);
+        a.set_limit(0, 1);
+        a.set_limit(1, 1);
+        let _p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let _w = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let mut c = [
+            Candidate {
+                slot: 0,
+                in_flight: 1,
+                ..Default::default()
+            },
+            Candidate {
+                slot: 1,
+                ..Default::default()
+            },
+            Candidate {
+                slot: 2,
+                ..Default::default()
+            },
+        ];
+        a.mark(&mut c);
+        assert!(c[0].full && !c[1].full && !c[2].full);
+        assert_eq!(c[0].in_flight, 2);
     }
 
     #[test]

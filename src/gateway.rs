@@ -72,6 +72,23 @@ pub struct Gateway {
     /// The lifecycle service handles SIGHUP (reload) now: `/healthz` says
     /// `starting` until then.
     pub lifecycle_started: std::sync::atomic::AtomicBool,
+    /// Slots per backend and the queue for them (`admission`).
+    pub admission: Arc<crate::admission::Admission>,
+    /// Client keys (`auth.keys_file`).
+    pub auth: crate::auth::Auth,
+}
+
+/// Each backend's slots as `config` sets them: its `max_in_flight` with
+/// admission on, else none (every request goes straight on).
+fn configure_admission(admission: &crate::admission::Admission, routing: &Routing) {
+    let on = routing.config.admission.enabled;
+    for (tier, tc) in routing.tiers.iter().zip(&routing.config.tiers) {
+        for bc in &tc.backends {
+            if let Some(b) = tier.backend_by_id(&bc.id) {
+                admission.set_limit(b.slot, if on { bc.max_in_flight } else { 0 });
+            }
+        }
+    }
 }
 
 /// The tiers of the configuration in force, for the fleet's store (which
@@ -140,7 +157,19 @@ impl Gateway {
             &config.affinity.prefix,
             routing.hasher.prefix_seed(),
         );
+        let admission = crate::admission::Admission::new(config.admission.max_queued);
+        configure_admission(&admission, &routing);
+        let auth = crate::auth::Auth::default();
+        if let Some(path) = &config.auth.keys_file {
+            // `check` and `run` load it first and refuse a bad one; here it
+            // can only have changed since.
+            if let Err(e) = auth.load(path) {
+                log::error!("{e}: no client keys in force");
+            }
+        }
         Ok(Arc::new(Gateway {
+            admission,
+            auth,
             prefix,
             lifecycle_started: Default::default(),
             routing: ArcSwap::from_pointee(routing),
@@ -245,7 +274,14 @@ impl Gateway {
                 summary.needs_restart.push(key);
             }
         }
-        // New certificates first: if they do not load, nothing changes.
+        if o.admission.max_queued != n.admission.max_queued {
+            summary.needs_restart.push("admission.max_queued");
+        }
+        // New keys and certificates first: if they do not load, nothing changes.
+        if let Some(path) = &n.auth.keys_file {
+            let keys = self.auth.load(path)?;
+            log::info!("client keys reloaded: {keys} keys");
+        }
         if let (Some(resolver), Some(tls)) = (&self.tls, &n.server.tls) {
             resolver.reload(&tls.certificates)?;
         }
@@ -285,6 +321,7 @@ impl Gateway {
             .iter()
             .flat_map(|t| t.backends.iter().map(move |b| (t.index, b.slot)))
             .collect();
+        configure_admission(&self.admission, &new);
         let new = Arc::new(new);
         self.routing.store(Arc::clone(&new));
         for (t, b) in old.all_backends() {

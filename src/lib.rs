@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod admission;
 pub mod affinity;
+pub mod auth;
 pub mod clock;
 pub mod config;
 pub mod demo;

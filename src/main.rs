@@ -46,12 +46,25 @@ enum Command {
     Bench(agent_gateway::loadgen::BenchArgs),
     /// Show what affinity buys: simulated replicas + gateway + agent workload.
     Demo(agent_gateway::demo::DemoArgs),
+    /// Print the `key_sha256` of a client key read from stdin, for
+    /// `auth.keys_file` (read from stdin: a key on the command line would
+    /// show in `ps` and shell history).
+    HashKey,
 }
 
 fn main() -> ExitCode {
     agent_gateway::logging::init();
     let cli = Cli::parse();
     match cli.command {
+        Command::HashKey => {
+            let mut key = String::new();
+            if std::io::stdin().read_line(&mut key).is_err() || key.trim().is_empty() {
+                eprintln!("error: give the key on stdin, e.g. `printf %s \"$KEY\" | agent-gateway hash-key`");
+                return ExitCode::FAILURE;
+            }
+            println!("{}", agent_gateway::auth::hash_key(key.trim()));
+            ExitCode::SUCCESS
+        }
         Command::Demo(args) => match agent_gateway::demo::run(args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

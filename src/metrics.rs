@@ -49,6 +49,13 @@ pub struct Metrics {
     pub prefix_index_evictions: IntCounterVec,
     pub prefix_index_lookups: IntCounterVec,
     pub prefix_index_corrections: IntCounterVec,
+    pub admission_queued: IntGaugeVec,
+    pub admission_wait: HistogramVec,
+    pub admission_admitted: IntCounterVec,
+    pub admission_rejected: IntCounterVec,
+    pub client_rejected: IntCounterVec,
+    pub tenant_requests: IntCounterVec,
+    pub tenant_tokens: IntCounterVec,
 }
 
 /// A tier's hot-path counters, resolved once per config load.
@@ -319,6 +326,48 @@ impl Metrics {
                 "agentserve_store_up",
                 "1 while the shared binding store (affinity.store: redis) answers, 0 while this gateway places sessions alone",
                 &[],
+            ),
+            admission_queued: gauge(
+                &r,
+                "agentserve_admission_queued",
+                "Requests waiting in the gateway for a slot at their backend (admission)",
+                &["tier", "class"],
+            ),
+            admission_wait: histogram(
+                &r,
+                "agentserve_admission_wait_seconds",
+                "Time requests waited in the gateway for a slot, whether they got one or not",
+                &["tier", "class"],
+            ),
+            admission_admitted: counter(
+                &r,
+                "agentserve_admission_admitted_total",
+                "Requests given a slot at their backend: at once (now) or after waiting (queued)",
+                &["tier", "class", "path"],
+            ),
+            admission_rejected: counter(
+                &r,
+                "agentserve_admission_rejected_total",
+                "Requests refused a slot: queue_full, deadline (429) or client_gone (left while waiting)",
+                &["tier", "class", "reason"],
+            ),
+            client_rejected: counter(
+                &r,
+                "agentserve_client_rejected_total",
+                "Requests refused by client keys: unauthorized (401) or over a tenant's limit (429)",
+                &["tenant", "reason"],
+            ),
+            tenant_requests: counter(
+                &r,
+                "agentserve_tenant_requests_total",
+                "Requests by tenant (tenants of auth.keys_file; everyone else is `other`)",
+                &["tenant"],
+            ),
+            tenant_tokens: counter(
+                &r,
+                "agentserve_tenant_tokens_total",
+                "Tokens in responses' usage by tenant and kind (prompt, completion)",
+                &["tenant", "kind"],
             ),
             prefix_index_entries: gauge(
                 &r,

@@ -34,6 +34,9 @@ pub struct Candidate {
     /// Its last requests failed, enough in a row to eject it, but the
     /// ejection cap keeps it in: sessions leave it for a backend that works.
     pub failing: bool,
+    /// Admission: it runs its `max_in_flight` already (or has requests
+    /// waiting for it); new conversations go to a backend with room.
+    pub full: bool,
 }
 
 /// A queue's head is overdue — the backend has stalled or slowed several

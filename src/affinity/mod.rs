@@ -265,14 +265,21 @@ impl Affinity {
             return None;
         }
         // New bindings avoid draining backends and failing ones, unless
-        // nothing else is left. (No allocation in the common case.)
+        // nothing else is left, and then full ones (admission), unless every
+        // other is. (No allocation in the common case.)
         let usable: Vec<Candidate>;
-        let open: &[Candidate] = if candidates.iter().any(|c| c.draining || c.failing) {
-            usable = candidates
-                .iter()
-                .copied()
-                .filter(|c| !c.draining && !c.failing)
-                .collect();
+        let open: &[Candidate] = if candidates.iter().any(|c| c.draining || c.failing || c.full) {
+            let keep = |skip_full: bool| -> Vec<Candidate> {
+                candidates
+                    .iter()
+                    .copied()
+                    .filter(|c| !c.draining && !c.failing && !(skip_full && c.full))
+                    .collect()
+            };
+            usable = match keep(true) {
+                with_room if !with_room.is_empty() => with_room,
+                _ => keep(false),
+            };
             if usable.is_empty() {
                 candidates
             } else {

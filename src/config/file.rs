@@ -28,6 +28,48 @@ pub(crate) struct FileConfig {
     pub(crate) load: FileLoad,
     #[serde(default)]
     pub(crate) outlier: FileOutlier,
+    #[serde(default)]
+    pub(crate) admission: FileAdmission,
+    #[serde(default)]
+    pub(crate) auth: FileAuth,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct FileAdmission {
+    pub(crate) enabled: bool,
+    /// Per backend, unless its tier or itself says otherwise (0: no limit).
+    pub(crate) max_in_flight: u32,
+    pub(crate) max_wait_ms: u64,
+    pub(crate) max_queued: usize,
+    pub(crate) priority_header: String,
+    pub(crate) max_wait_header: String,
+    pub(crate) default_priority: String,
+}
+
+impl Default for FileAdmission {
+    fn default() -> Self {
+        FileAdmission {
+            enabled: false,
+            max_in_flight: 0,
+            max_wait_ms: 30_000,
+            max_queued: 10_000,
+            priority_header: "x-agent-serve-priority".into(),
+            max_wait_header: "x-agent-serve-max-wait-ms".into(),
+            default_priority: "normal".into(),
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct FileAuth {
+    pub(crate) keys_file: Option<String>,
+    pub(crate) required: bool,
+    /// `pass` (default) | `strip` | `set`.
+    pub(crate) upstream_authorization: Option<String>,
+    /// The header value sent upstream with `upstream_authorization: set`.
+    pub(crate) upstream_key: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -254,6 +296,11 @@ pub(crate) struct FileTier {
     pub(crate) models: Vec<String>,
     #[serde(default)]
     pub(crate) backends: Vec<FileBackend>,
+    /// Each backend's requests at once (admission).
+    pub(crate) max_in_flight: Option<u32>,
+    /// This tier's own `auth.upstream_authorization` / `upstream_key`.
+    pub(crate) upstream_authorization: Option<String>,
+    pub(crate) upstream_key: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -270,6 +317,8 @@ pub(crate) struct FileBackend {
     pub(crate) tls: bool,
     /// Name to send and verify (default: the host part of `addr`).
     pub(crate) sni: Option<String>,
+    /// Requests it runs at once (admission).
+    pub(crate) max_in_flight: Option<u32>,
 }
 
 fn one() -> u32 {

@@ -56,6 +56,8 @@ pub struct Config {
     pub placement: PlacementConfig,
     pub load: LoadConfig,
     pub outlier: OutlierConfig,
+    pub admission: AdmissionConfig,
+    pub auth: AuthConfig,
     /// Things that are allowed but probably a mistake.
     pub warnings: Vec<String>,
 }
@@ -109,6 +111,8 @@ pub struct TierConfig {
     pub default: bool,
     pub models: Vec<String>,
     pub backends: Vec<BackendConfig>,
+    /// Overrides what goes upstream as `Authorization` for this tier.
+    pub upstream_authorization: Option<UpstreamAuthorization>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -119,6 +123,49 @@ pub struct BackendConfig {
     pub draining: bool,
     /// `Some(sni)` for a TLS backend.
     pub tls: Option<String>,
+    /// Requests it runs at once before admission queues the rest in the
+    /// gateway (its own `max_in_flight`, else its tier's, else
+    /// `admission.max_in_flight`; 0: no limit).
+    pub max_in_flight: u32,
+}
+
+/// `admission`: a queue in the gateway, by priority class and fair share
+/// across tenants, for requests whose backend runs its `max_in_flight`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdmissionConfig {
+    /// Off: every request goes straight on (the behaviour before issue 29).
+    pub enabled: bool,
+    /// The longest a request waits for a slot before a 429.
+    pub max_wait: Duration,
+    /// Requests waiting at once, over all backends; more get a 429 at once.
+    pub max_queued: usize,
+    /// `interactive` | `normal` | `batch`.
+    pub priority_header: http::HeaderName,
+    /// A request's own, shorter deadline (ms).
+    pub max_wait_header: http::HeaderName,
+    /// The class of a request that names none (and has no key that does).
+    pub default_priority: crate::admission::Class,
+}
+
+/// `auth`: client keys.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuthConfig {
+    /// Hashed client keys -> tenant, class, weight, limits (re-read on SIGHUP).
+    pub keys_file: Option<std::path::PathBuf>,
+    /// Refuse (401) a request without a known key.
+    pub required: bool,
+    /// What goes upstream as `Authorization`.
+    pub upstream_authorization: UpstreamAuthorization,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum UpstreamAuthorization {
+    /// The client's own header, as sent.
+    Pass,
+    /// None: the client's key stays at the gateway.
+    Strip,
+    /// This value (say `Bearer <backend key>`) instead of the client's.
+    Set(http::HeaderValue),
 }
 
 #[derive(Debug, Clone)]
@@ -252,7 +299,15 @@ impl Config {
                 format!("cannot read {}: {e}", path.display()),
             )])
         })?;
-        Config::from_yaml(&text)
+        let config = Config::from_yaml(&text)?;
+        // A keys file that does not load is refused with the config: with
+        // `auth.required` no one could get in.
+        if let Some(keys) = &config.auth.keys_file {
+            if let Err(e) = crate::auth::Auth::default().load(keys) {
+                return Err(ConfigErrors(vec![err("auth.keys_file", e)]));
+            }
+        }
+        Ok(config)
     }
 
     pub fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {

@@ -153,7 +153,9 @@ pub(super) fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     let mut errors = Vec::new();
     let mut warnings = Vec::new();
     let server = validate_server(&file.server, &mut errors);
-    let tiers = validate_tiers(&file.tiers, &mut errors);
+    let tiers = validate_tiers(&file.tiers, file.admission.max_in_flight, &mut errors);
+    let admission = validate_admission(&file.admission, &mut errors);
+    let auth = validate_auth(&file.auth, &mut errors);
     let affinity = validate_affinity(&file.affinity, &mut errors, &mut warnings);
     let admin = validate_admin(&file.admin, &mut errors);
     let health = validate_health(&file.health, &mut errors);
@@ -181,8 +183,122 @@ pub(super) fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         placement,
         load,
         outlier,
+        admission,
+        auth,
         warnings,
     })
+}
+
+/// `admission`: the queue's bounds, deadline and headers.
+pub(super) fn validate_admission(
+    a: &FileAdmission,
+    errors: &mut Vec<ConfigError>,
+) -> AdmissionConfig {
+    let mut header = |key: &str, h: &str, fallback: &'static str| {
+        header_name(h).unwrap_or_else(|| {
+            errors.push(err(key, format!("`{h}` is not a valid header name")));
+            http::HeaderName::from_static(fallback)
+        })
+    };
+    let priority_header = header(
+        "admission.priority_header",
+        &a.priority_header,
+        "x-agent-serve-priority",
+    );
+    let max_wait_header = header(
+        "admission.max_wait_header",
+        &a.max_wait_header,
+        "x-agent-serve-max-wait-ms",
+    );
+    let default_priority =
+        crate::admission::Class::parse(&a.default_priority).unwrap_or_else(|| {
+            errors.push(err(
+                "admission.default_priority",
+                "must be interactive | normal | batch",
+            ));
+            crate::admission::Class::Normal
+        });
+    if a.max_wait_ms > 3_600_000 {
+        errors.push(err(
+            "admission.max_wait_ms",
+            "must be at most 3600000 (an hour)",
+        ));
+    }
+    if a.max_queued == 0 || a.max_queued > 1_000_000 {
+        errors.push(err("admission.max_queued", "must be between 1 and 1000000"));
+    }
+    AdmissionConfig {
+        enabled: a.enabled,
+        max_wait: Duration::from_millis(a.max_wait_ms),
+        max_queued: a.max_queued.clamp(1, 1_000_000),
+        priority_header,
+        max_wait_header,
+        default_priority,
+    }
+}
+
+/// What goes upstream as `Authorization`: `pass` | `strip` | `set` (with `key`).
+fn upstream_authorization(
+    at: &str,
+    mode: Option<&str>,
+    key: Option<&str>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<UpstreamAuthorization> {
+    let key_at = format!("{at}.upstream_key");
+    match (mode, key) {
+        (None, None) => None,
+        (Some("pass"), None) => Some(UpstreamAuthorization::Pass),
+        (Some("strip"), None) => Some(UpstreamAuthorization::Strip),
+        (Some("set"), Some(k)) => match http::HeaderValue::from_str(k) {
+            Ok(mut v) => {
+                v.set_sensitive(true);
+                Some(UpstreamAuthorization::Set(v))
+            }
+            Err(_) => {
+                errors.push(err(key_at, "is not a valid header value"));
+                None
+            }
+        },
+        (Some("set"), None) => {
+            errors.push(err(key_at, "`upstream_authorization: set` needs it"));
+            None
+        }
+        (Some("pass" | "strip") | None, Some(_)) => {
+            errors.push(err(
+                key_at,
+                "is used only with `upstream_authorization: set`",
+            ));
+            None
+        }
+        (Some(_), _) => {
+            errors.push(err(
+                format!("{at}.upstream_authorization"),
+                "must be pass | strip | set",
+            ));
+            None
+        }
+    }
+}
+
+/// `auth`: client keys.
+pub(super) fn validate_auth(a: &FileAuth, errors: &mut Vec<ConfigError>) -> AuthConfig {
+    if a.required && a.keys_file.is_none() {
+        errors.push(err("auth.required", "needs auth.keys_file"));
+    }
+    if a.keys_file.as_deref() == Some("") {
+        errors.push(err("auth.keys_file", "must not be empty"));
+    }
+    AuthConfig {
+        keys_file: a.keys_file.as_ref().map(std::path::PathBuf::from),
+        required: a.required,
+        upstream_authorization: upstream_authorization(
+            "auth",
+            a.upstream_authorization.as_deref(),
+            a.upstream_key.as_deref(),
+            errors,
+        )
+        .unwrap_or(UpstreamAuthorization::Pass),
+    }
 }
 
 /// Stands in for an address that did not parse (the config is refused anyway).
@@ -299,6 +415,7 @@ pub(super) fn validate_server(s: &FileServer, errors: &mut Vec<ConfigError>) -> 
 /// `tiers`: names, models and backends; exactly one default.
 pub(super) fn validate_tiers(
     file_tiers: &BTreeMap<String, FileTier>,
+    max_in_flight: u32,
     errors: &mut Vec<ConfigError>,
 ) -> Vec<TierConfig> {
     if file_tiers.is_empty() {
@@ -362,6 +479,7 @@ pub(super) fn validate_tiers(
                             .clone()
                             .unwrap_or_else(|| host.trim_matches(['[', ']']).to_string())
                     }),
+                    max_in_flight: b.max_in_flight.or(t.max_in_flight).unwrap_or(max_in_flight),
                 });
             }
         }
@@ -370,6 +488,12 @@ pub(super) fn validate_tiers(
             default: t.default,
             models: t.models.clone(),
             backends,
+            upstream_authorization: upstream_authorization(
+                &key,
+                t.upstream_authorization.as_deref(),
+                t.upstream_key.as_deref(),
+                errors,
+            ),
         });
     }
     let defaults = tiers.iter().filter(|t| t.default).count();

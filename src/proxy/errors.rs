@@ -15,15 +15,59 @@ pub struct GatewayError {
     pub kind: &'static str,
     pub code: &'static str,
     pub message: String,
+    /// Seconds for `Retry-After` (a 503 says 1 when this is unset).
+    pub retry_after: Option<u64>,
 }
 
 impl GatewayError {
+    /// 429: the request's backend has no slot for it in time, or the queue
+    /// is full (`code` says which); retry after `retry_after` s.
+    pub fn overloaded(code: &'static str, message: String, retry_after: u64) -> Self {
+        GatewayError {
+            status: 429,
+            kind: "rate_limit_error",
+            code,
+            message,
+            retry_after: Some(retry_after),
+        }
+    }
+    /// 429: the tenant is over one of its limits.
+    pub fn over_limit(limit: &str, tenant: &str, retry_after: u64) -> Self {
+        GatewayError {
+            status: 429,
+            kind: "rate_limit_error",
+            code: "rate_limit_exceeded",
+            message: format!("tenant `{tenant}` is over its {limit}"),
+            retry_after: Some(retry_after),
+        }
+    }
+    /// 401: no known client key where keys are required.
+    pub fn unauthorized() -> Self {
+        GatewayError {
+            status: 401,
+            kind: "authentication_error",
+            code: "invalid_api_key",
+            message: "a known client key is required (Authorization: Bearer <key> or x-api-key)"
+                .into(),
+            retry_after: None,
+        }
+    }
+    pub fn bad_priority(header: &str) -> Self {
+        GatewayError {
+            status: 400,
+            kind: "invalid_request_error",
+            code: "invalid_priority",
+            message: format!("{header} must be interactive, normal or batch"),
+            retry_after: None,
+        }
+    }
     pub fn bad_session_header(message: String) -> Self {
         GatewayError {
             status: 400,
             kind: "invalid_request_error",
             code: "invalid_session_header",
             message,
+            retry_after: None,
         }
     }
     pub fn unknown_tier(message: String) -> Self {
@@ -32,6 +76,7 @@ impl GatewayError {
             kind: "invalid_request_error",
             code: "unknown_tier",
             message,
+            retry_after: None,
         }
     }
     pub fn body_too_large(limit: u64) -> Self {
@@ -40,6 +85,7 @@ impl GatewayError {
             kind: "invalid_request_error",
             code: "request_too_large",
             message: format!("request body is larger than the gateway's limit of {limit} bytes"),
+            retry_after: None,
         }
     }
     pub fn length_required() -> Self {
@@ -50,6 +96,7 @@ impl GatewayError {
             message:
                 "a body this gateway must read to route (over 64 KiB) needs a Content-Length header"
                     .into(),
+            retry_after: None,
         }
     }
     pub fn bad_body(message: String) -> Self {
@@ -58,6 +105,7 @@ impl GatewayError {
             kind: "invalid_request_error",
             code: "invalid_body",
             message,
+            retry_after: None,
         }
     }
     pub fn no_healthy_backend(tier: &str) -> Self {
@@ -66,6 +114,7 @@ impl GatewayError {
             kind: "service_unavailable",
             code: "no_healthy_backend",
             message: format!("no healthy backend in tier `{tier}`"),
+            retry_after: None,
         }
     }
     pub fn all_candidates_failed(tier: &str) -> Self {
@@ -74,6 +123,7 @@ impl GatewayError {
             kind: "bad_gateway",
             code: "all_backends_failed",
             message: format!("every backend of tier `{tier}` failed to accept the request"),
+            retry_after: None,
         }
     }
     pub fn explicit_target_forbidden() -> Self {
@@ -84,6 +134,7 @@ impl GatewayError {
             message:
                 "x-agent-serve-backend-id is not allowed (affinity.allow_explicit_target is off)"
                     .into(),
+            retry_after: None,
         }
     }
     pub fn unknown_backend(id: &str, tier: &str) -> Self {
@@ -92,6 +143,7 @@ impl GatewayError {
             kind: "invalid_request_error",
             code: "unknown_backend",
             message: format!("tier `{tier}` has no backend `{id}`"),
+            retry_after: None,
         }
     }
     pub fn backend_unavailable(id: &str) -> Self {
@@ -100,6 +152,7 @@ impl GatewayError {
             kind: "service_unavailable",
             code: "backend_unavailable",
             message: format!("backend `{id}` is not healthy"),
+            retry_after: None,
         }
     }
     pub fn upstream_failed(detail: String) -> Self {
@@ -108,6 +161,7 @@ impl GatewayError {
             kind: "bad_gateway",
             code: "backend_error",
             message: detail,
+            retry_after: None,
         }
     }
     pub fn busy_reading_bodies() -> Self {
@@ -116,6 +170,7 @@ impl GatewayError {
             kind: "service_unavailable",
             code: "gateway_busy",
             message: "the gateway is holding as many request bodies as its memory budget allows; retry shortly".into(),
+            retry_after: None,
         }
     }
     pub fn headers_too_large(limit: usize) -> Self {
@@ -126,6 +181,7 @@ impl GatewayError {
             message: format!(
                 "request line and headers are larger than the gateway's limit of {limit} bytes"
             ),
+            retry_after: None,
         }
     }
     pub fn missing_host() -> Self {
@@ -134,6 +190,7 @@ impl GatewayError {
             kind: "invalid_request_error",
             code: "missing_host",
             message: "an HTTP/1.1 request needs a Host header (RFC 9112 §3.2)".into(),
+            retry_after: None,
         }
     }
 
@@ -148,6 +205,7 @@ impl GatewayError {
                 _ => "the request did not arrive in time",
             }
             .into(),
+            retry_after: None,
         }
     }
 
@@ -157,6 +215,7 @@ impl GatewayError {
             kind: "gateway_timeout",
             code: "backend_timeout",
             message: detail,
+            retry_after: None,
         }
     }
 
@@ -191,8 +250,8 @@ impl GatewayError {
         if let Some(b) = backend {
             resp.insert_header("x-agent-serve-backend", b)?;
         }
-        if self.status == 503 {
-            resp.insert_header("retry-after", "1")?;
+        if let Some(s) = self.retry_after.or((self.status == 503).then_some(1)) {
+            resp.insert_header("retry-after", s.to_string())?;
         }
         let unread_body = !session.is_body_done();
         // A body that could not be read (cut short, bad chunking) leaves the

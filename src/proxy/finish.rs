@@ -47,6 +47,7 @@ impl GatewayProxy {
                 kind: "gateway_error",
                 code: "gateway_error",
                 message: e.to_string(),
+                retry_after: None,
             }),
             (None, ErrorType::ReadTimedout) if e.esource() == &ErrorSource::Upstream => {
                 self.gw
@@ -75,6 +76,7 @@ impl GatewayProxy {
                     kind: "internal_error",
                     code: "internal_error",
                     message: "internal gateway error".into(),
+                    retry_after: None,
                 }),
             },
         };
@@ -208,6 +210,26 @@ impl GatewayProxy {
         if let (Some(route), 200) = (ctx.prefix.as_deref(), status) {
             if let Some(routed) = &route.routed {
                 self.gw.prefix.answered(&route.prompt, routed);
+            }
+        }
+        if ctx
+            .routing
+            .as_ref()
+            .is_some_and(|r| r.config.auth.keys_file.is_some())
+        {
+            // By tenant (the keys file's names; everyone else is `other`).
+            let tenant = ctx.who.label();
+            m.tenant_requests.with_label_values(&[tenant]).inc();
+            if let Some(u) = usage {
+                m.tenant_tokens
+                    .with_label_values(&[tenant, "prompt"])
+                    .inc_by(u.prompt_tokens);
+                m.tenant_tokens
+                    .with_label_values(&[tenant, "completion"])
+                    .inc_by(u.completion_tokens);
+                if let Some(c) = &ctx.who.client {
+                    c.used_tokens(u.prompt_tokens + u.completion_tokens);
+                }
             }
         }
         if let (Some(u), Some(b)) = (usage, &ctx.backend) {

@@ -179,6 +179,31 @@ pub struct RequestCtx {
     streamed: bool,
     /// The client connection's limits (HTTP/1 on a proxy listener).
     conn: Option<Arc<conn_guard::ConnState>>,
+    /// Who sent it and how it is admitted: see [`Admittance`].
+    who: Admittance,
+}
+
+/// Who sent a request (`auth`) and how it waits for a slot (`admission`).
+struct Admittance {
+    /// What its client key grants, when it presented a known one.
+    client: Option<Arc<crate::auth::Client>>,
+    /// Its tenant for fair share: the key's tenant, else its key or
+    /// `Authorization` value (hashed), else 0 (everyone without one).
+    tenant: u64,
+    class: crate::admission::Class,
+    /// The longest it waits for a slot.
+    max_wait: std::time::Duration,
+    /// Counted against its tenant's `max_in_flight` until it ends.
+    _tenant_slot: Option<crate::auth::TenantSlot>,
+    /// Its slot at its backend until it ends.
+    permit: Option<crate::admission::Permit>,
+}
+
+impl Admittance {
+    /// The tenant as metrics name it: the keys file's name, else `other`.
+    fn label(&self) -> &str {
+        self.client.as_ref().map_or("other", |c| &c.tenant.name)
+    }
 }
 
 impl RequestCtx {
@@ -271,6 +296,14 @@ impl ProxyHttp for GatewayProxy {
             first_byte: None,
             streamed: false,
             conn: None,
+            who: Admittance {
+                client: None,
+                tenant: 0,
+                class: crate::admission::Class::Normal,
+                max_wait: std::time::Duration::ZERO,
+                _tenant_slot: None,
+                permit: None,
+            },
         }
     }
 

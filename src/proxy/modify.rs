@@ -22,6 +22,24 @@ impl GatewayProxy {
         {
             upstream_request.insert_header("connection", "close")?;
         }
+        if let (Some(routing), Some(tier)) = (&ctx.routing, &ctx.tier) {
+            use crate::config::UpstreamAuthorization as Up;
+            let tier_cfg = routing.config.tiers.iter().find(|t| *t.name == *tier.name);
+            let up = tier_cfg
+                .and_then(|t| t.upstream_authorization.as_ref())
+                .unwrap_or(&routing.config.auth.upstream_authorization);
+            match up {
+                Up::Pass => {}
+                Up::Strip => {
+                    upstream_request.remove_header("authorization");
+                    upstream_request.remove_header("x-api-key");
+                }
+                Up::Set(v) => {
+                    upstream_request.remove_header("x-api-key");
+                    upstream_request.insert_header("authorization", v.clone())?;
+                }
+            }
+        }
         Ok(())
     }
 

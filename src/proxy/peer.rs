@@ -17,6 +17,9 @@ fn client_gone(session: &Session) -> bool {
         .is_some_and(|info| info.tcpi_state != TCP_ESTABLISHED)
 }
 
+/// How often a request waiting for a slot looks whether its client left.
+const CLIENT_LOOK: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Bytes of a request body per prompt token, for estimating a prefill before
 /// the backend has said how many tokens it was (about 4 for English text).
 const BODY_BYTES_PER_TOKEN: u64 = 4;
@@ -43,9 +46,14 @@ impl GatewayProxy {
         // A retry after a connect failure starts over: the failed attempt's
         // in-flight count ends here; its lease is handed over below.
         ctx.in_flight = None;
+        ctx.who.permit = None;
         let previous_lease = ctx.lease.take();
         let owner = previous_lease.as_ref().is_some_and(|l| l.owns_pending());
         let mut candidates = tier.candidates(&ctx.excluded);
+        let admission = routing.config.admission.enabled;
+        if admission {
+            self.gw.admission.mark(&mut candidates);
+        }
         // What each candidate holds of the prompt (`affinity.prefix`).
         let held = ctx
             .prefix
@@ -155,6 +163,12 @@ impl GatewayProxy {
             new_tokens = Some(body_tokens.saturating_sub(routed.tokens(p)));
             route.routed = Some(routed);
         }
+        if admission {
+            ctx.who.permit = Some(
+                self.admit(session, ctx, &tier, &backend, body_tokens)
+                    .await?,
+            );
+        }
         ctx.in_flight = Some(InFlight::new(
             &backend.stats,
             new_tokens.unwrap_or_else(|| backend.stats.cost.body_estimate(body_tokens)),
@@ -184,14 +198,106 @@ impl GatewayProxy {
         Ok(Box::new(peer))
     }
 
+    /// A slot at `backend` for this request: at once, or after waiting in
+    /// the gateway's queue, in order of class and fair share; else the 429
+    /// that says when to come back (its deadline passed, or the queue is
+    /// full), before any byte of it has gone upstream.
+    async fn admit(
+        &self,
+        session: &Session,
+        ctx: &mut RequestCtx,
+        tier: &Tier,
+        backend: &Backend,
+        tokens: u64,
+    ) -> Result<crate::admission::Permit> {
+        use crate::admission::Admit;
+        let adm = &self.gw.admission;
+        let m = &self.gw.metrics;
+        let class = ctx.who.class.as_str();
+        let weight = ctx.who.client.as_ref().map_or(1, |c| c.weight);
+        let ticket = match adm.admit(backend.slot, ctx.who.class, ctx.who.tenant, weight, tokens) {
+            Admit::Now(p) => {
+                m.admission_admitted
+                    .with_label_values(&[&tier.name, class, "now"])
+                    .inc();
+                return Ok(p);
+            }
+            Admit::Full => {
+                m.admission_rejected
+                    .with_label_values(&[&tier.name, class, "queue_full"])
+                    .inc();
+                let e = GatewayError::overloaded(
+                    "queue_full",
+                    format!("tier `{}` is saturated and its queue is full", tier.name),
+                    adm.retry_after_s(backend.slot),
+                );
+                return Err(self.fail(ctx, e));
+            }
+            Admit::Wait(t) => t,
+        };
+        let queued = m.admission_queued.with_label_values(&[&tier.name, class]);
+        queued.inc();
+        let since = Instant::now();
+        let wait = ticket.wait();
+        tokio::pin!(wait);
+        let deadline = tokio::time::sleep(ctx.who.max_wait);
+        tokio::pin!(deadline);
+        // The client's socket is looked at now and then: one that leaves
+        // leaves the queue (dropping the wait drops its ticket).
+        let mut look = tokio::time::interval(CLIENT_LOOK);
+        let got = loop {
+            tokio::select! {
+                p = &mut wait => break Ok(p),
+                _ = &mut deadline => break Err("deadline"),
+                _ = look.tick() => if client_gone(session) { break Err("client_gone") },
+            }
+        };
+        queued.dec();
+        m.admission_wait
+            .with_label_values(&[&tier.name, class])
+            .observe(since.elapsed().as_secs_f64());
+        match got {
+            Ok(p) => {
+                m.admission_admitted
+                    .with_label_values(&[&tier.name, class, "queued"])
+                    .inc();
+                Ok(p)
+            }
+            Err(reason) => {
+                m.admission_rejected
+                    .with_label_values(&[&tier.name, class, reason])
+                    .inc();
+                if reason == "client_gone" {
+                    return Err(pingora_core::Error::explain(
+                        ErrorType::ConnectionClosed,
+                        "client left while waiting for a slot",
+                    )
+                    .into_down());
+                }
+                let e = GatewayError::overloaded(
+                    "queue_timeout",
+                    format!(
+                        "no slot at backend {} within {} ms",
+                        backend.id,
+                        ctx.who.max_wait.as_millis()
+                    ),
+                    adm.retry_after_s(backend.slot),
+                );
+                Err(self.fail(ctx, e))
+            }
+        }
+    }
+
     pub(super) fn least_in_flight(&self, tier: &Tier, candidates: &[Candidate]) -> usize {
         // One snapshot: in-flight counts move while we look, and deciding on
         // two different readings can leave no candidate at the minimum.
+        // Full ones (admission) come last.
         let loads: Vec<u64> = candidates
             .iter()
             .map(|c| {
+                let full = if c.full { u64::MAX / 2 } else { 0 };
                 tier.backend_by_slot(c.slot)
-                    .map_or(u64::MAX, |b| b.in_flight())
+                    .map_or(u64::MAX, |b| b.in_flight().max(c.in_flight) + full)
             })
             .collect();
         let min = loads.iter().copied().min().unwrap_or(0);

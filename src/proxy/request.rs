@@ -127,6 +127,69 @@ impl GatewayProxy {
     }
 
     /// Everything `request_filter` decides; `Err` is answered to the client.
+    /// Who sent the request: its key's tenant (401 without a known key
+    /// where keys are required; 429 over the tenant's limits), its fair-share
+    /// tenant, priority class and deadline.
+    fn identify(
+        &self,
+        cfg: &crate::config::Config,
+        headers: &http::HeaderMap,
+        ctx: &mut RequestCtx,
+    ) -> std::result::Result<(), GatewayError> {
+        use crate::admission::Class;
+        let key = crate::auth::presented_key(headers);
+        let client = match (&cfg.auth.keys_file, key) {
+            (Some(_), Some(k)) => self.gw.auth.keys().look_up(k),
+            _ => None,
+        };
+        let m = &self.gw.metrics;
+        if client.is_none() && cfg.auth.required {
+            m.client_rejected
+                .with_label_values(&["other", "unauthorized"])
+                .inc();
+            return Err(GatewayError::unauthorized());
+        }
+        let adm = &cfg.admission;
+        if let Some(c) = &client {
+            let slot = c.take().map_err(|e| {
+                m.client_rejected
+                    .with_label_values(&[&c.tenant.name, e.limit])
+                    .inc();
+                GatewayError::over_limit(e.limit, &c.tenant.name, e.retry_after_s)
+            })?;
+            ctx.who._tenant_slot = Some(slot);
+        }
+        if adm.enabled {
+            let class = match headers.get(&adm.priority_header) {
+                Some(v) => Some(
+                    v.to_str()
+                        .ok()
+                        .and_then(Class::parse)
+                        .ok_or_else(|| GatewayError::bad_priority(adm.priority_header.as_str()))?,
+                ),
+                None => None,
+            };
+            ctx.who.class = class
+                .or(client.as_ref().and_then(|c| c.class))
+                .unwrap_or(adm.default_priority);
+            ctx.who.max_wait = headers
+                .get(&adm.max_wait_header)
+                .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+                .map_or(adm.max_wait, |ms| {
+                    adm.max_wait.min(std::time::Duration::from_millis(ms))
+                });
+            ctx.who.tenant = match (&client, key) {
+                (Some(c), _) => xxhash_rust::xxh3::xxh3_64(c.tenant.name.as_bytes()) | 1,
+                (None, Some(k)) => xxhash_rust::xxh3::xxh3_64(k) & !1,
+                (None, None) => headers
+                    .get(http::header::AUTHORIZATION)
+                    .map_or(0, |v| xxhash_rust::xxh3::xxh3_64(v.as_bytes()) & !1),
+            };
+        }
+        ctx.who.client = client;
+        Ok(())
+    }
+
     pub(super) async fn route_request(
         &self,
         session: &mut Session,
@@ -160,7 +223,12 @@ impl GatewayProxy {
             }
             ctx.explicit_target = Some(String::from_utf8_lossy(target.as_bytes()).into_owned());
         }
-        let scope_suffix = tenant_scope(cfg, headers, &routing.hasher)?;
+        self.identify(cfg, &req.headers, ctx)?;
+        let scope_suffix = match &ctx.who.client {
+            // A key's tenant scopes bindings: a header cannot claim another's.
+            Some(c) => format!("\u{0}k{}", c.tenant.name),
+            None => tenant_scope(cfg, headers, &routing.hasher)?,
+        };
         let declared = request_body::content_length(session)?;
         let limit = cfg.server.max_body_bytes;
         if declared.is_some_and(|len| len > limit) {

@@ -203,6 +203,8 @@ impl Backend {
             // The request's prompt fills it in (`affinity::prefix`).
             prefix_tokens: 0,
             failing: self.stats.outlier.failing(),
+            // Admission marks it (`Admission::mark`).
+            full: false,
         }
     }
 
