@@ -1,0 +1,399 @@
+//! Admission (issue 29) end to end: a real gateway process in front of
+//! simulated replicas whose streams it holds open (`hold_streams`), so a
+//! backend's one slot stays taken until the test lets it go. What is
+//! asserted is what a client sees: who is served when, the 429 and its
+//! `Retry-After`, that a refused request never reached the engine, and 401s.
+
+mod common;
+use common::*;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+/// One replica that runs one request at a time, behind a gateway with
+/// admission on (`max_wait_ms` as given) and `extra` sections.
+async fn one_slot(max_wait_ms: u64, extra: &str) -> (Vec<SimBackend>, Gateway) {
+    fleet(
+        1,
+        &format!(
+            "{}admission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: {max_wait_ms}\n{extra}",
+            affinity_yaml(600)
+        ),
+    )
+    .await
+}
+
+/// Start a stream that the replica holds open after its first token: it
+/// keeps the backend's one slot until `release_streams`.
+async fn hold_the_slot(
+    gw: &Gateway,
+    sim: &SimBackend,
+    headers: &[(&str, &str)],
+) -> impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> {
+    sim.set_faults(json!({"hold_streams": true})).await;
+    let mut body = chat_body("qwen3-8b", 0);
+    body["stream"] = json!(true);
+    let mut req = client()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-session-id", "holder");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req.json(&body).send().await.expect("stream starts");
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let first = stream.next().await.expect("first event").expect("bytes");
+    assert!(first.starts_with(b"data: "));
+    stream
+}
+
+fn queued(class: &str) -> String {
+    format!("agentserve_admission_queued{{class=\"{class}\",tier=\"default\"}}")
+}
+
+async fn engine_requests(sim: &SimBackend) -> u64 {
+    sim.stats().await["requests"].as_u64().unwrap()
+}
+
+#[tokio::test]
+async fn a_request_past_its_deadline_gets_429_with_retry_after_and_never_reaches_the_engine() {
+    let (sims, gw) = one_slot(400, "").await;
+    let mut held = hold_the_slot(&gw, &sims[0], &[]).await;
+    let before = engine_requests(&sims[0]).await;
+    let r = chat(
+        &client(),
+        &gw,
+        &[("x-session-id", "late")],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
+    assert_eq!(r.status, 429, "{}", String::from_utf8_lossy(&r.body));
+    let retry: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(retry >= 1);
+    let e = r.json();
+    assert_eq!(e["error"]["code"], "queue_timeout");
+    assert_eq!(e["error"]["type"], "rate_limit_error");
+    assert_eq!(
+        engine_requests(&sims[0]).await,
+        before,
+        "a refused request must not reach the engine"
+    );
+    assert_eq!(
+        gw.metric("agentserve_admission_rejected_total{class=\"normal\",reason=\"deadline\",tier=\"default\"}")
+            .await,
+        1.0
+    );
+    // A request's own, shorter deadline is kept too.
+    let r = chat(
+        &client(),
+        &gw,
+        &[("x-session-id", "late"), ("x-agent-serve-max-wait-ms", "1")],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
+    assert_eq!(r.status, 429);
+    sims[0].release_streams().await;
+    while held.next().await.is_some() {}
+    // The slot is free again: served at once.
+    let r = chat(
+        &client(),
+        &gw,
+        &[("x-session-id", "late")],
+        &chat_body("qwen3-8b", 1),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+}
+
+#[tokio::test]
+async fn a_queued_request_is_served_when_the_slot_frees_and_a_client_that_leaves_leaves_the_queue()
+{
+    let (sims, gw) = one_slot(60_000, "").await;
+    let mut held = hold_the_slot(&gw, &sims[0], &[]).await;
+    // One client gives up while queued...
+    let gone = tokio::spawn({
+        let url = gw.url("/v1/chat/completions");
+        async move {
+            let _ = client()
+                .post(url)
+                .header("x-session-id", "impatient")
+                .json(&chat_body("qwen3-8b", 0))
+                .send()
+                .await;
+        }
+    });
+    wait_until("the impatient request to queue", || async {
+        gw.metric(&queued("normal")).await == 1.0
+    })
+    .await;
+    gone.abort();
+    let _ = gone.await;
+    wait_until("the queue to let it go", || async {
+        gw.metric(&queued("normal")).await == 0.0
+    })
+    .await;
+    assert_eq!(
+        gw.metric("agentserve_admission_rejected_total{class=\"normal\",reason=\"client_gone\",tier=\"default\"}")
+            .await,
+        1.0
+    );
+    // ...another waits and is served once the slot is given back.
+    let patient = tokio::spawn({
+        let url = gw.url("/v1/chat/completions");
+        async move {
+            client()
+                .post(url)
+                .header("x-session-id", "patient")
+                .json(&chat_body("qwen3-8b", 0))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        }
+    });
+    wait_until("the patient request to queue", || async {
+        gw.metric(&queued("normal")).await == 1.0
+    })
+    .await;
+    let before = engine_requests(&sims[0]).await;
+    sims[0].release_streams().await;
+    while held.next().await.is_some() {}
+    assert_eq!(patient.await.unwrap().unwrap(), 200);
+    assert_eq!(
+        engine_requests(&sims[0]).await,
+        before + 1,
+        "the one that left never reached the engine"
+    );
+    assert_eq!(
+        gw.metric("agentserve_admission_admitted_total{class=\"normal\",path=\"queued\",tier=\"default\"}")
+            .await,
+        1.0
+    );
+}
+
+/// Queue one request per `(name, headers)` in turn, each only once the one
+/// before it is waiting, then free the slot; the order they were served in.
+async fn served_order(
+    gw: &Gateway,
+    sim: &SimBackend,
+    holder: &[(&str, &str)],
+    requests: Vec<(&'static str, Vec<(&'static str, String)>)>,
+) -> Vec<&'static str> {
+    let mut held = hold_the_slot(gw, sim, holder).await;
+    let order = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (i, (name, headers)) in requests.into_iter().enumerate() {
+        let url = gw.url("/v1/chat/completions");
+        let order = std::sync::Arc::clone(&order);
+        tasks.push(tokio::spawn(async move {
+            let mut req = client()
+                .post(url)
+                .header("x-session-id", format!("req-{i}"))
+                .json(&chat_body("qwen3-8b", i));
+            for (k, v) in &headers {
+                req = req.header(*k, v);
+            }
+            let status = req.send().await.expect("answered").status();
+            assert_eq!(status, 200);
+            order.lock().push(name);
+        }));
+        wait_until("the request to queue", || async {
+            let m = gw.metrics_text().await;
+            let total: f64 = ["interactive", "normal", "batch"]
+                .iter()
+                .map(|c| metric_value(&m, &queued(c)))
+                .sum();
+            total == (i + 1) as f64
+        })
+        .await;
+    }
+    sim.release_streams().await;
+    while held.next().await.is_some() {}
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let v = order.lock().clone();
+    v
+}
+
+#[tokio::test]
+async fn interactive_turns_go_before_normal_and_batch_that_came_first() {
+    let (sims, gw) = one_slot(60_000, "").await;
+    let p = |class: &str| vec![("x-agent-serve-priority", class.to_string())];
+    let order = served_order(
+        &gw,
+        &sims[0],
+        &[],
+        vec![
+            ("batch", p("batch")),
+            ("normal", p("normal")),
+            ("interactive", p("interactive")),
+        ],
+    )
+    .await;
+    assert_eq!(order, ["interactive", "normal", "batch"]);
+    // A class that is not one is refused, not guessed.
+    let r = chat(
+        &client(),
+        &gw,
+        &[("x-agent-serve-priority", "urgent")],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["code"], "invalid_priority");
+}
+
+#[tokio::test]
+async fn a_quiet_tenant_is_not_stuck_behind_a_noisy_tenants_queue() {
+    let (sims, gw) = one_slot(60_000, "").await;
+    let key = |k: &str| vec![("authorization", format!("Bearer {k}"))];
+    let mut requests: Vec<(&'static str, Vec<(&'static str, String)>)> =
+        (0..6).map(|_| ("noisy", key("sk-noisy"))).collect();
+    requests.push(("quiet", key("sk-quiet")));
+    let order = served_order(
+        &gw,
+        &sims[0],
+        &[("authorization", "Bearer sk-noisy")],
+        requests,
+    )
+    .await;
+    let quiet_at = order.iter().position(|n| *n == "quiet").unwrap();
+    // It came last, behind six of the noisy tenant's: without fair share it
+    // would be served last; with it, it goes next but one at most.
+    assert!(quiet_at <= 1, "served {order:?}");
+}
+
+fn keys_file(entries: &[(&str, &str, &str)]) -> String {
+    let mut s = String::from("keys:\n");
+    for (key, tenant, extra) in entries {
+        s += &format!(
+            "  - key_sha256: {}\n    tenant: {tenant}\n{extra}",
+            agent_gateway::auth::hash_key(key)
+        );
+    }
+    s
+}
+
+#[tokio::test]
+async fn client_keys_give_401_and_429_per_limit_and_reload_with_sighup() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.yaml");
+    std::fs::write(
+        &keys,
+        keys_file(&[("sk-alpha-secret", "alpha", "    max_in_flight: 1\n")]),
+    )
+    .unwrap();
+    let log = dir.path().join("gateway.log");
+    let sims = vec![SimBackend::start("vllm-0", &[])];
+    let gw_dir = tempfile::tempdir().unwrap();
+    let (port, metrics_port) = (free_port(), free_port_pair());
+    let yaml = config_yaml(
+        port,
+        metrics_port,
+        gw_dir.path(),
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}auth:\n  keys_file: \"{}\"\n  required: true\n  upstream_authorization: strip\n",
+            affinity_yaml(600),
+            keys.display()
+        ),
+    );
+    let gw = Gateway::start_yaml_logging_to(
+        gw_dir,
+        port,
+        metrics_port,
+        &yaml,
+        std::fs::File::create(&log).unwrap().into(),
+    )
+    .await;
+    let c = client();
+    let body = chat_body("qwen3-8b", 0);
+    // No key, a wrong key: 401.
+    for headers in [vec![], vec![("authorization", "Bearer sk-alpha-secreT")]] {
+        let r = chat(&c, &gw, &headers, &body).await;
+        assert_eq!(r.status, 401);
+        assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+    }
+    // The key, as a bearer token or as x-api-key.
+    let r = chat(&c, &gw, &[("x-api-key", "sk-alpha-secret")], &body).await;
+    assert_eq!(r.status, 200);
+    // Its tenant may run one request at a time: a second gets 429.
+    let mut held = hold_the_slot(
+        &gw,
+        &sims[0],
+        &[("authorization", "Bearer sk-alpha-secret")],
+    )
+    .await;
+    let r = chat(
+        &c,
+        &gw,
+        &[("authorization", "Bearer sk-alpha-secret")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.status, 429);
+    assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
+    assert!(r.headers.contains_key("retry-after"));
+    sims[0].release_streams().await;
+    while held.next().await.is_some() {}
+
+    // SIGHUP: a new key comes in, the old one goes.
+    std::fs::write(&keys, keys_file(&[("sk-beta-secret", "beta", "")])).unwrap();
+    signal(gw.pid(), libc::SIGHUP);
+    gw.reload("success", 1.0).await;
+    let r = chat(
+        &c,
+        &gw,
+        &[("authorization", "Bearer sk-beta-secret")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let r = chat(
+        &c,
+        &gw,
+        &[("authorization", "Bearer sk-alpha-secret")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.status, 401);
+    // A keys file that does not load is refused, and the keys in force stay.
+    std::fs::write(&keys, "keys: [{ key_sha256: nothex, tenant: x }]\n").unwrap();
+    signal(gw.pid(), libc::SIGHUP);
+    gw.reload("error", 1.0).await;
+    let r = chat(
+        &c,
+        &gw,
+        &[("authorization", "Bearer sk-beta-secret")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.status, 200);
+
+    // Tenants by name in metrics; no key anywhere.
+    let m = gw.metrics_text().await;
+    assert!(metric_value(&m, "agentserve_tenant_requests_total{tenant=\"beta\"}") >= 2.0);
+    assert!(
+        metric_value(
+            &m,
+            "agentserve_client_rejected_total{reason=\"max_in_flight\",tenant=\"alpha\"}"
+        ) == 1.0
+    );
+    let admin: Value = c
+        .get(gw.admin_url("/admin/admission"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(admin["tenants"], json!(["beta"]));
+    let logged = std::fs::read_to_string(&log).unwrap();
+    for secret in ["sk-alpha-secret", "sk-beta-secret"] {
+        assert!(!m.contains(secret), "a key in the metrics");
+        assert!(!logged.contains(secret), "a key in the log");
+        assert!(
+            !admin.to_string().contains(secret),
+            "a key in the admin view"
+        );
+    }
+}
