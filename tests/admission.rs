@@ -397,3 +397,50 @@ async fn client_keys_give_401_and_429_per_limit_and_reload_with_sighup() {
         );
     }
 }
+
+/// The official OpenAI Python SDK, pointed at the gateway, sent a 429 with
+/// `Retry-After` while the backend's slot is taken: it waits, retries and
+/// completes, as its users expect.
+#[tokio::test]
+async fn the_openai_python_sdk_retries_a_429_and_completes() {
+    let (sims, gw) = one_slot(300, "").await;
+    let mut held = hold_the_slot(&gw, &sims[0], &[]).await;
+    let script = r#"
+import sys, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="sk-sdk", max_retries=8)
+r = client.chat.completions.create(
+    model="qwen3-8b",
+    messages=[{"role": "user", "content": "hello"}],
+    max_tokens=4,
+    extra_headers={"x-session-id": "sdk-session"},
+)
+print("completed", r.choices[0].finish_reason)
+"#;
+    let python = agent_gateway::engine::default_python();
+    let sdk = tokio::process::Command::new(&python)
+        .arg("-c")
+        .arg(script)
+        .arg(gw.url("/v1"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("{} (run scripts/setup.sh): {e}", python.display()));
+    // Its first attempt is refused...
+    wait_until("the SDK's first attempt to get its 429", || async {
+        gw.metric("agentserve_admission_rejected_total{class=\"normal\",reason=\"deadline\",tier=\"default\"}")
+            .await
+            >= 1.0
+    })
+    .await;
+    // ...then the slot frees, and its retry gets it.
+    sims[0].release_streams().await;
+    while held.next().await.is_some() {}
+    let out = sdk.wait_with_output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.starts_with("completed"),
+        "the SDK failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
