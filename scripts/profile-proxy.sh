@@ -11,6 +11,7 @@
 #   BIN_BEFORE=/older/agent-gateway scripts/profile-proxy.sh   # adds its row
 #   KEEP=dir scripts/profile-proxy.sh            # keep callgrind.out.* for callgrind_annotate
 #   BACKENDS=8 scripts/profile-proxy.sh          # the gateway in front of 8 replicas (bare Pingora: the first)
+#   ADMISSION=1 scripts/profile-proxy.sh         # adds a row: admission and client keys on, unsaturated
 #
 # Prints instructions per request for each proxy, the ratio to the bare floor,
 # and the instructions inside each of the gateway's hooks, per request.
@@ -62,6 +63,16 @@ BP=$(port)
 profile bare-pingora "$BP" "$BARE" "127.0.0.1:$BP" "127.0.0.1:$SIM_PORT" 1
 GP=$(port); gateway_config "$GP" gateway 1
 profile agent-gateway "$GP" "$BIN" run --config "$WORK/gateway.yaml"
+if [ -n "${ADMISSION:-}" ]; then
+  # Every request presents a known key (tenant, limits looked at) and takes
+  # a slot (never waits: the limit is far above the load).
+  AP=$(port); gateway_config "$AP" admission 1
+  printf 'keys:\n  - { key_sha256: %s, tenant: profile, max_in_flight: 100000 }\n' \
+    "$(printf %s sk-profile-tenant | "$BIN" hash-key)" > "$WORK/keys.yaml"
+  printf 'admission: { enabled: true, max_in_flight: 100000 }\nauth: { keys_file: "%s" }\n' \
+    "$WORK/keys.yaml" >> "$WORK/admission.yaml"
+  profile agent-gateway-admission "$AP" "$BIN" run --config "$WORK/admission.yaml"
+fi
 if [ -n "${BIN_BEFORE:-}" ]; then
   OP=$(port); gateway_config "$OP" before 1
   profile agent-gateway-before "$OP" "$BIN_BEFORE" run --config "$WORK/before.yaml"

@@ -34,6 +34,7 @@ write_load() {
     cat > "$WORK/req.lua" <<'LUA'
 wrk.method = "POST"
 wrk.headers["content-type"] = "application/json"
+wrk.headers["authorization"] = "Bearer sk-profile-tenant"
 wrk.body = '{"model":"qwen3-8b","max_tokens":4,"messages":[{"role":"system","content":"You are a careful coding agent. Use the tools."},{"role":"user","content":"next step"}]}'
 local n = 0
 request = function()

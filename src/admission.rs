@@ -11,6 +11,12 @@
 //! finish-tag order; so one tenant's long prompts cannot starve another's
 //! short ones, and a tenant that was idle does not bank credit. A released slot goes straight to the best waiter of that
 //! backend (no herd of waiters racing for it).
+//!
+//! A backend may also cap the requests prefilling at once (sent, no first
+//! byte back yet): on an engine whose prefill is compute-bound and one at a
+//! time, a request let in behind three others' prefills waits for all three
+//! inside the engine, where no class or tenant counts; held here instead, it
+//! goes next in fair order.
 
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
@@ -67,6 +73,11 @@ struct Waiter {
 struct Backend {
     running: u32,
     limit: u32,
+    /// Of `running`, those whose first byte has not come back (prefilling,
+    /// or queued for it inside the engine).
+    prefilling: u32,
+    /// How many may be prefilling at once (0: no limit).
+    max_prefilling: u32,
     waiting: BTreeMap<Place, Waiter>,
     /// How long its requests have held a slot, ms (a moving average; 0:
     /// none has finished yet).
@@ -77,6 +88,19 @@ struct Backend {
 const HOLD_ALPHA: f64 = 0.1;
 /// What a slot is taken to be held for before any request has finished.
 const HOLD_PRIOR_MS: f64 = 1_000.0;
+
+impl Backend {
+    /// Whether one more request may start here now.
+    fn has_room(&self) -> bool {
+        (self.limit == 0 || self.running < self.limit)
+            && (self.max_prefilling == 0 || self.prefilling < self.max_prefilling)
+    }
+
+    fn start(&mut self) {
+        self.running += 1;
+        self.prefilling += 1;
+    }
+}
 
 #[derive(Default)]
 struct State {
@@ -89,11 +113,18 @@ struct State {
     queued: usize,
 }
 
+/// Sessions whose class is remembered for their subagents at most; past
+/// it the memory starts over (a subagent then takes its own default).
+const MAX_CLASSES: usize = 100_000;
+
 /// The admission state of a set of backends (one gateway's).
 pub struct Admission {
     state: Mutex<State>,
     /// Requests that may wait at once, over all backends.
     max_queued: usize,
+    /// The class each session's requests named last, by session key: what
+    /// its subagents inherit when they name none.
+    classes: Mutex<HashMap<u128, Class>>,
 }
 
 /// A running request's slot at its backend; dropping it frees the slot for
@@ -102,12 +133,36 @@ pub struct Permit {
     admission: Arc<Admission>,
     backend: u32,
     since: Instant,
+    prefilled: bool,
+}
+
+impl Permit {
+    fn new(admission: &Arc<Admission>, backend: u32) -> Permit {
+        Permit {
+            admission: Arc::clone(admission),
+            backend,
+            since: Instant::now(),
+            prefilled: false,
+        }
+    }
+
+    /// Its first byte came back: it no longer counts as prefilling.
+    pub fn prefilled(&mut self) {
+        if !std::mem::replace(&mut self.prefilled, true) {
+            let mut st = self.admission.state.lock();
+            if let Some(b) = st.backends.get_mut(&self.backend) {
+                b.prefilling = b.prefilling.saturating_sub(1);
+            }
+            fill(&mut st, self.backend);
+        }
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
         let held_ms = self.since.elapsed().as_secs_f64() * 1000.0;
-        self.admission.release(self.backend, Some(held_ms));
+        self.admission
+            .release(self.backend, Some(held_ms), self.prefilled);
     }
 }
 
@@ -130,11 +185,7 @@ impl Ticket {
             let _ = woken.await;
         }
         self.woken = None;
-        Permit {
-            admission: Arc::clone(&self.admission),
-            backend: self.backend,
-            since: Instant::now(),
-        }
+        Permit::new(&self.admission, self.backend)
     }
 }
 
@@ -152,7 +203,7 @@ impl Drop for Ticket {
             } else if woken.try_recv().is_ok() {
                 // Handed a slot, then gone before using it: pass it on.
                 drop(st);
-                self.admission.release(self.backend, None);
+                self.admission.release(self.backend, None, false);
             }
         }
     }
@@ -171,20 +222,32 @@ impl Admission {
         Arc::new(Admission {
             state: Mutex::new(State::default()),
             max_queued,
+            classes: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Set how many requests `backend` runs at once (0: no limit); a raised
-    /// limit takes waiters in at once.
-    pub fn set_limit(&self, backend: u32, limit: u32) {
-        let mut st = self.state.lock();
-        st.backends.entry(backend).or_default().limit = limit;
-        while st.backends[&backend].running < limit || limit == 0 {
-            if !hand_over(&mut st, backend) {
-                return;
-            }
-            st.backends.get_mut(&backend).expect("just made").running += 1;
+    /// `session`'s requests named `class`: its subagents inherit it.
+    pub fn name_class(&self, session: u128, class: Class) {
+        let mut classes = self.classes.lock();
+        if classes.len() >= MAX_CLASSES && !classes.contains_key(&session) {
+            classes.clear();
         }
+        classes.insert(session, class);
+    }
+
+    /// The class `session`'s requests named last, if they did.
+    pub fn named_class(&self, session: u128) -> Option<Class> {
+        self.classes.lock().get(&session).copied()
+    }
+
+    /// Set how many requests `backend` runs at once, and how many of them
+    /// may be prefilling (0: no limit); raised limits take waiters in at once.
+    pub fn set_limit(&self, backend: u32, limit: u32, max_prefilling: u32) {
+        let mut st = self.state.lock();
+        let b = st.backends.entry(backend).or_default();
+        b.limit = limit;
+        b.max_prefilling = max_prefilling;
+        fill(&mut st, backend);
     }
 
     /// A request of `tenant` (an id: fair-share `weight`, at least 1),
@@ -203,15 +266,11 @@ impl Admission {
         let start = last.max(vtime);
         let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
         let b = st.backends.entry(backend).or_default();
-        if b.limit == 0 || (b.running < b.limit && b.waiting.is_empty()) {
-            b.running += 1;
+        if b.has_room() && b.waiting.is_empty() {
+            b.start();
             st.vtime = st.vtime.max(start);
             remember(&mut st, tenant, finish);
-            return Admit::Now(Permit {
-                admission: Arc::clone(self),
-                backend,
-                since: Instant::now(),
-            });
+            return Admit::Now(Permit::new(self, backend));
         }
         if st.queued >= self.max_queued {
             return Admit::Full;
@@ -234,21 +293,24 @@ impl Admission {
         })
     }
 
-    /// A slot of `backend` is free (after `held_ms` in use, when it was):
-    /// hand it to its best waiter, or count it free.
-    fn release(&self, backend: u32, held_ms: Option<f64>) {
+    /// A slot of `backend` is free (after `held_ms` in use, when it was;
+    /// `prefilled`: its first byte had come back): hand it on to the best
+    /// waiters there is room for.
+    fn release(&self, backend: u32, held_ms: Option<f64>, prefilled: bool) {
         let mut st = self.state.lock();
-        if let (Some(ms), Some(b)) = (held_ms, st.backends.get_mut(&backend)) {
-            b.hold_ms = match b.hold_ms {
-                0.0 => ms,
-                avg => avg + HOLD_ALPHA * (ms - avg),
-            };
-        }
-        if !hand_over(&mut st, backend) {
-            if let Some(b) = st.backends.get_mut(&backend) {
-                b.running = b.running.saturating_sub(1);
+        if let Some(b) = st.backends.get_mut(&backend) {
+            if let Some(ms) = held_ms {
+                b.hold_ms = match b.hold_ms {
+                    0.0 => ms,
+                    avg => avg + HOLD_ALPHA * (ms - avg),
+                };
+            }
+            b.running = b.running.saturating_sub(1);
+            if !prefilled {
+                b.prefilling = b.prefilling.saturating_sub(1);
             }
         }
+        fill(&mut st, backend);
     }
 
     /// An honest `Retry-After` for a request refused a slot at `backend`,
@@ -275,7 +337,7 @@ impl Admission {
         let st = self.state.lock();
         for c in candidates {
             if let Some(b) = st.backends.get(&c.slot) {
-                c.full = b.limit > 0 && (b.running >= b.limit || !b.waiting.is_empty());
+                c.full = !b.has_room() || !b.waiting.is_empty();
                 c.in_flight += b.waiting.len() as u64;
             }
         }
@@ -307,22 +369,26 @@ impl Admission {
     }
 }
 
-/// Give a slot of `backend` to its best waiter still there (one whose ticket
-/// is gone meanwhile is skipped); whether one took it. The virtual time moves
-/// to the taker's start tag.
-fn hand_over(st: &mut State, backend: u32) -> bool {
-    while let Some((_, w)) = st
-        .backends
-        .get_mut(&backend)
-        .and_then(|b| b.waiting.pop_first())
-    {
+/// Give the room `backend` has to its best waiters still there (one whose
+/// ticket is gone meanwhile is skipped). The virtual time moves to each
+/// taker's start tag.
+fn fill(st: &mut State, backend: u32) {
+    loop {
+        let Some(b) = st.backends.get_mut(&backend) else {
+            return;
+        };
+        if !b.has_room() {
+            return;
+        }
+        let Some((_, w)) = b.waiting.pop_first() else {
+            return;
+        };
         st.queued -= 1;
         if w.wake.send(()).is_ok() {
+            b.start();
             st.vtime = st.vtime.max(w.start);
-            return true;
         }
     }
-    false
 }
 
 fn remember(st: &mut State, tenant: u64, finish: u64) {
@@ -387,7 +453,7 @@ mod tests {
     #[tokio::test]
     async fn a_backend_runs_its_limit_and_hands_a_freed_slot_to_a_waiter() {
         let a = Admission::new(100);
-        a.set_limit(0, 2);
+        a.set_limit(0, 2, 0);
         let p1 = now(a.admit(0, Class::Normal, t("t"), 1, 100));
         let _p2 = now(a.admit(0, Class::Normal, t("t"), 1, 100));
         let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 100));
@@ -402,7 +468,7 @@ mod tests {
     #[tokio::test]
     async fn interactive_turns_go_before_normal_and_batch_whenever_they_came() {
         let a = Admission::new(100);
-        a.set_limit(0, 1);
+        a.set_limit(0, 1, 0);
         let first = now(a.admit(0, Class::Batch, t("t"), 1, 10));
         let tickets = vec![
             ("batch", waits(a.admit(0, Class::Batch, t("t"), 1, 10))),
@@ -421,7 +487,7 @@ mod tests {
     #[tokio::test]
     async fn one_tenants_long_prompts_do_not_starve_anothers_short_ones() {
         let a = Admission::new(100);
-        a.set_limit(0, 1);
+        a.set_limit(0, 1, 0);
         let first = now(a.admit(0, Class::Normal, t("noisy"), 1, 8_000));
         // The noisy tenant queues four long prompts, then the quiet one two
         // short ones: the quiet tenant's come next, not after all of noisy's.
@@ -445,7 +511,7 @@ mod tests {
     #[tokio::test]
     async fn a_heavier_weight_gets_a_larger_share() {
         let a = Admission::new(100);
-        a.set_limit(0, 1);
+        a.set_limit(0, 1, 0);
         let first = now(a.admit(0, Class::Normal, t("x"), 1, 1));
         let mut tickets = Vec::new();
         for _ in 0..4 {
@@ -466,7 +532,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_that_leaves_the_queue_is_gone_at_once_and_skipped() {
         let a = Admission::new(2);
-        a.set_limit(0, 1);
+        a.set_limit(0, 1, 0);
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let gone = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         let stays = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -484,7 +550,7 @@ mod tests {
     #[tokio::test]
     async fn a_slot_handed_to_a_request_gone_meanwhile_is_passed_on() {
         let a = Admission::new(10);
-        a.set_limit(0, 1);
+        a.set_limit(0, 1, 0);
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let gone = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -498,7 +564,7 @@ mod tests {
     async fn a_wait_abandoned_after_its_slot_came_passes_the_slot_on() {
         use futures_util::FutureExt;
         let a = Admission::new(10);
-        a.set_limit(0, 1);
+        a.set_limit(0, 1, 0);
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let mut waiting = Box::pin(waits(a.admit(0, Class::Normal, t("t"), 1, 10)).wait());
         let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -513,10 +579,10 @@ mod tests {
     #[tokio::test]
     async fn a_raised_limit_takes_waiters_in_at_once() {
         let a = Admission::new(10);
-        a.set_limit(0, 1);
+        a.set_limit(0, 1, 0);
         let _p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
-        a.set_limit(0, 2);
+        a.set_limit(0, 2, 0);
         use futures_util::FutureExt;
         let in_now = ticket.wait().now_or_never();
         assert!(in_now.is_some());
@@ -526,7 +592,7 @@ mod tests {
     #[tokio::test]
     async fn retry_after_grows_with_the_queue_and_the_slot_hold_time() {
         let a = Admission::new(100);
-        a.set_limit(0, 2);
+        a.set_limit(0, 2, 0);
         // Before any request has finished, a slot is taken to be held 1 s.
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let _q = now(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -545,8 +611,8 @@ mod tests {
     fn full_backends_are_marked_and_their_queues_count_as_load() {
         use crate::affinity::Candidate;
         let a = Admission::new(100);
-        a.set_limit(0, 1);
-        a.set_limit(1, 1);
+        a.set_limit(0, 1, 0);
+        a.set_limit(1, 1, 0);
         let _p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let _w = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         let mut c = [
@@ -567,6 +633,29 @@ mod tests {
         a.mark(&mut c);
         assert!(c[0].full && !c[1].full && !c[2].full);
         assert_eq!(c[0].in_flight, 2);
+    }
+
+    #[tokio::test]
+    async fn a_backend_prefills_at_most_its_max_prefilling_at_once() {
+        use futures_util::FutureExt;
+        let a = Admission::new(10);
+        a.set_limit(0, 4, 1);
+        let mut first = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        // Three slots are free, but one request is prefilling: the next waits.
+        let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        first.prefilled();
+        let second = next
+            .wait()
+            .now_or_never()
+            .expect("in once the first has prefilled");
+        assert_eq!(a.depth(0), (0, 2));
+        // Finishing before its first byte frees its prefill too.
+        let third = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        drop(second);
+        let _third = third
+            .wait()
+            .now_or_never()
+            .expect("in once the second ended");
     }
 
     #[test]

@@ -85,7 +85,14 @@ fn configure_admission(admission: &crate::admission::Admission, routing: &Routin
     for (tier, tc) in routing.tiers.iter().zip(&routing.config.tiers) {
         for bc in &tc.backends {
             if let Some(b) = tier.backend_by_id(&bc.id) {
-                admission.set_limit(b.slot, if on { bc.max_in_flight } else { 0 });
+                match on {
+                    true => admission.set_limit(
+                        b.slot,
+                        bc.max_in_flight,
+                        routing.config.admission.max_prefilling,
+                    ),
+                    false => admission.set_limit(b.slot, 0, 0),
+                }
             }
         }
     }

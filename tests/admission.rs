@@ -444,3 +444,41 @@ print("completed", r.choices[0].finish_reason)
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[tokio::test]
+async fn a_subagent_inherits_its_parents_class_unless_it_names_one() {
+    let (sims, gw) = one_slot(60_000, "").await;
+    // The parent session's turn says it is interactive.
+    let r = chat(
+        &client(),
+        &gw,
+        &[
+            ("x-session-id", "lead"),
+            ("x-agent-serve-priority", "interactive"),
+        ],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let h = |pairs: &[(&'static str, &str)]| -> Vec<(&'static str, String)> {
+        pairs.iter().map(|(k, v)| (*k, v.to_string())).collect()
+    };
+    let order = served_order(
+        &gw,
+        &sims[0],
+        &[],
+        vec![
+            ("normal", h(&[])),
+            (
+                "batch subagent",
+                h(&[
+                    ("x-parent-session-id", "lead"),
+                    ("x-agent-serve-priority", "batch"),
+                ]),
+            ),
+            ("subagent", h(&[("x-parent-session-id", "lead")])),
+        ],
+    )
+    .await;
+    assert_eq!(order, ["subagent", "normal", "batch subagent"]);
+}

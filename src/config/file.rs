@@ -40,6 +40,7 @@ pub(crate) struct FileAdmission {
     pub(crate) enabled: bool,
     /// Per backend, unless its tier or itself says otherwise (0: no limit).
     pub(crate) max_in_flight: u32,
+    pub(crate) max_prefilling: u32,
     pub(crate) max_wait_ms: u64,
     pub(crate) max_queued: usize,
     pub(crate) priority_header: String,
@@ -52,6 +53,7 @@ impl Default for FileAdmission {
         FileAdmission {
             enabled: false,
             max_in_flight: 0,
+            max_prefilling: 0,
             max_wait_ms: 30_000,
             max_queued: 10_000,
             priority_header: "x-agent-serve-priority".into(),

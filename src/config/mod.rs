@@ -135,6 +135,9 @@ pub struct BackendConfig {
 pub struct AdmissionConfig {
     /// Off: every request goes straight on (the behaviour before issue 29).
     pub enabled: bool,
+    /// Of a backend's running requests, how many may be prefilling (sent,
+    /// no first byte back) at once (0: no limit).
+    pub max_prefilling: u32,
     /// The longest a request waits for a slot before a 429.
     pub max_wait: Duration,
     /// Requests waiting at once, over all backends; more get a 429 at once.

@@ -229,6 +229,7 @@ pub(super) fn validate_admission(
     }
     AdmissionConfig {
         enabled: a.enabled,
+        max_prefilling: a.max_prefilling,
         max_wait: Duration::from_millis(a.max_wait_ms),
         max_queued: a.max_queued.clamp(1, 1_000_000),
         priority_header,

@@ -94,6 +94,20 @@ pub struct BenchArgs {
     /// Prefix for session ids (runs with different prefixes never share bindings).
     #[arg(long, default_value = "bench")]
     pub id_prefix: String,
+    /// A header sent with every request, `Name: value` (repeatable): a
+    /// tenant's key (`Authorization: Bearer ...`), a priority class.
+    #[arg(long = "header", value_parser = parse_header)]
+    pub headers: Vec<(String, String)>,
+}
+
+fn parse_header(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s
+        .split_once(':')
+        .ok_or_else(|| format!("`{s}`: want `Name: value`"))?;
+    let (k, v) = (k.trim(), v.trim());
+    http::HeaderName::from_bytes(k.as_bytes()).map_err(|e| format!("`{k}`: {e}"))?;
+    http::HeaderValue::from_str(v).map_err(|e| format!("`{k}` value: {e}"))?;
+    Ok((k.to_string(), v.to_string()))
 }
 
 impl BenchArgs {
@@ -204,6 +218,9 @@ async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
     let started = Instant::now();
     let base = next_url(&args.url);
     let mut req = client.post(format!("{base}{}", t.path)).json(&t.body);
+    for (k, v) in &args.headers {
+        req = req.header(k.as_str(), v.as_str());
+    }
     if !args.keyless {
         req = req.header(args.session_header.as_str(), t.session_id.as_str());
         if let Some(p) = &t.parent_id {

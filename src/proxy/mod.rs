@@ -191,6 +191,9 @@ struct Admittance {
     /// `Authorization` value (hashed), else 0 (everyone without one).
     tenant: u64,
     class: crate::admission::Class,
+    /// Its class came from its own header (else its parent's, its key's or
+    /// the default).
+    class_named: bool,
     /// The longest it waits for a slot.
     max_wait: std::time::Duration,
     /// Counted against its tenant's `max_in_flight` until it ends.
@@ -300,6 +303,7 @@ impl ProxyHttp for GatewayProxy {
                 client: None,
                 tenant: 0,
                 class: crate::admission::Class::Normal,
+                class_named: false,
                 max_wait: std::time::Duration::ZERO,
                 _tenant_slot: None,
                 permit: None,

@@ -127,6 +127,9 @@ impl GatewayProxy {
                 if let Some(f) = ctx.in_flight.as_mut() {
                     f.prefilled();
                 }
+                if let Some(p) = ctx.who.permit.as_mut() {
+                    p.prefilled();
+                }
             }
             if let Some(scanner) = ctx.usage.as_mut() {
                 scanner.push(chunk);

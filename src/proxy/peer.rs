@@ -164,6 +164,15 @@ impl GatewayProxy {
             route.routed = Some(routed);
         }
         if admission {
+            // Subagents inherit their parent session's class unless they name one.
+            if let Some(sref) = &ctx.session_ref {
+                let adm = &self.gw.admission;
+                if ctx.who.class_named {
+                    adm.name_class(sref.key, ctx.who.class);
+                } else if let Some(c) = sref.parent.and_then(|p| adm.named_class(p)) {
+                    ctx.who.class = c;
+                }
+            }
             ctx.who.permit = Some(
                 self.admit(session, ctx, &tier, &backend, body_tokens)
                     .await?,

@@ -169,6 +169,7 @@ impl GatewayProxy {
                 ),
                 None => None,
             };
+            ctx.who.class_named = class.is_some();
             ctx.who.class = class
                 .or(client.as_ref().and_then(|c| c.class))
                 .unwrap_or(adm.default_priority);

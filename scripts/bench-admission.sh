@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Admission benchmark (issue 29): 3 simulated replicas that run 4 requests
+# at a time each (the rest wait in the engine's own queue, as vLLM's
+# num_requests_waiting) with serial prefill and a scarce prefix cache, behind
+# one gateway with admission off (every request straight on: the baseline)
+# and on (max_in_flight 4 per backend, the engines' batch):
+#
+#   tenants   a quiet tenant (4 conversations, 2 at a time, its own key)
+#             alone, then beside a noisy one (60 conversations at once,
+#             another key: 5x the fleet's 12 slots)
+#   classes   one tenant's interactive turns (4 conversations, 2 at a time)
+#             alone, then beside a batch of its own subagent-like requests
+#             (60 at once, x-agent-serve-priority: batch)
+#
+# The contended runs start the heavy load first and the light one a second
+# later; the heavy one runs on past the light one's end. While they run,
+# each engine's waiting queue is sampled every 100 ms. Replicas and the
+# gateway are restarted before each run. Prints one table per scenario and
+# the ratios the issue asks for.
+#
+#   scripts/bench-admission.sh
+#   BIN=target/debug/agent-gateway scripts/bench-admission.sh   # skip the build
+#
+# Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${BIN:-}" ]; then
+  cargo build --profile demo --quiet
+  BIN=target/demo/agent-gateway
+fi
+HEAVY_TURNS="${HEAVY_TURNS:-10}"
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 1 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+
+QUIET_KEY=sk-bench-quiet
+NOISY_KEY=sk-bench-noisy
+cat > "$WORK/keys.yaml" <<YAML
+keys:
+  - { key_sha256: $(printf %s "$QUIET_KEY" | "$BIN" hash-key), tenant: quiet }
+  - { key_sha256: $(printf %s "$NOISY_KEY" | "$BIN" hash-key), tenant: noisy }
+YAML
+
+SIM_PORTS=($(port) $(port) $(port))
+RUN_PIDS=()
+start() {  # admission on|off: fresh replicas and gateway; sets GW, MP
+  local on=$1 gp ap
+  for p in "${RUN_PIDS[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  RUN_PIDS=()
+  for i in 0 1 2; do
+    "$BIN" sim-backend --listen "127.0.0.1:${SIM_PORTS[$i]}" --id "vllm-$i" --max-batch 4 \
+      --serial-prefill --cache-blocks 4096 >/dev/null &
+    RUN_PIDS+=($!); PIDS+=($!)
+  done
+  gp=$(port); MP=$(port); ap=$(port)
+  local section=""
+  if [ "$on" = on ]; then
+    section="admission: { enabled: true, max_in_flight: 4, max_wait_ms: 60000 }
+auth: { keys_file: \"$WORK/keys.yaml\" }"
+  fi
+  cat > "$WORK/gw.yaml" <<YAML
+server:
+  listen: ["127.0.0.1:$gp"]
+  pid_file: "$WORK/gw.pid"
+  upgrade_sock: "$WORK/gw.sock"
+tiers:
+  default:
+    default: true
+    backends:
+      - { id: vllm-0, addr: "127.0.0.1:${SIM_PORTS[0]}" }
+      - { id: vllm-1, addr: "127.0.0.1:${SIM_PORTS[1]}" }
+      - { id: vllm-2, addr: "127.0.0.1:${SIM_PORTS[2]}" }
+affinity: { hash_key: "admission-bench" }
+health: { interval_ms: 500 }
+metrics: { listen: "127.0.0.1:$MP" }
+admin: { listen: "127.0.0.1:$ap" }
+$section
+YAML
+  for i in 0 1 2; do wait_port "${SIM_PORTS[$i]}"; done
+  RUST_LOG=error "$BIN" run --config "$WORK/gw.yaml" >/dev/null 2>&1 &
+  RUN_PIDS+=($!); PIDS+=($!)
+  wait_port "$gp"
+  GW="http://127.0.0.1:$gp"
+}
+
+light() {  # label, key, extra header...: the light load's report (JSON) on stdout
+  local label=$1 key=$2; shift 2
+  local extra=()
+  for h in "$@"; do extra+=(--header "$h"); done
+  "$BIN" bench --url "$GW" --sessions 4 --turns 6 -c 2 --context-bytes 8000 \
+    --id-prefix "light-$label" --label "$label" --header "Authorization: Bearer $key" "${extra[@]}" --json
+}
+
+heavy() {  # label, key, extra header...: runs in the background, report to $WORK/heavy.json
+  local label=$1 key=$2; shift 2
+  local extra=()
+  for h in "$@"; do extra+=(--header "$h"); done
+  "$BIN" bench --url "$GW" --sessions 60 --turns "$HEAVY_TURNS" -c 60 --context-bytes 8000 \
+    --id-prefix "heavy-$label" --label "$label" --header "Authorization: Bearer $key" "${extra[@]}" \
+    --json > "$WORK/heavy.json" &
+  HEAVY=$!
+}
+
+sample_queues() {  # until $1 exits: each engine's num_requests_waiting, every 100 ms
+  : > "$WORK/waiting"
+  while kill -0 "$1" 2>/dev/null; do
+    for p in "${SIM_PORTS[@]}"; do
+      curl -s "http://127.0.0.1:$p/metrics" | awk '/^vllm:num_requests_waiting/ {print $NF}' >> "$WORK/waiting"
+    done
+    sleep 0.1
+  done
+}
+
+# scenario NAME LIGHT_KEY HEAVY_KEY LIGHT_HEADER HEAVY_HEADER
+scenario() {
+  local name=$1 lkey=$2 hkey=$3 lh=$4 hh=$5
+  for mode in off on; do
+    start "$mode"
+    light "alone" "$lkey" $lh > "$WORK/$name-$mode-alone.json"
+    start "$mode"
+    heavy "heavy" "$hkey" $hh
+    sleep 1   # the heavy load is on (the behaviour under test, not synchronisation)
+    sample_queues "$HEAVY" &
+    local sampler=$!
+    light "beside" "$lkey" $lh > "$WORK/$name-$mode-beside.json"
+    wait "$HEAVY"
+    wait "$sampler"
+    cp "$WORK/heavy.json" "$WORK/$name-$mode-heavy.json"
+    cp "$WORK/waiting" "$WORK/$name-$mode-waiting"
+  done
+  python3 - "$WORK" "$name" <<'PY'
+import json, sys
+work, name = sys.argv[1], sys.argv[2]
+def load(mode, part):
+    return json.load(open(f"{work}/{name}-{mode}-{part}.json"))
+def waiting(mode):
+    v = [float(x) for x in open(f"{work}/{name}-{mode}-waiting").read().split()]
+    return (sum(v) / len(v) if v else 0.0, max(v) if v else 0.0)
+print(f"\n### {name}\n")
+print("| admission | light TTFT p50 / p99 alone | light TTFT p50 / p99 beside heavy | p99 beside ÷ alone | light E2E p99 beside | heavy req/s | heavy prefix-cache hit | errors (light, heavy) | engines' waiting queue, mean / peak per backend |")
+print("|---|---|---|---|---|---|---|---|---|")
+res = {}
+for mode in ("off", "on"):
+    a, b, h = load(mode, "alone"), load(mode, "beside"), load(mode, "heavy")
+    mean, peak = waiting(mode)
+    ratio = b["ttft"]["p99_ms"] / max(a["ttft"]["p99_ms"], 1e-9)
+    res[mode] = (ratio, h["requests_per_s"], h["prefix_cache_hit_rate"], b["prefix_cache_hit_rate"])
+    print(f"| {mode} | {a['ttft']['p50_ms']:.0f} / {a['ttft']['p99_ms']:.0f} ms | {b['ttft']['p50_ms']:.0f} / {b['ttft']['p99_ms']:.0f} ms | **{ratio:.2f}×** | {b['e2e']['p99_ms']:.0f} ms | {h['requests_per_s']:.1f} | {100*h['prefix_cache_hit_rate']:.1f}% | {b['errors']}, {h['errors']} | {mean:.2f} / {peak:.0f} |")
+print()
+print(f"- heavy throughput, on ÷ off: **{res['on'][1] / max(res['off'][1], 1e-9):.2f}×**")
+print(f"- prefix-cache hit, on ÷ off: heavy **{res['on'][2] / max(res['off'][2], 1e-9):.3f}×**, light {res['on'][3] / max(res['off'][3], 1e-9):.3f}×")
+PY
+}
+
+echo "admission bench: 3 replicas x 4 running (serial prefill), light 4x6 turns at 2, heavy 60x$HEAVY_TURNS turns at 60"
+scenario "tenants: quiet beside noisy" "$QUIET_KEY" "$NOISY_KEY" "" ""
+scenario "classes: interactive beside batch (one tenant)" "$QUIET_KEY" "$QUIET_KEY" \
+  "x-agent-serve-priority:interactive" "x-agent-serve-priority:batch"
