@@ -2,8 +2,9 @@
 # Admission benchmark (issue 29): 3 simulated replicas that run 4 requests
 # at a time each (the rest wait in the engine's own queue, as vLLM's
 # num_requests_waiting) with serial prefill and a scarce prefix cache, behind
-# one gateway with admission off (every request straight on: the baseline)
-# and on (max_in_flight 4 per backend, the engines' batch):
+# one gateway with admission off (every request straight on: the baseline),
+# on (max_in_flight 4 per backend, the engines' batch) and gated (also
+# max_prefilling 1: one request at a time awaits its first byte per backend):
 #
 #   tenants   a quiet tenant (4 conversations, 2 at a time, its own key)
 #             alone, then beside a noisy one (60 conversations at once,
@@ -29,6 +30,9 @@ if [ -z "${BIN:-}" ]; then
   BIN=target/demo/agent-gateway
 fi
 HEAVY_TURNS="${HEAVY_TURNS:-10}"
+CONTEXT_BYTES="${CONTEXT_BYTES:-8000}"
+# off: admission off (the baseline); on: max_in_flight 4; gated: and max_prefilling 1
+MODES="${MODES:-off on gated}"
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
@@ -58,10 +62,12 @@ start() {  # admission on|off: fresh replicas and gateway; sets GW, MP
   done
   gp=$(port); MP=$(port); ap=$(port)
   local section=""
-  if [ "$on" = on ]; then
-    section="admission: { enabled: true, max_in_flight: 4, max_wait_ms: 60000 }
-auth: { keys_file: \"$WORK/keys.yaml\" }"
-  fi
+  case "$on" in
+    on) section="admission: { enabled: true, max_in_flight: 4, max_wait_ms: 60000 }
+auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
+    gated) section="admission: { enabled: true, max_in_flight: 4, max_prefilling: 1, max_wait_ms: 60000 }
+auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
+  esac
   cat > "$WORK/gw.yaml" <<YAML
 server:
   listen: ["127.0.0.1:$gp"]
@@ -91,7 +97,7 @@ light() {  # label, key, extra header...: the light load's report (JSON) on stdo
   local label=$1 key=$2; shift 2
   local extra=()
   for h in "$@"; do extra+=(--header "$h"); done
-  "$BIN" bench --url "$GW" --sessions 4 --turns 6 -c 2 --context-bytes 8000 \
+  "$BIN" bench --url "$GW" --sessions 4 --turns 6 -c 2 --context-bytes "$CONTEXT_BYTES" \
     --id-prefix "light-$label" --label "$label" --header "Authorization: Bearer $key" "${extra[@]}" --json
 }
 
@@ -99,7 +105,7 @@ heavy() {  # label, key, extra header...: runs in the background, report to $WOR
   local label=$1 key=$2; shift 2
   local extra=()
   for h in "$@"; do extra+=(--header "$h"); done
-  "$BIN" bench --url "$GW" --sessions 60 --turns "$HEAVY_TURNS" -c 60 --context-bytes 8000 \
+  "$BIN" bench --url "$GW" --sessions 60 --turns "$HEAVY_TURNS" -c 60 --context-bytes "$CONTEXT_BYTES" \
     --id-prefix "heavy-$label" --label "$label" --header "Authorization: Bearer $key" "${extra[@]}" \
     --json > "$WORK/heavy.json" &
   HEAVY=$!
@@ -118,7 +124,7 @@ sample_queues() {  # until $1 exits: each engine's num_requests_waiting, every 1
 # scenario NAME LIGHT_KEY HEAVY_KEY LIGHT_HEADER HEAVY_HEADER
 scenario() {
   local name=$1 lkey=$2 hkey=$3 lh=$4 hh=$5
-  for mode in off on; do
+  for mode in $MODES; do
     start "$mode"
     light "alone" "$lkey" $lh > "$WORK/$name-$mode-alone.json"
     start "$mode"
@@ -132,7 +138,7 @@ scenario() {
     cp "$WORK/heavy.json" "$WORK/$name-$mode-heavy.json"
     cp "$WORK/waiting" "$WORK/$name-$mode-waiting"
   done
-  python3 - "$WORK" "$name" <<'PY'
+  python3 - "$WORK" "$name" "$MODES" <<'PY'
 import json, sys
 work, name = sys.argv[1], sys.argv[2]
 def load(mode, part):
@@ -144,15 +150,15 @@ print(f"\n### {name}\n")
 print("| admission | light TTFT p50 / p99 alone | light TTFT p50 / p99 beside heavy | p99 beside ÷ alone | light E2E p99 beside | heavy req/s | heavy prefix-cache hit | errors (light, heavy) | engines' waiting queue, mean / peak per backend |")
 print("|---|---|---|---|---|---|---|---|---|")
 res = {}
-for mode in ("off", "on"):
+for mode in sys.argv[3].split():
     a, b, h = load(mode, "alone"), load(mode, "beside"), load(mode, "heavy")
     mean, peak = waiting(mode)
     ratio = b["ttft"]["p99_ms"] / max(a["ttft"]["p99_ms"], 1e-9)
     res[mode] = (ratio, h["requests_per_s"], h["prefix_cache_hit_rate"], b["prefix_cache_hit_rate"])
     print(f"| {mode} | {a['ttft']['p50_ms']:.0f} / {a['ttft']['p99_ms']:.0f} ms | {b['ttft']['p50_ms']:.0f} / {b['ttft']['p99_ms']:.0f} ms | **{ratio:.2f}×** | {b['e2e']['p99_ms']:.0f} ms | {h['requests_per_s']:.1f} | {100*h['prefix_cache_hit_rate']:.1f}% | {b['errors']}, {h['errors']} | {mean:.2f} / {peak:.0f} |")
 print()
-print(f"- heavy throughput, on ÷ off: **{res['on'][1] / max(res['off'][1], 1e-9):.2f}×**")
-print(f"- prefix-cache hit, on ÷ off: heavy **{res['on'][2] / max(res['off'][2], 1e-9):.3f}×**, light {res['on'][3] / max(res['off'][3], 1e-9):.3f}×")
+for mode in [m for m in res if m != "off"]:
+    print(f"- {mode} ÷ off: heavy throughput **{res[mode][1] / max(res['off'][1], 1e-9):.2f}×**; prefix-cache hit heavy **{res[mode][2] / max(res['off'][2], 1e-9):.3f}×**, light {res[mode][3] / max(res['off'][3], 1e-9):.3f}×")
 PY
 }
 
