@@ -35,6 +35,11 @@ pub enum Class {
 impl Class {
     pub const ALL: [Class; 3] = [Class::Interactive, Class::Normal, Class::Batch];
 
+    /// Its place in [`Class::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Class::Interactive => "interactive",
@@ -102,11 +107,49 @@ impl Backend {
     }
 }
 
+/// Hashes a tenant id, which is a hash already, by taking it as is.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+/// Backends by slot (`upstream::Slots`: small, dense, process-wide).
+#[derive(Default)]
+struct Backends(Vec<Backend>);
+
+impl Backends {
+    fn get(&self, slot: &u32) -> Option<&Backend> {
+        self.0.get(*slot as usize)
+    }
+    fn get_mut(&mut self, slot: &u32) -> Option<&mut Backend> {
+        self.0.get_mut(*slot as usize)
+    }
+    fn entry(&mut self, slot: u32) -> &mut Backend {
+        let i = slot as usize;
+        if i >= self.0.len() {
+            self.0.resize_with(i + 1, Backend::default);
+        }
+        &mut self.0[i]
+    }
+}
+
 #[derive(Default)]
 struct State {
-    backends: HashMap<u32, Backend>,
+    backends: Backends,
     /// Each tenant's last virtual finish tag.
-    tenants: HashMap<u64, u64>,
+    tenants: HashMap<u64, u64, std::hash::BuildHasherDefault<IdHasher>>,
     /// The start tag of the request admitted last.
     vtime: u64,
     seq: u64,
@@ -244,7 +287,7 @@ impl Admission {
     /// may be prefilling (0: no limit); raised limits take waiters in at once.
     pub fn set_limit(&self, backend: u32, limit: u32, max_prefilling: u32) {
         let mut st = self.state.lock();
-        let b = st.backends.entry(backend).or_default();
+        let b = st.backends.entry(backend);
         b.limit = limit;
         b.max_prefilling = max_prefilling;
         fill(&mut st, backend);
@@ -265,7 +308,7 @@ impl Admission {
         let last = st.tenants.get(&tenant).copied().unwrap_or(0);
         let start = last.max(vtime);
         let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
-        let b = st.backends.entry(backend).or_default();
+        let b = st.backends.entry(backend);
         if b.has_room() && b.waiting.is_empty() {
             b.start();
             st.vtime = st.vtime.max(start);
@@ -280,7 +323,6 @@ impl Admission {
         let (wake, woken) = oneshot::channel();
         st.backends
             .entry(backend)
-            .or_default()
             .waiting
             .insert(place, Waiter { wake, start });
         st.queued += 1;
@@ -351,13 +393,12 @@ impl Admission {
     /// Each backend's (slot, waiting, running, limit), for the admin view.
     pub fn snapshot(&self) -> Vec<(u32, usize, u32, u32)> {
         let st = self.state.lock();
-        let mut out: Vec<_> = st
-            .backends
+        st.backends
+            .0
             .iter()
-            .map(|(&slot, b)| (slot, b.waiting.len(), b.running, b.limit))
-            .collect();
-        out.sort_unstable();
-        out
+            .enumerate()
+            .map(|(slot, b)| (slot as u32, b.waiting.len(), b.running, b.limit))
+            .collect()
     }
 
     /// Requests waiting for `backend`, and running there.

@@ -76,6 +76,8 @@ pub struct Gateway {
     pub admission: Arc<crate::admission::Admission>,
     /// Client keys (`auth.keys_file`).
     pub auth: crate::auth::Auth,
+    /// The counters of requests without a known key.
+    pub other_tenant: std::sync::OnceLock<crate::metrics::TenantCounters>,
 }
 
 /// Each backend's slots as `config` sets them: its `max_in_flight` with
@@ -177,6 +179,7 @@ impl Gateway {
         Ok(Arc::new(Gateway {
             admission,
             auth,
+            other_tenant: Default::default(),
             prefix,
             lifecycle_started: Default::default(),
             routing: ArcSwap::from_pointee(routing),

@@ -69,6 +69,15 @@ pub struct TierMetrics {
     /// `agentserve_prefix_index_lookups_total{result="matched"|"none"}`.
     pub prefix_matched: IntCounter,
     pub prefix_none: IntCounter,
+    /// `agentserve_admission_admitted_total{path="now"}` by class.
+    pub admitted_now: [IntCounter; 3],
+}
+
+/// A tenant's counters (`agentserve_tenant_*`), resolved once.
+pub struct TenantCounters {
+    pub requests: IntCounter,
+    pub prompt_tokens: IntCounter,
+    pub completion_tokens: IntCounter,
 }
 
 /// One backend's per-request counters in one tier, each resolved from its
@@ -441,6 +450,20 @@ impl Metrics {
                 .prefix_index_lookups
                 .with_label_values(&[tier, "matched"]),
             prefix_none: self.prefix_index_lookups.with_label_values(&[tier, "none"]),
+            admitted_now: crate::admission::Class::ALL.map(|c| {
+                self.admission_admitted
+                    .with_label_values(&[tier, c.as_str(), "now"])
+            }),
+        }
+    }
+
+    pub fn tenant(&self, tenant: &str) -> TenantCounters {
+        TenantCounters {
+            requests: self.tenant_requests.with_label_values(&[tenant]),
+            prompt_tokens: self.tenant_tokens.with_label_values(&[tenant, "prompt"]),
+            completion_tokens: self
+                .tenant_tokens
+                .with_label_values(&[tenant, "completion"]),
         }
     }
 

@@ -218,15 +218,14 @@ impl GatewayProxy {
             .is_some_and(|r| r.config.auth.keys_file.is_some())
         {
             // By tenant (the keys file's names; everyone else is `other`).
-            let tenant = ctx.who.label();
-            m.tenant_requests.with_label_values(&[tenant]).inc();
+            let counters = match &ctx.who.client {
+                Some(c) => c.tenant.counters.get_or_init(|| m.tenant(&c.tenant.name)),
+                None => self.gw.other_tenant.get_or_init(|| m.tenant("other")),
+            };
+            counters.requests.inc();
             if let Some(u) = usage {
-                m.tenant_tokens
-                    .with_label_values(&[tenant, "prompt"])
-                    .inc_by(u.prompt_tokens);
-                m.tenant_tokens
-                    .with_label_values(&[tenant, "completion"])
-                    .inc_by(u.completion_tokens);
+                counters.prompt_tokens.inc_by(u.prompt_tokens);
+                counters.completion_tokens.inc_by(u.completion_tokens);
                 if let Some(c) = &ctx.who.client {
                     c.used_tokens(u.prompt_tokens + u.completion_tokens);
                 }

@@ -202,13 +202,6 @@ struct Admittance {
     permit: Option<crate::admission::Permit>,
 }
 
-impl Admittance {
-    /// The tenant as metrics name it: the keys file's name, else `other`.
-    fn label(&self) -> &str {
-        self.client.as_ref().map_or("other", |c| &c.tenant.name)
-    }
-}
-
 impl RequestCtx {
     /// Tokens of the prompt the prefix index said its backend held, when
     /// the prompt was looked up.

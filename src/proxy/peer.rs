@@ -226,9 +226,7 @@ impl GatewayProxy {
         let weight = ctx.who.client.as_ref().map_or(1, |c| c.weight);
         let ticket = match adm.admit(backend.slot, ctx.who.class, ctx.who.tenant, weight, tokens) {
             Admit::Now(p) => {
-                m.admission_admitted
-                    .with_label_values(&[&tier.name, class, "now"])
-                    .inc();
+                tier.metrics.admitted_now[ctx.who.class.index()].inc();
                 return Ok(p);
             }
             Admit::Full => {

@@ -180,7 +180,7 @@ impl GatewayProxy {
                     adm.max_wait.min(std::time::Duration::from_millis(ms))
                 });
             ctx.who.tenant = match (&client, key) {
-                (Some(c), _) => xxhash_rust::xxh3::xxh3_64(c.tenant.name.as_bytes()) | 1,
+                (Some(c), _) => c.tenant.id,
                 (None, Some(k)) => xxhash_rust::xxh3::xxh3_64(k) & !1,
                 (None, None) => headers
                     .get(http::header::AUTHORIZATION)
@@ -227,7 +227,7 @@ impl GatewayProxy {
         self.identify(cfg, &req.headers, ctx)?;
         let scope_suffix = match &ctx.who.client {
             // A key's tenant scopes bindings: a header cannot claim another's.
-            Some(c) => format!("\u{0}k{}", c.tenant.name),
+            Some(c) => c.tenant.scope.clone(),
             None => tenant_scope(cfg, headers, &routing.hasher)?,
         };
         let declared = request_body::content_length(session)?;
