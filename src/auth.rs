@@ -418,7 +418,7 @@ mod tests {
         let mut s = String::from("keys:\n");
         for (key, tenant, extra) in entries {
             s += &format!(
-                "  - key_sha256: {}\n    tenant: {tenant}\n{extra}",
+                "  - key_sha256: {}\n    tenant: \"{tenant}\"\n{extra}",
                 hash_key(key)
             );
         }
@@ -507,6 +507,48 @@ mod tests {
         let e = c.take().err().unwrap();
         assert_eq!(e.limit, "tokens_per_minute");
         assert!((29..=30).contains(&e.retry_after_s), "{e:?}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Any text at all: loaded or refused, never a panic, and a refused
+        /// file leaves the keys in force as they were.
+        #[test]
+        fn any_keys_file_is_loaded_or_refused(text in ".{0,400}") {
+            let auth = Auth::default();
+            auth.load_text(&file(&[("sk-kept", "kept", "")])).unwrap();
+            if auth.load_text(&text).is_err() {
+                proptest::prop_assert!(auth.keys().look_up(b"sk-kept").is_some());
+            }
+        }
+
+        /// Every key of a well-formed file finds its own tenant, and a key
+        /// that is not in it finds none.
+        #[test]
+        fn every_key_finds_its_tenant(
+            entries in proptest::collection::btree_map("[ -~]{1,40}", "[a-z0-9_.-]{1,12}", 1..20),
+            stranger in "[ -~]{1,40}",
+        ) {
+            let list: Vec<(&str, &str, &str)> = entries
+                .iter()
+                .filter(|(_, t)| t.as_str() != "other")
+                .map(|(k, t)| (k.as_str(), t.as_str(), ""))
+                .collect();
+            let auth = Auth::default();
+            auth.load_text(&file(&list)).unwrap();
+            let keys = auth.keys();
+            for (k, t, _) in &list {
+                let c = keys.look_up(k.as_bytes()).expect("its key");
+                proptest::prop_assert_eq!(&*c.tenant.name, *t);
+                // The second time it is remembered: the same answer.
+                let again = keys.look_up(k.as_bytes()).expect("its key");
+                proptest::prop_assert_eq!(&*again.tenant.name, *t);
+            }
+            if !entries.contains_key(&stranger) {
+                proptest::prop_assert!(keys.look_up(stranger.as_bytes()).is_none());
+            }
+        }
     }
 
     #[test]

@@ -482,3 +482,68 @@ async fn a_subagent_inherits_its_parents_class_unless_it_names_one() {
     .await;
     assert_eq!(order, ["subagent", "normal", "batch subagent"]);
 }
+
+#[tokio::test]
+async fn keys_reloaded_under_load_fail_no_request_of_a_key_that_stays() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.yaml");
+    let with_b = keys_file(&[("sk-stays", "a", ""), ("sk-comes-and-goes", "b", "")]);
+    let without_b = keys_file(&[("sk-stays", "a", "")]);
+    std::fs::write(&keys, &without_b).unwrap();
+    let (_sims, gw) = fleet(
+        2,
+        &format!(
+            "{}admission:\n  enabled: true\n  max_in_flight: 2\nauth:\n  keys_file: \"{}\"\n  required: true\n",
+            affinity_yaml(600),
+            keys.display()
+        ),
+    )
+    .await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load: Vec<_> = (0..4)
+        .map(|i| {
+            let (url, stop) = (gw.url("/v1/chat/completions"), std::sync::Arc::clone(&stop));
+            tokio::spawn(async move {
+                let c = client();
+                let mut statuses = Vec::new();
+                let mut turn = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let r = c
+                        .post(&url)
+                        .header("authorization", "Bearer sk-stays")
+                        .header("x-session-id", format!("steady-{i}"))
+                        .json(&chat_body("qwen3-8b", turn))
+                        .send()
+                        .await
+                        .map(|r| r.status().as_u16());
+                    statuses.push(r.unwrap_or(0));
+                    turn += 1;
+                }
+                statuses
+            })
+        })
+        .collect();
+    let c = client();
+    for round in 1..=6 {
+        let adding = round % 2 == 1;
+        std::fs::write(&keys, if adding { &with_b } else { &without_b }).unwrap();
+        signal(gw.pid(), libc::SIGHUP);
+        gw.reload("success", round as f64).await;
+        let r = chat(
+            &c,
+            &gw,
+            &[("authorization", "Bearer sk-comes-and-goes")],
+            &chat_body("qwen3-8b", 0),
+        )
+        .await;
+        assert_eq!(r.status, if adding { 200 } else { 401 }, "round {round}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut sent = 0;
+    for t in load {
+        let statuses = t.await.unwrap();
+        sent += statuses.len();
+        assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    }
+    assert!(sent >= 4, "the load ran");
+}
