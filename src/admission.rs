@@ -9,8 +9,12 @@
 //! weight`, with `start` no earlier than the tenant's last finish nor than the
 //! virtual time (the start tag of the request admitted last), and wait in
 //! finish-tag order; so one tenant's long prompts cannot starve another's
-//! short ones, and a tenant that was idle does not bank credit. A released slot goes straight to the best waiter of that
-//! backend (no herd of waiters racing for it).
+//! short ones, and a tenant that was idle does not bank credit. Each backend
+//! keeps its own tags and virtual time: a session waits for its own backend,
+//! and the share that counts is of the backend it waits for (with one clock
+//! for all, a backend whose queue ran ahead pushed a quiet tenant's next
+//! request behind every waiter of another backend). A released slot goes
+//! straight to the best waiter of that backend (no herd racing for it).
 //!
 //! A backend may also cap the requests prefilling at once (sent, no first
 //! byte back yet): on an engine whose prefill is compute-bound and one at a
@@ -84,6 +88,10 @@ struct Backend {
     /// How many may be prefilling at once (0: no limit).
     max_prefilling: u32,
     waiting: BTreeMap<Place, Waiter>,
+    /// Each tenant's last virtual finish tag here.
+    tenants: HashMap<u64, u64, std::hash::BuildHasherDefault<IdHasher>>,
+    /// The start tag of the request admitted here last.
+    vtime: u64,
     /// How long its requests have held a slot, ms (a moving average; 0:
     /// none has finished yet).
     hold_ms: f64,
@@ -148,10 +156,6 @@ impl Backends {
 #[derive(Default)]
 struct State {
     backends: Backends,
-    /// Each tenant's last virtual finish tag.
-    tenants: HashMap<u64, u64, std::hash::BuildHasherDefault<IdHasher>>,
-    /// The start tag of the request admitted last.
-    vtime: u64,
     seq: u64,
     queued: usize,
 }
@@ -304,20 +308,21 @@ impl Admission {
         tokens: u64,
     ) -> Admit {
         let mut st = self.state.lock();
-        let vtime = st.vtime;
-        let last = st.tenants.get(&tenant).copied().unwrap_or(0);
-        let start = last.max(vtime);
-        let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
+        let queued = st.queued;
         let b = st.backends.entry(backend);
+        let last = b.tenants.get(&tenant).copied().unwrap_or(0);
+        let start = last.max(b.vtime);
+        let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
         if b.has_room() && b.waiting.is_empty() {
             b.start();
-            st.vtime = st.vtime.max(start);
-            remember(&mut st, tenant, finish);
+            b.vtime = b.vtime.max(start);
+            remember(b, tenant, finish);
             return Admit::Now(Permit::new(self, backend));
         }
-        if st.queued >= self.max_queued {
+        if queued >= self.max_queued {
             return Admit::Full;
         }
+        remember(b, tenant, finish);
         st.seq += 1;
         let place = (class, finish, st.seq);
         let (wake, woken) = oneshot::channel();
@@ -326,7 +331,6 @@ impl Admission {
             .waiting
             .insert(place, Waiter { wake, start });
         st.queued += 1;
-        remember(&mut st, tenant, finish);
         Admit::Wait(Ticket {
             admission: Arc::clone(self),
             backend,
@@ -411,7 +415,7 @@ impl Admission {
 }
 
 /// Give the room `backend` has to its best waiters still there (one whose
-/// ticket is gone meanwhile is skipped). The virtual time moves to each
+/// ticket is gone meanwhile is skipped). Its virtual time moves to each
 /// taker's start tag.
 fn fill(st: &mut State, backend: u32) {
     loop {
@@ -427,20 +431,20 @@ fn fill(st: &mut State, backend: u32) {
         st.queued -= 1;
         if w.wake.send(()).is_ok() {
             b.start();
-            st.vtime = st.vtime.max(w.start);
+            b.vtime = b.vtime.max(w.start);
         }
     }
 }
 
-fn remember(st: &mut State, tenant: u64, finish: u64) {
-    if st.tenants.len() >= MAX_TENANTS && !st.tenants.contains_key(&tenant) {
-        let vtime = st.vtime;
-        st.tenants.retain(|_, last| *last > vtime);
-        if st.tenants.len() >= MAX_TENANTS {
+fn remember(b: &mut Backend, tenant: u64, finish: u64) {
+    if b.tenants.len() >= MAX_TENANTS && !b.tenants.contains_key(&tenant) {
+        let vtime = b.vtime;
+        b.tenants.retain(|_, last| *last > vtime);
+        if b.tenants.len() >= MAX_TENANTS {
             return; // every one busy: this tenant starts from the virtual time
         }
     }
-    st.tenants.insert(tenant, finish);
+    b.tenants.insert(tenant, finish);
 }
 
 #[cfg(test)]
@@ -547,6 +551,35 @@ mod tests {
         }
         let served = order(first, tickets).await;
         assert_eq!(served[..2], ["quiet", "quiet"], "{served:?}");
+    }
+
+    #[tokio::test]
+    async fn a_backend_whose_queue_ran_ahead_does_not_push_back_anothers_newcomer() {
+        let a = Admission::new(100);
+        a.set_limit(0, 1, 0);
+        a.set_limit(1, 1, 0);
+        let first = now(a.admit(0, Class::Normal, t("noisy"), 1, 1_000));
+        let busy = now(a.admit(1, Class::Normal, t("noisy"), 1, 1_000));
+        let mut here = Vec::new();
+        let mut there = Vec::new();
+        for _ in 0..4 {
+            here.push((
+                "noisy",
+                waits(a.admit(0, Class::Normal, t("noisy"), 1, 1_000)),
+            ));
+            there.push(waits(a.admit(1, Class::Normal, t("noisy"), 1, 1_000)));
+        }
+        // Backend 1 serves its whole queue; backend 0 none of its own yet.
+        drop(busy);
+        for ticket in there {
+            drop(ticket.wait().await);
+        }
+        here.push((
+            "quiet",
+            waits(a.admit(0, Class::Normal, t("quiet"), 1, 1_000)),
+        ));
+        let served = order(first, here).await;
+        assert_eq!(served[0], "quiet", "{served:?}");
     }
 
     #[tokio::test]

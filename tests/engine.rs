@@ -522,7 +522,7 @@ async fn two_tenants_at_three_times_the_slots_see_no_errors_with_admission() {
     let fleet = EngineFleet::start_sections(
         3,
         opts,
-        "admission:\n  enabled: true\n  max_in_flight: 2\n  max_wait_ms: 120000\n",
+        "admission:\n  enabled: true\n  max_in_flight: 2\n  max_prefilling: 1\n  max_wait_ms: 120000\n",
     )
     .await;
     let mut quiet = BenchArgs::seed_study(&fleet.gw.url(""));
