@@ -547,3 +547,42 @@ async fn keys_reloaded_under_load_fail_no_request_of_a_key_that_stays() {
     }
     assert!(sent >= 4, "the load ran");
 }
+
+#[tokio::test]
+async fn a_new_sessions_concurrent_requests_queue_together_not_behind_single_flight() {
+    // Single-flight patience far beyond the test's: a second request of the
+    // session must not wait for the first to connect while that one queues.
+    let (sims, gw) = fleet(
+        1,
+        "affinity:\n  sticky_ttl_seconds: 600\n  hash_key: \"test-fleet-key\"\n  single_flight_wait_ms: 600000\nadmission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: 600000\n",
+    )
+    .await;
+    let mut held = hold_the_slot(&gw, &sims[0], &[]).await;
+    let send = |turn: usize| {
+        let url = gw.url("/v1/chat/completions");
+        tokio::spawn(async move {
+            client()
+                .post(url)
+                .header("x-session-id", "lead")
+                .header("x-parent-session-id", "fresh-parent")
+                .json(&chat_body("qwen3-8b", turn))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    let first = send(0);
+    wait_until("the first to queue", || async {
+        gw.metric(&queued("normal")).await == 1.0
+    })
+    .await;
+    let second = send(1);
+    wait_until("the second to queue beside it", || async {
+        gw.metric(&queued("normal")).await == 2.0
+    })
+    .await;
+    sims[0].release_streams().await;
+    while held.next().await.is_some() {}
+    assert_eq!(first.await.unwrap().unwrap(), 200);
+    assert_eq!(second.await.unwrap().unwrap(), 200);
+}

@@ -242,6 +242,13 @@ impl GatewayProxy {
             }
             Admit::Wait(t) => t,
         };
+        // Its placement is real enough now: the session's other requests
+        // (a parent's subagents starting together) follow it and wait for
+        // the same backend, instead of waiting out `single_flight_wait` for
+        // this one to connect.
+        if let Some(lease) = ctx.lease.as_mut() {
+            lease.confirm();
+        }
         let queued = m.admission_queued.with_label_values(&[&tier.name, class]);
         queued.inc();
         let since = Instant::now();
