@@ -283,7 +283,7 @@ async fn client_keys_give_401_and_429_per_limit_and_reload_with_sighup() {
     )
     .unwrap();
     let log = dir.path().join("gateway.log");
-    let sims = vec![SimBackend::start("vllm-0", &[])];
+    let sims = [SimBackend::start("vllm-0", &[])];
     let gw_dir = tempfile::tempdir().unwrap();
     let (port, metrics_port) = (free_port(), free_port_pair());
     let yaml = config_yaml(

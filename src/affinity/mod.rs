@@ -273,7 +273,7 @@ impl Affinity {
                 candidates
                     .iter()
                     .copied()
-                    .filter(|c| !c.draining && !c.failing && !(skip_full && c.full))
+                    .filter(|c| !(c.draining || c.failing || (skip_full && c.full)))
                     .collect()
             };
             usable = match keep(true) {
