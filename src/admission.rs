@@ -733,6 +733,12 @@ mod tests {
     }
 
     #[test]
+    fn class_labels_are_the_classes_in_order() {
+        assert_eq!(Class::ALL.map(Class::as_str), crate::metrics::CLASS_LABELS);
+        assert!(Class::ALL.iter().enumerate().all(|(i, c)| c.index() == i));
+    }
+
+    #[test]
     fn classes_parse_from_the_header() {
         assert_eq!(Class::parse(" Interactive"), Some(Class::Interactive));
         assert_eq!(Class::parse("batch"), Some(Class::Batch));

@@ -73,6 +73,10 @@ pub struct TierMetrics {
     pub admitted_now: [IntCounter; 3],
 }
 
+/// The `class` label's values, in the order of `admission::Class::ALL`
+/// (its unit tests hold the two together).
+pub const CLASS_LABELS: [&str; 3] = ["interactive", "normal", "batch"];
+
 /// A tenant's counters (`agentserve_tenant_*`), resolved once.
 pub struct TenantCounters {
     pub requests: IntCounter,
@@ -450,10 +454,8 @@ impl Metrics {
                 .prefix_index_lookups
                 .with_label_values(&[tier, "matched"]),
             prefix_none: self.prefix_index_lookups.with_label_values(&[tier, "none"]),
-            admitted_now: crate::admission::Class::ALL.map(|c| {
-                self.admission_admitted
-                    .with_label_values(&[tier, c.as_str(), "now"])
-            }),
+            admitted_now: CLASS_LABELS
+                .map(|c| self.admission_admitted.with_label_values(&[tier, c, "now"])),
         }
     }
 
