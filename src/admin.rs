@@ -87,6 +87,7 @@ impl AdminApp {
             .all_backends()
             .map(|(t, b)| {
                 let queue = b.stats.cost.queue_at(crate::clock::now_ms());
+                let admission = self.0.admission.depth(b.slot);
                 json!({
                     "tier": &*t.name,
                     "id": &*b.id,
@@ -100,8 +101,8 @@ impl AdminApp {
                     "in_flight": b.in_flight(),
                     "bindings": per_backend.get(&(t.index, b.slot)).copied().unwrap_or(0),
                     "admission": {
-                        "running": self.0.admission.depth(b.slot).1,
-                        "waiting": self.0.admission.depth(b.slot).0,
+                        "running": admission.1,
+                        "waiting": admission.0,
                     },
                     "engine": b.stats.engine.snapshot().map(|(running, waiting, kv)| json!({
                         "running": running,

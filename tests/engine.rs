@@ -400,6 +400,24 @@ async fn a_killed_engine_costs_its_sessions_one_rebind_and_clients_nothing() {
 /// Many sessions at 8 concurrent through the gateway: every request answered.
 /// The same load straight to the engines is the baseline (printed, not
 /// asserted: that is llama.cpp's behaviour, not ours).
+/// Agent sessions sized for the tiny model, through `fleet`'s gateway.
+fn tiny_workload(
+    fleet: &EngineFleet,
+    sessions: usize,
+    turns: usize,
+    concurrency: usize,
+) -> BenchArgs {
+    let mut a = BenchArgs::seed_study(&fleet.gw.url(""));
+    a.model = "tiny".into();
+    a.sessions = sessions;
+    a.turns = turns;
+    a.concurrency = concurrency;
+    a.system_prompt_bytes = 1200;
+    a.user_bytes = 100;
+    a.max_tokens = 6;
+    a
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_sessions_through_the_gateway_see_no_errors() {
     // Six slots an engine: each holds the conversations placed on it (16
@@ -411,14 +429,7 @@ async fn concurrent_sessions_through_the_gateway_see_no_errors() {
         ..EngineOptions::default()
     };
     let fleet = EngineFleet::start_with(3, opts).await;
-    let mut a = BenchArgs::seed_study(&fleet.gw.url(""));
-    a.model = "tiny".into();
-    a.sessions = 16;
-    a.turns = 10;
-    a.concurrency = 8;
-    a.system_prompt_bytes = 1200;
-    a.user_bytes = 100;
-    a.max_tokens = 6;
+    let mut a = tiny_workload(&fleet, 16, 10, 8);
     a.label = "through the gateway".into();
     let through = loadgen::run(&a).await;
 
@@ -525,14 +536,7 @@ async fn two_tenants_at_three_times_the_slots_see_no_errors_with_admission() {
         "admission:\n  enabled: true\n  max_in_flight: 2\n  max_prefilling: 1\n  max_wait_ms: 120000\n",
     )
     .await;
-    let mut quiet = BenchArgs::seed_study(&fleet.gw.url(""));
-    quiet.model = "tiny".into();
-    quiet.sessions = 2;
-    quiet.turns = 6;
-    quiet.concurrency = 1;
-    quiet.system_prompt_bytes = 1200;
-    quiet.user_bytes = 100;
-    quiet.max_tokens = 6;
+    let mut quiet = tiny_workload(&fleet, 2, 6, 1);
     quiet.headers = vec![("authorization".into(), "Bearer sk-quiet".into())];
     quiet.label = "quiet alone".into();
     quiet.id_prefix = "quiet-alone".into();

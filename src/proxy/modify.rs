@@ -22,13 +22,9 @@ impl GatewayProxy {
         {
             upstream_request.insert_header("connection", "close")?;
         }
-        if let (Some(routing), Some(tier)) = (&ctx.routing, &ctx.tier) {
+        if let Some(tier) = &ctx.tier {
             use crate::config::UpstreamAuthorization as Up;
-            let tier_cfg = routing.config.tiers.iter().find(|t| *t.name == *tier.name);
-            let up = tier_cfg
-                .and_then(|t| t.upstream_authorization.as_ref())
-                .unwrap_or(&routing.config.auth.upstream_authorization);
-            match up {
+            match &tier.upstream_authorization {
                 Up::Pass => {}
                 Up::Strip => {
                     upstream_request.remove_header("authorization");

@@ -231,6 +231,8 @@ pub struct Tier {
     pub name_header: http::HeaderValue,
     /// Its backends' ejections, decided one at a time.
     pub ejections: outlier::EjectionGate,
+    /// What goes upstream as `Authorization`: the tier's own, else `auth`'s.
+    pub upstream_authorization: crate::config::UpstreamAuthorization,
 }
 
 impl Tier {
@@ -354,6 +356,10 @@ impl Routing {
                 // Tier names are letters, digits, `-`, `_`, `.` (checked by config).
                 name_header: http::HeaderValue::from_str(&t.name).expect("validated tier name"),
                 ejections: Default::default(),
+                upstream_authorization: t
+                    .upstream_authorization
+                    .clone()
+                    .unwrap_or_else(|| config.auth.upstream_authorization.clone()),
             }));
         }
         Ok(Routing {
