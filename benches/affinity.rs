@@ -269,7 +269,11 @@ fn bench_prefix(c: &mut Criterion) {
     use agent_gateway::affinity::prefix::{Prefix, PrefixConfig};
     use agent_gateway::affinity::session::BodyProbe;
     let h = HrwHasher::new("bench");
-    let prefix = Prefix::new(&PrefixConfig::default(), h.prefix_seed());
+    let prefix = Prefix::new(
+        &PrefixConfig::default(),
+        h.prefix_seed(),
+        Duration::from_secs(1800),
+    );
     let cands = fleet(&h, 8, false);
     let place = BoundedHrw {
         balance_factor: 1.0,
@@ -281,10 +285,10 @@ fn bench_prefix(c: &mut Criterion) {
     for other in 0..500 {
         let body = chat_body(10_000 + other, 32 << 10);
         let probe = BodyProbe::parse(&body).unwrap();
-        let p = prefix
-            .read("default", Some("qwen3-8b"), |f| probe.raw(f))
+        let mut p = prefix
+            .read("default", Some("qwen3-8b"), true, |f| probe.raw(f))
             .unwrap();
-        prefix.routed(&p, (other % 8) as u32, Default::default());
+        p.routed(&prefix, (other % 8) as u32, true);
     }
     let mut g = c.benchmark_group("prefix_decision");
     for kib in [32usize, 256] {
@@ -293,22 +297,23 @@ fn bench_prefix(c: &mut Criterion) {
         // Its conversation's earlier turn is held by backend 3.
         let earlier = chat_body(kib, (kib << 10) * 3 / 4);
         let earlier_probe = BodyProbe::parse(&earlier).unwrap();
-        let e = prefix
-            .read("default", Some("qwen3-8b"), |f| earlier_probe.raw(f))
+        let mut e = prefix
+            .read("default", Some("qwen3-8b"), true, |f| earlier_probe.raw(f))
             .unwrap();
-        prefix.routed(&e, 3, Default::default());
+        e.routed(&prefix, 3, true);
         g.bench_function(BenchmarkId::new("decide", format!("{kib} KiB")), |b| {
             b.iter(|| {
-                let p = prefix
-                    .read("default", Some("qwen3-8b"), |f| probe.raw(f))
+                let mut p = prefix
+                    .read("default", Some("qwen3-8b"), true, |f| probe.raw(f))
                     .unwrap();
-                let key = black_box(prefix.conversation(&p));
+                let key = black_box(p.conversation().map_or(0, |c| c.id as u64));
                 let mut cands = cands.clone();
-                let held = prefix.look_up(&p, &mut cands);
+                prefix.fill_probation(&mut cands);
+                p.look_up(&prefix, &mut cands);
                 let load = [4u64; 8];
-                let i = place.place(key as u64, &cands, &load).unwrap();
+                let i = place.place(key, &cands, &load).unwrap();
                 debug_assert_eq!(cands[i].slot, 3);
-                black_box(prefix.routed(&p, cands[i].slot, held[i]))
+                black_box(p.routed(&prefix, cands[i].slot, true))
             })
         });
         g.bench_function(

@@ -165,6 +165,7 @@ impl Gateway {
         let prefix = crate::affinity::prefix::Prefix::new(
             &config.affinity.prefix,
             routing.hasher.prefix_seed(),
+            config.affinity.sticky_ttl.unwrap_or_default(),
         );
         let admission = crate::admission::Admission::new(config.admission.max_queued);
         configure_admission(&admission, &routing);
@@ -325,7 +326,10 @@ impl Gateway {
         self.health_check.update(&config);
         self.affinity.set_ttl(config.affinity.sticky_ttl);
         configure_affinity(&self.affinity, &config);
-        self.prefix.configure(&config.affinity.prefix);
+        self.prefix.configure(
+            &config.affinity.prefix,
+            config.affinity.sticky_ttl.unwrap_or_default(),
+        );
         let live: HashSet<(u16, u32)> = new
             .tiers
             .iter()
@@ -358,7 +362,7 @@ impl Gateway {
             .slots
             .retire_unused(&live, |slot| affinity.backend_bindings(slot) > 0)
         {
-            self.prefix.index.forget_backend(slot);
+            self.prefix.forget_backend(slot);
         }
         for b in probation {
             let gw = Arc::clone(self);

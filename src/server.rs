@@ -341,7 +341,8 @@ impl ServeHttp for MetricsApp {
     }
 }
 
-/// Removes expired bindings in the background, a bounded batch at a time.
+/// Removes expired bindings in the background, a bounded batch at a time,
+/// and ends the probation of new keyless conversations that never went on.
 struct Sweeper(Arc<Gateway>);
 
 #[async_trait]
@@ -353,6 +354,7 @@ impl BackgroundService for Sweeper {
                 _ = shutdown.changed() => return,
                 _ = tick.tick() => {
                     self.0.affinity.sweep();
+                    self.0.prefix.sweep();
                 }
             }
         }

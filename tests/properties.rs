@@ -118,7 +118,7 @@ proptest! {
             s.push(&c);
         }
         let u = s.usage().expect("usage read");
-        prop_assert_eq!((u.prompt_tokens, u.cached_tokens), (prompt, cached));
+        prop_assert_eq!((u.prompt_tokens, u.cached_tokens), (prompt, Some(cached)));
     }
 
     /// Session keys from headers: any bytes a client can put in a header

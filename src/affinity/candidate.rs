@@ -31,6 +31,9 @@ pub struct Candidate {
     /// Tokens of this request's prompt the prefix index says it holds
     /// (`affinity.prefix`; 0: none, or not known).
     pub prefix_tokens: u64,
+    /// New keyless conversations there on probation: sessions no binding
+    /// counts yet (`affinity.prefix.probation_seconds`).
+    pub probation: u64,
     /// Its last requests failed, enough in a row to eject it, but the
     /// ejection cap keeps it in: sessions leave it for a backend that works.
     pub failing: bool,

@@ -117,8 +117,9 @@ impl Affinity {
         self.placement.store(Arc::new(placement));
     }
 
-    /// Remember what a session's turn found cached (the cost-aware policy's p_hit).
-    pub fn record_usage(&self, key: BindingKey, prompt: u64, cached: u64) {
+    /// Remember what a session's turn found cached (the cost-aware policy's
+    /// p_hit); `None`: the engine does not say.
+    pub fn record_usage(&self, key: BindingKey, prompt: u64, cached: Option<u64>) {
         self.table.record_usage(key, prompt, cached);
     }
 
@@ -302,14 +303,34 @@ impl Affinity {
                 lease: None,
             }));
         }
+        if session.probation {
+            // A new keyless conversation: placed, not bound (its second
+            // turn binds it where this one goes).
+            let slot = self.place(session.hash, open, None)?;
+            return Some(Choice::Go(Selection {
+                index: candidates.iter().position(|c| c.slot == slot)?,
+                backend: slot,
+                affinity_hit: false,
+                reason: match prefix_chose(slot, open) {
+                    true => Reason::Prefix,
+                    false => Reason::FirstTurn,
+                },
+                version: 0,
+                moved: None,
+                new_tokens: None,
+                lease: None,
+            }));
+        }
         let now = self.now_ms();
         let position = |slot: u32| candidates.iter().position(|c| c.slot == slot);
         // Read the parent's binding before locking our own shard: two shard
-        // locks are never held at once.
+        // locks are never held at once. A keyless conversation's turn
+        // prefers where its last turn went.
         let preferred = session
             .parent
             .and_then(|p| self.table.get(p, now))
             .map(|b| b.backend)
+            .or(session.continued_at)
             .filter(|&slot| open.iter().any(|c| c.slot == slot));
         let fresh = |exclude: Option<u32>| -> Option<u32> {
             match exclude {
@@ -323,6 +344,7 @@ impl Affinity {
         };
         let policy = self.policy.load();
         let mut moved = None;
+        let mut broken_elsewhere = false;
         let mut new_tokens = None;
         let acquired =
             self.table.acquire(
@@ -396,9 +418,26 @@ impl Affinity {
                 previous,
                 expired,
             } => {
-                let reason = if moved.is_some() {
+                // A keyless conversation's turn placed where its last one
+                // went continues it there; placed elsewhere, it left it for
+                // load, or because that backend is gone.
+                let continued = match session.continued_at {
+                    Some(at) if previous.is_none() && at == backend => Some(true),
+                    Some(at) if previous.is_none() && open.iter().any(|c| c.slot == at) => {
+                        moved = Some(MoveReason::Overloaded);
+                        Some(false)
+                    }
+                    Some(_) if previous.is_none() => {
+                        broken_elsewhere = true;
+                        Some(false)
+                    }
+                    _ => None,
+                };
+                let reason = if continued == Some(true) {
+                    Reason::Hit
+                } else if moved.is_some() {
                     Reason::Moved
-                } else if previous.is_some() {
+                } else if previous.is_some() || broken_elsewhere {
                     Reason::Broken
                 } else if prefix_chose(backend, open) {
                     Reason::Prefix
@@ -410,7 +449,8 @@ impl Affinity {
                 // Only brand-new bindings are pending (a rebind of a pending
                 // one can only come from its own first request, joining).
                 let owner = previous.is_none() || join_pending;
-                (backend, false, reason, version, lease(generation, owner))
+                let hit = reason == Reason::Hit;
+                (backend, hit, reason, version, lease(generation, owner))
             }
             Acquired::Full { backend } => (backend, false, Reason::TableFull, 0, None),
             // The first request is still on its way to a backend that can
@@ -464,6 +504,13 @@ impl Affinity {
         wait: Duration,
         client_gone: impl Fn() -> bool,
     ) -> Result<Selection, WaitEnd> {
+        if session.probation {
+            // Nothing is bound, so there is nothing to agree on with a fleet.
+            return match self.select_backend(session, tier.index(), candidates, owner) {
+                Some(Choice::Go(sel)) => Ok(sel),
+                _ => Err(WaitEnd::NoCandidate),
+            };
+        }
         let store = self.store();
         store.sync_in(self, session.key, tier).await;
         let mut sel = self
@@ -617,7 +664,7 @@ mod tests {
         for s in &sessions {
             // Placed while backend 0 was the only one; nothing cached there.
             drop(go(&a, s, &c[..1]));
-            a.record_usage(s.key, 1000, 0);
+            a.record_usage(s.key, 1000, Some(0));
         }
         // Backend 0 now has 2 s of prefill queued (20,000 tokens at the
         // 100 µs prior), backend 1 nothing: each session alone would leave,
@@ -656,7 +703,7 @@ mod tests {
             .find(|s| hrw::choose(s.hash, &c[1..]) == Some(0))
             .unwrap();
         drop(go(&a, &s, &c[..1]));
-        a.record_usage(s.key, 1000, 0);
+        a.record_usage(s.key, 1000, Some(0));
         // Backend 0 has 2 s of prefill queued, backend 1 1 s, backend 2 none.
         c[0].queued_tokens = 20_000;
         c[1].queued_tokens = 10_000;

@@ -19,6 +19,13 @@ pub struct SessionRef {
     /// The candidates' [`Candidate::prefix_tokens`] were read from the
     /// prefix index for this prompt.
     pub indexed: bool,
+    /// A keyless conversation's turn that continues one whose last turn went
+    /// to this backend: a binding made for it prefers that backend (while
+    /// it is within the balance bound), and reaching it is a hit.
+    pub continued_at: Option<u32>,
+    /// A new keyless conversation on probation: placed, but not bound (see
+    /// [`crate::affinity::prefix::conversation`]).
+    pub probation: bool,
 }
 
 impl SessionRef {
@@ -34,6 +41,8 @@ impl SessionRef {
             parent: None,
             prompt_tokens: 0,
             indexed: false,
+            continued_at: None,
+            probation: false,
         }
     }
 }

@@ -567,13 +567,16 @@ impl BindingTable {
     }
 
     /// Remember what the session's turn found cached on its backend.
-    pub fn record_usage(&self, key: BindingKey, prompt: u64, cached: u64) {
+    pub fn record_usage(&self, key: BindingKey, prompt: u64, cached: Option<u64>) {
         let mut shard = self.shard(key).lock();
         if let Some(&i) = shard.map.get(&key) {
             let t = &mut shard.entries[i as usize].turns;
             // A rebind zeroes `prompt`: a first turn there expects nothing.
             t.expected = t.prompt;
             t.prompt = prompt.min(u32::MAX as u64) as u32;
+            // An engine that reports no cache is taken to have kept what it
+            // should have: no report is no sign of eviction.
+            let cached = cached.unwrap_or(t.expected as u64);
             t.cached = cached.min(prompt).min(u32::MAX as u64) as u32;
         }
     }
@@ -989,19 +992,19 @@ mod tests {
         let t = BindingTable::new(100);
         bind(&t, 3, 1, 0);
         // A cold first turn: nothing cached, but nothing to keep either.
-        t.record_usage(3, 1_000, 0);
+        t.record_usage(3, 1_000, Some(0));
         assert_eq!(turns_of(&t, 3).expected, 0);
         assert_eq!(turns_of(&t, 3).retention(), 1.0);
         // The next turn found the first one's prompt: all it should have kept.
-        t.record_usage(3, 1_300, 1_000);
+        t.record_usage(3, 1_300, Some(1_000));
         assert_eq!(turns_of(&t, 3).expected, 1_000);
         assert_eq!(turns_of(&t, 3).retention(), 1.0);
         // Then it had dropped most of it.
-        t.record_usage(3, 1_600, 260);
+        t.record_usage(3, 1_600, Some(260));
         assert_eq!(turns_of(&t, 3).retention(), 0.2);
         // Moved: the new backend's first turn there expects nothing.
         bind(&t, 3, 2, 0);
-        t.record_usage(3, 1_900, 700);
+        t.record_usage(3, 1_900, Some(700));
         assert_eq!(turns_of(&t, 3).expected, 0);
         assert_eq!(turns_of(&t, 3).retention(), 1.0);
     }
@@ -1010,7 +1013,7 @@ mod tests {
     fn the_next_turn_after_a_first_one_brings_its_growth_not_a_whole_prefill() {
         let t = BindingTable::new(100);
         bind(&t, 4, 1, 0);
-        t.record_usage(4, 7_000, 0);
+        t.record_usage(4, 7_000, Some(0));
         // The backend has just computed all 7,000 tokens: a 7,300-token turn
         // brings 300 there, not the first turn's 7,000 again.
         assert_eq!(turns_of(&t, 4).next_uncached(7_300), 300);
@@ -1018,7 +1021,7 @@ mod tests {
         assert_eq!(turns_of(&t, 4).next_uncached(0), 7_000);
         // A warm turn's new tokens are the transcript's growth: they stand
         // for the next turn's whatever its body says.
-        t.record_usage(4, 7_300, 7_000);
+        t.record_usage(4, 7_300, Some(7_000));
         assert_eq!(turns_of(&t, 4).next_uncached(9_000), 300);
     }
 

@@ -367,6 +367,7 @@ pub(crate) struct FilePrefix {
     pub(crate) max_memory_bytes: usize,
     pub(crate) max_read_bytes: usize,
     pub(crate) ttl_seconds: u64,
+    pub(crate) probation_seconds: u64,
 }
 
 impl Default for FilePrefix {
@@ -378,6 +379,7 @@ impl Default for FilePrefix {
             max_memory_bytes: d.max_memory_bytes,
             max_read_bytes: d.max_read_bytes,
             ttl_seconds: d.ttl.as_secs(),
+            probation_seconds: d.probation.as_secs(),
         }
     }
 }

@@ -685,12 +685,19 @@ pub(super) fn validate_prefix(
             "must be between 1 and 604800 (a week)",
         ));
     }
+    if p.probation_seconds == 0 || p.probation_seconds > 24 * 3600 {
+        errors.push(err(
+            "affinity.prefix.probation_seconds",
+            "must be between 1 and 86400 (a day)",
+        ));
+    }
     crate::affinity::prefix::PrefixConfig {
         enabled: p.enabled,
         block_bytes: p.block_bytes.clamp(16, 65536),
         max_memory_bytes: p.max_memory_bytes.max(1 << 20),
         max_read_bytes: p.max_read_bytes.max(p.block_bytes),
         ttl: Duration::from_secs(p.ttl_seconds.clamp(1, 7 * 24 * 3600)),
+        probation: Duration::from_secs(p.probation_seconds.clamp(1, 24 * 3600)),
     }
 }
 

@@ -177,6 +177,12 @@ impl GatewayProxy {
                     .cost
                     .observe_decode(fb.elapsed(), u.completion_tokens);
             }
+            // An engine that does not report its cache: what the gateway
+            // expected to be cached there stands in for it.
+            let cached = u.cached_tokens.unwrap_or_else(|| {
+                let uncached = ctx.in_flight.as_ref().map_or(1.0, |f| f.uncached_share);
+                (u.prompt_tokens as f64 * (1.0 - uncached)) as u64
+            });
             if let Some(prefill) =
                 b.stats
                     .cost
@@ -184,21 +190,12 @@ impl GatewayProxy {
             {
                 b.stats
                     .cost
-                    .observe(prefill, u.prompt_tokens, u.cached_tokens, alone, behind);
+                    .observe(prefill, u.prompt_tokens, cached, alone, behind);
             }
-            if ctx.reason == Some(Reason::FirstTurn) && ctx.parent.is_none() {
-                b.stats.cost.observe_first_prompt(u.cached_tokens);
-            }
-            if let Some((p, Some(routed))) = ctx.prefix.as_deref().map(|r| (&r.prompt, &r.routed)) {
-                if self
-                    .gw
-                    .prefix
-                    .observe(p, routed, u.prompt_tokens, u.cached_tokens)
-                {
-                    m.prefix_index_corrections
-                        .with_label_values(&[tier_name, backend_id])
-                        .inc();
-                }
+            if let (Some(Reason::FirstTurn), None, Some(reported)) =
+                (ctx.reason, &ctx.parent, u.cached_tokens)
+            {
+                b.stats.cost.observe_first_prompt(reported);
             }
             if let Some(sref) = ctx.session_ref.as_ref().filter(|_| !ctx.session_final) {
                 self.gw
@@ -206,10 +203,14 @@ impl GatewayProxy {
                     .record_usage(sref.key, u.prompt_tokens, u.cached_tokens);
             }
         }
-        // The backend answered: it holds the prompt now.
-        if let (Some(route), 200) = (ctx.prefix.as_deref(), status) {
-            if let Some(routed) = &route.routed {
-                self.gw.prefix.answered(&route.prompt, routed);
+        // The backend answered: it holds the prompt now, and what it
+        // reports cached corrects the index.
+        if let Some(route) = ctx.prefix.as_deref() {
+            let reported = usage.map(|u| (u.prompt_tokens, u.cached_tokens));
+            if route.settle(&self.gw.prefix, status == 200, reported) {
+                m.prefix_index_corrections
+                    .with_label_values(&[tier_name, backend_id])
+                    .inc();
             }
         }
         if ctx
@@ -235,9 +236,11 @@ impl GatewayProxy {
             b.counters
                 .prompt_tokens(m, tier_name, backend_id)
                 .inc_by(u.prompt_tokens);
-            b.counters
-                .cached_prompt_tokens(m, tier_name, backend_id)
-                .inc_by(u.cached_tokens);
+            if let Some(cached) = u.cached_tokens {
+                b.counters
+                    .cached_prompt_tokens(m, tier_name, backend_id)
+                    .inc_by(cached);
+            }
         }
         if let Some(trace) = &self.gw.trace {
             let req = session.req_header();
@@ -261,7 +264,7 @@ impl GatewayProxy {
                 prefix_tokens: ctx.prefix_tokens(),
                 status,
                 prompt_tokens: usage.map(|u| u.prompt_tokens),
-                cached_tokens: usage.map(|u| u.cached_tokens),
+                cached_tokens: usage.and_then(|u| u.cached_tokens),
                 ttfb_ms: ctx
                     .first_byte
                     .map(|fb| fb.duration_since(ctx.start).as_secs_f64() * 1000.0),

@@ -24,6 +24,7 @@ pub mod response;
 pub mod upstream_conn;
 
 use crate::affinity::hrw::KeyKind;
+use crate::affinity::prefix::PromptRoute;
 use crate::affinity::session::{self, BodyProbe, SessionId};
 use crate::affinity::{Candidate, Lease, Reason, SessionRef, WaitEnd};
 use crate::gateway::Gateway;
@@ -79,16 +80,23 @@ struct InFlight {
     /// a request sent before it, or one sent after overtook it): its time to
     /// first byte explains neither its own prefill nor the queue's.
     out_of_order: bool,
+    /// The share of its prompt it was expected to find uncached there.
+    uncached_share: f64,
 }
 
 impl InFlight {
-    fn new(stats: &Arc<BackendStats>, tokens: u64) -> Self {
+    /// `tokens` of the `prompt` tokens (estimates) are expected uncached.
+    fn new(stats: &Arc<BackendStats>, tokens: u64, prompt: u64) -> Self {
         let before = stats.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight {
             stats: Arc::clone(stats),
             alone: before == 0 && stats.engine.requests_if_fresh() == 0,
             queued: stats.cost.enqueue(tokens),
             out_of_order: false,
+            uncached_share: match prompt {
+                0 => 1.0,
+                p => (tokens as f64 / p as f64).min(1.0),
+            },
         }
     }
 
@@ -119,13 +127,6 @@ impl Drop for InFlight {
             .abandon(std::mem::take(&mut self.queued.ticket));
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
-}
-
-/// A request's prompt (its block hashes only, once routed) and how much of
-/// it the index said its backend held.
-struct PromptRoute {
-    prompt: crate::affinity::prefix::prompt::Prompt,
-    routed: Option<crate::affinity::prefix::Routed>,
 }
 
 /// Everything later hooks need to know about one request.
@@ -206,8 +207,7 @@ impl RequestCtx {
     /// Tokens of the prompt the prefix index said its backend held, when
     /// the prompt was looked up.
     fn prefix_tokens(&self) -> Option<u64> {
-        let route = self.prefix.as_ref()?;
-        Some(route.routed.as_ref()?.tokens(&route.prompt))
+        self.prefix.as_ref()?.prefix_tokens()
     }
 
     fn tier_name(&self) -> Option<&str> {
@@ -435,8 +435,8 @@ mod tests {
         // A 7,000-token prefill is sent alone, a 300-token prompt behind it;
         // the engine answers the short one first (it reached the engine
         // first, or was batched ahead).
-        let mut long = InFlight::new(&stats, 7_000);
-        let mut short = InFlight::new(&stats, 300);
+        let mut long = InFlight::new(&stats, 7_000, 7_000);
+        let mut short = InFlight::new(&stats, 300, 300);
         assert_eq!(long.explains(), (true, None));
         assert_eq!(short.explains(), (false, Some(7_000)));
         short.prefilled();
@@ -447,8 +447,8 @@ mod tests {
         assert_eq!(long.explains(), (false, None));
         drop((long, short));
         // Served in order, each explains what it was sent behind.
-        let mut first = InFlight::new(&stats, 1_000);
-        let mut second = InFlight::new(&stats, 1_000);
+        let mut first = InFlight::new(&stats, 1_000, 1_000);
+        let mut second = InFlight::new(&stats, 1_000, 1_000);
         first.prefilled();
         second.prefilled();
         assert_eq!(first.explains(), (true, None));

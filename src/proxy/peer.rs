@@ -54,11 +54,12 @@ impl GatewayProxy {
         if admission {
             self.gw.admission.mark(&mut candidates);
         }
-        // What each candidate holds of the prompt (`affinity.prefix`).
-        let held = ctx
-            .prefix
-            .as_ref()
-            .map(|r| self.gw.prefix.look_up(&r.prompt, &mut candidates));
+        // New keyless conversations count as sessions, and what each
+        // candidate holds of the prompt (`affinity.prefix`).
+        self.gw.prefix.fill_probation(&mut candidates);
+        if let Some(route) = ctx.prefix.as_mut() {
+            route.look_up(&self.gw.prefix, &mut candidates);
+        }
 
         // This request's prefill there, for the backend's queued tokens: its
         // prompt less what the prefix index says is held there (below); else
@@ -87,7 +88,7 @@ impl GatewayProxy {
             let index = match ctx.session_ref.clone() {
                 Some(mut sref) => {
                     sref.prompt_tokens = body_tokens;
-                    sref.indexed = held.is_some();
+                    sref.indexed = ctx.prefix.is_some();
                     let wait = routing.config.affinity.single_flight_wait;
                     let gone = || client_gone(session);
                     let sel = match self
@@ -145,14 +146,10 @@ impl GatewayProxy {
         if let Some(old) = previous_lease {
             old.hand_over();
         }
-        if let (Some(route), Some(held)) = (ctx.prefix.as_mut(), held) {
-            let p = &route.prompt;
-            let at = candidates.iter().position(|c| c.slot == backend.slot);
-            let routed =
-                self.gw
-                    .prefix
-                    .routed(p, backend.slot, at.map(|i| held[i]).unwrap_or_default());
-            match held.iter().any(|h| h.blocks > 0) {
+        if let Some(route) = ctx.prefix.as_mut() {
+            let bound = ctx.lease.is_some();
+            let held = route.routed(&self.gw.prefix, backend.slot, bound);
+            match route.matched() {
                 true => tier.metrics.prefix_matched.inc(),
                 false => tier.metrics.prefix_none.inc(),
             }
@@ -160,8 +157,7 @@ impl GatewayProxy {
             // held. Better than the session's last turn (which under KV
             // pressure found its transcript evicted, yet counts only its
             // growth) or the body less the backend's usual shared prefix.
-            new_tokens = Some(body_tokens.saturating_sub(routed.tokens(p)));
-            route.routed = Some(routed);
+            new_tokens = Some(body_tokens.saturating_sub(held));
         }
         if admission {
             // Subagents inherit their parent session's class unless they name one.
@@ -181,6 +177,7 @@ impl GatewayProxy {
         ctx.in_flight = Some(InFlight::new(
             &backend.stats,
             new_tokens.unwrap_or_else(|| backend.stats.cost.body_estimate(body_tokens)),
+            body_tokens,
         ));
         let mut peer = match &backend.tls {
             Some(sni) => HttpPeer::new(backend.addr, true, sni.clone()),

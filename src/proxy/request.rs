@@ -2,6 +2,7 @@
 //! routing needs it) and whether it is acceptable at all.
 
 use super::*;
+use crate::affinity::prefix::conversation::Conversation;
 
 // Parsed once: a lookup by `&str` parses the header name on every request.
 static TARGET_NAME: http::HeaderName = http::HeaderName::from_static(TARGET_HEADER);
@@ -53,7 +54,7 @@ fn session_ref(
     parent: &Option<SessionId>,
     parent_agent: &Option<SessionId>,
     session_id: &Option<SessionId>,
-    implicit: Option<&[u8; 16]>,
+    implicit: Option<&Conversation>,
 ) -> Option<SessionRef> {
     match (parent, parent_agent, session_id) {
         // A subagent (Dynamo style): the group of the parent session.
@@ -70,9 +71,12 @@ fn session_ref(
             group.parent = Some(h.fingerprint(KeyKind::Session, scope, &s.id));
             Some(group)
         }
-        (None, _, Some(_)) if implicit.is_some() => {
-            implicit.map(|id| SessionRef::of_bytes(h, KeyKind::Prompt, scope, id))
-        }
+        (None, _, Some(_)) if implicit.is_some() => implicit.map(|c| {
+            let mut s = SessionRef::of_bytes(h, KeyKind::Prompt, scope, &c.id.to_le_bytes());
+            s.continued_at = c.continues.map(|at| at.slot);
+            s.probation = c.continues.is_none();
+            s
+        }),
         (None, _, Some(s)) => Some(SessionRef::new(h, KeyKind::Session, scope, &s.id)),
         (None, _, None) => None,
     }
@@ -89,6 +93,22 @@ pub(super) fn fields_bytes(headers: &http::HeaderMap, start: usize) -> usize {
     headers
         .iter()
         .fold(start, |n, (k, v)| n + k.as_str().len() + v.len() + 4)
+}
+
+/// Whether a request's path is one whose prompt an engine's prefix cache
+/// serves: chat and text completions, Responses, Anthropic Messages (under
+/// any prefix: `/v1/...`, or a proxy's `/openai/v1/...`). Embeddings,
+/// rerank, scoring and tokenizing calls hold no KV cache to return to: they
+/// are routed to the least busy backend and nothing of them is kept.
+fn prompt_path(path: &str) -> bool {
+    [
+        "/chat/completions",
+        "/completions",
+        "/responses",
+        "/messages",
+    ]
+    .iter()
+    .any(|p| path.ends_with(p))
 }
 
 fn method_has_body(req: &RequestHeader) -> bool {
@@ -275,6 +295,7 @@ impl GatewayProxy {
         // by what each backend holds of it. A keyed turn of a live binding
         // (hard mode) needs none of that and streams through unread.
         let read_prompt = prefix.enabled()
+            && prompt_path(session.req_header().uri.path())
             && (session_id.is_none()
                 || cfg.affinity.mode == crate::affinity::policy::Mode::Soft
                 || !early
@@ -352,33 +373,33 @@ impl GatewayProxy {
                     session_id = probe.session(&cfg.affinity.body_session_fields);
                 }
                 if read_prompt {
+                    // Cached under its tier and tenant: one tenant's prompts
+                    // never find another's holdings.
                     let cached_in = tier.as_ref().unwrap_or_else(|| routing.default_tier());
+                    let keyless = session_id.is_none() && parent.is_none();
                     ctx.prefix = prefix
-                        .read(&cached_in.name, model.as_deref(), |f| probe.raw(f))
-                        .map(|prompt| {
-                            Box::new(PromptRoute {
-                                prompt,
-                                routed: None,
-                            })
-                        });
+                        .read(
+                            &scope_of(&cached_in.name, &scope_suffix),
+                            model.as_deref(),
+                            keyless,
+                            |f| probe.raw(f),
+                        )
+                        .map(Box::new);
                 }
             }
             ctx.body = Some(body);
         }
         let tier = tier.unwrap_or_else(|| Arc::clone(routing.default_tier()));
         // No key from the client: the conversation its prompt belongs to.
-        let mut implicit = None;
-        if let (None, Some(route)) = (&session_id, ctx.prefix.as_ref()) {
-            let conversation = prefix.conversation(&route.prompt);
-            implicit = Some(conversation.to_le_bytes());
+        let implicit = match (&session_id, ctx.prefix.as_deref()) {
+            (None, Some(route)) => route.conversation().copied(),
+            _ => None,
+        };
+        if let Some(c) = &implicit {
             session_id = Some(SessionId {
-                id: format!("prompt-{:016x}", (conversation >> 64) as u64),
+                id: format!("prompt-{:016x}", (c.id >> 64) as u64),
                 source: session::Source::Prompt,
             });
-        }
-        if let Some(route) = ctx.prefix.as_mut() {
-            // Only the block hashes are needed from here on.
-            route.prompt.canon = Vec::new();
         }
 
         ctx.session_ref = match early {

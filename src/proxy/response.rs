@@ -111,25 +111,69 @@ impl JsonAppender {
     }
 }
 
-/// Token counts from an OpenAI-style `usage` object.
+/// Token counts from a response's `usage` object.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
+    /// The whole prompt, cached part included.
     pub prompt_tokens: u64,
-    pub cached_tokens: u64,
+    /// Prompt tokens the engine found in its prefix cache; `None` when it
+    /// does not say (vLLM without `--enable-prompt-tokens-details`, SGLang
+    /// without `--enable-cache-report`): not the same as none cached.
+    pub cached_tokens: Option<u64>,
     /// Tokens generated (0 when not said).
     pub completion_tokens: u64,
 }
 
+/// `usage` in the three shapes engines answer with: chat and completions
+/// (`prompt_tokens`, `prompt_tokens_details.cached_tokens`), Responses
+/// (`input_tokens`, `input_tokens_details.cached_tokens`) and Anthropic
+/// Messages (`input_tokens` without the cache, `cache_read_input_tokens`,
+/// `cache_creation_input_tokens`).
 #[derive(Deserialize)]
 struct UsageJson {
     prompt_tokens: Option<u64>,
     prompt_tokens_details: Option<DetailsJson>,
     completion_tokens: Option<u64>,
+    input_tokens: Option<u64>,
+    input_tokens_details: Option<DetailsJson>,
+    output_tokens: Option<u64>,
+    cache_read_input_tokens: Option<u64>,
+    cache_creation_input_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
 struct DetailsJson {
     cached_tokens: Option<u64>,
+}
+
+impl UsageJson {
+    fn usage(self) -> Option<Usage> {
+        let details = |d: Option<DetailsJson>| d.and_then(|d| d.cached_tokens);
+        if let Some(prompt) = self.prompt_tokens {
+            return Some(Usage {
+                prompt_tokens: prompt,
+                cached_tokens: details(self.prompt_tokens_details),
+                completion_tokens: self.completion_tokens.unwrap_or(0),
+            });
+        }
+        let input = self.input_tokens?;
+        let output = self.output_tokens.unwrap_or(0);
+        if self.cache_read_input_tokens.is_some() || self.cache_creation_input_tokens.is_some() {
+            // Anthropic counts the cached and the newly cached apart.
+            let read = self.cache_read_input_tokens.unwrap_or(0);
+            let created = self.cache_creation_input_tokens.unwrap_or(0);
+            return Some(Usage {
+                prompt_tokens: input + read + created,
+                cached_tokens: self.cache_read_input_tokens,
+                completion_tokens: output,
+            });
+        }
+        Some(Usage {
+            prompt_tokens: input,
+            cached_tokens: details(self.input_tokens_details),
+            completion_tokens: output,
+        })
+    }
 }
 
 /// Keeps the last bytes of a response so `usage` (at the end of a JSON body,
@@ -176,17 +220,8 @@ impl UsageScanner {
             if let Some(after_colon) = rest.strip_prefix(b":") {
                 let mut it = serde_json::Deserializer::from_slice(trim_start(after_colon))
                     .into_iter::<UsageJson>();
-                if let Some(Ok(u)) = it.next() {
-                    if let Some(prompt) = u.prompt_tokens {
-                        return Some(Usage {
-                            prompt_tokens: prompt,
-                            cached_tokens: u
-                                .prompt_tokens_details
-                                .and_then(|d| d.cached_tokens)
-                                .unwrap_or(0),
-                            completion_tokens: u.completion_tokens.unwrap_or(0),
-                        });
-                    }
+                if let Some(usage) = it.next().and_then(Result::ok).and_then(UsageJson::usage) {
+                    return Some(usage);
                 }
             }
             end = pos;
@@ -278,7 +313,7 @@ mod tests {
             s.usage(),
             Some(Usage {
                 prompt_tokens: 4096,
-                cached_tokens: 4000,
+                cached_tokens: Some(4000),
                 completion_tokens: 0
             })
         );
@@ -292,7 +327,7 @@ mod tests {
             s.usage(),
             Some(Usage {
                 prompt_tokens: 100,
-                cached_tokens: 64,
+                cached_tokens: Some(64),
                 completion_tokens: 5
             })
         );
@@ -303,7 +338,7 @@ mod tests {
             s.usage(),
             Some(Usage {
                 prompt_tokens: 7,
-                cached_tokens: 0,
+                cached_tokens: None,
                 completion_tokens: 0
             })
         );
@@ -314,5 +349,49 @@ mod tests {
         s.push(&vec![b'a'; 100_000]);
         s.push(br#","usage":{"prompt_tokens":1}}"#);
         assert_eq!(s.usage().unwrap().prompt_tokens, 1);
+    }
+
+    #[test]
+    fn responses_and_anthropic_usage_are_read_too() {
+        let read = |body: &[u8]| {
+            let mut s = UsageScanner::default();
+            s.push(body);
+            s.usage()
+        };
+        // Responses, JSON and the stream's `response.completed`.
+        let responses = br#"{"id":"resp_1","output":[],"usage":{"input_tokens":900,"input_tokens_details":{"cached_tokens":768},"output_tokens":12,"total_tokens":912}}"#;
+        let want = Some(Usage {
+            prompt_tokens: 900,
+            cached_tokens: Some(768),
+            completion_tokens: 12,
+        });
+        assert_eq!(read(responses), want);
+        let event = [
+            &b"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":"[..],
+            responses,
+            b"}\n\n",
+        ]
+        .concat();
+        assert_eq!(read(&event), want);
+        // Anthropic: the prompt is what was read from the cache, written to
+        // it and neither.
+        let anthropic = br#"{"type":"message","usage":{"input_tokens":40,"cache_creation_input_tokens":100,"cache_read_input_tokens":860,"output_tokens":9}}"#;
+        assert_eq!(
+            read(anthropic),
+            Some(Usage {
+                prompt_tokens: 1000,
+                cached_tokens: Some(860),
+                completion_tokens: 9
+            })
+        );
+        // An engine's Anthropic endpoint that reports no cache.
+        assert_eq!(
+            read(br#"{"usage":{"input_tokens":30,"output_tokens":2}}"#),
+            Some(Usage {
+                prompt_tokens: 30,
+                cached_tokens: None,
+                completion_tokens: 2
+            })
+        );
     }
 }

@@ -200,8 +200,9 @@ impl Backend {
             queued_tokens: queue.tokens,
             head_ms: queue.head_ms,
             head_tokens: queue.head_tokens,
-            // The request's prompt fills it in (`affinity::prefix`).
+            // The request's prompt fills these in (`affinity::prefix`).
             prefix_tokens: 0,
+            probation: 0,
             failing: self.stats.outlier.failing(),
             // Admission marks it (`Admission::mark`).
             full: false,

@@ -17,12 +17,13 @@ pub mod hrw;
 pub mod least_loaded;
 pub mod round_robin;
 
-use super::Candidate;
+use super::candidate::Candidate;
 
 /// What counts as a backend's load for placement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LoadMeasure {
-    /// Live bindings: the sessions that will send it their next turns.
+    /// Live bindings, and new keyless conversations on probation there:
+    /// the sessions that will send it their next turns.
     Sessions,
     /// Requests in flight through this gateway, or the engine's own running +
     /// waiting count when scraped and larger (it also sees other gateways).
@@ -44,10 +45,11 @@ impl LoadMeasure {
     /// `c`'s load, given its live bindings.
     pub fn of(self, c: &Candidate, bindings: u64) -> u64 {
         let requests = c.in_flight.max(c.engine_requests);
+        let sessions = bindings + c.probation;
         match self {
-            LoadMeasure::Sessions => bindings,
+            LoadMeasure::Sessions => sessions,
             LoadMeasure::Requests => requests,
-            LoadMeasure::Combined => bindings + requests,
+            LoadMeasure::Combined => sessions + requests,
         }
     }
 }
@@ -101,7 +103,7 @@ pub fn build(kind: FirstKind, bounded: bounded_hrw::BoundedHrw) -> Box<dyn First
 
 #[cfg(test)]
 pub(crate) mod testing {
-    use super::Candidate;
+    use crate::affinity::candidate::Candidate;
 
     pub fn open(n: u32) -> Vec<Candidate> {
         (0..n)

@@ -1,22 +1,27 @@
-//! Prefix-aware routing (`affinity.prefix`): a conversation is bound whether
-//! or not its client names it, and a new binding goes where its prompt's
-//! prefix is already cached when that saves time.
+//! Prefix-aware routing (`affinity.prefix`): a conversation is routed
+//! whether or not its client names it, and a new binding goes where its
+//! prompt's prefix is already cached when that saves time.
 //!
-//! - [`prompt`]: the canonical prompt of a request body, its chained block
-//!   hashes, and the conversation's anchor (its implicit session key);
-//! - [`ends`]: the conversation of a prompt without messages, found through
-//!   the earlier prompt it extends;
+//! - [`prompt`]: the canonical prompt of a request body and its chained
+//!   block hashes;
+//! - [`conversation`]: which conversation a prompt without a session key
+//!   belongs to, by how far its blocks agree with earlier prompts';
 //! - [`index`]: which backends recently computed which prefixes, corrected
 //!   by the cached tokens engines report.
 //!
-//! Placement reads the index through [`crate::affinity::Candidate::prefix_tokens`].
+//! [`PromptRoute`] carries one request's prompt through the gateway — read,
+//! named, looked up, routed, settled by the answer — so that the workflow
+//! has one owner; placement reads what it found through
+//! [`crate::affinity::Candidate::prefix_tokens`] and
+//! [`crate::affinity::Candidate::probation`].
 
-pub mod ends;
+pub mod conversation;
 pub mod index;
 pub mod prompt;
 
-use super::Candidate;
-use index::PrefixIndex;
+use crate::affinity::candidate::Candidate;
+use conversation::{Conversation, Conversations};
+use index::{Held, PrefixIndex};
 use prompt::{Chunker, Prompt};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -27,12 +32,15 @@ pub struct PrefixConfig {
     pub enabled: bool,
     /// Bytes of canonical prompt per index block (about a quarter as many tokens).
     pub block_bytes: usize,
-    /// Memory the index and the conversation ends may take.
+    /// Memory the index and the conversations' ends may take.
     pub max_memory_bytes: usize,
     /// Bytes of a prompt hashed at most; the rest routes by what was read.
     pub max_read_bytes: usize,
     /// How long a backend is taken to hold a prefix it served.
     pub ttl: Duration,
+    /// How long a new keyless conversation counts as a session of its
+    /// backend before a second turn binds it.
+    pub probation: Duration,
 }
 
 impl Default for PrefixConfig {
@@ -43,11 +51,12 @@ impl Default for PrefixConfig {
             max_memory_bytes: 64 << 20,
             max_read_bytes: 1 << 20,
             ttl: Duration::from_secs(600),
+            probation: Duration::from_secs(60),
         }
     }
 }
 
-/// The share of `max_memory_bytes` the conversation ends take; the index
+/// The share of `max_memory_bytes` the conversations' ends take; the index
 /// takes the rest.
 const ENDS_SHARE: usize = 8;
 
@@ -57,28 +66,27 @@ pub struct Prefix {
     enabled: AtomicBool,
     max_read_bytes: AtomicUsize,
     pub index: PrefixIndex,
-    pub ends: ends::Ends,
+    pub conversations: Conversations,
 }
 
-/// How much of the prompt a request routed with its chosen backend held.
-#[derive(Clone, Debug)]
-pub struct Routed {
-    pub slot: u32,
-    pub held: index::Held,
-    pub block_bytes: usize,
-}
-
-impl Routed {
-    /// Estimated tokens of `p` held there.
-    pub fn tokens(&self, p: &Prompt) -> u64 {
-        p.block_tokens(self.held.blocks as usize, self.block_bytes)
-    }
+/// One request's prompt on its way through the gateway.
+#[derive(Debug)]
+pub struct PromptRoute {
+    prompt: Prompt,
+    /// The conversation it belongs to (requests without a session key).
+    conversation: Option<Conversation>,
+    /// What each candidate of the last look-up held of it.
+    held: Vec<(u32, Held)>,
+    /// Where it went, and what the index said that backend held.
+    routed: Option<(u32, Held)>,
+    block_bytes: usize,
 }
 
 impl Prefix {
     /// `seed` derives from `affinity.hash_key` (every gateway of a fleet
-    /// cuts and names prompts alike).
-    pub fn new(cfg: &PrefixConfig, seed: u64) -> Self {
+    /// cuts and names prompts alike); ends live `ends_ttl` at most (the
+    /// bindings' TTL: a bound conversation's next turn must find its end).
+    pub fn new(cfg: &PrefixConfig, seed: u64, ends_ttl: Duration) -> Self {
         let ends_bytes = cfg.max_memory_bytes / ENDS_SHARE;
         Prefix {
             block_bytes: cfg.block_bytes,
@@ -89,15 +97,24 @@ impl Prefix {
                 cfg.max_memory_bytes - ends_bytes,
                 cfg.ttl.as_millis() as u64,
             ),
-            ends: ends::Ends::new(ends_bytes / ends::END_BYTES),
+            conversations: Conversations::new(
+                ends_bytes / conversation::END_BYTES,
+                cfg.probation.as_millis() as u64,
+                ends_ttl.as_millis() as u64,
+            ),
         }
     }
 
-    /// Apply the settings a reload may change (`enabled`, `max_read_bytes`).
-    pub fn configure(&self, cfg: &PrefixConfig) {
+    /// Apply the settings a reload may change (`enabled`, `max_read_bytes`,
+    /// `probation_seconds`, and the bindings' TTL the ends follow).
+    pub fn configure(&self, cfg: &PrefixConfig, ends_ttl: Duration) {
         self.enabled.store(cfg.enabled, Ordering::Relaxed);
         self.max_read_bytes
             .store(cfg.max_read_bytes, Ordering::Relaxed);
+        self.conversations.configure(
+            cfg.probation.as_millis() as u64,
+            ends_ttl.as_millis() as u64,
+        );
     }
 
     pub fn enabled(&self) -> bool {
@@ -108,15 +125,18 @@ impl Prefix {
         self.block_bytes
     }
 
-    /// The prompt of a body whose top-level members `field` gives, scoped
-    /// to the tier it is cached in; `None` when disabled or when the body
-    /// has no prompt routing can read.
+    /// The prompt of a body whose top-level members `field` gives, cached
+    /// under `scope` (its tier and tenant) and `model`; `keyless`: its
+    /// client named no session, and the conversation it belongs to is
+    /// found. `None` when disabled or when the body has no prompt routing
+    /// can read.
     pub fn read<'a>(
         &self,
-        tier: &str,
+        scope: &str,
         model: Option<&str>,
+        keyless: bool,
         field: impl Fn(&str) -> Option<&'a [u8]>,
-    ) -> Option<Prompt> {
+    ) -> Option<PromptRoute> {
         if !self.enabled() {
             return None;
         }
@@ -125,57 +145,139 @@ impl Prefix {
             max_read_bytes: self.max_read_bytes.load(Ordering::Relaxed),
             seed: self.seed,
         };
-        chunker.prompt(tier, model, field)
-    }
-
-    /// The conversation `p` belongs to: its anchor, or for a prompt without
-    /// messages the conversation whose earlier prompt it extends.
-    pub fn conversation(&self, p: &Prompt) -> u128 {
-        p.anchor
-            .unwrap_or_else(|| self.ends.conversation(p, self.block_bytes))
-    }
-
-    /// Fill in each candidate's [`Candidate::prefix_tokens`] for `p`.
-    /// Returns what each holds.
-    pub fn look_up(&self, p: &Prompt, candidates: &mut [Candidate]) -> Vec<index::Held> {
-        let slots: Vec<u32> = candidates.iter().map(|c| c.slot).collect();
-        let held = self.index.lookup(&p.blocks, &slots, self.index.now());
-        for (c, h) in candidates.iter_mut().zip(&held) {
-            c.prefix_tokens = p.block_tokens(h.blocks as usize, self.block_bytes);
-        }
-        held
-    }
-
-    /// The request with prompt `p` goes to `slot`, which held `held` of it:
-    /// from now on the index takes it to hold the whole prompt (pending
-    /// until [`Prefix::answered`]).
-    pub fn routed(&self, p: &Prompt, slot: u32, held: index::Held) -> Routed {
-        self.index.record(&p.blocks, slot, self.index.now(), false);
-        Routed {
-            slot,
-            held,
+        let (prompt, canon) = chunker.prompt(scope, model, field)?;
+        let conversation = keyless.then(|| {
+            self.conversations
+                .identify(&prompt, &canon, self.block_bytes, crate::clock::now_ms())
+        });
+        Some(PromptRoute {
+            prompt,
+            conversation,
+            held: Vec::new(),
+            routed: None,
             block_bytes: self.block_bytes,
+        })
+    }
+
+    /// Fill in each candidate's [`Candidate::probation`]: the new keyless
+    /// conversations that count as its sessions.
+    pub fn fill_probation(&self, candidates: &mut [Candidate]) {
+        for c in candidates {
+            c.probation = self.conversations.probation(c.slot);
         }
     }
 
-    /// The backend answered the routed request: it holds the prompt now.
-    pub fn answered(&self, p: &Prompt, routed: &Routed) {
-        let from = (routed.held.confirmed as usize).min(p.blocks.len());
-        self.index
-            .record(&p.blocks[from..], routed.slot, self.index.now(), true);
+    /// Background upkeep: conversations whose probation ran out stop
+    /// counting, ends past their TTL go.
+    pub fn sweep(&self) -> usize {
+        self.conversations.sweep(crate::clock::now_ms())
     }
 
-    /// What a routed request's answer showed: `cached` of its `prompt_tokens`
-    /// were cached at the backend it went to. Returns whether the index was
-    /// corrected (the backend had evicted).
-    pub fn observe(&self, p: &Prompt, routed: &Routed, prompt_tokens: u64, cached: u64) -> bool {
-        if prompt_tokens == 0 {
+    /// Forget what is known of `slot`: its backend left.
+    pub fn forget_backend(&self, slot: u32) {
+        self.index.forget_backend(slot);
+        self.conversations.forget_backend(slot);
+    }
+}
+
+impl PromptRoute {
+    pub fn prompt(&self) -> &Prompt {
+        &self.prompt
+    }
+
+    /// The conversation of a request without a session key.
+    pub fn conversation(&self) -> Option<&Conversation> {
+        self.conversation.as_ref()
+    }
+
+    /// Estimated tokens of the prompt.
+    pub fn tokens(&self) -> u64 {
+        self.prompt.tokens_of(self.prompt.full_bytes)
+    }
+
+    /// Fill in each candidate's [`Candidate::prefix_tokens`]: how much of
+    /// the prompt the index says it holds.
+    pub fn look_up(&mut self, prefix: &Prefix, candidates: &mut [Candidate]) {
+        let slots: Vec<u32> = candidates.iter().map(|c| c.slot).collect();
+        let held = prefix
+            .index
+            .lookup(&self.prompt.blocks, &slots, prefix.index.now());
+        for (c, h) in candidates.iter_mut().zip(&held) {
+            c.prefix_tokens = self
+                .prompt
+                .block_tokens(h.blocks as usize, prefix.block_bytes);
+        }
+        self.held = slots.into_iter().zip(held).collect();
+    }
+
+    /// The request goes to `slot`, bound or not (a keyless conversation on
+    /// probation): from now on the index takes that backend to hold the
+    /// whole prompt (pending until [`PromptRoute::settle`]), and the
+    /// conversation's end names it. Returns the tokens of the prompt the
+    /// index said were held there.
+    pub fn routed(&mut self, prefix: &Prefix, slot: u32, bound: bool) -> u64 {
+        let here = self
+            .held
+            .iter()
+            .find(|(s, _)| *s == slot)
+            .map(|(_, h)| *h)
+            .unwrap_or_default();
+        prefix
+            .index
+            .record(&self.prompt.blocks, slot, prefix.index.now(), false);
+        if let Some(c) = &self.conversation {
+            let most = self.held.iter().map(|(_, h)| h.blocks).max().unwrap_or(0);
+            prefix
+                .conversations
+                .place(c, slot, bound, most as usize * prefix.block_bytes);
+        }
+        self.routed = Some((slot, here));
+        self.prompt
+            .block_tokens(here.blocks as usize, prefix.block_bytes)
+    }
+
+    /// Tokens of the prompt the index said its backend held, once routed.
+    pub fn prefix_tokens(&self) -> Option<u64> {
+        let (_, held) = self.routed?;
+        Some(
+            self.prompt
+                .block_tokens(held.blocks as usize, self.block_bytes),
+        )
+    }
+
+    /// Whether the last look-up found any candidate holding part of it.
+    pub fn matched(&self) -> bool {
+        self.held.iter().any(|(_, h)| h.blocks > 0)
+    }
+
+    /// The backend answered (`ok`), and its `usage` said `prompt_tokens`
+    /// and, when the engine reports them, how many were cached: the backend
+    /// holds the prompt now, and a report of far fewer cached tokens than
+    /// the index promised corrects it (that backend evicted). An engine that
+    /// reports none (vLLM without `--enable-prompt-tokens-details`, SGLang
+    /// without `--enable-cache-report`) corrects nothing: no report is not
+    /// a report of nothing cached. Returns whether the index was corrected.
+    pub fn settle(&self, prefix: &Prefix, ok: bool, usage: Option<(u64, Option<u64>)>) -> bool {
+        let Some((slot, held)) = self.routed else {
+            return false;
+        };
+        if !ok {
             return false;
         }
-        // The engine's own count, in blocks of the canonical prompt.
-        let share = cached.min(prompt_tokens) as f64 / prompt_tokens as f64;
-        let blocks = (share * p.full_bytes as f64 / self.block_bytes as f64) as u64;
-        self.index
-            .observe(routed.slot, routed.held, blocks, self.index.now())
+        let corrected = match usage {
+            Some((prompt_tokens, Some(cached))) if prompt_tokens > 0 => {
+                // The engine's own count, in blocks of the canonical prompt.
+                let share = cached.min(prompt_tokens) as f64 / prompt_tokens as f64;
+                let full = self.prompt.full_bytes as f64;
+                let blocks = (share * full / prefix.block_bytes as f64) as u64;
+                prefix.index.observe(slot, held, blocks, prefix.index.now())
+            }
+            _ => false,
+        };
+        let from = (held.confirmed as usize).min(self.prompt.blocks.len());
+        prefix
+            .index
+            .record(&self.prompt.blocks[from..], slot, prefix.index.now(), true);
+        corrected
     }
 }

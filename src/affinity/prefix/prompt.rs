@@ -1,32 +1,31 @@
 //! What a request's prompt is, as routing reads it: the canonical prompt cut
 //! into fixed-size blocks with chained hashes (what an engine's prefix cache
-//! can reuse), an estimate of its tokens, and the conversation it belongs to.
+//! can reuse) and an estimate of its tokens.
 //!
 //! The canonical prompt is the request's prompt fields as the client sent
-//! them, in prompt order, each element's raw JSON followed by a separator:
-//! `tools`, then every `messages` element (chat completions); `instructions`,
-//! then `input` (Responses API: a string, or its items); or `prompt`
-//! (completions: text or token ids, without its closing quote or bracket, so
-//! that a prompt extending an earlier one has it as a byte prefix). A client
-//! re-sends a conversation's earlier messages byte for byte on every turn, so
-//! the blocks of turn *n* are a prefix of those of turn *n + 1*.
+//! them, in the order a chat template renders them: the system text, then
+//! the tools, then the turns. Each part is its raw JSON, the turns without
+//! their closing bracket or quote, so that a later turn, which re-sends the
+//! conversation so far and adds to it, has the earlier turn's canonical
+//! prompt as a byte prefix:
 //!
-//! **Conversation identity.** Where a prompt has messages, its conversation
-//! is named by its *anchor*: everything up to and including the first user
-//! message (the system prompt, the tool list, the first question). Every turn
-//! of a conversation repeats it, so the name is stable across turns and every
-//! gateway of a fleet derives the same one; a system prompt or tool list that
-//! all conversations share does not merge them (their first user messages
-//! differ), however long it is and however short the first question.
-//! Conversations whose first turns are byte for byte the same are one
-//! conversation to the gateway (they hold the same cache). A prompt without
-//! messages (completions) has no anchor: its conversation is found through
-//! the earlier prompts it extends ([`super::ends`]).
+//! | API | system | tools | turns |
+//! |---|---|---|---|
+//! | chat completions | the leading `system` / `developer` messages | `tools` | the other `messages` |
+//! | Anthropic Messages | `system` | `tools` | `messages` |
+//! | Responses | `instructions` | `tools` | `input` (a string, or its items) |
+//! | completions | | | `prompt` (text or token ids) |
+//!
+//! The chain starts from a root keyed by `affinity.hash_key` and scoped by
+//! tier, tenant and model: two tenants' prompts never share a block, so
+//! nothing one tenant sends can find what another holds.
+//!
+//! Which conversation a prompt belongs to is [`super::conversation`]'s.
 
 use crate::affinity::scan::{each_element, string_field};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 
-/// Separates the elements of the canonical prompt.
+/// Separates the parts of the canonical prompt.
 const SEPARATOR: u8 = 0x1e;
 
 /// Bytes of a prompt per token, for text (about 4 for English).
@@ -35,19 +34,47 @@ pub const TEXT_BYTES_PER_TOKEN: f64 = 4.0;
 /// The request's prompt as routing reads it.
 #[derive(Clone, Debug, Default)]
 pub struct Prompt {
-    /// The canonical prompt, cut at the configured read length.
-    pub canon: Vec<u8>,
-    /// Its length before the cut.
+    /// The canonical prompt's length (before the read length cut it).
     pub full_bytes: usize,
-    /// Chained hash of each full block of `canon`: `blocks[i]` names the
-    /// whole prefix up to the end of block `i`.
+    /// Chained hash of each full block of what was read: `blocks[i]` names
+    /// the whole prefix up to the end of block `i`.
     pub blocks: Vec<u64>,
-    /// The seed the chain starts from (the tier and model it is cached under).
+    /// The seed the chain starts from (the tier, tenant and model it is
+    /// cached under).
     pub root: u64,
     /// Estimated prompt tokens per canonical byte.
     pub tokens_per_byte: f64,
-    /// The conversation's name from its anchor; `None`: no messages.
-    pub anchor: Option<u128>,
+}
+
+/// The canonical prompt's bytes, as the parts of the request body they lie
+/// in (borrowed while the body is read: nothing is copied).
+pub struct Canon<'a> {
+    parts: [&'a [u8]; 5],
+    /// Bytes of it read (at most `max_read_bytes`).
+    len: usize,
+}
+
+impl Canon<'_> {
+    /// Bytes of the canonical prompt read.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The hash of bytes `from..to` (within what was read), seeded.
+    pub fn hash(&self, from: usize, to: usize, seed: u64) -> Option<u64> {
+        if from > to || to > self.len {
+            return None;
+        }
+        let mut h = Xxh3::with_seed(seed);
+        for p in span(&self.parts, from, to) {
+            h.update(p);
+        }
+        Some(h.digest())
+    }
 }
 
 /// Where the blocks of prompts are cut, and what seeds their hashes.
@@ -60,30 +87,32 @@ pub struct Chunker {
     pub seed: u64,
 }
 
+/// The parts of a request's prompt: (system, tools, turns).
+type Parts<'a> = (Option<&'a [u8]>, Option<&'a [u8]>, &'a [u8]);
+
 impl Chunker {
-    /// The prompt of a JSON request body whose top level `fields` gives
-    /// (name → raw value); `None` when it carries no prompt routing can read.
+    /// The prompt of a JSON request body whose top level `field` gives
+    /// (name → raw value), scoped to `scope` (tier and tenant) and `model`;
+    /// `None` when it carries no prompt routing can read.
     pub fn prompt<'a>(
         &self,
         scope: &str,
         model: Option<&str>,
         field: impl Fn(&str) -> Option<&'a [u8]>,
-    ) -> Option<Prompt> {
+    ) -> Option<(Prompt, Canon<'a>)> {
         let mut tokens_per_byte = 1.0 / TEXT_BYTES_PER_TOKEN;
-        // (what comes before the turns, the turns, where the anchor ends in
-        // them: `None` for a prompt without messages, which has none)
-        let (head, turns, anchor_end) = if let Some(messages) = field("messages") {
-            // No user message (a system prompt alone): all of it.
-            let end = first_user_end(messages)?.unwrap_or(messages.len());
-            (field("tools"), open(messages)?, Some(end))
-        } else if let Some(input) = field("input") {
-            let end = match input.first() {
-                Some(b'[') => first_user_end(input)?.unwrap_or(input.len()),
-                // A string input is the user's message.
-                Some(b'"') => input.len(),
-                _ => return None,
+        let (system, tools, turns): Parts<'a> = if let Some(messages) = field("messages") {
+            // Anthropic Messages put the system text beside the messages.
+            let (system, rest) = match field("system") {
+                Some(system) => (Some(system), open(messages)?),
+                None => split_system(messages)?,
             };
-            (field("instructions"), open(input)?, Some(end))
+            (system, field("tools"), rest)
+        } else if let Some(input) = field("input") {
+            if !matches!(input.first(), Some(b'[' | b'"')) {
+                return None;
+            }
+            (field("instructions"), field("tools"), open(input)?)
         } else if let Some(prompt) = field("prompt") {
             let turns = open(prompt)?;
             if turns.starts_with(b"[")
@@ -95,57 +124,39 @@ impl Chunker {
                 let ids = memchr::memchr_iter(b',', turns).count() + 1;
                 tokens_per_byte = ids as f64 / turns.len() as f64;
             }
-            (None, turns, None)
+            (None, None, turns)
         } else {
             return None;
         };
         // Nothing but an opening bracket or quote: no prompt.
-        if turns.len() <= 1 && head.is_none() {
+        if turns.len() <= 1 && system.is_none() && tools.is_none() {
             return None;
         }
-        let parts: [&[u8]; 3] = match head {
-            Some(h) => [h, &[SEPARATOR], turns],
-            None => [&[], &[], turns],
-        };
+        let sep: &[u8] = &[SEPARATOR];
+        let parts: [&'a [u8]; 5] = [
+            system.unwrap_or(&[]),
+            if system.is_some() { sep } else { &[] },
+            tools.unwrap_or(&[]),
+            if tools.is_some() { sep } else { &[] },
+            turns,
+        ];
+        // `sep` is static: the array's lifetime is the body's.
         let root = self.root(scope, model);
-        let full_bytes = parts.iter().map(|p| p.len()).sum();
-        // Where the conversation's name ends: everything up to the end of
-        // its first user message.
-        let anchor_end =
-            anchor_end.map(|end| parts[0].len() + parts[1].len() + end.min(turns.len()));
-        // The chain covers what is read to route, and the name however long
-        // it is: the name must not change with the read length.
-        let hashed = self.max_read_bytes.max(anchor_end.unwrap_or(0));
-        let mut blocks = chain(&parts, self.block_bytes, root, hashed);
-        // The name's full blocks are hashed in the chain already: the name is
-        // the rest hashed with the chain's hash before it.
-        let anchor = anchor_end.map(|end| {
-            let k = end / self.block_bytes;
-            let base = if k == 0 { root } else { blocks[k - 1] };
-            let mut h = Xxh3::with_seed(base);
-            for p in span(&parts, k * self.block_bytes, end) {
-                h.update(p);
-            }
-            h.digest128()
-        });
-        blocks.truncate(self.max_read_bytes / self.block_bytes.max(1));
-        // Only a prompt without messages keeps its bytes: its conversation
-        // is found by the earlier prompt it extends (see `ends`).
-        let canon = match anchor {
-            None => turns[..turns.len().min(self.max_read_bytes)].to_vec(),
-            Some(_) => Vec::new(),
-        };
-        Some(Prompt {
-            canon,
-            full_bytes,
-            blocks,
-            root,
-            tokens_per_byte,
-            anchor,
-        })
+        let full_bytes: usize = parts.iter().map(|p| p.len()).sum();
+        let len = full_bytes.min(self.max_read_bytes);
+        let blocks = chain(&parts, self.block_bytes, root, len);
+        Some((
+            Prompt {
+                full_bytes,
+                blocks,
+                root,
+                tokens_per_byte,
+            },
+            Canon { parts, len },
+        ))
     }
 
-    /// The hash every prompt's chain starts from: one per (tier, model).
+    /// The hash every prompt's chain starts from: one per (scope, model).
     pub fn root(&self, scope: &str, model: Option<&str>) -> u64 {
         let h = xxh3_64_with_seed(scope.as_bytes(), self.seed);
         xxh3_64_with_seed(model.unwrap_or("").as_bytes(), h)
@@ -184,18 +195,26 @@ fn open(raw: &[u8]) -> Option<&[u8]> {
     }
 }
 
-/// Where the first user message of the JSON array `raw` ends (`Some(None)`:
-/// it has none; `None`: not an array). Reads no further than that message.
-fn first_user_end(raw: &[u8]) -> Option<Option<usize>> {
+/// The leading system (or developer) messages of the JSON array `raw`, and
+/// the rest of it without its closing bracket; `None` when `raw` is not an
+/// array. Reads no further than the first other message.
+fn split_system(raw: &[u8]) -> Option<(Option<&[u8]>, &[u8])> {
     let mut end = None;
     each_element(raw, |element, at| {
-        let user = string_field(element, b"role") == Some(b"user");
-        if user {
+        let system = matches!(
+            string_field(element, b"role"),
+            Some(b"system" | b"developer")
+        );
+        if system {
             end = Some(at);
         }
-        !user
+        system
     })?;
-    Some(end)
+    let close = raw.len() - 1;
+    Some(match end {
+        Some(e) => (Some(&raw[1..e]), &raw[e..close]),
+        None => (None, &raw[..close]),
+    })
 }
 
 /// Chained hashes of the full blocks of `parts` taken as one byte string
@@ -237,25 +256,43 @@ pub fn chain(parts: &[&[u8]], block: usize, root: u64, max: usize) -> Vec<u64> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::json;
     use serde_json::value::RawValue;
     use std::collections::HashMap;
 
-    const CHUNKER: Chunker = Chunker {
+    pub(crate) const CHUNKER: Chunker = Chunker {
         block_bytes: 64,
         max_read_bytes: 1 << 20,
         seed: 7,
     };
 
-    fn prompt_of(body: &serde_json::Value) -> Option<Prompt> {
+    /// The prompt `chunker` reads from `body`, and its canonical bytes.
+    pub(crate) fn read_with(
+        chunker: &Chunker,
+        scope: &str,
+        body: &serde_json::Value,
+    ) -> Option<(Prompt, Vec<u8>)> {
         let text = body.to_string();
-        let top: HashMap<String, Box<RawValue>> = serde_json::from_str(&text).unwrap();
+        let top: HashMap<String, Box<RawValue>> = serde_json::from_str(&text).ok()?;
         let model = body["model"].as_str();
-        CHUNKER.prompt("tier", model, |name| {
+        let (p, canon) = chunker.prompt(scope, model, |name| {
             top.get(name).map(|v| v.get().as_bytes())
-        })
+        })?;
+        let bytes: Vec<u8> = span(&canon.parts, 0, canon.len)
+            .flatten()
+            .copied()
+            .collect();
+        Some((p, bytes))
+    }
+
+    fn prompt_of(body: &serde_json::Value) -> Option<Prompt> {
+        read_with(&CHUNKER, "tier", body).map(|(p, _)| p)
+    }
+
+    fn canon_of(body: &serde_json::Value) -> Vec<u8> {
+        read_with(&CHUNKER, "tier", body).unwrap().1
     }
 
     fn chat(messages: &[(&str, &str)]) -> serde_json::Value {
@@ -271,7 +308,7 @@ mod tests {
     }
 
     #[test]
-    fn a_conversation_keeps_its_name_and_its_blocks_grow_turn_by_turn() {
+    fn a_conversations_blocks_grow_turn_by_turn() {
         let sys = system();
         let t1 = prompt_of(&chat(&[
             ("system", &sys),
@@ -285,8 +322,6 @@ mod tests {
             ("user", "now run the tests"),
         ]))
         .unwrap();
-        assert!(t1.anchor.is_some());
-        assert_eq!(t1.anchor, t2.anchor, "turns of one conversation");
         assert!(t2.blocks.len() > t1.blocks.len());
         assert_eq!(
             t1.blocks[..],
@@ -296,41 +331,96 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_system_prompt_does_not_merge_conversations_even_with_short_first_turns() {
+    fn a_shared_system_prompt_is_shared_blocks() {
         let sys = system();
         let a = prompt_of(&chat(&[("system", &sys), ("user", "hi")])).unwrap();
         let b = prompt_of(&chat(&[("system", &sys), ("user", "yo")])).unwrap();
-        assert_ne!(a.anchor, b.anchor);
-        // ...while they share the system prompt's blocks, which is what a
-        // prefix cache can reuse between them.
+        // They share the system prompt's blocks, which is what a prefix
+        // cache can reuse between them, and part ways after it.
         let shared = sys.len() / 64 - 1;
         assert_eq!(a.blocks[..shared], b.blocks[..shared]);
-        // Tools and system prompt come before the first question: a change
-        // in either is another conversation.
-        let mut with_tools = chat(&[("system", &sys), ("user", "hi")]);
-        with_tools["tools"] = json!([{"type": "function", "function": {"name": "grep"}}]);
-        assert_ne!(prompt_of(&with_tools).unwrap().anchor, a.anchor);
+        assert_ne!(a.blocks.last(), b.blocks.last());
     }
 
     #[test]
-    fn the_tier_and_model_scope_the_chain() {
+    fn the_system_text_comes_first_then_the_tools_then_the_turns() {
+        let sys = system();
+        let tools = json!([{"type": "function", "function": {"name": "grep"}}]);
+        let mut body = chat(&[("system", &sys), ("user", "hi")]);
+        body["tools"] = tools.clone();
+        let canon = canon_of(&body);
+        let sys_json = serde_json::to_vec(&json!({"role": "system", "content": sys})).unwrap();
+        let tools_json = serde_json::to_vec(&tools).unwrap();
+        assert!(canon.starts_with(&sys_json), "system first");
+        let at = sys_json.len() + 1;
+        assert_eq!(
+            &canon[at..at + tools_json.len()],
+            &tools_json[..],
+            "then tools"
+        );
+        assert!(
+            canon.ends_with(br#"{"content":"hi","role":"user"}"#),
+            "then the turns"
+        );
+        // A tool list added later shares the system prompt's blocks with the
+        // same conversation without tools (as a template renders it).
+        let without = prompt_of(&chat(&[("system", &sys), ("user", "hi")])).unwrap();
+        let with = prompt_of(&body).unwrap();
+        let shared = sys_json.len() / 64;
+        assert_eq!(with.blocks[..shared], without.blocks[..shared]);
+    }
+
+    #[test]
+    fn anthropic_messages_read_their_system_and_tools() {
+        let sys = system();
+        let turn = |n: usize| {
+            let mut msgs = vec![json!({"role": "user", "content": "list the files"})];
+            for i in 1..n {
+                msgs.push(json!({"role": "assistant", "content": format!("step {i}")}));
+                msgs.push(json!({"role": "user", "content": format!("go on {i}")}));
+            }
+            json!({"model": "claude", "max_tokens": 64, "system": sys,
+                   "tools": [{"name": "ls", "input_schema": {"type": "object"}}],
+                   "messages": msgs})
+        };
+        let (t1, canon) = read_with(&CHUNKER, "tier", &turn(1)).unwrap();
+        assert!(canon.starts_with(serde_json::to_string(&sys).unwrap().as_bytes()));
+        assert!(t1.full_bytes > sys.len());
+        let t2 = prompt_of(&turn(2)).unwrap();
+        assert_eq!(t1.blocks[..], t2.blocks[..t1.blocks.len()]);
+        // The system text as content blocks is read as well.
+        let mut blocks = turn(1);
+        blocks["system"] = json!([{"type": "text", "text": sys}]);
+        assert!(prompt_of(&blocks).unwrap().full_bytes > sys.len());
+        // A system prompt alone, with no messages yet, is a prompt too.
+        let alone = json!({"model": "claude", "system": sys, "messages": []});
+        assert!(prompt_of(&alone).is_some());
+    }
+
+    #[test]
+    fn the_tier_tenant_and_model_scope_the_chain() {
         let body = chat(&[("system", &system()), ("user", "hi")]);
         let a = prompt_of(&body).unwrap();
         let mut other = body.clone();
         other["model"] = json!("m2");
-        let b = prompt_of(&other).unwrap();
-        assert_ne!(a.blocks[0], b.blocks[0]);
-        assert_ne!(a.anchor, b.anchor);
+        assert_ne!(a.blocks[0], prompt_of(&other).unwrap().blocks[0]);
+        let (tenant, _) = read_with(&CHUNKER, "tier\u{0}tenant-b", &body).unwrap();
+        assert_ne!(
+            a.blocks[0], tenant.blocks[0],
+            "another tenant, another chain"
+        );
+        assert_eq!(a.blocks.len(), tenant.blocks.len());
     }
 
     #[test]
     fn token_id_prompts_extend_byte_for_byte_and_count_their_ids() {
         let ids: Vec<u32> = (1000..1400).collect();
-        let t1 = prompt_of(&json!({"model": "m", "prompt": &ids[..300]})).unwrap();
-        let t2 = prompt_of(&json!({"model": "m", "prompt": &ids[..400]})).unwrap();
-        assert_eq!(t1.anchor, None, "no messages, no anchor");
+        let (t1, c1) =
+            read_with(&CHUNKER, "t", &json!({"model": "m", "prompt": &ids[..300]})).unwrap();
+        let (t2, c2) =
+            read_with(&CHUNKER, "t", &json!({"model": "m", "prompt": &ids[..400]})).unwrap();
         assert_eq!(t1.blocks[..], t2.blocks[..t1.blocks.len()]);
-        assert!(t2.canon.starts_with(&t1.canon));
+        assert!(c2.starts_with(&c1));
         // 300 ids of 4 digits and a comma: 1/5 of a token per byte.
         assert!(
             (t1.tokens_per_byte - 0.2).abs() < 0.01,
@@ -351,7 +441,6 @@ mod tests {
             {"role": "user", "content": "more"},
         ]}))
         .unwrap();
-        assert!(one.anchor.is_some() && items.anchor.is_some());
         assert_eq!(
             one.blocks[..sys.len() / 64 - 1],
             items.blocks[..sys.len() / 64 - 1]
@@ -368,24 +457,18 @@ mod tests {
     }
 
     #[test]
-    fn the_read_length_bounds_what_is_hashed_not_the_name() {
+    fn the_read_length_bounds_what_is_hashed() {
         let sys = system();
         let long = chat(&[("system", &sys), ("user", "q")]);
         let short_reader = Chunker {
             max_read_bytes: 1000,
             ..CHUNKER
         };
-        let text = long.to_string();
-        let top: HashMap<String, Box<RawValue>> = serde_json::from_str(&text).unwrap();
-        let p = short_reader
-            .prompt("tier", Some("m"), |n| {
-                top.get(n).map(|v| v.get().as_bytes())
-            })
-            .unwrap();
+        let (p, canon) = read_with(&short_reader, "tier", &long).unwrap();
         assert!(p.full_bytes > 10_000);
+        assert_eq!(canon.len(), 1000);
         assert_eq!(p.blocks.len(), 1000 / 64);
         assert_eq!(p.blocks[..], prompt_of(&long).unwrap().blocks[..1000 / 64]);
-        assert_eq!(p.anchor, prompt_of(&long).unwrap().anchor);
     }
 
     #[test]
@@ -396,6 +479,14 @@ mod tests {
         for cut in [0, 1, 63, 64, 65, 500, 999, 1000] {
             let (a, b) = whole.split_at(cut);
             assert_eq!(chain(&[a, &[], b], 64, 9, usize::MAX), one, "cut at {cut}");
+            let canon = Canon {
+                parts: [a, &[], b, &[], &[]],
+                len: 1000,
+            };
+            assert_eq!(
+                canon.hash(60, 700, 3),
+                Some(xxh3_64_with_seed(&whole[60..700], 3))
+            );
         }
         assert_eq!(chain(&[&whole], 64, 9, 640), one[..10]);
         assert_ne!(chain(&[&whole], 64, 8, usize::MAX), one, "the root keys it");

@@ -1,0 +1,883 @@
+//! Which conversation a prompt belongs to when its client names none.
+//!
+//! A conversation is a path through the prefix tree, not its opening: two
+//! requests are turns of one conversation only as far as their blocks agree.
+//! Each routed prompt leaves an *end*: where it stopped, the backend it went
+//! to, and how far it agrees with any other conversation (its *shared*
+//! part). A later prompt **continues** the conversation of the end it agrees
+//! with deepest when
+//!
+//! - the agreement reaches past the end's shared part (a system prompt, a
+//!   task template or an opening that other conversations also sent is no
+//!   conversation of its own),
+//! - it covers every full block of the earlier prompt but its last
+//!   [`TOLERANCE_BLOCKS`] — a turn may re-render the tail of the one before
+//!   (a token-id client re-tokenises it; a trace gives the partial last
+//!   block a new id) — or extends the earlier prompt byte for byte, and
+//! - it adds at least as much as it replaces (a sibling that replaced the
+//!   earlier prompt's last message by one of its own size is a fork, not the
+//!   next turn).
+//!
+//! The first continuation takes the end over; a second prompt agreeing with
+//! the same end (a fork, another conversation with the same opening, a
+//! retry under another turn) is a conversation of its own, placed by load
+//! and by what each backend holds. Conversations that share an opening thus
+//! part where they diverge, and each part is placed on its own.
+//!
+//! A prompt that continues nothing is a new conversation on **probation**:
+//! it makes no binding. For `probation` after it was routed it counts as a
+//! session of its backend (so first placement balances new conversations
+//! against it); a second turn makes it a binding there. A one-shot call
+//! never does, and holds nothing but its end, in bounded memory.
+//!
+//! Ends are this gateway's own. A new conversation's name derives from its
+//! prompt, so gateways of a fleet that see the same first turn name it
+//! alike; a conversation first seen here at a later turn is new here.
+
+use super::prompt::{Canon, Prompt};
+use crate::affinity::table::MAX_BACKENDS;
+use parking_lot::Mutex;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use xxhash_rust::xxh3::xxh3_128_with_seed;
+
+/// Full blocks at the end of a prompt that its next turn may re-render.
+pub const TOLERANCE_BLOCKS: usize = 4;
+
+/// Ends kept under one marker: more (many conversations whose last full
+/// block is a shared one) drop the oldest, whose next turn is then placed
+/// as a new conversation would be.
+const PER_MARKER: u32 = 16;
+
+/// Heap bytes an end costs, about: the end, its markers in the map, its
+/// place in the queues.
+pub const END_BYTES: usize = 256;
+
+const NIL: u32 = u32::MAX;
+
+/// The slot of an end whose request has not been routed yet.
+const UNPLACED: u32 = u32::MAX;
+
+/// How a prompt stands to the conversations seen before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conversation {
+    /// Its name (the binding key's material, `session: prompt-…`).
+    pub id: u128,
+    /// The turn before it went here: it continues that conversation.
+    pub continues: Option<Continued>,
+    /// Its end, filed at once (another prompt meeting it while this one is
+    /// still on its way knows of it); placed once the request is routed.
+    end: Handle,
+}
+
+/// An end, as [`Conversations::place`] finds it again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Handle {
+    index: u32,
+    gen: u32,
+}
+
+/// The conversation a prompt continues: where its last turn went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Continued {
+    pub slot: u32,
+    /// The conversation is bound (else on probation, this its second turn).
+    pub bound: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct End {
+    gen: u32,
+    live: bool,
+    conversation: u128,
+    /// (marker, next end under the same marker), `n_links` of them: the
+    /// boundary after each of its last own full blocks (the last one is
+    /// where the exact tail is checked; the root for a prompt with none).
+    links: [(u64, u32); TOLERANCE_BLOCKS],
+    n_links: u8,
+    /// Full blocks of its prompt, and the prompt's length.
+    n_blocks: u32,
+    len: u32,
+    tail_len: u32,
+    tail_hash: u64,
+    exact: bool,
+    shared: u32,
+    slot: u32,
+    bound: bool,
+    /// Counts as a session of `slot` (on probation, and recent).
+    counted: bool,
+    filed_ms: u64,
+}
+
+#[derive(Clone, Copy)]
+struct List {
+    head: u32,
+    len: u32,
+}
+
+struct Inner {
+    markers: HashMap<u64, List>,
+    ends: Vec<End>,
+    free: Vec<u32>,
+    /// (end, generation) in filing order: capacity and age.
+    order: VecDeque<(u32, u32)>,
+    /// Ends that count as sessions, in filing order.
+    counted: VecDeque<(u32, u32)>,
+    live: usize,
+    cap: usize,
+}
+
+pub struct Conversations {
+    inner: Mutex<Inner>,
+    /// Per backend slot: conversations on probation that count as sessions.
+    probation: Box<[AtomicU32]>,
+    probation_ms: AtomicU64,
+    ttl_ms: AtomicU64,
+}
+
+/// What a lookup met on its way: an end and how far the prompt agrees with it.
+#[derive(Clone, Copy)]
+struct Met {
+    end: u32,
+    agreement: u32,
+}
+
+/// How good an end is to continue, among those a prompt agrees with at one
+/// depth: (an exact extension, a bound conversation, the oldest).
+type Rank = (bool, bool, std::cmp::Reverse<u64>);
+
+/// Ends a lookup remembers meeting, to tell them what they share.
+const MET: usize = 32;
+
+impl Conversations {
+    /// At most `max_ends` ends; a new conversation counts as a session for
+    /// `probation_ms`, and an end is kept `ttl_ms` at most.
+    pub fn new(max_ends: usize, probation_ms: u64, ttl_ms: u64) -> Self {
+        Conversations {
+            inner: Mutex::new(Inner {
+                markers: HashMap::new(),
+                ends: Vec::new(),
+                free: Vec::new(),
+                order: VecDeque::new(),
+                counted: VecDeque::new(),
+                live: 0,
+                cap: max_ends.max(1),
+            }),
+            probation: (0..MAX_BACKENDS).map(|_| AtomicU32::new(0)).collect(),
+            probation_ms: AtomicU64::new(probation_ms),
+            ttl_ms: AtomicU64::new(ttl_ms),
+        }
+    }
+
+    /// Apply a reload's probation and TTL (from the next sweep on).
+    pub fn configure(&self, probation_ms: u64, ttl_ms: u64) {
+        self.probation_ms.store(probation_ms, Ordering::Relaxed);
+        self.ttl_ms.store(ttl_ms, Ordering::Relaxed);
+    }
+
+    /// Conversations on probation at `slot` that count as its sessions.
+    pub fn probation(&self, slot: u32) -> u64 {
+        self.probation
+            .get(slot as usize)
+            .map_or(0, |c| c.load(Ordering::Relaxed) as u64)
+    }
+
+    /// Live ends (conversations this gateway can continue).
+    pub fn len(&self) -> usize {
+        self.inner.lock().live
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The conversation `p` (read as `canon`, cut in `block`-byte blocks)
+    /// belongs to. An end it continues is taken over, and its own end filed,
+    /// at once: a second prompt agreeing with the same end is a conversation
+    /// of its own, and the same prompt again is another conversation.
+    pub fn identify(&self, p: &Prompt, canon: &Canon, block: usize, now_ms: u64) -> Conversation {
+        let n = p.blocks.len();
+        let marker = |k: usize| if k == 0 { p.root } else { p.blocks[k - 1] };
+        let tail_from = n * block;
+        let tail_len = canon.len().saturating_sub(tail_from);
+        let tail_hash = canon
+            .hash(tail_from, canon.len(), marker(n))
+            .unwrap_or_default();
+        let q_len = clamp32(p.full_bytes);
+        let mut inner = self.inner.lock();
+        let mut met: [Option<Met>; MET] = [None; MET];
+        let mut n_met = 0;
+        let mut duplicates = 0u32;
+        let mut found = None;
+        for k in (0..=n).rev() {
+            let m = marker(k);
+            let Some(list) = inner.markers.get(&m).copied() else {
+                continue;
+            };
+            // The best end to continue at this depth: an exact extension
+            // over a tolerant one, a bound conversation over one on
+            // probation, then the oldest.
+            let mut best: Option<(u32, Rank)> = None;
+            let mut i = list.head;
+            while i != NIL {
+                let at = i;
+                let e = inner.ends[at as usize];
+                i = e.next(m);
+                let exact = k == e.n_blocks as usize
+                    && e.exact
+                    && canon.hash(k * block, k * block + e.tail_len as usize, m)
+                        == Some(e.tail_hash);
+                let agreement = match (exact, k) {
+                    (true, _) => e.len,
+                    (false, 0) => continue,
+                    (false, _) => clamp32(k * block),
+                };
+                if exact && q_len == e.len {
+                    duplicates += 1;
+                }
+                if n_met < MET {
+                    met[n_met] = Some(Met { end: at, agreement });
+                    n_met += 1;
+                }
+                let replaced = e.len - agreement.min(e.len);
+                let continues = agreement > e.shared
+                    && q_len > e.len
+                    && q_len - e.len >= replaced
+                    && (exact || k + TOLERANCE_BLOCKS > e.n_blocks as usize);
+                if continues {
+                    let rank = (exact, e.bound, std::cmp::Reverse(e.filed_ms));
+                    if best.is_none_or(|(_, r)| rank > r) {
+                        best = Some((at, rank));
+                    }
+                }
+            }
+            if let Some((end, _)) = best {
+                found = Some(end);
+                break;
+            }
+        }
+        // What it shares with the others it met, they share with it.
+        let mut shared = 0;
+        for m in met[..n_met].iter().flatten() {
+            if Some(m.end) != found {
+                shared = shared.max(m.agreement);
+                inner.share(m.end, m.agreement);
+            }
+        }
+        let (id, continues) = match found {
+            Some(end) => {
+                let e = inner.ends[end as usize];
+                shared = shared.max(e.shared);
+                self.remove(&mut inner, end);
+                let continued = (e.slot != UNPLACED).then_some(Continued {
+                    slot: e.slot,
+                    bound: e.bound,
+                });
+                (e.conversation, continued)
+            }
+            None => {
+                // Named by its prompt: gateways that see the same first
+                // turn name it alike. The same prompt again is another
+                // conversation (a sampled rollout, a retry): another name.
+                let mut material = [0u8; 28];
+                material[..8].copy_from_slice(&marker(n).to_le_bytes());
+                material[8..16].copy_from_slice(&tail_hash.to_le_bytes());
+                material[16..24].copy_from_slice(&(p.full_bytes as u64).to_le_bytes());
+                material[24..].copy_from_slice(&duplicates.to_le_bytes());
+                (xxh3_128_with_seed(&material, p.root), None)
+            }
+        };
+        // Its own end: markers at its own blocks (past what it shares) and
+        // always its last; a block other conversations also have names none.
+        let own_from = (shared as usize).div_ceil(block.max(1));
+        let first = n.saturating_sub(TOLERANCE_BLOCKS - 1).max(own_from).min(n);
+        let mut links = [(0u64, NIL); TOLERANCE_BLOCKS];
+        let mut n_links = 0;
+        for k in first..=n {
+            if k > 0 || n == 0 {
+                links[n_links] = (marker(k), NIL);
+                n_links += 1;
+            }
+        }
+        let end = End {
+            gen: 0,
+            live: true,
+            conversation: id,
+            links,
+            n_links: n_links as u8,
+            n_blocks: n as u32,
+            len: q_len,
+            tail_len: tail_len as u32,
+            tail_hash,
+            exact: p.full_bytes == canon.len(),
+            shared,
+            slot: UNPLACED,
+            bound: false,
+            counted: false,
+            filed_ms: now_ms,
+        };
+        let end = self.file(&mut inner, end);
+        Conversation { id, continues, end }
+    }
+
+    /// The request of conversation `c` was routed to `slot`: bound (a
+    /// binding holds the conversation now) or on probation. `held`: bytes
+    /// of its prompt some backend's cache held already, which a new
+    /// conversation shares with earlier traffic (a system prompt, another
+    /// conversation's opening). A request routed again (its backend refused
+    /// the connection) moves its end.
+    pub fn place(&self, c: &Conversation, slot: u32, bound: bool, held: usize) {
+        let mut inner = self.inner.lock();
+        let Handle { index, gen } = c.end;
+        if !inner.is(index, gen) {
+            return;
+        }
+        let e = inner.ends[index as usize];
+        if e.counted {
+            self.probation[e.slot as usize].fetch_sub(1, Ordering::Relaxed);
+        }
+        let counted = !bound && (slot as usize) < MAX_BACKENDS;
+        let shared = match c.continues {
+            Some(_) => e.shared,
+            // Never all of it: its next turn must still be able to extend it.
+            None => e.shared.max(clamp32(held).min(e.len.saturating_sub(1))),
+        };
+        let end = &mut inner.ends[index as usize];
+        end.slot = slot;
+        end.bound = bound;
+        end.shared = shared;
+        end.counted = counted;
+        if counted {
+            self.probation[slot as usize].fetch_add(1, Ordering::Relaxed);
+            if !e.counted {
+                inner.counted.push_back((index, gen));
+            }
+        }
+    }
+
+    /// Take `end` in (making room by dropping the oldest), under each of its
+    /// markers; returns where it is.
+    fn file(&self, inner: &mut Inner, end: End) -> Handle {
+        while inner.live >= inner.cap {
+            let Some((i, gen)) = inner.order.pop_front() else {
+                break;
+            };
+            if inner.is(i, gen) {
+                self.remove(inner, i);
+            }
+        }
+        let index = match inner.free.pop() {
+            Some(i) => {
+                let gen = inner.ends[i as usize].gen.wrapping_add(1);
+                inner.ends[i as usize] = End { gen, ..end };
+                i
+            }
+            None => {
+                inner.ends.push(end);
+                (inner.ends.len() - 1) as u32
+            }
+        };
+        let gen = inner.ends[index as usize].gen;
+        inner.live += 1;
+        for j in 0..end.n_links as usize {
+            let m = end.links[j].0;
+            let list = inner.markers.entry(m).or_insert(List { head: NIL, len: 0 });
+            let old = list.head;
+            list.head = index;
+            list.len += 1;
+            let crowded = list.len > PER_MARKER;
+            inner.ends[index as usize].links[j].1 = old;
+            if crowded {
+                if let Some(oldest) = inner.last_under(m) {
+                    self.remove(inner, oldest);
+                }
+            }
+        }
+        inner.order.push_back((index, gen));
+        // Taken-over ends leave their places in the queue behind.
+        if inner.order.len() > 2 * inner.cap + 64 {
+            let Inner { order, ends, .. } = inner;
+            order.retain(|&(i, g)| ends[i as usize].live && ends[i as usize].gen == g);
+        }
+        Handle { index, gen }
+    }
+
+    /// Un-count conversations whose probation has run out, and forget ends
+    /// older than the TTL; returns how many ends went.
+    pub fn sweep(&self, now_ms: u64) -> usize {
+        let probation = self.probation_ms.load(Ordering::Relaxed);
+        let ttl = self.ttl_ms.load(Ordering::Relaxed);
+        let mut inner = self.inner.lock();
+        while let Some(&(i, gen)) = inner.counted.front() {
+            let e = inner.ends[i as usize];
+            if e.live && e.gen == gen && e.filed_ms + probation > now_ms {
+                break;
+            }
+            inner.counted.pop_front();
+            if e.live && e.gen == gen && e.counted {
+                inner.ends[i as usize].counted = false;
+                self.probation[e.slot as usize].fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        let mut gone = 0;
+        while let Some(&(i, gen)) = inner.order.front() {
+            let e = inner.ends[i as usize];
+            if e.live && e.gen == gen && e.filed_ms + ttl > now_ms {
+                break;
+            }
+            inner.order.pop_front();
+            if e.live && e.gen == gen {
+                self.remove(&mut inner, i);
+                gone += 1;
+            }
+        }
+        gone
+    }
+
+    /// Forget every end at `slot`: its backend left (its slot may come to
+    /// name another).
+    pub fn forget_backend(&self, slot: u32) {
+        let mut inner = self.inner.lock();
+        let at: Vec<u32> = (0..inner.ends.len() as u32)
+            .filter(|&i| {
+                let e = &inner.ends[i as usize];
+                e.live && e.slot == slot
+            })
+            .collect();
+        for i in at {
+            self.remove(&mut inner, i);
+        }
+    }
+
+    fn remove(&self, inner: &mut Inner, i: u32) {
+        let e = inner.ends[i as usize];
+        if !e.live {
+            return;
+        }
+        for &(m, _) in &e.links[..e.n_links as usize] {
+            inner.unlink(m, i);
+        }
+        if e.counted {
+            self.probation[e.slot as usize].fetch_sub(1, Ordering::Relaxed);
+        }
+        let slot = &mut inner.ends[i as usize];
+        slot.live = false;
+        slot.counted = false;
+        inner.free.push(i);
+        inner.live -= 1;
+    }
+}
+
+impl End {
+    /// The next end under marker `m` after this one.
+    fn next(&self, m: u64) -> u32 {
+        self.links[..self.n_links as usize]
+            .iter()
+            .find(|l| l.0 == m)
+            .map_or(NIL, |l| l.1)
+    }
+}
+
+impl Inner {
+    fn is(&self, i: u32, gen: u32) -> bool {
+        let e = &self.ends[i as usize];
+        e.live && e.gen == gen
+    }
+
+    /// End `i` shares `agreement` bytes with another conversation.
+    fn share(&mut self, i: u32, agreement: u32) {
+        if let Some(e) = self.ends.get_mut(i as usize) {
+            e.shared = e.shared.max(agreement);
+        }
+    }
+
+    /// The oldest end under marker `m` (the list's last).
+    fn last_under(&self, m: u64) -> Option<u32> {
+        let mut i = self.markers.get(&m)?.head;
+        let mut last = None;
+        while i != NIL {
+            last = Some(i);
+            i = self.ends[i as usize].next(m);
+        }
+        last
+    }
+
+    /// Take end `i` off marker `m`'s list.
+    fn unlink(&mut self, m: u64, i: u32) {
+        let Some(list) = self.markers.get(&m).copied() else {
+            return;
+        };
+        let after = self.ends[i as usize].next(m);
+        if list.head == i {
+            match after {
+                NIL => {
+                    self.markers.remove(&m);
+                }
+                next => {
+                    self.markers.insert(
+                        m,
+                        List {
+                            head: next,
+                            len: list.len - 1,
+                        },
+                    );
+                }
+            }
+            return;
+        }
+        let mut at = list.head;
+        while at != NIL {
+            let e = &mut self.ends[at as usize];
+            let n = e.n_links as usize;
+            if let Some(l) = e.links[..n].iter_mut().find(|l| l.0 == m) {
+                if l.1 == i {
+                    l.1 = after;
+                    if let Some(list) = self.markers.get_mut(&m) {
+                        list.len -= 1;
+                    }
+                    return;
+                }
+                at = l.1;
+            } else {
+                return;
+            }
+        }
+    }
+}
+
+fn clamp32(n: usize) -> u32 {
+    n.min(u32::MAX as usize) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::prompt::Chunker;
+    use super::*;
+    use serde_json::value::RawValue;
+    use serde_json::{json, Value};
+    use std::collections::HashMap;
+
+    const B: usize = 64;
+    const C: Chunker = Chunker {
+        block_bytes: B,
+        max_read_bytes: 1 << 20,
+        seed: 3,
+    };
+
+    /// What the gateway does with one keyless request: read its prompt,
+    /// find its conversation, route it to `slot` (bound or on probation).
+    fn turn(cs: &Conversations, body: &Value, slot: u32, bound: bool, held: usize) -> Conversation {
+        turn_in(&C, cs, body, slot, bound, held)
+    }
+
+    fn turn_in(
+        chunker: &Chunker,
+        cs: &Conversations,
+        body: &Value,
+        slot: u32,
+        bound: bool,
+        held: usize,
+    ) -> Conversation {
+        let text = body.to_string();
+        let top: HashMap<String, Box<RawValue>> = serde_json::from_str(&text).unwrap();
+        let (p, canon) = chunker
+            .prompt("t", Some("m"), |f| top.get(f).map(|v| v.get().as_bytes()))
+            .unwrap();
+        let c = cs.identify(&p, &canon, chunker.block_bytes, 1_000);
+        cs.place(&c, slot, bound, held);
+        c
+    }
+
+    fn conversations() -> Conversations {
+        Conversations::new(10_000, 60_000, 1_800_000)
+    }
+
+    fn chat(messages: &[(&str, String)]) -> Value {
+        let msgs: Vec<Value> = messages
+            .iter()
+            .map(|(r, c)| json!({"role": r, "content": c}))
+            .collect();
+        json!({"model": "m", "messages": msgs})
+    }
+
+    fn ids(v: &[u32]) -> Value {
+        json!({"model": "m", "prompt": v})
+    }
+
+    fn seq(from: u32, n: u32) -> Vec<u32> {
+        (from..from + n).collect()
+    }
+
+    fn system() -> String {
+        "Follow the house style; cite the files you read. ".repeat(40)
+    }
+
+    #[test]
+    fn a_turn_that_extends_the_one_before_continues_it() {
+        let cs = conversations();
+        let sys = system();
+        let t1 = vec![
+            ("system", sys.clone()),
+            ("user", "fix parser.rs".to_string()),
+        ];
+        let a = turn(&cs, &chat(&t1), 2, false, 0);
+        assert_eq!(a.continues, None, "a first turn is new");
+        let mut t2 = t1.clone();
+        t2.push(("assistant", "reading it".into()));
+        t2.push(("user", "now the tests".into()));
+        let b = turn(&cs, &chat(&t2), 2, true, 0);
+        assert_eq!(b.id, a.id);
+        assert_eq!(
+            b.continues,
+            Some(Continued {
+                slot: 2,
+                bound: false
+            }),
+            "its second turn finds it on probation where it went"
+        );
+        let mut t3 = t2.clone();
+        t3.push(("assistant", "ok".into()));
+        t3.push(("user", "ship it".into()));
+        let c = turn(&cs, &chat(&t3), 2, true, 0);
+        assert_eq!(c.id, a.id);
+        assert_eq!(c.continues.map(|x| x.bound), Some(true));
+        // One end per conversation: each turn took the one before over.
+        assert_eq!(cs.len(), 1);
+    }
+
+    #[test]
+    fn conversations_sharing_a_system_prompt_and_short_first_turns_stay_apart() {
+        let cs = conversations();
+        let sys = system();
+        let hi = turn(
+            &cs,
+            &chat(&[("system", sys.clone()), ("user", "hi".into())]),
+            0,
+            false,
+            0,
+        );
+        // The index held the system prompt already when the second came.
+        let held = sys.len() / B * B;
+        let yo = turn(
+            &cs,
+            &chat(&[("system", sys.clone()), ("user", "yo".into())]),
+            1,
+            false,
+            held,
+        );
+        assert_ne!(hi.id, yo.id);
+        assert_eq!(yo.continues, None);
+        // A longer first turn after the same system prompt is no next turn
+        // of either.
+        let long = chat(&[
+            ("system", sys.clone()),
+            ("user", "a long question ".repeat(30)),
+        ]);
+        assert_eq!(turn(&cs, &long, 2, false, held).continues, None);
+        // Each one's second turn finds its own.
+        for (c, first, slot) in [(&hi, "hi", 0), (&yo, "yo", 1)] {
+            let next = chat(&[
+                ("system", sys.clone()),
+                ("user", first.into()),
+                ("assistant", "hello".into()),
+                ("user", "and then?".into()),
+            ]);
+            let n = turn(&cs, &next, slot, true, 0);
+            assert_eq!(n.id, c.id);
+            assert_eq!(n.continues.map(|x| x.slot), Some(slot));
+        }
+    }
+
+    #[test]
+    fn identical_first_turns_are_conversations_of_their_own_that_part_where_they_diverge() {
+        let cs = conversations();
+        let sys = system();
+        let opening = vec![
+            ("system", sys.clone()),
+            ("user", "solve task 7".to_string()),
+        ];
+        // Eight rollouts of one task: the same first turn, spread by placement.
+        let firsts: Vec<Conversation> = (0..8)
+            .map(|i| turn(&cs, &chat(&opening), i % 3, false, 0))
+            .collect();
+        let names: std::collections::HashSet<u128> = firsts.iter().map(|c| c.id).collect();
+        assert_eq!(names.len(), 8, "each its own name");
+        assert!(firsts.iter().all(|c| c.continues.is_none()));
+        // They diverge at their second turn: none continues the shared
+        // opening (it holds nothing of any one of them) ...
+        let second = |i: usize| {
+            let mut m = opening.clone();
+            m.push(("assistant", "thinking".into()));
+            m.push(("user", format!("rollout {i}: try another way")));
+            chat(&m)
+        };
+        let seconds: Vec<Conversation> =
+            (0..8).map(|i| turn(&cs, &second(i), 0, false, 0)).collect();
+        assert!(seconds.iter().all(|c| c.continues.is_none()), "{seconds:?}");
+        let names: std::collections::HashSet<u128> = seconds.iter().map(|c| c.id).collect();
+        assert_eq!(names.len(), 8);
+        // ... and from then on each continues its own.
+        for (i, s) in seconds.iter().enumerate() {
+            let mut m = opening.clone();
+            m.push(("assistant", "thinking".into()));
+            m.push(("user", format!("rollout {i}: try another way")));
+            m.push(("assistant", "done".into()));
+            m.push(("user", "check it".into()));
+            let third = turn(&cs, &chat(&m), 0, true, 0);
+            assert_eq!(third.id, s.id, "rollout {i}");
+        }
+    }
+
+    #[test]
+    fn a_turn_that_re_renders_the_tail_of_the_one_before_continues_it() {
+        // The gateway's own block size, and a trace's blocks of 512 token
+        // ids (ids of 5 digits: 3 KB of canonical prompt a trace block).
+        let chunker = Chunker {
+            block_bytes: 1024,
+            ..C
+        };
+        let cs = conversations();
+        let block = |id: u32| seq(10_000 + id * 512, 512);
+        // Turn 1: two full trace blocks and a partial third; turn 2 keeps
+        // the full ones, gives the partial block new ids (re-tokenised, as a
+        // real trace's `hash_ids` do) and adds more.
+        let t1 = [block(1), block(2), block(3)[..300].to_vec()].concat();
+        let t2 = [block(1), block(2), block(7), block(8)[..100].to_vec()].concat();
+        let a = turn_in(&chunker, &cs, &ids(&t1), 1, false, 0);
+        let b = turn_in(&chunker, &cs, &ids(&t2), 1, true, 0);
+        assert_eq!(b.id, a.id);
+        assert_eq!(b.continues.map(|c| c.slot), Some(1));
+        // The same shape byte for byte continues too.
+        let t3 = [t2.clone(), block(9)].concat();
+        assert_eq!(turn_in(&chunker, &cs, &ids(&t3), 1, true, 0).id, a.id);
+        // Another conversation after the same first two blocks, whose own
+        // part is as long as turn 1's: no next turn of it.
+        let other = [block(1), block(2), block(20)[..300].to_vec()].concat();
+        let o = turn_in(&chunker, &cs, &ids(&other), 2, false, 0);
+        assert_ne!(o.id, a.id);
+    }
+
+    #[test]
+    fn a_sibling_that_replaces_the_last_turn_by_one_of_its_size_is_a_fork() {
+        let cs = conversations();
+        let shared = seq(1, 2048);
+        let a = turn(
+            &cs,
+            &ids(&[shared.clone(), seq(10_000, 300)].concat()),
+            0,
+            false,
+            0,
+        );
+        // Another turn after the same prefix, of the same size: a fork.
+        let b = turn(
+            &cs,
+            &ids(&[shared.clone(), seq(20_000, 300)].concat()),
+            1,
+            false,
+            0,
+        );
+        assert_eq!(b.continues, None);
+        assert_ne!(a.id, b.id);
+        // The first one's next turn still finds it.
+        let next = [shared, seq(10_000, 300), seq(30_000, 500)].concat();
+        assert_eq!(turn(&cs, &ids(&next), 0, true, 0).id, a.id);
+    }
+
+    #[test]
+    fn the_first_continuation_takes_the_end_and_a_second_one_is_a_new_conversation() {
+        let cs = conversations();
+        let t1 = seq(1, 700);
+        let a = turn(&cs, &ids(&t1), 0, false, 0);
+        let left = turn(
+            &cs,
+            &ids(&[t1.clone(), seq(5_000, 200)].concat()),
+            0,
+            true,
+            0,
+        );
+        let right = turn(
+            &cs,
+            &ids(&[t1.clone(), seq(6_000, 200)].concat()),
+            1,
+            false,
+            0,
+        );
+        assert_eq!(left.id, a.id);
+        assert_ne!(right.id, a.id);
+        assert_eq!(right.continues, None);
+    }
+
+    #[test]
+    fn new_conversations_count_as_sessions_until_bound_or_their_probation_ends() {
+        let cs = Conversations::new(10_000, 60_000, 1_800_000);
+        for i in 0..5u32 {
+            turn(&cs, &ids(&seq(i * 10_000, 600)), i % 2, false, 0);
+        }
+        assert_eq!((cs.probation(0), cs.probation(1)), (3, 2));
+        // A second turn binds its conversation: no longer on probation.
+        turn(
+            &cs,
+            &ids(&[seq(0, 600), seq(900_000, 300)].concat()),
+            0,
+            true,
+            0,
+        );
+        assert_eq!(cs.probation(0), 2);
+        // Probation runs out (filed at 1 s, a minute's probation).
+        cs.sweep(60_999);
+        assert_eq!(cs.probation(0), 2);
+        cs.sweep(61_000);
+        assert_eq!((cs.probation(0), cs.probation(1)), (0, 0));
+        // Their ends stay, for a late second turn...
+        assert_eq!(cs.len(), 5);
+        let late = turn(
+            &cs,
+            &ids(&[seq(10_000, 600), seq(800_000, 300)].concat()),
+            1,
+            true,
+            0,
+        );
+        assert_eq!(late.continues.map(|c| c.slot), Some(1));
+        // ...until the TTL.
+        cs.sweep(1_801_000);
+        assert!(cs.is_empty());
+    }
+
+    #[test]
+    fn a_request_routed_again_moves_its_end_and_its_count() {
+        let cs = conversations();
+        let c = turn(&cs, &ids(&seq(1, 600)), 0, false, 0);
+        assert_eq!(cs.probation(0), 1);
+        // Its backend refused the connection: it went to another.
+        cs.place(&c, 2, false, 0);
+        assert_eq!((cs.probation(0), cs.probation(2)), (0, 1));
+        cs.forget_backend(2);
+        assert_eq!(cs.probation(2), 0);
+        assert!(cs.is_empty());
+    }
+
+    #[test]
+    fn ends_are_bounded_and_one_shots_leave_no_more() {
+        let cs = Conversations::new(64, 60_000, 1_800_000);
+        for i in 0..1_000u32 {
+            turn(&cs, &ids(&seq(i * 1_000, 40)), i % 4, false, 0);
+        }
+        assert!(cs.len() <= 64, "{}", cs.len());
+        let counted: u64 = (0..4).map(|s| cs.probation(s)).sum();
+        assert_eq!(counted as usize, cs.len(), "only live ends count");
+        // Many conversations whose last full block is shared keep a bounded
+        // list under it.
+        let cs = conversations();
+        for i in 0..100u32 {
+            turn(
+                &cs,
+                &ids(&[seq(1, 300), vec![100_000 + i]].concat()),
+                0,
+                false,
+                0,
+            );
+        }
+        let inner = cs.inner.lock();
+        assert!(inner.markers.values().all(|l| l.len <= PER_MARKER));
+    }
+}
