@@ -73,9 +73,27 @@ pub struct BenchArgs {
     /// Use non-streaming requests (TTFT is then the whole response time).
     #[arg(long)]
     pub no_stream: bool,
+    /// Every session's first turn is the same (the shared system prompt and
+    /// one first user message, no per-session document): a chat UI's
+    /// greeting, an agent harness's task template, sampled rollouts of one
+    /// task. Conversations diverge from their second turn.
+    #[arg(long)]
+    pub same_opening: bool,
     /// Replay a Mooncake-format trace (JSON lines) instead of synthetic sessions.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
+    /// Replay a generated Mooncake-style trace of this many conversations
+    /// (see `trace::mooncake_like`) instead of synthetic sessions.
+    #[arg(long)]
+    pub trace_synthetic: Option<usize>,
+    /// In the generated trace, each turn gives the partial last block of the
+    /// turn before a new id, as a real trace's `hash_ids` do (a re-tokenised
+    /// tail): turns share every full block of the one before, not its last.
+    #[arg(long)]
+    pub trace_reblock: bool,
+    /// Seed of the generated trace.
+    #[arg(long, default_value_t = 1)]
+    pub trace_seed: u64,
     /// Cap on output tokens of trace requests.
     #[arg(long, default_value_t = 32)]
     pub trace_max_output: u64,
@@ -246,6 +264,7 @@ async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
         .or_else(|| header("x-sim-backend"))
         .or_else(|| Some(base.rsplit('/').next().unwrap_or(base).to_string()));
     out.prefill_us = header("x-sim-prefill-us").and_then(|v| v.parse().ok());
+    let sim_cached: Option<u64> = header("x-sim-cached-tokens").and_then(|v| v.parse().ok());
     out.affinity_hit = header("x-agent-serve-affinity-hit").map(|v| v == "true");
     let is_sse = header("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
     let mut usage = Value::Null;
@@ -301,8 +320,11 @@ async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
         out.prefill_us.get_or_insert((ms * 1000.0) as u64);
     }
     out.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+    // An engine that reports no cache (the simulator with
+    // `--no-cache-report`) still says in a header what it found cached.
     out.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
+        .or(sim_cached)
         .unwrap_or(0);
     out
 }
@@ -363,9 +385,19 @@ pub async fn run(args: &BenchArgs) -> Report {
         .build()
         .expect("an HTTP client");
     let started = Instant::now();
-    let records = match &args.trace {
-        Some(path) => trace::replay(&client, args, path).await,
-        None => run_sessions(&client, args).await,
+    let records = match (&args.trace, args.trace_synthetic) {
+        (Some(path), _) => match std::fs::read_to_string(path) {
+            Ok(text) => trace::replay(&client, args, &text).await,
+            Err(e) => {
+                eprintln!("cannot read trace {}: {e}", path.display());
+                Vec::new()
+            }
+        },
+        (None, Some(n)) => {
+            let text = trace::mooncake_like(n, args.trace_seed, args.trace_reblock);
+            trace::replay(&client, args, &text).await
+        }
+        (None, None) => run_sessions(&client, args).await,
     };
     Report::new(
         args.label.clone(),
@@ -416,15 +448,20 @@ async fn run_sessions(client: &reqwest::Client, args: &BenchArgs) -> Vec<TurnRec
             let session_id = format!("{}-{s}", args.id_prefix);
             let mut children = Vec::new();
             for turn in 0..args.turns {
-                let mut user = if turn == 0 && !script.context.is_empty() {
-                    format!("Document:\n{}\n\n", script.context)
+                let user = if turn == 0 && args.same_opening {
+                    format!("Turn 0: {}", filler(salt, args.user_bytes))
                 } else {
-                    String::new()
+                    let mut user = if turn == 0 && !script.context.is_empty() {
+                        format!("Document:\n{}\n\n", script.context)
+                    } else {
+                        String::new()
+                    };
+                    user.push_str(&format!(
+                        "Turn {turn}: {}",
+                        filler(salt ^ (s * 1000 + turn), args.user_bytes)
+                    ));
+                    user
                 };
-                user.push_str(&format!(
-                    "Turn {turn}: {}",
-                    filler(salt ^ (s * 1000 + turn), args.user_bytes)
-                ));
                 script.messages.push(("user".into(), user));
                 let id = if args.fresh_ids {
                     format!("{session_id}-t{turn}")

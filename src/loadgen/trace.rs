@@ -1,8 +1,10 @@
 //! Replaying a Mooncake-format trace: one JSON object a line with `timestamp`
 //! (ms), `input_length`, `output_length` and `hash_ids` (each id one block of
 //! 512 tokens). Prompts are sent as token ids so a prefix cache sees exactly
-//! the trace's reuse. Sessions are inferred: a request whose `hash_ids` start
-//! with the whole `hash_ids` of an earlier request is that request's next turn.
+//! the trace's reuse. Sessions are a line's `session` when it has one (the
+//! generated traces of [`mooncake_like`] do), else inferred: a request whose
+//! `hash_ids` start with the whole `hash_ids` of an earlier request is that
+//! request's next turn.
 //! Requests run in timestamp order, a session's turns one after another, at
 //! most `--concurrency` at once (absolute timestamps are not replayed).
 
@@ -13,19 +15,21 @@ use serde::Deserialize;
 use serde_json::json;
 use std::collections::HashMap;
 use std::io::IsTerminal;
-use std::path::Path;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use tokio::sync::Semaphore;
 
 pub const BLOCK_TOKENS: u64 = 512;
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 pub struct TraceLine {
     pub timestamp: f64,
     pub input_length: u64,
     pub output_length: u64,
     pub hash_ids: Vec<u64>,
+    /// The conversation it belongs to, when the trace says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<usize>,
 }
 
 /// Parse JSON lines; blank lines are skipped, a bad line is an error naming it.
@@ -34,6 +38,24 @@ pub fn parse(text: &str) -> Result<Vec<TraceLine>, String> {
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("line {}: {e}", i + 1)))
+        .collect()
+}
+
+/// (session, turn) of every line, in input order: the lines' own sessions
+/// when every line names one, else inferred from their prefixes.
+pub fn sessions(lines: &[TraceLine]) -> Vec<(usize, usize)> {
+    if lines.is_empty() || lines.iter().any(|l| l.session.is_none()) {
+        return infer_sessions(lines);
+    }
+    let mut turns: HashMap<usize, usize> = HashMap::new();
+    lines
+        .iter()
+        .map(|l| {
+            let s = l.session.unwrap_or(0);
+            let t = turns.entry(s).or_insert(0);
+            *t += 1;
+            (s, *t - 1)
+        })
         .collect()
 }
 
@@ -87,23 +109,16 @@ pub fn prompt_ids(line: &TraceLine, line_no: usize) -> Vec<u32> {
     ids
 }
 
-pub async fn replay(client: &reqwest::Client, args: &BenchArgs, path: &Path) -> Vec<TurnRecord> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("cannot read trace {}: {e}", path.display());
-            return Vec::new();
-        }
-    };
-    let mut lines = match parse(&text) {
+pub async fn replay(client: &reqwest::Client, args: &BenchArgs, text: &str) -> Vec<TurnRecord> {
+    let mut lines = match parse(text) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("bad trace {}: {e}", path.display());
+            eprintln!("bad trace: {e}");
             return Vec::new();
         }
     };
     lines.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
-    let sessions = infer_sessions(&lines);
+    let sessions = sessions(&lines);
     let mut per_session: Vec<Vec<Turn>> = Vec::new();
     for (i, (line, &(session, turn))) in lines.iter().zip(&sessions).enumerate() {
         if per_session.len() <= session {
@@ -185,6 +200,63 @@ pub fn synthetic(sessions: usize, turns: usize) -> String {
     out
 }
 
+/// A generated trace in the Mooncake format, shaped like a production
+/// conversation trace: `conversations` conversations that all open with
+/// the same 3-block system prefix, then 2–6 blocks of their own; each later
+/// turn (1–9 of them) adds 1–3 blocks; every prompt ends in a partial block.
+/// Conversations start at random times over a minute and pause 0.5–3 s
+/// between turns. With `reblock`, a turn gives the partial last block of
+/// the turn before a new id (the token ids there differ, as when a client
+/// re-tokenises the previous answer): it shares every full block of the
+/// turn before but not that one, as a real trace's `hash_ids` do. Without,
+/// each turn extends the one before byte for byte. Lines carry their
+/// conversation (`session`).
+pub fn mooncake_like(conversations: usize, seed: u64, reblock: bool) -> String {
+    let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move |n: u64| {
+        rng = mix(rng);
+        rng % n.max(1)
+    };
+    let mut fresh_id = 100_000u64;
+    let mut lines = Vec::new();
+    for c in 0..conversations {
+        let mut ids: Vec<u64> = vec![1, 2, 3];
+        let mut at = next(60_000) as f64;
+        let turns = 2 + next(9) as usize;
+        for t in 0..turns {
+            if t > 0 && reblock {
+                // The last block was partial: it comes back with new ids.
+                ids.pop();
+                ids.push(fresh_id);
+                fresh_id += 1;
+            }
+            let add = if t == 0 { 2 + next(5) } else { 1 + next(3) };
+            for _ in 0..add {
+                ids.push(fresh_id);
+                fresh_id += 1;
+            }
+            let partial = 32 + next(448);
+            lines.push(TraceLine {
+                timestamp: at,
+                input_length: ids.len() as u64 * BLOCK_TOKENS - (BLOCK_TOKENS - partial),
+                output_length: 50 + next(250),
+                hash_ids: ids.clone(),
+                session: Some(c),
+            });
+            at += 500.0 + next(2_500) as f64;
+        }
+    }
+    lines.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
+    let mut out = String::new();
+    for l in &lines {
+        if let Ok(text) = serde_json::to_string(l) {
+            out.push_str(&text);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -205,18 +277,46 @@ mod tests {
     }
 
     #[test]
+    fn generated_traces_share_full_blocks_and_re_id_the_partial_one() {
+        for reblock in [false, true] {
+            let lines = parse(&mooncake_like(20, 7, reblock)).unwrap();
+            let s = sessions(&lines);
+            let mut last: HashMap<usize, (usize, Vec<u32>)> = HashMap::new();
+            let mut pairs = 0;
+            for (i, (line, &(session, turn))) in lines.iter().zip(&s).enumerate() {
+                let ids = prompt_ids(line, i);
+                assert_eq!(ids.len() as u64, line.input_length);
+                assert_eq!(line.hash_ids[..3], [1, 2, 3]);
+                if let Some((before_turn, before)) = last.get(&session) {
+                    assert_eq!(*before_turn + 1, turn);
+                    pairs += 1;
+                    let full = before.len() / BLOCK_TOKENS as usize * BLOCK_TOKENS as usize;
+                    // Every full block of the turn before is shared...
+                    assert_eq!(ids[..full], before[..full]);
+                    // ...and its partial one only byte for byte.
+                    assert_eq!(ids[..before.len()] == before[..], !reblock);
+                }
+                last.insert(session, (turn, ids));
+            }
+            assert!(pairs > 40, "{pairs}");
+        }
+    }
+
+    #[test]
     fn prompts_share_blocks_where_hash_ids_do() {
         let a = TraceLine {
             timestamp: 0.0,
             input_length: 1024,
             output_length: 1,
             hash_ids: vec![7, 8],
+            session: None,
         };
         let b = TraceLine {
             timestamp: 1.0,
             input_length: 1500,
             output_length: 1,
             hash_ids: vec![7, 9, 10],
+            session: None,
         };
         let (pa, pb) = (prompt_ids(&a, 0), prompt_ids(&b, 1));
         assert_eq!(pa.len(), 1024);

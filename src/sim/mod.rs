@@ -62,6 +62,12 @@ pub struct SimConfig {
     /// Multiply prefill and decode times (a slow replica); also `POST /sim/config`.
     #[arg(long, default_value_t = 1.0)]
     pub slowdown: f64,
+    /// Leave `prompt_tokens_details.cached_tokens` out of `usage`, as vLLM
+    /// does without `--enable-prompt-tokens-details` and SGLang without
+    /// `--enable-cache-report`. The `x-sim-cached-tokens` header still says
+    /// (for the load tool's measurements, not for the gateway).
+    #[arg(long)]
+    pub no_cache_report: bool,
 }
 
 impl SimConfig {
@@ -79,6 +85,7 @@ impl SimConfig {
             exit_after: None,
             serial_prefill: false,
             slowdown: 1.0,
+            no_cache_report: false,
         }
     }
 }
@@ -434,14 +441,18 @@ impl Sim {
             r.headers_mut().insert("x-sim-queue-us", queue_us.into());
             r.headers_mut()
                 .insert("x-sim-prefill-us", prefill_us.into());
+            r.headers_mut()
+                .insert("x-sim-cached-tokens", (cached as u64).into());
             r
         };
-        let usage = json!({
+        let mut usage = json!({
             "prompt_tokens": tokens.len(),
             "completion_tokens": max_out,
             "total_tokens": tokens.len() as u64 + max_out,
-            "prompt_tokens_details": {"cached_tokens": cached},
         });
+        if !self.cfg.no_cache_report {
+            usage["prompt_tokens_details"] = json!({"cached_tokens": cached});
+        }
         let id = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, served);
 
         if !req.stream {

@@ -91,16 +91,23 @@ struct End {
     live: bool,
     conversation: u128,
     /// (marker, next end under the same marker), `n_links` of them: the
-    /// boundary after each of its last own full blocks (the last one is
-    /// where the exact tail is checked; the root for a prompt with none).
-    links: [(u64, u32); TOLERANCE_BLOCKS],
+    /// boundary after each of its last own full blocks, and where it ends
+    /// exactly (the key of its last message end; for a prompt without
+    /// messages, the boundary after its last full block, where its tail is
+    /// checked, or the root for a prompt with no full block).
+    links: [Link; TOLERANCE_BLOCKS + 1],
     n_links: u8,
-    /// Full blocks of its prompt, and the prompt's length.
+    /// Full blocks of its prompt, and where the prompt ends (its last
+    /// message's end, for a prompt with messages).
     n_blocks: u32,
     len: u32,
+    /// A prompt without messages: the bytes after its last full block and
+    /// their hash, and whether that tail is its end (the read length did not
+    /// cut it). A prompt with messages ends at `len`, keyed exactly.
     tail_len: u32,
     tail_hash: u64,
-    exact: bool,
+    tail_exact: bool,
+    messages: bool,
     shared: u32,
     slot: u32,
     bound: bool,
@@ -108,6 +115,36 @@ struct End {
     counted: bool,
     filed_ms: u64,
 }
+
+/// The key under which a prompt with messages that ends at `at` (a message
+/// end) is filed: the chain up to the block before, and the bytes after it.
+fn exact_key(p: &Prompt, canon: &Canon, block: usize, at: usize) -> Option<u64> {
+    let b = at / block.max(1);
+    let base = match b {
+        0 => p.root,
+        b => *p.blocks.get(b - 1)?,
+    };
+    let tail = canon.hash(b * block, at, base)?;
+    Some(crate::affinity::hrw::mix(tail ^ base.rotate_left(29)) ^ 0x6d65_7373_6167_6573)
+}
+
+/// One of an end's places: under `marker`, before `next`.
+#[derive(Clone, Copy, Debug)]
+struct Link {
+    marker: u64,
+    next: u32,
+    /// The boundary it marks (blocks), [`EXACT`] for where the prompt ends,
+    /// [`DEAD`] once taken off its list.
+    depth: u32,
+}
+
+const EXACT: u32 = u32::MAX;
+const DEAD: u32 = u32::MAX - 1;
+const NO_LINK: Link = Link {
+    marker: 0,
+    next: NIL,
+    depth: DEAD,
+};
 
 #[derive(Clone, Copy)]
 struct List {
@@ -148,6 +185,59 @@ type Rank = (bool, bool, std::cmp::Reverse<u64>);
 
 /// Ends a lookup remembers meeting, to tell them what they share.
 const MET: usize = 32;
+
+/// A prompt's look-up, depth by depth.
+struct Walk {
+    /// Where the prompt ends.
+    q_len: u32,
+    met: [Option<Met>; MET],
+    n_met: usize,
+    /// Ends of the very same prompt met.
+    duplicates: u32,
+}
+
+impl Walk {
+    /// The end under `key` the prompt continues, if any: `agreement` says
+    /// how far the prompt agrees with an end there (`None`: not at all).
+    /// The best of several: an exact extension over a tolerant one, a bound
+    /// conversation over one on probation, then the oldest.
+    fn depth(
+        &mut self,
+        inner: &Inner,
+        key: u64,
+        agreement: impl Fn(&End) -> Option<u32>,
+    ) -> Option<u32> {
+        let list = inner.markers.get(&key)?;
+        let mut best: Option<(u32, Rank)> = None;
+        let mut i = list.head;
+        while i != NIL {
+            let at = i;
+            let e = &inner.ends[at as usize];
+            i = e.next(key);
+            let Some(agreement) = agreement(e) else {
+                continue;
+            };
+            let exact = agreement == e.len;
+            if exact && self.q_len == e.len {
+                self.duplicates += 1;
+            }
+            if self.n_met < MET {
+                self.met[self.n_met] = Some(Met { end: at, agreement });
+                self.n_met += 1;
+            }
+            let replaced = e.len - agreement.min(e.len);
+            let continues =
+                agreement > e.shared && self.q_len > e.len && self.q_len - e.len >= replaced;
+            if continues {
+                let rank = (exact, e.bound, std::cmp::Reverse(e.filed_ms));
+                if best.is_none_or(|(_, r)| rank > r) {
+                    best = Some((at, rank));
+                }
+            }
+        }
+        best.map(|(end, _)| end)
+    }
+}
 
 impl Conversations {
     /// At most `max_ends` ends; a new conversation counts as a session for
@@ -198,70 +288,75 @@ impl Conversations {
     pub fn identify(&self, p: &Prompt, canon: &Canon, block: usize, now_ms: u64) -> Conversation {
         let n = p.blocks.len();
         let marker = |k: usize| if k == 0 { p.root } else { p.blocks[k - 1] };
+        let messages = !canon.message_ends.is_empty();
         let tail_from = n * block;
         let tail_len = canon.len().saturating_sub(tail_from);
-        let tail_hash = canon
-            .hash(tail_from, canon.len(), marker(n))
-            .unwrap_or_default();
-        let q_len = clamp32(p.full_bytes);
+        let tail_hash = match messages {
+            true => 0,
+            false => canon
+                .hash(tail_from, canon.len(), marker(n))
+                .unwrap_or_default(),
+        };
+        let q_len = clamp32(match canon.message_ends.last() {
+            Some(&at) => at,
+            None => p.full_bytes,
+        });
+        // Where it ends exactly: the key of its last message's end, or the
+        // boundary after its last full block (its tail checked there).
+        let exact = match canon.message_ends.last() {
+            Some(&at) => exact_key(p, canon, block, at),
+            None => Some(marker(n)),
+        };
         let mut inner = self.inner.lock();
-        let mut met: [Option<Met>; MET] = [None; MET];
-        let mut n_met = 0;
-        let mut duplicates = 0u32;
+        let mut walk = Walk {
+            q_len,
+            met: [None; MET],
+            n_met: 0,
+            duplicates: 0,
+        };
+        // An earlier prompt with messages ends where one of this one's
+        // messages does: the deepest that it may continue.
         let mut found = None;
-        for k in (0..=n).rev() {
-            let m = marker(k);
-            let Some(list) = inner.markers.get(&m).copied() else {
+        for &at in canon.message_ends.iter().rev() {
+            let Some(key) = exact_key(p, canon, block, at) else {
                 continue;
             };
-            // The best end to continue at this depth: an exact extension
-            // over a tolerant one, a bound conversation over one on
-            // probation, then the oldest.
-            let mut best: Option<(u32, Rank)> = None;
-            let mut i = list.head;
-            while i != NIL {
-                let at = i;
-                let e = inner.ends[at as usize];
-                i = e.next(m);
-                let exact = k == e.n_blocks as usize
-                    && e.exact
-                    && canon.hash(k * block, k * block + e.tail_len as usize, m)
-                        == Some(e.tail_hash);
-                let agreement = match (exact, k) {
-                    (true, _) => e.len,
-                    (false, 0) => continue,
-                    (false, _) => clamp32(k * block),
-                };
-                if exact && q_len == e.len {
-                    duplicates += 1;
-                }
-                if n_met < MET {
-                    met[n_met] = Some(Met { end: at, agreement });
-                    n_met += 1;
-                }
-                let replaced = e.len - agreement.min(e.len);
-                let continues = agreement > e.shared
-                    && q_len > e.len
-                    && q_len - e.len >= replaced
-                    && (exact || k + TOLERANCE_BLOCKS > e.n_blocks as usize);
-                if continues {
-                    let rank = (exact, e.bound, std::cmp::Reverse(e.filed_ms));
-                    if best.is_none_or(|(_, r)| rank > r) {
-                        best = Some((at, rank));
-                    }
-                }
-            }
-            if let Some((end, _)) = best {
-                found = Some(end);
+            found = walk.depth(&inner, key, |e| {
+                (e.messages && e.len as usize == at).then_some(e.len)
+            });
+            if found.is_some() {
                 break;
+            }
+        }
+        // Else the one whose own blocks it agrees with deepest: all of them
+        // but the last few, or for a prompt without messages exactly.
+        if found.is_none() {
+            for k in (0..=n).rev() {
+                found = walk.depth(&inner, marker(k), |e| {
+                    let exact = !e.messages
+                        && e.tail_exact
+                        && k == e.n_blocks as usize
+                        && canon.hash(k * block, k * block + e.tail_len as usize, marker(k))
+                            == Some(e.tail_hash);
+                    match (exact, k) {
+                        (true, _) => Some(e.len),
+                        (false, 0) => None,
+                        (false, _) => {
+                            (k + TOLERANCE_BLOCKS > e.n_blocks as usize).then(|| clamp32(k * block))
+                        }
+                    }
+                });
+                if found.is_some() {
+                    break;
+                }
             }
         }
         // What it shares with the others it met, they share with it.
         let mut shared = 0;
-        for m in met[..n_met].iter().flatten() {
+        for m in walk.met[..walk.n_met].iter().flatten() {
             if Some(m.end) != found {
                 shared = shared.max(m.agreement);
-                inner.share(m.end, m.agreement);
+                inner.share(m.end, m.agreement, block);
             }
         }
         let (id, continues) = match found {
@@ -281,23 +376,40 @@ impl Conversations {
                 // conversation (a sampled rollout, a retry): another name.
                 let mut material = [0u8; 28];
                 material[..8].copy_from_slice(&marker(n).to_le_bytes());
-                material[8..16].copy_from_slice(&tail_hash.to_le_bytes());
-                material[16..24].copy_from_slice(&(p.full_bytes as u64).to_le_bytes());
-                material[24..].copy_from_slice(&duplicates.to_le_bytes());
+                let own = match messages {
+                    true => exact.unwrap_or_default(),
+                    false => tail_hash,
+                };
+                material[8..16].copy_from_slice(&own.to_le_bytes());
+                material[16..24].copy_from_slice(&(q_len as u64).to_le_bytes());
+                material[24..].copy_from_slice(&walk.duplicates.to_le_bytes());
                 (xxh3_128_with_seed(&material, p.root), None)
             }
         };
-        // Its own end: markers at its own blocks (past what it shares) and
-        // always its last; a block other conversations also have names none.
-        let own_from = (shared as usize).div_ceil(block.max(1));
-        let first = n.saturating_sub(TOLERANCE_BLOCKS - 1).max(own_from).min(n);
-        let mut links = [(0u64, NIL); TOLERANCE_BLOCKS];
+        // Its own end: markers at its own blocks (past what it shares; a
+        // block other conversations also have names none), and where it
+        // ends exactly.
+        let own_from = shared as usize / block.max(1) + 1;
+        let first = n.saturating_sub(TOLERANCE_BLOCKS - 1).max(own_from);
+        let mut links = [NO_LINK; TOLERANCE_BLOCKS + 1];
         let mut n_links = 0;
         for k in first..=n {
-            if k > 0 || n == 0 {
-                links[n_links] = (marker(k), NIL);
+            if !(messages && k == n) {
+                links[n_links] = Link {
+                    marker: marker(k),
+                    next: NIL,
+                    depth: k as u32,
+                };
                 n_links += 1;
             }
+        }
+        if let Some(key) = exact.filter(|k| !links[..n_links].iter().any(|l| l.marker == *k)) {
+            links[n_links] = Link {
+                marker: key,
+                next: NIL,
+                depth: EXACT,
+            };
+            n_links += 1;
         }
         let end = End {
             gen: 0,
@@ -309,7 +421,8 @@ impl Conversations {
             len: q_len,
             tail_len: tail_len as u32,
             tail_hash,
-            exact: p.full_bytes == canon.len(),
+            tail_exact: p.full_bytes == canon.len(),
+            messages,
             shared,
             slot: UNPLACED,
             bound: false,
@@ -380,16 +493,18 @@ impl Conversations {
         let gen = inner.ends[index as usize].gen;
         inner.live += 1;
         for j in 0..end.n_links as usize {
-            let m = end.links[j].0;
+            let m = end.links[j].marker;
             let list = inner.markers.entry(m).or_insert(List { head: NIL, len: 0 });
             let old = list.head;
             list.head = index;
             list.len += 1;
             let crowded = list.len > PER_MARKER;
-            inner.ends[index as usize].links[j].1 = old;
+            inner.ends[index as usize].links[j].next = old;
             if crowded {
+                // The oldest there is no longer found by this marker (it
+                // still is by its others).
                 if let Some(oldest) = inner.last_under(m) {
-                    self.remove(inner, oldest);
+                    inner.unlink(m, oldest);
                 }
             }
         }
@@ -454,8 +569,10 @@ impl Conversations {
         if !e.live {
             return;
         }
-        for &(m, _) in &e.links[..e.n_links as usize] {
-            inner.unlink(m, i);
+        for l in &e.links[..e.n_links as usize] {
+            if l.depth != DEAD {
+                inner.unlink(l.marker, i);
+            }
         }
         if e.counted {
             self.probation[e.slot as usize].fetch_sub(1, Ordering::Relaxed);
@@ -473,8 +590,8 @@ impl End {
     fn next(&self, m: u64) -> u32 {
         self.links[..self.n_links as usize]
             .iter()
-            .find(|l| l.0 == m)
-            .map_or(NIL, |l| l.1)
+            .find(|l| l.marker == m && l.depth != DEAD)
+            .map_or(NIL, |l| l.next)
     }
 }
 
@@ -484,10 +601,24 @@ impl Inner {
         e.live && e.gen == gen
     }
 
-    /// End `i` shares `agreement` bytes with another conversation.
-    fn share(&mut self, i: u32, agreement: u32) {
-        if let Some(e) = self.ends.get_mut(i as usize) {
-            e.shared = e.shared.max(agreement);
+    /// End `i` shares `agreement` bytes with another conversation: its
+    /// markers within them name no conversation of its own any more.
+    fn share(&mut self, i: u32, agreement: u32, block: usize) {
+        let Some(e) = self.ends.get_mut(i as usize) else {
+            return;
+        };
+        e.shared = e.shared.max(agreement);
+        let shared = e.shared as usize;
+        let mut within = [0u64; TOLERANCE_BLOCKS + 1];
+        let mut n = 0;
+        for l in &e.links[..e.n_links as usize] {
+            if l.depth != EXACT && l.depth != DEAD && l.depth as usize * block <= shared {
+                within[n] = l.marker;
+                n += 1;
+            }
+        }
+        for &m in &within[..n] {
+            self.unlink(m, i);
         }
     }
 
@@ -502,44 +633,58 @@ impl Inner {
         last
     }
 
-    /// Take end `i` off marker `m`'s list.
+    /// Take end `i` off marker `m`'s list (its link there is dead from now).
     fn unlink(&mut self, m: u64, i: u32) {
         let Some(list) = self.markers.get(&m).copied() else {
             return;
         };
         let after = self.ends[i as usize].next(m);
-        if list.head == i {
+        let unlinked = if list.head == i {
             match after {
-                NIL => {
-                    self.markers.remove(&m);
-                }
-                next => {
-                    self.markers.insert(
-                        m,
-                        List {
-                            head: next,
-                            len: list.len - 1,
-                        },
-                    );
+                NIL => self.markers.remove(&m),
+                next => self.markers.insert(
+                    m,
+                    List {
+                        head: next,
+                        len: list.len - 1,
+                    },
+                ),
+            };
+            true
+        } else {
+            let mut at = list.head;
+            let mut done = false;
+            while at != NIL && !done {
+                let e = &mut self.ends[at as usize];
+                let n = e.n_links as usize;
+                let Some(l) = e.links[..n]
+                    .iter_mut()
+                    .find(|l| l.marker == m && l.depth != DEAD)
+                else {
+                    break;
+                };
+                if l.next == i {
+                    l.next = after;
+                    done = true;
+                } else {
+                    at = l.next;
                 }
             }
-            return;
-        }
-        let mut at = list.head;
-        while at != NIL {
-            let e = &mut self.ends[at as usize];
-            let n = e.n_links as usize;
-            if let Some(l) = e.links[..n].iter_mut().find(|l| l.0 == m) {
-                if l.1 == i {
-                    l.1 = after;
-                    if let Some(list) = self.markers.get_mut(&m) {
-                        list.len -= 1;
-                    }
-                    return;
+            if done {
+                if let Some(list) = self.markers.get_mut(&m) {
+                    list.len -= 1;
                 }
-                at = l.1;
-            } else {
-                return;
+            }
+            done
+        };
+        if unlinked {
+            let e = &mut self.ends[i as usize];
+            let n = e.n_links as usize;
+            if let Some(l) = e.links[..n]
+                .iter_mut()
+                .find(|l| l.marker == m && l.depth != DEAD)
+            {
+                l.depth = DEAD;
             }
         }
     }
@@ -879,5 +1024,7 @@ mod tests {
         }
         let inner = cs.inner.lock();
         assert!(inner.markers.values().all(|l| l.len <= PER_MARKER));
+        // Every end is still found where it ends exactly.
+        assert_eq!(inner.live, 100);
     }
 }

@@ -52,6 +52,10 @@ pub struct Canon<'a> {
     parts: [&'a [u8]; 5],
     /// Bytes of it read (at most `max_read_bytes`).
     len: usize,
+    /// Where each of its turns' messages ends (offsets into it, ascending,
+    /// within what was read); empty for a prompt without messages. An
+    /// earlier turn's prompt ends at one of them.
+    pub message_ends: Vec<usize>,
 }
 
 impl Canon<'_> {
@@ -87,8 +91,15 @@ pub struct Chunker {
     pub seed: u64,
 }
 
-/// The parts of a request's prompt: (system, tools, turns).
-type Parts<'a> = (Option<&'a [u8]>, Option<&'a [u8]>, &'a [u8]);
+/// The parts of a request's prompt: (system, tools, turns), and the raw
+/// array the turns are cut from with where in it they begin (`None`: the
+/// turns are no array of messages).
+type Parts<'a> = (
+    Option<&'a [u8]>,
+    Option<&'a [u8]>,
+    &'a [u8],
+    Option<(&'a [u8], usize)>,
+);
 
 impl Chunker {
     /// The prompt of a JSON request body whose top level `field` gives
@@ -101,18 +112,23 @@ impl Chunker {
         field: impl Fn(&str) -> Option<&'a [u8]>,
     ) -> Option<(Prompt, Canon<'a>)> {
         let mut tokens_per_byte = 1.0 / TEXT_BYTES_PER_TOKEN;
-        let (system, tools, turns): Parts<'a> = if let Some(messages) = field("messages") {
-            // Anthropic Messages put the system text beside the messages.
-            let (system, rest) = match field("system") {
-                Some(system) => (Some(system), open(messages)?),
-                None => split_system(messages)?,
-            };
-            (system, field("tools"), rest)
-        } else if let Some(input) = field("input") {
-            if !matches!(input.first(), Some(b'[' | b'"')) {
+        let (system, tools, turns, array): Parts<'a> = if let Some(messages) = field("messages") {
+            if messages.first() != Some(&b'[') {
                 return None;
             }
-            (field("instructions"), field("tools"), open(input)?)
+            // Anthropic Messages put the system text beside the messages.
+            let (system, rest, from) = match field("system") {
+                Some(system) => (Some(system), open(messages)?, 0),
+                None => split_system(messages)?,
+            };
+            (system, field("tools"), rest, Some((messages, from)))
+        } else if let Some(input) = field("input") {
+            let array = match input.first() {
+                Some(b'[') => Some((input, 0)),
+                Some(b'"') => None,
+                _ => return None,
+            };
+            (field("instructions"), field("tools"), open(input)?, array)
         } else if let Some(prompt) = field("prompt") {
             let turns = open(prompt)?;
             if turns.starts_with(b"[")
@@ -124,7 +140,7 @@ impl Chunker {
                 let ids = memchr::memchr_iter(b',', turns).count() + 1;
                 tokens_per_byte = ids as f64 / turns.len() as f64;
             }
-            (None, None, turns)
+            (None, None, turns, None)
         } else {
             return None;
         };
@@ -145,6 +161,17 @@ impl Chunker {
         let full_bytes: usize = parts.iter().map(|p| p.len()).sum();
         let len = full_bytes.min(self.max_read_bytes);
         let blocks = chain(&parts, self.block_bytes, root, len);
+        let turns_at = full_bytes - turns.len();
+        let mut message_ends = Vec::new();
+        if let Some((raw, from)) = array {
+            each_element(raw, |_, end| {
+                let at = turns_at + end.saturating_sub(from);
+                if end > from && at <= len {
+                    message_ends.push(at);
+                }
+                at <= len
+            });
+        }
         Some((
             Prompt {
                 full_bytes,
@@ -152,7 +179,11 @@ impl Chunker {
                 root,
                 tokens_per_byte,
             },
-            Canon { parts, len },
+            Canon {
+                parts,
+                len,
+                message_ends,
+            },
         ))
     }
 
@@ -195,10 +226,14 @@ fn open(raw: &[u8]) -> Option<&[u8]> {
     }
 }
 
-/// The leading system (or developer) messages of the JSON array `raw`, and
-/// the rest of it without its closing bracket; `None` when `raw` is not an
-/// array. Reads no further than the first other message.
-fn split_system(raw: &[u8]) -> Option<(Option<&[u8]>, &[u8])> {
+/// A messages array's leading system text, the rest, and where the rest begins.
+type Split<'a> = (Option<&'a [u8]>, &'a [u8], usize);
+
+/// The leading system (or developer) messages of the JSON array `raw`, the
+/// rest of it without its closing bracket, and where in `raw` that rest
+/// begins; `None` when `raw` is not an array. Reads no further than the
+/// first other message.
+fn split_system(raw: &[u8]) -> Option<Split<'_>> {
     let mut end = None;
     each_element(raw, |element, at| {
         let system = matches!(
@@ -212,8 +247,8 @@ fn split_system(raw: &[u8]) -> Option<(Option<&[u8]>, &[u8])> {
     })?;
     let close = raw.len() - 1;
     Some(match end {
-        Some(e) => (Some(&raw[1..e]), &raw[e..close]),
-        None => (None, &raw[..close]),
+        Some(e) => (Some(&raw[1..e]), &raw[e..close], e),
+        None => (None, &raw[..close], 0),
     })
 }
 
@@ -412,6 +447,44 @@ pub(crate) mod tests {
         assert_eq!(a.blocks.len(), tenant.blocks.len());
     }
 
+    /// The prompt's length and its message ends, from `text`.
+    fn ends_of(text: &str) -> (usize, usize, Vec<usize>) {
+        let top: HashMap<String, Box<RawValue>> = serde_json::from_str(text).unwrap();
+        let (p, canon) = CHUNKER
+            .prompt("tier", Some("m"), |name| {
+                top.get(name).map(|v| v.get().as_bytes())
+            })
+            .unwrap();
+        (p.full_bytes, canon.len(), canon.message_ends)
+    }
+
+    #[test]
+    fn the_turns_message_ends_are_where_earlier_prompts_end() {
+        let sys = system();
+        let t1 = chat(&[("system", &sys), ("user", "hi")]);
+        let t2 = chat(&[
+            ("system", &sys),
+            ("user", "hi"),
+            ("assistant", "hello"),
+            ("user", "more"),
+        ]);
+        let (len1, _, ends1) = ends_of(&t1.to_string());
+        let (_, len2, ends2) = ends_of(&t2.to_string());
+        // The system message is no turn; each message after it ends one.
+        assert_eq!(ends1, [len1]);
+        assert_eq!(ends2.len(), 3);
+        assert_eq!(ends2[0], len1, "turn 1 ends where its message does");
+        assert_eq!(*ends2.last().unwrap(), len2);
+        assert_eq!(canon_of(&t2)[..len1], canon_of(&t1)[..]);
+        // Pretty-printed: a message ends before the whitespace after it.
+        let (len, _, ends) = ends_of(&serde_json::to_string_pretty(&t1).unwrap());
+        assert_eq!(ends.len(), 1);
+        assert!(ends[0] < len);
+        // A prompt without messages has none.
+        let (_, _, none) = ends_of(&json!({"model": "m", "prompt": "once"}).to_string());
+        assert!(none.is_empty());
+    }
+
     #[test]
     fn token_id_prompts_extend_byte_for_byte_and_count_their_ids() {
         let ids: Vec<u32> = (1000..1400).collect();
@@ -482,6 +555,7 @@ pub(crate) mod tests {
             let canon = Canon {
                 parts: [a, &[], b, &[], &[]],
                 len: 1000,
+                message_ends: Vec::new(),
             };
             assert_eq!(
                 canon.hash(60, 700, 3),
