@@ -102,6 +102,11 @@ pub enum Study {
     /// same with ids, a trace replayed both ways, and soft mode under KV
     /// pressure with and without the prefix index.
     Prefix,
+    /// Keyless routing on the shapes users send: every conversation with
+    /// the same first turn, a trace whose turns re-render the last block of
+    /// the one before, engines that report no cached tokens, soft mode on
+    /// the trace — each against sticky-by-conversation in the same run.
+    Keyless,
     All,
 }
 
@@ -127,6 +132,8 @@ struct Model {
     max_batch: usize,
     /// One prefill at a time per replica (compute contention).
     serial_prefill: bool,
+    /// Leave cached tokens out of `usage` (vLLM's and SGLang's default).
+    no_cache_report: bool,
 }
 
 /// Child processes, killed (by PID) when dropped — also on Ctrl-C or panic.
@@ -183,6 +190,7 @@ fn start_sim_on(
         .args(["--cache-blocks", &m.cache_blocks.to_string()])
         .args(["--max-batch", &m.max_batch.to_string()])
         .args(m.serial_prefill.then_some("--serial-prefill"))
+        .args(m.no_cache_report.then_some("--no-cache-report"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()?;
@@ -424,13 +432,14 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     }
     if matches!(
         args.study,
-        Study::Placement | Study::Soft | Study::Recovery | Study::Prefix
+        Study::Placement | Study::Soft | Study::Recovery | Study::Prefix | Study::Keyless
     ) {
         let started = Instant::now();
         let reports = match args.study {
             Study::Soft => soft_study(exe, args).await?,
             Study::Recovery => recovery_study(exe, args).await?,
             Study::Prefix => prefix_study(exe, args).await?,
+            Study::Keyless => keyless_study(exe, args).await?,
             _ => placement_study(exe, args).await?,
         };
         std::fs::write(
@@ -459,6 +468,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             cache_blocks: 1200,
             max_batch: 4,
             serial_prefill: false,
+            no_cache_report: false,
         }
     } else {
         Model {
@@ -467,6 +477,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             cache_blocks: 1200,
             max_batch: 4,
             serial_prefill: false,
+            no_cache_report: false,
         }
     };
     // Seed 000's study: 12 sessions × 6 turns at concurrency 6, 3 KB system prompt.
@@ -521,6 +532,7 @@ fn contention(args: &DemoArgs) -> Model {
         cache_blocks: 0,
         max_batch: 16,
         serial_prefill: true,
+        no_cache_report: false,
     }
 }
 
@@ -531,18 +543,22 @@ struct Variant {
     /// The `placement` section.
     placement: String,
     ids: Ids,
+    /// The replicas report no cached tokens (`report=off`).
+    no_cache_report: bool,
 }
 
 impl Variant {
     /// `first[,key=value...]`: `mode` and `soft_policy` are affinity keys,
     /// `prefix=off` turns prefix routing off, `ids=none` sends no session or
-    /// parent header and `ids=fresh` a new session id on every request, the
-    /// rest are placement keys (e.g. `bounded_hrw,load=requests,mode=soft`).
+    /// parent header and `ids=fresh` a new session id on every request,
+    /// `report=off` has the replicas report no cached tokens, the rest are
+    /// placement keys (e.g. `bounded_hrw,load=requests,mode=soft`).
     fn parse(variant: &str) -> Variant {
         let mut v = Variant {
             affinity: String::new(),
             placement: String::from("placement:\n"),
             ids: Ids::Sticky,
+            no_cache_report: false,
         };
         for kv in variant.split(',').filter(|kv| !kv.is_empty()) {
             let (k, val) = kv.split_once('=').unwrap_or(("first", kv));
@@ -550,6 +566,7 @@ impl Variant {
                 ("ids", "none") => v.ids = Ids::None,
                 ("ids", "fresh") => v.ids = Ids::Fresh,
                 ("prefix", "off") => v.affinity.push_str(PREFIX_OFF),
+                ("report", "off") => v.no_cache_report = true,
                 ("mode" | "soft_policy", _) => v.affinity.push_str(&format!("  {k}: {val}\n")),
                 _ => v.placement.push_str(&format!("  {k}: {val}\n")),
             }
@@ -812,9 +829,13 @@ async fn run_variants(
     for r in 0..repeats {
         for (v, variant) in variants.iter().enumerate() {
             let parsed = Variant::parse(variant);
+            let model = Model {
+                no_cache_report: parsed.no_cache_report,
+                ..*model
+            };
             let fleet = start_fleet(
                 exe,
-                model,
+                &model,
                 None,
                 replicas,
                 &parsed.affinity,
@@ -826,11 +847,18 @@ async fn run_variants(
             parsed.client(&mut a);
             a.label = format!("{name}: {variant} (ids {r})");
             a.id_prefix = format!("{}{r}", name.replace(' ', "-"));
-            let rep = loadgen::run(&a).await;
+            let mut rep = loadgen::run(&a).await;
             moves.push((
                 rep.label.clone(),
                 metric_sum(&fleet.metrics_url, "agentserve_affinity_moves_total{").await,
             ));
+            rep.index_corrections = Some(
+                metric_sum(
+                    &fleet.metrics_url,
+                    "agentserve_prefix_index_corrections_total{",
+                )
+                .await,
+            );
             runs[v].push(rep);
         }
     }
@@ -960,6 +988,129 @@ async fn prefix_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<rep
     Ok(out)
 }
 
+/// A study's table: its name, its variants, and each variant's runs.
+type Table<'a> = (String, Vec<&'a str>, Vec<Vec<report::Report>>);
+
+/// Keyless routing on the shapes users send, each against sticky by
+/// conversation (the same workload with a session id, bounded HRW) in the
+/// same run, on fresh replicas each:
+/// - identical openings: 64 conversations × 8 turns at c=16, serial prefill,
+///   one 8 KiB system prompt and one 48-token first message for all;
+/// - a generated Mooncake-style trace (token-id completions, 4 replicas with
+///   bounded KV, serial prefill at 20 µs a token) whose turns give the
+///   partial last block of the turn before new ids, and its byte-exact twin;
+/// - engines that report no cached tokens: the agent workload and the trace
+///   without reports, against the same with reports (the hit the engines
+///   saw, from their own count);
+/// - soft mode on the re-blocked trace, with ids, against hard mode.
+async fn keyless_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    let repeats = args.repeats.max(1);
+    let mut tables: Vec<Table> = Vec::new();
+    // Identical openings.
+    let model = contention(args);
+    let mut opening = BenchArgs::seed_study("");
+    opening.sessions = if args.quick { 24 } else { 64 };
+    opening.turns = if args.quick { 4 } else { 8 };
+    opening.concurrency = 16;
+    opening.system_prompt_bytes = 8192;
+    opening.user_bytes = 200;
+    opening.same_opening = true;
+    let pair = ["bounded_hrw", "bounded_hrw,ids=none"];
+    let name = format!(
+        "identical openings: {}x{} c=16, one 8 KiB system prompt and first message",
+        opening.sessions, opening.turns
+    );
+    let (runs, _) = run_variants(exe, &model, 3, &opening, "same opening", &pair, repeats).await?;
+    tables.push((name, pair.to_vec(), runs));
+    // The trace, re-blocked and byte-exact.
+    let trace_model = Model {
+        prefill_us_per_token: 20.0,
+        decode_us_per_token: 500.0,
+        cache_blocks: args.cache_blocks.unwrap_or(4000),
+        max_batch: 16,
+        serial_prefill: true,
+        no_cache_report: false,
+    };
+    let mut trace = BenchArgs::seed_study("");
+    trace.trace_synthetic = Some(if args.quick { 60 } else { 300 });
+    trace.concurrency = 16;
+    for reblock in [true, false] {
+        trace.trace_reblock = reblock;
+        let name = format!(
+            "Mooncake-style trace ({} conversations, 4 replicas, {} KV blocks each), {}",
+            trace.trace_synthetic.unwrap_or(0),
+            trace_model.cache_blocks,
+            if reblock {
+                "a turn's partial last block re-ided in the next"
+            } else {
+                "each turn extending the one before byte for byte"
+            }
+        );
+        let (runs, _) = run_variants(exe, &trace_model, 4, &trace, "trace", &pair, repeats).await?;
+        tables.push((name, pair.to_vec(), runs));
+    }
+    // Engines that report no cached tokens.
+    let mut agent = BenchArgs::seed_study("");
+    agent.sessions = if args.quick { 24 } else { 64 };
+    agent.turns = 8;
+    agent.concurrency = 16;
+    agent.system_prompt_bytes = 8192;
+    agent.context_bytes = 2000;
+    agent.user_bytes = 2000;
+    let reports = [
+        "bounded_hrw",
+        "bounded_hrw,ids=none",
+        "bounded_hrw,ids=none,report=off",
+    ];
+    let pressure = Model {
+        cache_blocks: args.cache_blocks.unwrap_or(2500),
+        ..model
+    };
+    let (runs, _) =
+        run_variants(exe, &pressure, 3, &agent, "no reports", &reports, repeats).await?;
+    tables.push((
+        format!(
+            "engines without cached-token reports: the agent workload ({}x8, {} KV blocks a replica)",
+            agent.sessions, pressure.cache_blocks
+        ),
+        reports.to_vec(),
+        runs,
+    ));
+    trace.trace_reblock = true;
+    let (runs, _) = run_variants(
+        exe,
+        &trace_model,
+        4,
+        &trace,
+        "trace no reports",
+        &reports,
+        repeats,
+    )
+    .await?;
+    tables.push((
+        "engines without cached-token reports: the re-blocked trace".into(),
+        reports.to_vec(),
+        runs,
+    ));
+    // Soft mode on trace-shaped work, with ids.
+    let soft = ["bounded_hrw", "bounded_hrw,mode=soft"];
+    let (runs, _) =
+        run_variants(exe, &trace_model, 4, &trace, "trace soft", &soft, repeats).await?;
+    tables.push((
+        "soft mode on the re-blocked trace (session ids)".into(),
+        soft.to_vec(),
+        runs,
+    ));
+    let mut out = Vec::new();
+    for (name, variants, runs) in tables {
+        if !args.json {
+            println!("{name}:\n\n{}", report::keyless_table(&variants, &runs));
+        }
+        out.extend(runs.into_iter().flatten());
+    }
+    Ok(out)
+}
+
 /// The same study against real llama.cpp replicas, plus the no-gateway baseline.
 async fn demo_llamacpp(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     let started = Instant::now();
@@ -1001,6 +1152,7 @@ async fn demo_llamacpp(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
         cache_blocks: 0,
         max_batch: 1,
         serial_prefill: false,
+        no_cache_report: false,
     };
     let reports = study(exe, &unused, Some(&real), &study_args, "llamacpp", false).await?;
     std::fs::write(

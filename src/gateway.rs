@@ -410,6 +410,12 @@ impl Gateway {
         m.prefix_index_bytes
             .with_label_values(&[])
             .set(self.prefix.index.heap_bytes() as i64);
+        m.prefix_conversations
+            .with_label_values(&[])
+            .set(self.prefix.conversations.len() as i64);
+        m.prefix_probation
+            .with_label_values(&[])
+            .set(self.prefix.conversations.probation_total() as i64);
         let evicted = self.prefix.index.stats.evicted.load(Ordering::Relaxed);
         let counter = m.prefix_index_evictions.with_label_values(&[]);
         if evicted > counter.get() {

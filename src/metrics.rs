@@ -46,6 +46,8 @@ pub struct Metrics {
     pub store_up: IntGaugeVec,
     pub prefix_index_entries: IntGaugeVec,
     pub prefix_index_bytes: IntGaugeVec,
+    pub prefix_conversations: IntGaugeVec,
+    pub prefix_probation: IntGaugeVec,
     pub prefix_index_evictions: IntCounterVec,
     pub prefix_index_lookups: IntCounterVec,
     pub prefix_index_corrections: IntCounterVec,
@@ -392,6 +394,18 @@ impl Metrics {
                 &r,
                 "agentserve_prefix_index_bytes",
                 "Heap bytes the prefix index takes (bounded by affinity.prefix.max_memory_bytes)",
+                &[],
+            ),
+            prefix_conversations: gauge(
+                &r,
+                "agentserve_prefix_conversations",
+                "Keyless conversations whose latest turn this gateway remembers (their ends; bounded by affinity.prefix.max_memory_bytes)",
+                &[],
+            ),
+            prefix_probation: gauge(
+                &r,
+                "agentserve_prefix_probation",
+                "New keyless conversations on probation: not bound, counted as sessions of their backend for affinity.prefix.probation_seconds",
                 &[],
             ),
             prefix_index_evictions: counter(

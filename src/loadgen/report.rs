@@ -112,6 +112,10 @@ pub struct Report {
     /// (`agentserve_upstream_retries_total`), when the run went through one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream_retries: Option<u64>,
+    /// Times the gateway's prefix index was corrected by what the engines
+    /// reported (`agentserve_prefix_index_corrections_total`), when read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index_corrections: Option<u64>,
 }
 
 impl Report {
@@ -266,6 +270,7 @@ impl Report {
             locality,
             slowest,
             upstream_retries: None,
+            index_corrections: None,
         }
     }
 }
@@ -334,6 +339,53 @@ pub fn repeats_table(variants: &[&str], runs: &[Vec<Report>]) -> String {
             mean(&mut rs.iter().map(|r| r.e2e.p99_ms)),
             mean(&mut pairs().map(|(r, b)| r.requests_per_s / b.requests_per_s.max(1e-9))),
             mean(&mut pairs().map(|(r, b)| r.e2e.p99_ms / b.e2e.p99_ms.max(1e-9))),
+        );
+    }
+    s
+}
+
+/// Variants side by side, means over repeats, each against the first
+/// variant's run on the same population: throughput, balance (busiest
+/// backend over the mean), prefix-cache hit, same replica turn to turn,
+/// latency and how often the engines corrected the prefix index.
+pub fn keyless_table(variants: &[&str], runs: &[Vec<Report>]) -> String {
+    let mean = |xs: &mut dyn Iterator<Item = f64>| {
+        let (sum, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+        sum / n.max(1) as f64
+    };
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| variant | errors | req/s | × first | max/mean | prefix-cache hit | × first | same replica | replicas/conv | E2E p50 | E2E p99 | p99 × first | corrections |"
+    );
+    let _ = writeln!(
+        s,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    let Some(base) = runs.first() else {
+        return s;
+    };
+    for (name, rs) in variants.iter().zip(runs) {
+        let pairs = || rs.iter().zip(base);
+        let ratio =
+            |f: &dyn Fn(&Report) -> f64| mean(&mut pairs().map(|(r, b)| f(r) / f(b).max(1e-9)));
+        let _ = writeln!(
+            s,
+            "| {name} | {} | {:.1} | {:.2} | {:.2} | {:.3} | {:.3} | {:.3} | {:.2} | {:.0} ms | {:.0} ms | {:.2} | {} |",
+            rs.iter().map(|r| r.errors).sum::<usize>(),
+            mean(&mut rs.iter().map(|r| r.requests_per_s)),
+            ratio(&|r| r.requests_per_s),
+            mean(&mut rs.iter().map(|r| r.balance_max_over_mean)),
+            mean(&mut rs.iter().map(|r| r.prefix_cache_hit_rate)),
+            ratio(&|r| r.prefix_cache_hit_rate),
+            mean(&mut rs.iter().map(|r| r.same_backend_rate)),
+            mean(&mut rs.iter().map(|r| r.replicas_per_conversation)),
+            mean(&mut rs.iter().map(|r| r.e2e.p50_ms)),
+            mean(&mut rs.iter().map(|r| r.e2e.p99_ms)),
+            ratio(&|r| r.e2e.p99_ms),
+            rs.iter()
+                .map(|r| r.index_corrections.unwrap_or(0))
+                .sum::<u64>(),
         );
     }
     s

@@ -350,6 +350,25 @@ impl Sim {
                 self.release.notify_waiters();
                 json_response(StatusCode::OK, &json!({"released": true}))
             }
+            ("POST", "/v1/embeddings") => {
+                // A one-shot call: no KV cache, no batch slot, a vector back.
+                let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                let input = body
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+                    .map(|v| v["input"].to_string())
+                    .unwrap_or_default();
+                let tokens = cache::tokenize(&input).len();
+                let mut resp = json_response(
+                    StatusCode::OK,
+                    &json!({"object": "list", "model": self.cfg.models[0],
+                            "data": [{"object": "embedding", "index": 0, "embedding": [0.0, 1.0, 0.5]}],
+                            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}),
+                );
+                resp.headers_mut()
+                    .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
+                resp
+            }
             ("POST", "/v1/chat/completions") | ("POST", "/v1/completions") => {
                 let chat = path == "/v1/chat/completions";
                 let body = match req.into_body().collect().await {

@@ -4,19 +4,19 @@
 //! requests are turns of one conversation only as far as their blocks agree.
 //! Each routed prompt leaves an *end*: where it stopped, the backend it went
 //! to, and how far it agrees with any other conversation (its *shared*
-//! part). A later prompt **continues** the conversation of the end it agrees
-//! with deepest when
+//! part). A later, longer prompt **continues** the conversation of the end
+//! it agrees with deepest, when that agreement reaches past the end's
+//! shared part — a system prompt, a task template or an opening that other
+//! conversations also sent names no conversation of its own — and
 //!
-//! - the agreement reaches past the end's shared part (a system prompt, a
-//!   task template or an opening that other conversations also sent is no
-//!   conversation of its own),
-//! - it covers every full block of the earlier prompt but its last
-//!   [`TOLERANCE_BLOCKS`] — a turn may re-render the tail of the one before
-//!   (a token-id client re-tokenises it; a trace gives the partial last
-//!   block a new id) — or extends the earlier prompt byte for byte, and
-//! - it adds at least as much as it replaces (a sibling that replaced the
-//!   earlier prompt's last message by one of its own size is a fork, not the
-//!   next turn).
+//! - for a prompt with messages (chat, Anthropic Messages, Responses
+//!   items), the earlier prompt ends where one of its messages ends: a
+//!   client re-sends the conversation's messages as they were;
+//! - for a prompt without (completions: token ids or text), it covers every
+//!   full block of the earlier prompt but its last [`TOLERANCE_BLOCKS`], or
+//!   extends it byte for byte: a token-id client re-tokenises the tail of
+//!   the turn before, and a replayed trace gives its partial last block new
+//!   ids, so a turn need not extend the one before byte for byte.
 //!
 //! The first continuation takes the end over; a second prompt agreeing with
 //! the same end (a fork, another conversation with the same opening, a
@@ -225,9 +225,7 @@ impl Walk {
                 self.met[self.n_met] = Some(Met { end: at, agreement });
                 self.n_met += 1;
             }
-            let replaced = e.len - agreement.min(e.len);
-            let continues =
-                agreement > e.shared && self.q_len > e.len && self.q_len - e.len >= replaced;
+            let continues = agreement > e.shared && self.q_len > e.len;
             if continues {
                 let rank = (exact, e.bound, std::cmp::Reverse(e.filed_ms));
                 if best.is_none_or(|(_, r)| rank > r) {
@@ -270,6 +268,14 @@ impl Conversations {
         self.probation
             .get(slot as usize)
             .map_or(0, |c| c.load(Ordering::Relaxed) as u64)
+    }
+
+    /// Conversations on probation, every backend's.
+    pub fn probation_total(&self) -> u64 {
+        self.probation
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed) as u64)
+            .sum()
     }
 
     /// Live ends (conversations this gateway can continue).
@@ -328,9 +334,9 @@ impl Conversations {
                 break;
             }
         }
-        // Else the one whose own blocks it agrees with deepest: all of them
-        // but the last few, or for a prompt without messages exactly.
-        if found.is_none() {
+        // A prompt without messages: the one whose own blocks it agrees with
+        // deepest, all of them but the last few, or exactly.
+        if found.is_none() && !messages {
             for k in (0..=n).rev() {
                 found = walk.depth(&inner, marker(k), |e| {
                     let exact = !e.messages
@@ -394,7 +400,7 @@ impl Conversations {
         let mut links = [NO_LINK; TOLERANCE_BLOCKS + 1];
         let mut n_links = 0;
         for k in first..=n {
-            if !(messages && k == n) {
+            if !messages {
                 links[n_links] = Link {
                     marker: marker(k),
                     next: NIL,
