@@ -221,9 +221,12 @@ async fn a_first_turn_is_queued_as_its_prompt_less_what_its_backend_holds() {
     // One conversation computes the system prompt...
     assert_eq!(chat(&c, &gw, &[], &body("hi".into())).await.status, 200);
     // ...and another's first turn, with 4 KB of its own, is queued while it
-    // prefills as its body less what the index says the backend holds.
+    // prefills as its prompt (its messages, at 4 bytes a token) less what
+    // the index says the backend holds.
     let second = body("a fresh question ".repeat(240));
-    let bytes = serde_json::to_vec(&second).unwrap().len() as u64;
+    // The canonical prompt: the messages' JSON without its brackets, and a
+    // separator after the system message.
+    let bytes = serde_json::to_vec(&second["messages"]).unwrap().len() as u64 - 1;
     let turn = {
         let (c, url, second) = (client(), gw.url("/v1/chat/completions"), second.clone());
         tokio::spawn(async move { reply(c.post(url).json(&second).send().await.unwrap()).await })

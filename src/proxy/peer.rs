@@ -24,10 +24,17 @@ const CLIENT_LOOK: std::time::Duration = std::time::Duration::from_millis(100);
 /// the backend has said how many tokens it was (about 4 for English text).
 const BODY_BYTES_PER_TOKEN: u64 = 4;
 
-/// The prompt tokens a request's body holds, estimated from its size (read
-/// already, or declared in Content-Length, which `request_filter` has held
-/// to `max_body_bytes`; 0 when neither is known).
+/// The prompt tokens a request holds: its prompt's own estimate when it was
+/// read (token ids counted, text at 4 bytes a token), else estimated from
+/// the body's size (read already, or declared in Content-Length, which
+/// `request_filter` has held to `max_body_bytes`; 0 when neither is known).
+/// The first is in the units of what the prefix index says is held: taking
+/// a token-id prompt's held part off its body's bytes / 4 left a phantom
+/// third of it queued.
 fn body_tokens(ctx: &RequestCtx) -> u64 {
+    if let Some(route) = ctx.prefix.as_deref() {
+        return route.tokens();
+    }
     let bytes = match ctx.body.as_ref() {
         Some(body) => body.len() as u64,
         None => ctx.declared_len.unwrap_or(0),
