@@ -49,6 +49,11 @@ pub const TOLERANCE_BLOCKS: usize = 4;
 /// as a new conversation would be.
 const PER_MARKER: u32 = 16;
 
+/// Ends kept under one exact key: only the very same prompt shares one (a
+/// retry, sampled rollouts of one turn), and once two have been seen none
+/// of them can be continued (each shares all of itself with the other).
+const PER_EXACT: u32 = 2;
+
 /// Heap bytes an end costs, about: the end, its markers in the map, its
 /// place in the queues.
 pub const END_BYTES: usize = 256;
@@ -150,6 +155,8 @@ const NO_LINK: Link = Link {
 struct List {
     head: u32,
     len: u32,
+    /// Ends ever filed under it (while it existed).
+    filed: u32,
 }
 
 struct Inner {
@@ -205,10 +212,12 @@ impl Walk {
         &mut self,
         inner: &Inner,
         key: u64,
+        exact_key: bool,
         agreement: impl Fn(&End) -> Option<u32>,
     ) -> Option<u32> {
         let list = inner.markers.get(&key)?;
         let mut best: Option<(u32, Rank)> = None;
+        let mut same = 0;
         let mut i = list.head;
         while i != NIL {
             let at = i;
@@ -219,7 +228,7 @@ impl Walk {
             };
             let exact = agreement == e.len;
             if exact && self.q_len == e.len {
-                self.duplicates += 1;
+                same += 1;
             }
             if self.n_met < MET {
                 self.met[self.n_met] = Some(Met { end: at, agreement });
@@ -233,6 +242,13 @@ impl Walk {
                 }
             }
         }
+        // Under an exact key only the very same prompt is filed: all it
+        // ever held are duplicates, though it keeps only the latest few.
+        self.duplicates += match same {
+            0 => 0,
+            _ if exact_key => list.filed,
+            n => n,
+        };
         best.map(|(end, _)| end)
     }
 }
@@ -323,11 +339,16 @@ impl Conversations {
         // An earlier prompt with messages ends where one of this one's
         // messages does: the deepest that it may continue.
         let mut found = None;
+        let last = canon.message_ends.last().copied();
         for &at in canon.message_ends.iter().rev() {
-            let Some(key) = exact_key(p, canon, block, at) else {
+            let key = match Some(at) == last {
+                true => exact,
+                false => exact_key(p, canon, block, at),
+            };
+            let Some(key) = key else {
                 continue;
             };
-            found = walk.depth(&inner, key, |e| {
+            found = walk.depth(&inner, key, true, |e| {
                 (e.messages && e.len as usize == at).then_some(e.len)
             });
             if found.is_some() {
@@ -338,7 +359,7 @@ impl Conversations {
         // deepest, all of them but the last few, or exactly.
         if found.is_none() && !messages {
             for k in (0..=n).rev() {
-                found = walk.depth(&inner, marker(k), |e| {
+                found = walk.depth(&inner, marker(k), false, |e| {
                     let exact = !e.messages
                         && e.tail_exact
                         && k == e.n_blocks as usize
@@ -500,11 +521,20 @@ impl Conversations {
         inner.live += 1;
         for j in 0..end.n_links as usize {
             let m = end.links[j].marker;
-            let list = inner.markers.entry(m).or_insert(List { head: NIL, len: 0 });
+            let list = inner.markers.entry(m).or_insert(List {
+                head: NIL,
+                len: 0,
+                filed: 0,
+            });
             let old = list.head;
             list.head = index;
             list.len += 1;
-            let crowded = list.len > PER_MARKER;
+            list.filed = list.filed.saturating_add(1);
+            let cap = match end.links[j].depth {
+                EXACT => PER_EXACT,
+                _ => PER_MARKER,
+            };
+            let crowded = list.len > cap;
             inner.ends[index as usize].links[j].next = old;
             if crowded {
                 // The oldest there is no longer found by this marker (it
@@ -653,6 +683,7 @@ impl Inner {
                     List {
                         head: next,
                         len: list.len - 1,
+                        filed: list.filed,
                     },
                 ),
             };

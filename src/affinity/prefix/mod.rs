@@ -75,8 +75,9 @@ pub struct PromptRoute {
     prompt: Prompt,
     /// The conversation it belongs to (requests without a session key).
     conversation: Option<Conversation>,
-    /// What each candidate of the last look-up held of it.
-    held: Vec<(u32, Held)>,
+    /// The candidates of the last look-up, and what each held of it.
+    slots: Vec<u32>,
+    held: Vec<Held>,
     /// Where it went, and what the index said that backend held.
     routed: Option<(u32, Held)>,
     block_bytes: usize,
@@ -153,6 +154,7 @@ impl Prefix {
         Some(PromptRoute {
             prompt,
             conversation,
+            slots: Vec::new(),
             held: Vec::new(),
             routed: None,
             block_bytes: self.block_bytes,
@@ -198,16 +200,16 @@ impl PromptRoute {
     /// Fill in each candidate's [`Candidate::prefix_tokens`]: how much of
     /// the prompt the index says it holds.
     pub fn look_up(&mut self, prefix: &Prefix, candidates: &mut [Candidate]) {
-        let slots: Vec<u32> = candidates.iter().map(|c| c.slot).collect();
-        let held = prefix
+        self.slots.clear();
+        self.slots.extend(candidates.iter().map(|c| c.slot));
+        self.held = prefix
             .index
-            .lookup(&self.prompt.blocks, &slots, prefix.index.now());
-        for (c, h) in candidates.iter_mut().zip(&held) {
+            .lookup(&self.prompt.blocks, &self.slots, prefix.index.now());
+        for (c, h) in candidates.iter_mut().zip(&self.held) {
             c.prefix_tokens = self
                 .prompt
                 .block_tokens(h.blocks as usize, prefix.block_bytes);
         }
-        self.held = slots.into_iter().zip(held).collect();
     }
 
     /// The request goes to `slot`, bound or not (a keyless conversation on
@@ -217,16 +219,16 @@ impl PromptRoute {
     /// index said were held there.
     pub fn routed(&mut self, prefix: &Prefix, slot: u32, bound: bool) -> u64 {
         let here = self
-            .held
+            .slots
             .iter()
-            .find(|(s, _)| *s == slot)
-            .map(|(_, h)| *h)
+            .position(|&s| s == slot)
+            .map(|i| self.held[i])
             .unwrap_or_default();
         prefix
             .index
             .record(&self.prompt.blocks, slot, prefix.index.now(), false);
         if let Some(c) = &self.conversation {
-            let most = self.held.iter().map(|(_, h)| h.blocks).max().unwrap_or(0);
+            let most = self.held.iter().map(|h| h.blocks).max().unwrap_or(0);
             prefix
                 .conversations
                 .place(c, slot, bound, most as usize * prefix.block_bytes);
@@ -247,7 +249,7 @@ impl PromptRoute {
 
     /// Whether the last look-up found any candidate holding part of it.
     pub fn matched(&self) -> bool {
-        self.held.iter().any(|(_, h)| h.blocks > 0)
+        self.held.iter().any(|h| h.blocks > 0)
     }
 
     /// The backend answered (`ok`), and its `usage` said `prompt_tokens`

@@ -68,16 +68,28 @@ impl Canon<'_> {
         self.len == 0
     }
 
-    /// The hash of bytes `from..to` (within what was read), seeded.
+    /// The hash of bytes `from..to` (within what was read), keyed by
+    /// `seed`. Hashed unseeded and the seed mixed in after: a seeded xxh3
+    /// derives a secret of its own for every input over 240 bytes.
     pub fn hash(&self, from: usize, to: usize, seed: u64) -> Option<u64> {
         if from > to || to > self.len {
             return None;
         }
-        let mut h = Xxh3::with_seed(seed);
-        for p in span(&self.parts, from, to) {
-            h.update(p);
-        }
-        Some(h.digest())
+        let mut pieces = span(&self.parts, from, to);
+        let h = match (pieces.next(), pieces.next()) {
+            (None, _) => xxh3_64(&[]),
+            (Some(one), None) => xxh3_64(one),
+            (Some(a), Some(b)) => {
+                let mut h = Xxh3::new();
+                h.update(a);
+                h.update(b);
+                for p in pieces {
+                    h.update(p);
+                }
+                h.digest()
+            }
+        };
+        Some(crate::affinity::hrw::mix(h ^ seed))
     }
 }
 
@@ -91,15 +103,16 @@ pub struct Chunker {
     pub seed: u64,
 }
 
-/// The parts of a request's prompt: (system, tools, turns), and the raw
-/// array the turns are cut from with where in it they begin (`None`: the
-/// turns are no array of messages).
-type Parts<'a> = (
-    Option<&'a [u8]>,
-    Option<&'a [u8]>,
-    &'a [u8],
-    Option<(&'a [u8], usize)>,
-);
+/// The parts of a request's prompt: (system, tools, its turns).
+type Parts<'a> = (Option<&'a [u8]>, Option<&'a [u8]>, Turns<'a>);
+
+/// A prompt's turns: their raw JSON without the closing bracket or quote,
+/// and for an array of messages, where each message after the system text
+/// ends (offsets into those bytes).
+struct Turns<'a> {
+    raw: &'a [u8],
+    ends: Vec<usize>,
+}
 
 impl Chunker {
     /// The prompt of a JSON request body whose top level `field` gives
@@ -112,23 +125,21 @@ impl Chunker {
         field: impl Fn(&str) -> Option<&'a [u8]>,
     ) -> Option<(Prompt, Canon<'a>)> {
         let mut tokens_per_byte = 1.0 / TEXT_BYTES_PER_TOKEN;
-        let (system, tools, turns, array): Parts<'a> = if let Some(messages) = field("messages") {
-            if messages.first() != Some(&b'[') {
-                return None;
-            }
+        let (system, tools, turns): Parts<'a> = if let Some(messages) = field("messages") {
             // Anthropic Messages put the system text beside the messages.
-            let (system, rest, from) = match field("system") {
-                Some(system) => (Some(system), open(messages)?, 0),
-                None => split_system(messages)?,
-            };
-            (system, field("tools"), rest, Some((messages, from)))
+            let system = field("system");
+            let (leading, turns) = messages_of(messages, system.is_none())?;
+            (system.or(leading), field("tools"), turns)
         } else if let Some(input) = field("input") {
-            let array = match input.first() {
-                Some(b'[') => Some((input, 0)),
-                Some(b'"') => None,
+            let turns = match input.first() {
+                Some(b'[') => messages_of(input, false)?.1,
+                Some(b'"') => Turns {
+                    raw: open(input)?,
+                    ends: Vec::new(),
+                },
                 _ => return None,
             };
-            (field("instructions"), field("tools"), open(input)?, array)
+            (field("instructions"), field("tools"), turns)
         } else if let Some(prompt) = field("prompt") {
             let turns = open(prompt)?;
             if turns.starts_with(b"[")
@@ -140,10 +151,21 @@ impl Chunker {
                 let ids = memchr::memchr_iter(b',', turns).count() + 1;
                 tokens_per_byte = ids as f64 / turns.len() as f64;
             }
-            (None, None, turns, None)
+            (
+                None,
+                None,
+                Turns {
+                    raw: turns,
+                    ends: Vec::new(),
+                },
+            )
         } else {
             return None;
         };
+        let Turns {
+            raw: turns,
+            ends: turn_ends,
+        } = turns;
         // Nothing but an opening bracket or quote: no prompt.
         if turns.len() <= 1 && system.is_none() && tools.is_none() {
             return None;
@@ -162,16 +184,12 @@ impl Chunker {
         let len = full_bytes.min(self.max_read_bytes);
         let blocks = chain(&parts, self.block_bytes, root, len);
         let turns_at = full_bytes - turns.len();
-        let mut message_ends = Vec::new();
-        if let Some((raw, from)) = array {
-            each_element(raw, |_, end| {
-                let at = turns_at + end.saturating_sub(from);
-                if end > from && at <= len {
-                    message_ends.push(at);
-                }
-                at <= len
-            });
+        let mut message_ends = turn_ends;
+        for end in &mut message_ends {
+            *end += turns_at;
         }
+        let read = message_ends.partition_point(|&at| at <= len);
+        message_ends.truncate(read);
         Some((
             Prompt {
                 full_bytes,
@@ -226,29 +244,49 @@ fn open(raw: &[u8]) -> Option<&[u8]> {
     }
 }
 
-/// A messages array's leading system text, the rest, and where the rest begins.
-type Split<'a> = (Option<&'a [u8]>, &'a [u8], usize);
-
-/// The leading system (or developer) messages of the JSON array `raw`, the
-/// rest of it without its closing bracket, and where in `raw` that rest
-/// begins; `None` when `raw` is not an array. Reads no further than the
-/// first other message.
-fn split_system(raw: &[u8]) -> Option<Split<'_>> {
-    let mut end = None;
+/// The JSON array of messages `raw`: with `split`, its leading system (or
+/// developer) messages apart (they are the system text); the rest without
+/// the closing bracket, with where each of its messages ends. One pass, no
+/// decoding; `None` when `raw` is not an array.
+fn messages_of(raw: &[u8], split: bool) -> Option<(Option<&[u8]>, Turns<'_>)> {
+    let mut leading = split;
+    let mut system_end = None;
+    let mut ends = Vec::new();
     each_element(raw, |element, at| {
-        let system = matches!(
-            string_field(element, b"role"),
-            Some(b"system" | b"developer")
-        );
-        if system {
-            end = Some(at);
+        if leading
+            && matches!(
+                string_field(element, b"role"),
+                Some(b"system" | b"developer")
+            )
+        {
+            system_end = Some(at);
+        } else {
+            leading = false;
+            ends.push(at);
         }
-        system
+        true
     })?;
     let close = raw.len() - 1;
-    Some(match end {
-        Some(e) => (Some(&raw[1..e]), &raw[e..close], e),
-        None => (None, &raw[..close], 0),
+    Some(match system_end {
+        Some(e) => {
+            for end in &mut ends {
+                *end -= e;
+            }
+            (
+                Some(&raw[1..e]),
+                Turns {
+                    raw: &raw[e..close],
+                    ends,
+                },
+            )
+        }
+        None => (
+            None,
+            Turns {
+                raw: &raw[..close],
+                ends,
+            },
+        ),
     })
 }
 
@@ -256,36 +294,42 @@ fn split_system(raw: &[u8]) -> Option<Split<'_>> {
 /// (at most `max` bytes of it): each block's hash folded into the previous
 /// one's (the first into `root`, which is keyed). xxh3 without a seed: a
 /// seed makes it derive a new secret for every block over 240 bytes, which
-/// cost more than the hashing itself. Blocks are hashed where they lie; only
-/// one that straddles two parts is copied.
+/// cost more than the hashing itself. Blocks are hashed where they lie; one
+/// that straddles two parts is hashed piece by piece (the same hash).
 pub fn chain(parts: &[&[u8]], block: usize, root: u64, max: usize) -> Vec<u64> {
     let block = block.max(1);
     let total = parts.iter().map(|p| p.len()).sum::<usize>().min(max);
     let mut out = Vec::with_capacity(total / block);
     let mut h = root;
-    let mut fold = |b: &[u8]| {
-        h = crate::affinity::hrw::mix(h ^ xxh3_64(b)).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut fold = |block_hash: u64| {
+        h = crate::affinity::hrw::mix(h ^ block_hash).wrapping_add(0x9e37_79b9_7f4a_7c15);
         out.push(h);
     };
-    let mut carry: Vec<u8> = Vec::new();
+    let mut carry = Xxh3::new();
+    let mut carried = 0;
     let mut left = total;
     for part in parts {
         let mut p = &part[..part.len().min(left)];
         left -= p.len();
-        if !carry.is_empty() {
-            let take = (block - carry.len()).min(p.len());
-            carry.extend_from_slice(&p[..take]);
+        if carried > 0 {
+            let take = (block - carried).min(p.len());
+            carry.update(&p[..take]);
+            carried += take;
             p = &p[take..];
-            if carry.len() == block {
-                fold(&carry);
-                carry.clear();
+            if carried == block {
+                fold(carry.digest());
+                carry.reset();
+                carried = 0;
             }
         }
         let whole = p.len() / block * block;
         for b in p[..whole].chunks_exact(block) {
-            fold(b);
+            fold(xxh3_64(b));
         }
-        carry.extend_from_slice(&p[whole..]);
+        if whole < p.len() {
+            carry.update(&p[whole..]);
+            carried += p.len() - whole;
+        }
     }
     out
 }
@@ -557,10 +601,8 @@ pub(crate) mod tests {
                 len: 1000,
                 message_ends: Vec::new(),
             };
-            assert_eq!(
-                canon.hash(60, 700, 3),
-                Some(xxh3_64_with_seed(&whole[60..700], 3))
-            );
+            let want = crate::affinity::hrw::mix(xxh3_64(&whole[60..700]) ^ 3);
+            assert_eq!(canon.hash(60, 700, 3), Some(want), "cut at {cut}");
         }
         assert_eq!(chain(&[&whole], 64, 9, 640), one[..10]);
         assert_ne!(chain(&[&whole], 64, 8, usize::MAX), one, "the root keys it");
