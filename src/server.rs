@@ -284,7 +284,7 @@ impl BackgroundService for StoreService {
         };
         let tiers: Arc<dyn crate::affinity::fleet::Tiers> = Arc::clone(&self.0) as _;
         tokio::select! {
-            _ = fleet.run(Arc::clone(&self.0.affinity), tiers) => {}
+            _ = fleet.run(Arc::clone(&self.0.affinity) as Arc<dyn crate::affinity::fleet::LocalBindings>, tiers) => {}
             _ = shutdown.changed() => {}
         }
     }

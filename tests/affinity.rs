@@ -1093,13 +1093,15 @@ async fn prefill_work_queued_at_a_backend_is_counted_until_its_first_byte() {
             .send()
     };
 
-    // Turn 1 binds the session: while it prefills it counts as its body's
-    // bytes / 4, and not once its answer has begun.
+    // Turn 1 binds the session: while it prefills it counts as its prompt
+    // (read to place it: its messages without their brackets, a separator
+    // after the system message, at 4 bytes a token), and not once its
+    // answer has begun.
     let body = turn_with_new_text("q1", 4000);
-    let bytes = serde_json::to_vec(&body).unwrap().len() as u64;
+    let canonical = serde_json::to_vec(&body["messages"]).unwrap().len() as u64 - 1;
     let turn1 = tokio::spawn(send(&body));
     wait_until("turn 1 counted while it prefills", || async {
-        queued().await == bytes / 4
+        queued().await == canonical / 4
     })
     .await;
     let r1 = reply(turn1.await.unwrap().unwrap()).await;

@@ -1,14 +1,14 @@
 //! Where bindings are kept beyond this gateway's table: the
-//! [`BindingStore`] the router ([`Affinity::route`]) consults before it
+//! [`BindingStore`] the router (`Affinity::route`) consults before it
 //! chooses a backend for a session and tells after. [`Alone`]: nowhere (one
 //! gateway). [`Fleet`]: a Redis server every gateway of a fleet shares
 //! (`affinity.store: redis`, see [`super::store`]), kept in step by the
 //! invariant of [`reconcile`]; its background work ([`Fleet::run`]) is the
 //! subscription, the heartbeat, and writing back what an outage left behind.
 
+use super::route::{Reason, Selection};
 use super::store::{SharedStore, StoreError, Stored, StoredMoves};
-use super::table::Binding;
-use super::{Affinity, BindingKey, Reason, Selection};
+use super::table::{Binding, BindingKey};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,19 +29,38 @@ pub trait Tiers: Send + Sync {
     fn by_index(&self, index: u16) -> Option<Arc<dyn TierBackends>>;
 }
 
+/// This gateway's binding table, as the store keeps it in step with the
+/// fleet's (the router implements it).
+pub trait LocalBindings: Send + Sync {
+    /// The table's clock, ms.
+    fn now_ms(&self) -> u64;
+    /// The bindings' idle TTL, ms (0: affinity off).
+    fn ttl_ms(&self) -> u64;
+    /// `key`'s live binding.
+    fn binding(&self, key: BindingKey) -> Option<Binding>;
+    fn bindings(&self) -> Vec<(BindingKey, Binding)>;
+    /// Take another gateway's binding in (see the table's `adopt`).
+    fn adopt(&self, key: BindingKey, b: Binding, force: bool, checked_ms: u64) -> bool;
+    /// When `key`'s binding last agreed with the store.
+    fn synced_ms(&self, key: BindingKey) -> Option<u64>;
+    fn mark_synced(&self, key: BindingKey, checked_ms: u64);
+    /// Drop `key`'s binding here only (the store said so).
+    fn forget_here(&self, key: BindingKey) -> bool;
+}
+
 /// Where bindings are kept besides this gateway's table.
 #[async_trait::async_trait]
 pub trait BindingStore: Send + Sync {
     /// Before a session's request is routed: bring its local binding in
     /// step with the store's when it was last checked too long ago.
-    async fn sync_in(&self, affinity: &Affinity, key: BindingKey, tier: &dyn TierBackends);
+    async fn sync_in(&self, affinity: &dyn LocalBindings, key: BindingKey, tier: &dyn TierBackends);
     /// After: tell the store what the request bound. `Some(slot)`: the
     /// store had another answer (a gateway that raced on the same new
     /// session, or a newer rebind) that this gateway can reach; the request
     /// goes there.
     async fn publish(
         &self,
-        affinity: &Affinity,
+        affinity: &dyn LocalBindings,
         key: BindingKey,
         tier: &dyn TierBackends,
         sel: &Selection,
@@ -56,10 +75,10 @@ pub struct Alone;
 
 #[async_trait::async_trait]
 impl BindingStore for Alone {
-    async fn sync_in(&self, _: &Affinity, _: BindingKey, _: &dyn TierBackends) {}
+    async fn sync_in(&self, _: &dyn LocalBindings, _: BindingKey, _: &dyn TierBackends) {}
     async fn publish(
         &self,
-        _: &Affinity,
+        _: &dyn LocalBindings,
         _: BindingKey,
         _: &dyn TierBackends,
         _: &Selection,
@@ -76,13 +95,18 @@ pub struct Fleet {
 
 #[async_trait::async_trait]
 impl BindingStore for Fleet {
-    async fn sync_in(&self, affinity: &Affinity, key: BindingKey, tier: &dyn TierBackends) {
+    async fn sync_in(
+        &self,
+        affinity: &dyn LocalBindings,
+        key: BindingKey,
+        tier: &dyn TierBackends,
+    ) {
         sync_in(affinity, &self.store, key, tier).await
     }
 
     async fn publish(
         &self,
-        affinity: &Affinity,
+        affinity: &dyn LocalBindings,
         key: BindingKey,
         tier: &dyn TierBackends,
         sel: &Selection,
@@ -98,13 +122,9 @@ impl BindingStore for Fleet {
     }
 }
 
-fn ttl_ms(affinity: &Affinity) -> u64 {
-    affinity.ttl().map_or(0, |t| t.as_millis() as u64)
-}
-
 /// This gateway's binding as the store keeps it: its moves travel with it,
 /// so soft mode's cap and cooldown hold fleet-wide.
-fn as_stored(affinity: &Affinity, local: &Binding, backend: String) -> Stored {
+fn as_stored(affinity: &dyn LocalBindings, local: &Binding, backend: String) -> Stored {
     Stored {
         version: local.version,
         backend,
@@ -116,7 +136,7 @@ fn as_stored(affinity: &Affinity, local: &Binding, backend: String) -> Stored {
 /// as the store said it at `checked_ms`: it wins over a local binding as new
 /// as it (the store decided a race), and keeps the moves it made elsewhere.
 fn adopt_stored(
-    affinity: &Affinity,
+    affinity: &dyn LocalBindings,
     key: BindingKey,
     s: &Stored,
     slot: u32,
@@ -127,7 +147,7 @@ fn adopt_stored(
         backend: slot,
         version: s.version,
         tier: tier.index(),
-        deadline_ms: checked_ms + ttl_ms(affinity),
+        deadline_ms: checked_ms + affinity.ttl_ms(),
         moves: s.moves.to_table(affinity.now_ms(), crate::clock::unix_ms()),
         ..Binding::default()
     };
@@ -140,12 +160,12 @@ fn adopt_stored(
 /// fleet's binding if there is one. Never fails a request: on a store error
 /// the local state stands.
 async fn sync_in(
-    affinity: &Affinity,
+    affinity: &dyn LocalBindings,
     store: &SharedStore,
     key: BindingKey,
     tier: &dyn TierBackends,
 ) {
-    let ttl = ttl_ms(affinity);
+    let ttl = affinity.ttl_ms();
     if ttl == 0 || !store.healthy() {
         return;
     }
@@ -197,14 +217,14 @@ enum InStore {
 /// from local state and the key marked synced, without overwriting the
 /// store; once a reload here adds the backend, the next check follows it.
 async fn reconcile(
-    affinity: &Affinity,
+    affinity: &dyn LocalBindings,
     store: &SharedStore,
     key: BindingKey,
     tier: &dyn TierBackends,
     local: Binding,
     mut known: InStore,
 ) -> Result<Option<u32>, StoreError> {
-    let ttl = ttl_ms(affinity);
+    let ttl = affinity.ttl_ms();
     let Some(id) = tier.backend_id(local.backend).map(str::to_string) else {
         return Ok(None);
     };
@@ -253,13 +273,13 @@ async fn reconcile(
 
 /// Tell the store what this request bound (see [`BindingStore::publish`]).
 async fn publish(
-    affinity: &Affinity,
+    affinity: &dyn LocalBindings,
     store: &SharedStore,
     key: BindingKey,
     tier: &dyn TierBackends,
     sel: &Selection,
 ) -> Option<u32> {
-    let ttl = ttl_ms(affinity);
+    let ttl = affinity.ttl_ms();
     if ttl == 0 || sel.lease.is_none() {
         return None;
     }
@@ -304,7 +324,7 @@ async fn publish(
 /// the local table, so this gateway's next turn of the session needs no
 /// lookup.
 fn apply_remote(
-    affinity: &Affinity,
+    affinity: &dyn LocalBindings,
     tiers: &dyn Tiers,
     key: BindingKey,
     tier: &str,
@@ -327,7 +347,7 @@ fn apply_remote(
 
 /// Bindings made while Redis was unreachable, written back create-if-absent:
 /// where another gateway wrote one meanwhile, this gateway adopts it.
-async fn write_back(affinity: &Affinity, tiers: &dyn Tiers, store: &SharedStore) {
+async fn write_back(affinity: &dyn LocalBindings, tiers: &dyn Tiers, store: &SharedStore) {
     let (mut settled, mut adopted) = (0, 0);
     let mut keys = store.take_unsynced().into_iter();
     while let Some(key) = keys.next() {
@@ -361,13 +381,13 @@ impl Fleet {
     /// The store's background work: the invalidation subscription, the
     /// heartbeat that proves it alive, and while Redis is down, probing it
     /// and writing back when it returns. `tiers`: the configuration in force.
-    pub async fn run(&self, affinity: Arc<Affinity>, tiers: Arc<dyn Tiers>) {
+    pub async fn run(&self, affinity: Arc<dyn LocalBindings>, tiers: Arc<dyn Tiers>) {
         let store = &self.store;
         let (sub_affinity, sub_tiers) = (Arc::clone(&affinity), Arc::clone(&tiers));
         let (resync_affinity, resync_store) = (Arc::clone(&affinity), Arc::clone(store));
         tokio::spawn(Arc::clone(store).run_subscriber(
             move |key, tier: &str, stored| {
-                apply_remote(&sub_affinity, &*sub_tiers, key, tier, stored)
+                apply_remote(&*sub_affinity, &*sub_tiers, key, tier, stored)
             },
             move || resync_store.mark_resync(resync_affinity.now_ms()),
         ));
@@ -379,7 +399,7 @@ impl Fleet {
                     // Down (or not connected yet): connect, then check it answers.
                     let up = store.healthy() || (store.connect().await && store.ping().await);
                     if up && store.has_unsynced() {
-                        write_back(&affinity, &*tiers, store).await;
+                        write_back(&*affinity, &*tiers, store).await;
                     }
                 }
                 _ = heartbeat.tick() => {
@@ -398,6 +418,7 @@ mod tests {
     //! machines run on 127.0.0.1:6379 (each test under its own key prefix).
     use super::*;
     use crate::affinity::store::{StoreConfig, StoreKind, StoreTls};
+    use crate::affinity::Affinity;
 
     struct TestTier(Vec<&'static str>);
 
@@ -474,7 +495,7 @@ mod tests {
         let known = InStore::Found(s.peek(7).await.unwrap().unwrap());
         let tier = TestTier(TIER.to_vec());
         assert_eq!(
-            reconcile(&a, &s, 7, &tier, local, known).await.unwrap(),
+            reconcile(&*a, &s, 7, &tier, local, known).await.unwrap(),
             None
         );
         assert_eq!(s.peek(7).await.unwrap(), Some(stored(2, "b1")));
@@ -488,7 +509,7 @@ mod tests {
         let known = InStore::Found(s.peek(7).await.unwrap().unwrap());
         let tier = TestTier(TIER.to_vec());
         assert_eq!(
-            reconcile(&a, &s, 7, &tier, local, known).await.unwrap(),
+            reconcile(&*a, &s, 7, &tier, local, known).await.unwrap(),
             Some(2)
         );
         assert_eq!(a.binding(7).map(|b| (b.backend, b.version)), Some((2, 3)));
@@ -500,7 +521,7 @@ mod tests {
         // Two gateways bound one new session at once: the store's wins.
         let (a, s, local) = setup("same-version", 1, 0, Some(stored(1, "b1"))).await;
         let tier = TestTier(TIER.to_vec());
-        let r = reconcile(&a, &s, 7, &tier, local, InStore::Absent).await;
+        let r = reconcile(&*a, &s, 7, &tier, local, InStore::Absent).await;
         assert_eq!(
             r.unwrap(),
             Some(1),
@@ -517,7 +538,7 @@ mod tests {
         let known = InStore::Found(s.peek(7).await.unwrap().unwrap());
         let tier = TestTier(TIER.to_vec());
         assert_eq!(
-            reconcile(&a, &s, 7, &tier, local, known).await.unwrap(),
+            reconcile(&*a, &s, 7, &tier, local, known).await.unwrap(),
             None
         );
         assert_eq!(a.binding(7).map(|b| (b.backend, b.version)), Some((0, 1)));
@@ -532,7 +553,7 @@ mod tests {
         // and the newer binding is adopted.
         let (a, s, local) = setup("meets-newer", 2, 0, Some(stored(4, "b2"))).await;
         let tier = TestTier(TIER.to_vec());
-        let r = reconcile(&a, &s, 7, &tier, local, InStore::Older).await;
+        let r = reconcile(&*a, &s, 7, &tier, local, InStore::Older).await;
         assert_eq!(r.unwrap(), Some(2));
         assert_eq!(a.binding(7).map(|b| (b.backend, b.version)), Some((2, 4)));
         assert_eq!(s.peek(7).await.unwrap(), Some(stored(4, "b2")));

@@ -1,19 +1,18 @@
 //! Single-flight: the first request of a session places it, and the
 //! session's other requests wait until that placement is real — the first
-//! request reached its backend ([`Lease::confirm`]) — or given up (its lease
-//! dropped unconfirmed), then follow it or choose afresh. The binding's
-//! pending state lives in the table; the waiting, the waking and the leases
-//! that end it live here.
+//! request reached its backend ([`crate::affinity::Lease::confirm`]) — or
+//! given up (its lease dropped unconfirmed), then follow it or choose
+//! afresh. The binding's pending state lives in the table; the waiting and
+//! the waking live here.
 
-use super::{Affinity, BindingKey, Candidate, Choice, Selection, SessionRef};
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use super::route::{Choice, Selection};
+use super::table::BindingKey;
 use std::time::Duration;
 use tokio::sync::Notify;
 
-pub(super) const WAITER_SHARDS: usize = 64;
+const WAITER_SHARDS: usize = 64;
 
-/// Why [`Affinity::select_waiting`] returned without a selection.
+/// Why a wait for a placement ([`wait_for`]) returned without a selection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WaitEnd {
     /// `candidates` was empty.
@@ -22,127 +21,76 @@ pub enum WaitEnd {
     ClientGone,
 }
 
-impl Affinity {
+/// Where requests wait for a session's pending placement: a few shards of
+/// wake-ups, keyed by the session.
+pub struct Waiters {
+    shards: Box<[Notify]>,
+}
+
+impl Default for Waiters {
+    fn default() -> Self {
+        Waiters {
+            shards: (0..WAITER_SHARDS).map(|_| Notify::new()).collect(),
+        }
+    }
+}
+
+impl Waiters {
     /// Notified when a pending binding of `key` (or one sharing its shard)
     /// is confirmed or abandoned.
-    pub fn waiter(&self, key: BindingKey) -> &Notify {
-        &self.waiters[(key as usize) % WAITER_SHARDS]
+    pub fn of(&self, key: BindingKey) -> &Notify {
+        &self.shards[(key as usize) % WAITER_SHARDS]
     }
 
-    fn wake(&self, key: BindingKey) {
-        self.waiter(key).notify_waiters();
+    pub fn wake(&self, key: BindingKey) {
+        self.of(key).notify_waiters();
     }
+}
 
-    /// Whether `key`'s binding is still waiting for its first request.
-    pub fn is_pending(&self, key: BindingKey) -> bool {
-        self.table
-            .get(key, self.now_ms())
-            .is_some_and(|b| b.pending)
+/// `select(join)`, waiting (at most `wait`) while another request of session
+/// `key` is placing it: single-flight. Nearly every request is decided at
+/// once; only one that has to wait registers as a waiter and reads the
+/// clock. Out of patience, it follows the pending placement (`join`).
+/// `client_gone` is polled while waiting; when it says the client left, the
+/// wait ends with [`WaitEnd::ClientGone`].
+pub async fn wait_for(
+    waiters: &Waiters,
+    key: BindingKey,
+    owner: bool,
+    wait: Duration,
+    client_gone: impl Fn() -> bool,
+    mut select: impl FnMut(bool) -> Option<Choice>,
+) -> Result<Selection, WaitEnd> {
+    let mut join = owner;
+    match select(join) {
+        Some(Choice::Go(sel)) => return Ok(sel),
+        Some(Choice::Wait) => {}
+        None => return Err(WaitEnd::NoCandidate),
     }
-
-    /// [`Affinity::select_backend`], waiting (at most `wait`) while another
-    /// request of the same session is placing it: single-flight. Nearly every
-    /// request is decided at once; only one that has to wait registers as a
-    /// waiter and reads the clock. Out of patience, it follows the pending
-    /// placement. `client_gone` is polled while waiting; when it says the
-    /// client left, the wait ends with [`WaitEnd::ClientGone`].
-    pub async fn select_waiting(
-        self: &Arc<Self>,
-        session: &SessionRef,
-        tier: u16,
-        candidates: &[Candidate],
-        owner: bool,
-        wait: Duration,
-        client_gone: impl Fn() -> bool,
-    ) -> Result<Selection, WaitEnd> {
-        let mut join = owner;
-        match self.select_backend(session, tier, candidates, join) {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let notified = waiters.of(key).notified();
+        tokio::pin!(notified);
+        // Register before asking, so a confirmation in between is not missed.
+        notified.as_mut().enable();
+        match select(join) {
             Some(Choice::Go(sel)) => return Ok(sel),
             Some(Choice::Wait) => {}
             None => return Err(WaitEnd::NoCandidate),
         }
-        let deadline = tokio::time::Instant::now() + wait;
-        loop {
-            let notified = self.waiter(session.key).notified();
-            tokio::pin!(notified);
-            // Register before asking, so a confirmation in between is not missed.
-            notified.as_mut().enable();
-            match self.select_backend(session, tier, candidates, join) {
-                Some(Choice::Go(sel)) => return Ok(sel),
-                Some(Choice::Wait) => {}
-                None => return Err(WaitEnd::NoCandidate),
-            }
-            let now = tokio::time::Instant::now();
-            if now >= deadline {
-                join = true;
-                continue;
-            }
-            let poll = Duration::from_millis(25).min(deadline - now);
-            tokio::select! {
-                _ = notified => {}
-                _ = tokio::time::sleep(poll) => {
-                    if client_gone() {
-                        return Err(WaitEnd::ClientGone);
-                    }
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            join = true;
+            continue;
+        }
+        let poll = Duration::from_millis(25).min(deadline - now);
+        tokio::select! {
+            _ = notified => {}
+            _ = tokio::time::sleep(poll) => {
+                if client_gone() {
+                    return Err(WaitEnd::ClientGone);
                 }
             }
-        }
-    }
-}
-
-/// A request's hold on its binding; released on drop, so a finished, failed or
-/// abandoned request (client gone) all end the lease the same way. The first
-/// request of a new binding owns its pending state: it confirms the binding
-/// once it reaches the backend, and dropping it unconfirmed removes the
-/// binding so a waiting request can choose instead.
-pub struct Lease {
-    pub(super) affinity: Arc<Affinity>,
-    pub(super) key: BindingKey,
-    /// The binding's incarnation this lease is on (see the table).
-    pub(super) generation: u32,
-    pub(super) pending_owner: bool,
-}
-
-impl Lease {
-    pub fn key(&self) -> BindingKey {
-        self.key
-    }
-
-    pub fn owns_pending(&self) -> bool {
-        self.pending_owner
-    }
-
-    /// The request reached its backend: waiters may follow the binding.
-    pub fn confirm(&mut self) {
-        if self.pending_owner {
-            self.pending_owner = false;
-            self.affinity.table.confirm(self.key, self.generation);
-            self.affinity.wake(self.key);
-        }
-    }
-
-    /// End the lease without giving up a pending binding (its owner is
-    /// retrying under a new lease).
-    pub fn hand_over(mut self) {
-        self.pending_owner = false;
-    }
-}
-
-impl std::fmt::Debug for Lease {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Lease({:032x})", self.key)
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        let a = &self.affinity;
-        let (now, ttl) = (a.now_ms(), a.ttl_ms.load(Ordering::Relaxed));
-        if self.pending_owner {
-            a.table.abandon(self.key, self.generation, now, ttl);
-            a.wake(self.key);
-        } else {
-            a.table.release(self.key, self.generation, now, ttl);
         }
     }
 }
@@ -151,9 +99,10 @@ impl Drop for Lease {
 mod tests {
     use super::super::hrw::{HrwHasher, KeyKind};
     use super::super::tests::{fleet, go};
-    use super::super::{Reason, WaitEnd};
+    use super::super::{Affinity, Candidate, Reason, SessionRef};
     use super::*;
-    use std::sync::atomic::AtomicU64;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
 
     #[test]
     fn concurrent_first_requests_wait_for_the_first_placement() {

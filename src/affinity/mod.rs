@@ -18,6 +18,7 @@ pub mod candidate;
 pub mod fleet;
 pub mod flight;
 pub mod hrw;
+pub mod lease;
 pub mod placement;
 pub mod policy;
 pub mod prefix;
@@ -28,13 +29,14 @@ pub mod store;
 pub mod table;
 
 pub use candidate::{queued_after, unlearned_cost, Candidate};
-pub use flight::{Lease, WaitEnd};
+pub use flight::WaitEnd;
+pub use lease::Lease;
 pub use route::{Choice, Reason, Selection, SessionRef};
 pub use table::BindingKey;
 
 use arc_swap::ArcSwap;
-use fleet::{Alone, BindingStore, TierBackends};
-use flight::WAITER_SHARDS;
+use fleet::{Alone, BindingStore, LocalBindings, TierBackends};
+use flight::Waiters;
 use placement::bounded_hrw::BoundedHrw;
 use placement::{FirstKind, FirstPlacement, LoadMeasure};
 use policy::{BindingPolicy, DefaultPolicy, MoveReason, ThisTurn};
@@ -43,7 +45,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use table::{Acquired, Binding, BindingTable, Decision};
-use tokio::sync::Notify;
 
 /// How sessions without a live binding are placed.
 pub struct Placement {
@@ -70,7 +71,7 @@ pub struct Affinity {
     policy: ArcSwap<DefaultPolicy>,
     placement: ArcSwap<Placement>,
     /// Woken when a pending binding is confirmed or abandoned.
-    waiters: Box<[Notify]>,
+    waiters: Waiters,
     /// Per backend slot (modulo [`MOVE_SLOTS`]): when a session last moved
     /// off it for cost (table ms; 0: never).
     moved_off: Box<[AtomicU64]>,
@@ -104,7 +105,7 @@ impl Affinity {
                 },
                 LoadMeasure::Sessions,
             )),
-            waiters: (0..WAITER_SHARDS).map(|_| Notify::new()).collect(),
+            waiters: Waiters::default(),
             moved_off: (0..MOVE_SLOTS).map(|_| AtomicU64::new(0)).collect(),
         })
     }
@@ -393,7 +394,7 @@ impl Affinity {
             );
         let lease = |generation, pending_owner| {
             Some(Lease {
-                affinity: Arc::clone(self),
+                holder: Arc::clone(self) as Arc<dyn lease::Holder>,
                 key: session.key,
                 generation,
                 pending_owner,
@@ -476,6 +477,36 @@ impl Affinity {
         }))
     }
 
+    /// Whether `key`'s binding is still waiting for its first request.
+    pub fn is_pending(&self, key: BindingKey) -> bool {
+        self.table
+            .get(key, self.now_ms())
+            .is_some_and(|b| b.pending)
+    }
+
+    /// [`Affinity::select_backend`], waiting (at most `wait`) while another
+    /// request of the same session is placing it: single-flight (see
+    /// [`flight::wait_for`]).
+    pub async fn select_waiting(
+        self: &Arc<Self>,
+        session: &SessionRef,
+        tier: u16,
+        candidates: &[Candidate],
+        owner: bool,
+        wait: Duration,
+        client_gone: impl Fn() -> bool,
+    ) -> Result<Selection, WaitEnd> {
+        flight::wait_for(
+            &self.waiters,
+            session.key,
+            owner,
+            wait,
+            client_gone,
+            |join| self.select_backend(session, tier, candidates, join),
+        )
+        .await
+    }
+
     /// Keep bindings in `store` besides the table too (a fleet's Redis); set
     /// once, before the first request.
     pub fn set_store(&self, store: Arc<dyn BindingStore>) {
@@ -512,11 +543,11 @@ impl Affinity {
             };
         }
         let store = self.store();
-        store.sync_in(self, session.key, tier).await;
+        store.sync_in(&**self, session.key, tier).await;
         let mut sel = self
             .select_waiting(session, tier.index(), candidates, owner, wait, client_gone)
             .await?;
-        if let Some(slot) = store.publish(self, session.key, tier, &sel).await {
+        if let Some(slot) = store.publish(&**self, session.key, tier, &sel).await {
             if let Some(i) = candidates.iter().position(|c| c.slot == slot) {
                 sel.index = i;
                 sel.backend = slot;
@@ -540,6 +571,58 @@ impl Affinity {
     /// Remove expired bindings; returns how many.
     pub fn sweep(&self) -> usize {
         self.table.sweep(self.now_ms(), 4096)
+    }
+}
+
+impl lease::Holder for Affinity {
+    fn confirm(&self, key: BindingKey, generation: u32) {
+        self.table.confirm(key, generation);
+        self.waiters.wake(key);
+    }
+
+    fn end(&self, key: BindingKey, generation: u32, pending_owner: bool) {
+        let (now, ttl) = (self.now_ms(), self.ttl_ms.load(Ordering::Relaxed));
+        if pending_owner {
+            self.table.abandon(key, generation, now, ttl);
+            self.waiters.wake(key);
+        } else {
+            self.table.release(key, generation, now, ttl);
+        }
+    }
+}
+
+/// The table as the fleet's store keeps it in step (see [`fleet`]).
+impl LocalBindings for Affinity {
+    fn now_ms(&self) -> u64 {
+        Affinity::now_ms(self)
+    }
+
+    fn ttl_ms(&self) -> u64 {
+        self.ttl_ms.load(Ordering::Relaxed)
+    }
+
+    fn binding(&self, key: BindingKey) -> Option<Binding> {
+        Affinity::binding(self, key)
+    }
+
+    fn bindings(&self) -> Vec<(BindingKey, Binding)> {
+        Affinity::bindings(self)
+    }
+
+    fn adopt(&self, key: BindingKey, b: Binding, force: bool, checked_ms: u64) -> bool {
+        Affinity::adopt(self, key, b, force, checked_ms)
+    }
+
+    fn synced_ms(&self, key: BindingKey) -> Option<u64> {
+        Affinity::synced_ms(self, key)
+    }
+
+    fn mark_synced(&self, key: BindingKey, checked_ms: u64) {
+        Affinity::mark_synced(self, key, checked_ms)
+    }
+
+    fn forget_here(&self, key: BindingKey) -> bool {
+        Affinity::forget_here(self, key)
     }
 }
 

@@ -31,8 +31,8 @@
 //! - `in_flight`: move off a backend with at least `soft_max_in_flight`
 //!   requests in flight when another candidate has room.
 
+use super::candidate::Candidate;
 use super::table::Turns;
-use super::Candidate;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -165,7 +165,7 @@ impl DefaultPolicy {
     }
 
     fn unlearned_cost(&self, candidates: &[Candidate]) -> f64 {
-        super::unlearned_cost(candidates, self.cost.prior_prefill_us_per_token)
+        super::candidate::unlearned_cost(candidates, self.cost.prior_prefill_us_per_token)
     }
 
     /// How long until a turn bringing `new` tokens gets its first token at

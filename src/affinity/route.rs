@@ -2,9 +2,11 @@
 //! ([`SessionRef`]), why its request went where it went ([`Reason`]), and
 //! what the router answers ([`Selection`], [`Choice`]).
 
+use super::candidate::Candidate;
 use super::hrw::{HrwHasher, KeyKind};
+use super::lease::Lease;
 use super::policy::MoveReason;
-use super::{BindingKey, Candidate, Lease};
+use super::table::BindingKey;
 
 /// A session as the policy sees it.
 #[derive(Clone, Debug)]

@@ -25,8 +25,9 @@
 //! catch up; a replica that comes back empty is below its share and takes new
 //! sessions until it is level, each one's HRW order permitting.
 
-use super::FirstPlacement;
-use crate::affinity::{hrw, unlearned_cost, Candidate};
+use super::first::FirstPlacement;
+use crate::affinity::candidate::{unlearned_cost, Candidate};
+use crate::affinity::hrw;
 
 pub struct BoundedHrw {
     /// ≥ 1; 1.25 is the customary choice.

@@ -1,7 +1,8 @@
 //! Plain rendezvous hashing: the session's top-scoring backend, load-blind.
 
-use super::FirstPlacement;
-use crate::affinity::{hrw, Candidate};
+use super::first::FirstPlacement;
+use crate::affinity::candidate::Candidate;
+use crate::affinity::hrw;
 
 pub struct Hrw;
 

@@ -1,8 +1,9 @@
 //! The least loaded backend (load per unit of weight); ties go to the
 //! session's HRW order, so equal fleets still spread by hash.
 
-use super::FirstPlacement;
-use crate::affinity::{hrw, Candidate};
+use super::first::FirstPlacement;
+use crate::affinity::candidate::Candidate;
+use crate::affinity::hrw;
 
 pub struct LeastLoaded;
 

@@ -13,11 +13,13 @@
 //! - [`round_robin`]: the next backend in turn (what a sticky-table proxy does).
 
 pub mod bounded_hrw;
+pub mod first;
 pub mod hrw;
 pub mod least_loaded;
 pub mod round_robin;
 
 use super::candidate::Candidate;
+pub use first::FirstPlacement;
 
 /// What counts as a backend's load for placement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,20 +76,6 @@ impl FirstKind {
             "round_robin" => FirstKind::RoundRobin,
             _ => return None,
         })
-    }
-}
-
-/// A first-placement algorithm.
-pub trait FirstPlacement: Send + Sync {
-    /// Index into `open` for a session hashing to `session`; `load[i]` is
-    /// `open[i]`'s load. `None` only when `open` is empty.
-    fn place(&self, session: u64, open: &[Candidate], load: &[u64]) -> Option<usize>;
-
-    /// Whether `open[i]` is already above what this algorithm itself may
-    /// fill (its balance bound; algorithms without one never are). A
-    /// subagent group leaves its parent's backend only for this.
-    fn overloaded(&self, _i: usize, _open: &[Candidate], _load: &[u64]) -> bool {
-        false
     }
 }
 

@@ -1,8 +1,8 @@
 //! The next backend in turn, whatever its load or the session: the first
 //! request of a "round robin + sticky table" proxy (HAProxy, nginx).
 
-use super::FirstPlacement;
-use crate::affinity::Candidate;
+use super::first::FirstPlacement;
+use crate::affinity::candidate::Candidate;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 #[derive(Default)]
