@@ -286,7 +286,7 @@ fn bench_prefix(c: &mut Criterion) {
         let body = chat_body(10_000 + other, 32 << 10);
         let probe = BodyProbe::parse(&body).unwrap();
         let mut p = prefix
-            .read("default", Some("qwen3-8b"), true, |f| probe.raw(f))
+            .read("default", Some("qwen3-8b"), true, &probe)
             .unwrap();
         p.routed(&prefix, (other % 8) as u32, true);
     }
@@ -298,13 +298,13 @@ fn bench_prefix(c: &mut Criterion) {
         let earlier = chat_body(kib, (kib << 10) * 3 / 4);
         let earlier_probe = BodyProbe::parse(&earlier).unwrap();
         let mut e = prefix
-            .read("default", Some("qwen3-8b"), true, |f| earlier_probe.raw(f))
+            .read("default", Some("qwen3-8b"), true, &earlier_probe)
             .unwrap();
         e.routed(&prefix, 3, true);
         g.bench_function(BenchmarkId::new("decide", format!("{kib} KiB")), |b| {
             b.iter(|| {
                 let mut p = prefix
-                    .read("default", Some("qwen3-8b"), true, |f| probe.raw(f))
+                    .read("default", Some("qwen3-8b"), true, &probe)
                     .unwrap();
                 let key = black_box(p.conversation().map_or(0, |c| c.id as u64));
                 let mut cands = cands.clone();

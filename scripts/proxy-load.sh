@@ -28,7 +28,11 @@ stop_sims() { for p in ${SIM_PIDS[@]+"${SIM_PIDS[@]}"}; do kill -TERM "$p" 2>/de
 # write_load: $WORK/req.lua, chat POSTs over 500 rotating session ids.
 # PROMPT_BYTES=N makes each a chat of about N bytes (a shared system prompt,
 # then the conversation's own first message); KEYLESS=1 sends no session id,
-# so the gateway names each of the 500 conversations by its prompt.
+# so the gateway finds each request's conversation by its prompt. TURNS=N
+# (with PROMPT_BYTES or KEYLESS) has each conversation run N turns, its
+# prompt growing by one exchange a turn, then start over as a new one; with
+# TURNS=1 (the default) every request repeats its conversation's only turn,
+# which a keyless gateway takes for the same prompt sent again.
 write_load() {
   if [ -z "${PROMPT_BYTES:-}" ] && [ "${KEYLESS:-0}" = 0 ]; then
     cat > "$WORK/req.lua" <<'LUA'
@@ -48,14 +52,22 @@ LUA
   cat > "$WORK/req.lua" <<LUA
 local system = string.rep("You are a careful coding agent. Use the tools. ", math.floor(${PROMPT_BYTES:-200} / 48))
 local keyless = ${KEYLESS:-0} == 1
+local turns = ${TURNS:-1}
 local n = 0
 request = function()
   n = n + 1
   local conv = n % 500
-  local body = '{"model":"qwen3-8b","max_tokens":4,"messages":[{"role":"system","content":"' .. system
-    .. '"},{"role":"user","content":"conversation ' .. conv .. ': next step"}]}'
+  local round = math.floor(n / 500)
+  local turn = round % turns
+  local generation = math.floor(round / turns)
+  local id = conv .. "." .. generation
+  local messages = '{"role":"system","content":"' .. system .. '"},{"role":"user","content":"conversation ' .. id .. ': next step"}'
+  for t = 1, turn do
+    messages = messages .. ',{"role":"assistant","content":"step ' .. t .. ' done"},{"role":"user","content":"conversation ' .. id .. ', turn ' .. t .. ': go on"}'
+  end
+  local body = '{"model":"qwen3-8b","max_tokens":4,"messages":[' .. messages .. ']}'
   local headers = { ["content-type"] = "application/json" }
-  if not keyless then headers["x-session-id"] = "session-" .. conv end
+  if not keyless then headers["x-session-id"] = "session-" .. id end
   return wrk.format("POST", nil, headers, body)
 end
 LUA

@@ -89,7 +89,7 @@ struct Backend {
     max_prefilling: u32,
     waiting: BTreeMap<Place, Waiter>,
     /// Each tenant's last virtual finish tag here.
-    tenants: HashMap<u64, u64, std::hash::BuildHasherDefault<IdHasher>>,
+    tenants: crate::affinity::hrw::UniformMap<u64, u64>,
     /// The start tag of the request admitted here last.
     vtime: u64,
     /// How long its requests have held a slot, ms (a moving average; 0:
@@ -112,24 +112,6 @@ impl Backend {
     fn start(&mut self) {
         self.running += 1;
         self.prefilling += 1;
-    }
-}
-
-/// Hashes a tenant id, which is a hash already, by taking it as is.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ b as u64;
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
     }
 }
 

@@ -257,6 +257,32 @@ pub fn ranked<T: Scored>(session: u64, items: &[T]) -> Vec<usize> {
     idx.into_iter().map(|(_, i)| i).collect()
 }
 
+/// A hasher for keys that are uniform hashes already (binding keys, block
+/// hashes, tenant ids, conversation keys): it takes the key's low bits as
+/// they are instead of hashing them again.
+#[derive(Default)]
+pub struct Uniform(u64);
+
+impl std::hash::Hasher for Uniform {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 = v as u64;
+    }
+}
+
+/// A map keyed by uniform hashes ([`Uniform`]).
+pub type UniformMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<Uniform>>;
+
 #[cfg(test)]
 mod tests {
     use super::*;

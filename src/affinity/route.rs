@@ -35,7 +35,23 @@ impl SessionRef {
         Self::of_bytes(hasher, kind, tier, id.as_bytes())
     }
 
-    /// A session named by bytes that are not text (a conversation's digest).
+    /// A keyless conversation, named by its digest: keyed by
+    /// `affinity.hash_key` and scoped by tier and tenant already (see
+    /// [`crate::affinity::prefix::conversation`]), so it is its own binding
+    /// key, in a domain no header's fingerprint reaches.
+    pub fn conversation(id: u128) -> Self {
+        SessionRef {
+            key: id,
+            hash: super::hrw::mix((id >> 64) as u64 ^ id as u64),
+            parent: None,
+            prompt_tokens: 0,
+            indexed: false,
+            continued_at: None,
+            probation: false,
+        }
+    }
+
+    /// A session named by bytes that are not text.
     pub fn of_bytes(hasher: &HrwHasher, kind: KeyKind, tier: &str, id: &[u8]) -> Self {
         SessionRef {
             key: hasher.fingerprint_bytes(kind, tier, id),

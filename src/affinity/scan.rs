@@ -68,6 +68,19 @@ pub fn each_member<'a>(
     obj: &'a [u8],
     mut f: impl FnMut(&'a [u8], &'a [u8]) -> bool,
 ) -> Option<usize> {
+    each_member_with(obj, |name, at| {
+        let end = skip_value(obj, at)?;
+        Some((f(name, &obj[at..end]), end))
+    })
+}
+
+/// Like [`each_member`], with `f` given each member's key and where its
+/// value begins, and walking the value itself: it returns whether to go on
+/// and where the value ends (`None`: the value is not JSON).
+pub fn each_member_with<'a>(
+    obj: &'a [u8],
+    mut f: impl FnMut(&'a [u8], usize) -> Option<(bool, usize)>,
+) -> Option<usize> {
     let mut i = skip_ws(obj, 0);
     if obj.get(i) != Some(&b'{') {
         return None;
@@ -87,8 +100,8 @@ pub fn each_member<'a>(
             return None;
         }
         i = skip_ws(obj, i + 1);
-        let end = skip_value(obj, i)?;
-        if !f(name, &obj[i..end]) {
+        let (go_on, end) = f(name, i)?;
+        if !go_on {
             return Some(0);
         }
         i = skip_ws(obj, end);
@@ -98,6 +111,32 @@ pub fn each_member<'a>(
             _ => return None,
         }
     }
+}
+
+/// The JSON array at `b[at..]`, walked element by element: where it ends,
+/// with where each element ends pushed to `ends` (offsets from `at`).
+pub fn array_ends(b: &[u8], at: usize, ends: &mut Vec<usize>) -> Option<usize> {
+    let raw = b.get(at..)?;
+    let mut end = None;
+    let mut i = skip_ws(raw, 0);
+    if raw.get(i) != Some(&b'[') {
+        return None;
+    }
+    i = skip_ws(raw, i + 1);
+    while i < raw.len() && raw[i] != b']' {
+        let e = skip_value(raw, i)?;
+        ends.push(e);
+        i = skip_ws(raw, e);
+        match raw.get(i) {
+            Some(b',') => i = skip_ws(raw, i + 1),
+            Some(b']') => {}
+            _ => return None,
+        }
+    }
+    if raw.get(i) == Some(&b']') {
+        end = Some(at + i + 1);
+    }
+    end
 }
 
 pub fn skip_ws(b: &[u8], mut i: usize) -> usize {

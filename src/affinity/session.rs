@@ -140,18 +140,45 @@ pub fn from_headers(
 pub struct BodyProbe<'a> {
     /// (key as written, raw value) of each top-level member.
     top: Vec<(&'a [u8], &'a [u8])>,
+    /// The prompt's array of messages (`messages`, or Responses' `input`),
+    /// walked on the way: which member, and where each element ends in it.
+    messages: Option<(&'a [u8], Vec<usize>)>,
 }
+
+/// The top-level arrays whose elements are a prompt's messages.
+const MESSAGE_ARRAYS: [&[u8]; 2] = [b"messages", b"input"];
 
 impl<'a> BodyProbe<'a> {
     /// `None` when the body is not a JSON object (the backend will say why).
     pub fn parse(body: &'a [u8]) -> Option<Self> {
-        use crate::affinity::scan::{each_member, skip_ws};
-        let mut top = Vec::new();
-        let end = each_member(body, |key, value| {
-            top.push((key, value));
-            true
+        use crate::affinity::scan::{array_ends, each_member_with, skip_value, skip_ws};
+        let mut top = Vec::with_capacity(8);
+        let mut messages = None;
+        let end = each_member_with(body, |key, at| {
+            // The messages are walked once, here: where each ends is what
+            // the prompt's reader needs of them.
+            let end = match body.get(at) {
+                Some(b'[') if MESSAGE_ARRAYS.contains(&key) => {
+                    let mut ends = Vec::new();
+                    let end = array_ends(body, at, &mut ends)?;
+                    messages = Some((key, ends));
+                    end
+                }
+                _ => skip_value(body, at)?,
+            };
+            top.push((key, &body[at..end]));
+            Some((true, end))
         })?;
-        (skip_ws(body, end) == body.len()).then_some(BodyProbe { top })
+        (skip_ws(body, end) == body.len()).then_some(BodyProbe { top, messages })
+    }
+
+    /// Where each element of the top-level array `name` ends (offsets into
+    /// its raw value), when the probe walked it (`messages`, `input`).
+    pub fn element_ends(&self, name: &str) -> Option<&[usize]> {
+        let (key, ends) = self.messages.as_ref()?;
+        // The member `raw` returns: the last of that name.
+        let last = self.top.iter().rev().find(|(k, _)| *k == name.as_bytes())?;
+        (*key == name.as_bytes() && std::ptr::eq(last.0, *key)).then_some(ends.as_slice())
     }
 
     /// The raw value of a top-level member (the last, when repeated).

@@ -12,8 +12,7 @@
 //! release time, so both eviction and expiry take from the tail in O(1).
 
 use parking_lot::Mutex;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 /// A 128-bit keyed fingerprint (see [`super::hrw::HrwHasher::fingerprint`]).
@@ -150,25 +149,8 @@ impl Entry {
     }
 }
 
-/// The key is already a keyed hash: use its low bits as is.
-#[derive(Default)]
-struct IdentityHasher(u64);
-
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8) | b as u64;
-        }
-    }
-    fn write_u128(&mut self, v: u128) {
-        self.0 = v as u64;
-    }
-}
-
-type FastMap = HashMap<BindingKey, u32, BuildHasherDefault<IdentityHasher>>;
+/// The key is already a keyed hash: its low bits are used as they are.
+type FastMap = super::hrw::UniformMap<BindingKey, u32>;
 
 struct Shard {
     map: FastMap,

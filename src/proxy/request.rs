@@ -72,7 +72,7 @@ fn session_ref(
             Some(group)
         }
         (None, _, Some(_)) if implicit.is_some() => implicit.map(|c| {
-            let mut s = SessionRef::of_bytes(h, KeyKind::Prompt, scope, &c.id.to_le_bytes());
+            let mut s = SessionRef::conversation(c.id);
             s.continued_at = c.continues.map(|at| at.slot);
             s.probation = c.continues.is_none();
             s
@@ -382,7 +382,7 @@ impl GatewayProxy {
                             &scope_of(&cached_in.name, &scope_suffix),
                             model.as_deref(),
                             keyless,
-                            |f| probe.raw(f),
+                            &probe,
                         )
                         .map(Box::new);
                 }

@@ -61,10 +61,14 @@ pub async fn pre_read(
             .await
             .map_err(PreReadError::Io)?;
     }
-    let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit) as usize);
+    // A body that arrives in one chunk (most: a few KiB) is kept as it came;
+    // only one in several chunks is gathered into one buffer.
+    let mut first: Option<Bytes> = None;
+    let mut buf = BytesMut::new();
     let mut buffering = false;
     loop {
-        let remaining = declared.map(|len| len.saturating_sub(buf.len() as u64));
+        let read = first.as_ref().map_or(0, |b| b.len()) + buf.len();
+        let remaining = declared.map(|len| len.saturating_sub(read as u64));
         let want_buffer = match remaining {
             Some(r) => r > 0 && r <= RETRY_BUFFER_BYTES,
             // Unknown length: buffer from the start and hope it fits.
@@ -80,28 +84,43 @@ pub async fn pre_read(
             .map_err(PreReadError::Io)?
         {
             Some(chunk) => {
-                if buf.len() as u64 + chunk.len() as u64 > limit {
+                if read as u64 + chunk.len() as u64 > limit {
                     return Err(PreReadError::Refused(GatewayError::body_too_large(limit)));
                 }
-                buf.extend_from_slice(&chunk);
+                match first.take() {
+                    None if buf.is_empty() => first = Some(chunk),
+                    earlier => {
+                        if buf.is_empty() {
+                            buf.reserve(declared.unwrap_or(0).min(limit) as usize);
+                        }
+                        if let Some(earlier) = earlier {
+                            buf.extend_from_slice(&earlier);
+                        }
+                        buf.extend_from_slice(&chunk);
+                    }
+                }
             }
             None => break,
         }
     }
+    let body = match first {
+        Some(only) => only,
+        None => buf.freeze(),
+    };
     if let Some(len) = declared {
-        if buf.len() as u64 != len {
+        if body.len() as u64 != len {
             return Err(PreReadError::Refused(GatewayError::bad_body(format!(
                 "body ended after {} of {len} declared bytes",
-                buf.len()
+                body.len()
             ))));
         }
     }
     // The invariant the forwarding relies on: Pingora will replay a complete,
     // non-empty retry buffer, which the proxy swaps for the whole body.
-    if !buf.is_empty() && session.as_downstream().get_retry_buffer().is_none() {
+    if !body.is_empty() && session.as_downstream().get_retry_buffer().is_none() {
         return Err(PreReadError::Refused(GatewayError::length_required()));
     }
-    Ok(buf.freeze())
+    Ok(body)
 }
 
 #[derive(Debug)]

@@ -64,7 +64,7 @@ pub struct SimConfig {
     pub slowdown: f64,
     /// Leave `prompt_tokens_details.cached_tokens` out of `usage`, as vLLM
     /// does without `--enable-prompt-tokens-details` and SGLang without
-    /// `--enable-cache-report`. The `x-sim-cached-tokens` header still says
+    /// `--enable-cache-report`. The `x-sim-cached-tokens` header says instead
     /// (for the load tool's measurements, not for the gateway).
     #[arg(long)]
     pub no_cache_report: bool,
@@ -455,13 +455,16 @@ impl Sim {
             cached
         };
         let prefill_us = prefill_started.elapsed().as_micros() as u64;
+        let no_report = self.cfg.no_cache_report;
         self.cache.lock().insert(&tokens);
         let timing = move |mut r: Response<Body>| {
             r.headers_mut().insert("x-sim-queue-us", queue_us.into());
             r.headers_mut()
                 .insert("x-sim-prefill-us", prefill_us.into());
-            r.headers_mut()
-                .insert("x-sim-cached-tokens", (cached as u64).into());
+            if no_report {
+                r.headers_mut()
+                    .insert("x-sim-cached-tokens", (cached as u64).into());
+            }
             r
         };
         let mut usage = json!({

@@ -37,7 +37,7 @@
 use super::prompt::{Canon, Prompt};
 use crate::affinity::table::MAX_BACKENDS;
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
@@ -123,6 +123,9 @@ struct End {
 
 /// The key under which a prompt with messages that ends at `at` (a message
 /// end) is filed: the chain up to the block before, and the bytes after it.
+/// Each is hashed on its own: a look-up stops at the first end it may
+/// continue, two or three from the last, and hashing every end of the last
+/// block in one streaming pass cost more than the few it needs.
 fn exact_key(p: &Prompt, canon: &Canon, block: usize, at: usize) -> Option<u64> {
     let b = at / block.max(1);
     let base = match b {
@@ -160,7 +163,7 @@ struct List {
 }
 
 struct Inner {
-    markers: HashMap<u64, List>,
+    markers: crate::affinity::hrw::UniformMap<u64, List>,
     ends: Vec<End>,
     free: Vec<u32>,
     /// (end, generation) in filing order: capacity and age.
@@ -259,7 +262,7 @@ impl Conversations {
     pub fn new(max_ends: usize, probation_ms: u64, ttl_ms: u64) -> Self {
         Conversations {
             inner: Mutex::new(Inner {
-                markers: HashMap::new(),
+                markers: Default::default(),
                 ends: Vec::new(),
                 free: Vec::new(),
                 order: VecDeque::new(),
@@ -339,9 +342,9 @@ impl Conversations {
         // An earlier prompt with messages ends where one of this one's
         // messages does: the deepest that it may continue.
         let mut found = None;
-        let last = canon.message_ends.last().copied();
-        for &at in canon.message_ends.iter().rev() {
-            let key = match Some(at) == last {
+        let last = canon.message_ends.len().wrapping_sub(1);
+        for (j, &at) in canon.message_ends.iter().enumerate().rev() {
+            let key = match j == last {
                 true => exact,
                 false => exact_key(p, canon, block, at),
             };
@@ -763,7 +766,9 @@ mod tests {
         let text = body.to_string();
         let top: HashMap<String, Box<RawValue>> = serde_json::from_str(&text).unwrap();
         let (p, canon) = chunker
-            .prompt("t", Some("m"), |f| top.get(f).map(|v| v.get().as_bytes()))
+            .prompt("t", Some("m"), |f: &str| {
+                top.get(f).map(|v| v.get().as_bytes())
+            })
             .unwrap();
         let c = cs.identify(&p, &canon, chunker.block_bytes, 1_000);
         cs.place(&c, slot, bound, held);

@@ -19,8 +19,6 @@
 
 use crate::affinity::table::MAX_BACKENDS;
 use parking_lot::Mutex;
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -81,24 +79,7 @@ struct Node {
 }
 
 /// Block hashes are already uniform: the map uses them as they are.
-#[derive(Default)]
-struct Identity(u64);
-
-impl std::hash::Hasher for Identity {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8) | b as u64;
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
-
-type Map = HashMap<u64, u32, BuildHasherDefault<Identity>>;
+type Map = crate::affinity::hrw::UniformMap<u64, u32>;
 
 /// Heap bytes one entry costs at most: its node, and its share of the map's
 /// buckets (a slot and a control byte each). A shard's map is made for twice

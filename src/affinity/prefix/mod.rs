@@ -136,7 +136,7 @@ impl Prefix {
         scope: &str,
         model: Option<&str>,
         keyless: bool,
-        field: impl Fn(&str) -> Option<&'a [u8]>,
+        fields: impl prompt::Fields<'a>,
     ) -> Option<PromptRoute> {
         if !self.enabled() {
             return None;
@@ -146,7 +146,7 @@ impl Prefix {
             max_read_bytes: self.max_read_bytes.load(Ordering::Relaxed),
             seed: self.seed,
         };
-        let (prompt, canon) = chunker.prompt(scope, model, field)?;
+        let (prompt, canon) = chunker.prompt(scope, model, fields)?;
         let conversation = keyless.then(|| {
             self.conversations
                 .identify(&prompt, &canon, self.block_bytes, crate::clock::now_ms())

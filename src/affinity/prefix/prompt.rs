@@ -22,7 +22,7 @@
 //!
 //! Which conversation a prompt belongs to is [`super::conversation`]'s.
 
-use crate::affinity::scan::{each_element, string_field};
+use crate::affinity::scan::{each_element, skip_ws, string_field};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 
 /// Separates the parts of the canonical prompt.
@@ -93,6 +93,34 @@ impl Canon<'_> {
     }
 }
 
+/// A request body's top-level members, as the prompt is read from them.
+pub trait Fields<'a> {
+    /// The raw JSON of member `name`.
+    fn raw(&self, name: &str) -> Option<&'a [u8]>;
+
+    /// Where each element of the array member `name` ends (offsets into its
+    /// raw value), when whoever read the body walked it already.
+    fn element_ends(&self, _name: &str) -> Option<&[usize]> {
+        None
+    }
+}
+
+impl<'a, F: Fn(&str) -> Option<&'a [u8]>> Fields<'a> for F {
+    fn raw(&self, name: &str) -> Option<&'a [u8]> {
+        self(name)
+    }
+}
+
+impl<'a> Fields<'a> for &crate::affinity::session::BodyProbe<'a> {
+    fn raw(&self, name: &str) -> Option<&'a [u8]> {
+        crate::affinity::session::BodyProbe::raw(self, name)
+    }
+
+    fn element_ends(&self, name: &str) -> Option<&[usize]> {
+        crate::affinity::session::BodyProbe::element_ends(self, name)
+    }
+}
+
 /// Where the blocks of prompts are cut, and what seeds their hashes.
 #[derive(Clone, Debug)]
 pub struct Chunker {
@@ -122,17 +150,19 @@ impl Chunker {
         &self,
         scope: &str,
         model: Option<&str>,
-        field: impl Fn(&str) -> Option<&'a [u8]>,
+        fields: impl Fields<'a>,
     ) -> Option<(Prompt, Canon<'a>)> {
+        let field = |name: &str| fields.raw(name);
         let mut tokens_per_byte = 1.0 / TEXT_BYTES_PER_TOKEN;
         let (system, tools, turns): Parts<'a> = if let Some(messages) = field("messages") {
             // Anthropic Messages put the system text beside the messages.
             let system = field("system");
-            let (leading, turns) = messages_of(messages, system.is_none())?;
+            let walked = fields.element_ends("messages");
+            let (leading, turns) = messages_of(messages, system.is_none(), walked)?;
             (system.or(leading), field("tools"), turns)
         } else if let Some(input) = field("input") {
             let turns = match input.first() {
-                Some(b'[') => messages_of(input, false)?.1,
+                Some(b'[') => messages_of(input, false, fields.element_ends("input"))?.1,
                 Some(b'"') => Turns {
                     raw: open(input)?,
                     ends: Vec::new(),
@@ -248,11 +278,15 @@ fn open(raw: &[u8]) -> Option<&[u8]> {
 /// developer) messages apart (they are the system text); the rest without
 /// the closing bracket, with where each of its messages ends. One pass, no
 /// decoding; `None` when `raw` is not an array.
-fn messages_of(raw: &[u8], split: bool) -> Option<(Option<&[u8]>, Turns<'_>)> {
+fn messages_of<'a>(
+    raw: &'a [u8],
+    split: bool,
+    walked: Option<&[usize]>,
+) -> Option<(Option<&'a [u8]>, Turns<'a>)> {
     let mut leading = split;
     let mut system_end = None;
     let mut ends = Vec::new();
-    each_element(raw, |element, at| {
+    let mut each = |element: &[u8], at: usize| {
         if leading
             && matches!(
                 string_field(element, b"role"),
@@ -264,8 +298,27 @@ fn messages_of(raw: &[u8], split: bool) -> Option<(Option<&[u8]>, Turns<'_>)> {
             leading = false;
             ends.push(at);
         }
-        true
-    })?;
+    };
+    match walked {
+        // Walked already (the body's probe): only the leading elements'
+        // roles are read again.
+        Some(walked) => {
+            let mut from = 1;
+            for &at in walked {
+                let start = skip_ws(raw, from);
+                let start = match raw.get(start) {
+                    Some(b',') => skip_ws(raw, start + 1),
+                    _ => start,
+                };
+                each(raw.get(start..at)?, at);
+                from = at;
+            }
+        }
+        None => each_element(raw, |element, at| {
+            each(element, at);
+            true
+        })?,
+    }
     let close = raw.len() - 1;
     Some(match system_end {
         Some(e) => {
@@ -356,7 +409,7 @@ pub(crate) mod tests {
         let text = body.to_string();
         let top: HashMap<String, Box<RawValue>> = serde_json::from_str(&text).ok()?;
         let model = body["model"].as_str();
-        let (p, canon) = chunker.prompt(scope, model, |name| {
+        let (p, canon) = chunker.prompt(scope, model, |name: &str| {
             top.get(name).map(|v| v.get().as_bytes())
         })?;
         let bytes: Vec<u8> = span(&canon.parts, 0, canon.len)
@@ -495,7 +548,7 @@ pub(crate) mod tests {
     fn ends_of(text: &str) -> (usize, usize, Vec<usize>) {
         let top: HashMap<String, Box<RawValue>> = serde_json::from_str(text).unwrap();
         let (p, canon) = CHUNKER
-            .prompt("tier", Some("m"), |name| {
+            .prompt("tier", Some("m"), |name: &str| {
                 top.get(name).map(|v| v.get().as_bytes())
             })
             .unwrap();
@@ -527,6 +580,37 @@ pub(crate) mod tests {
         // A prompt without messages has none.
         let (_, _, none) = ends_of(&json!({"model": "m", "prompt": "once"}).to_string());
         assert!(none.is_empty());
+    }
+
+    #[test]
+    fn the_bodys_probe_and_a_plain_reader_read_the_same_prompt() {
+        use crate::affinity::session::BodyProbe;
+        let sys = system();
+        let mut with_tools = chat(&[
+            ("system", &sys),
+            ("user", "hi"),
+            ("assistant", "yo"),
+            ("user", "go"),
+        ]);
+        with_tools["tools"] = json!([{"type": "function", "function": {"name": "grep"}}]);
+        for body in [
+            with_tools,
+            chat(&[("developer", "be brief"), ("system", &sys), ("user", "a")]),
+            chat(&[("user", "no system at all"), ("assistant", "fine")]),
+            json!({"model": "m", "system": sys, "messages": [{"role": "user", "content": "x"}]}),
+            json!({"model": "m", "instructions": "be brief", "input": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+        ] {
+            let text = serde_json::to_string_pretty(&body).unwrap();
+            let probe = BodyProbe::parse(text.as_bytes()).unwrap();
+            let (a, ca) = CHUNKER.prompt("t", Some("m"), &probe).unwrap();
+            let (b, cb) = CHUNKER
+                .prompt("t", Some("m"), |f: &str| probe.raw(f))
+                .unwrap();
+            assert_eq!(a.blocks, b.blocks, "{body}");
+            assert_eq!(a.full_bytes, b.full_bytes);
+            assert_eq!(ca.message_ends, cb.message_ends, "{body}");
+            assert!(!ca.message_ends.is_empty());
+        }
     }
 
     #[test]
