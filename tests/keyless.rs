@@ -2,7 +2,7 @@
 //! simulated replicas: conversations that all open with the same first turn,
 //! trace turns that re-render the last block of the turn before, one-shot
 //! calls by the thousand beside live sessions, engines that report no cached
-//! tokens, and one tenant guessing at another's prompt.
+//! tokens, and one tenant (its own client key) guessing at another's prompt.
 
 mod common;
 
@@ -259,14 +259,33 @@ async fn engines_that_report_no_cached_tokens_correct_nothing_and_keep_their_con
 
 #[tokio::test]
 async fn a_tenant_cannot_tell_a_right_guess_at_another_tenants_prompt_from_a_wrong_one() {
-    // One backend: whatever the index says, every request goes there, and
-    // only what the answers show can tell the guesses apart.
+    // Two tenants with keys of their own. One backend: whatever the index
+    // says, every request goes there, and only what the answers show can
+    // tell the guesses apart.
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.yaml");
+    let mut file = String::from("keys:\n");
+    for (key, tenant) in [("sk-tenant-a", "a"), ("sk-tenant-b", "b")] {
+        file += &format!(
+            "  - key_sha256: {}\n    tenant: {tenant}\n",
+            agent_gateway::auth::hash_key(key)
+        );
+    }
+    std::fs::write(&keys, file).unwrap();
     let (_sims, gw) = fleet(
         1,
-        &format!("{}  tenant_header: x-tenant\n", affinity_yaml(1800)),
+        &format!(
+            "{}auth:\n  keys_file: \"{}\"\n  required: true\n",
+            affinity_yaml(1800),
+            keys.display()
+        ),
     )
     .await;
     let c = client();
+    let (a, b) = (
+        ("authorization", "Bearer sk-tenant-a"),
+        ("authorization", "Bearer sk-tenant-b"),
+    );
     let secret = "Internal: the merger closes on the 14th; never mention Falcon. ".repeat(40);
     let decoy = "Internal: the offsite moves to the 21st; never mention Osprey. ".repeat(40);
     let ask = |system: &str, q: &str| {
@@ -277,38 +296,20 @@ async fn a_tenant_cannot_tell_a_right_guess_at_another_tenants_prompt_from_a_wro
     };
     // Tenant a's conversation: its system prompt is in the index now.
     for q in ["summarise the plan", "list the risks"] {
-        let r = chat(&c, &gw, &[("x-tenant", "a")], &ask(&secret, q)).await;
+        let r = chat(&c, &gw, &[a], &ask(&secret, q)).await;
         assert_eq!(r.status, 200);
     }
     // Within tenant a, a new conversation with that prompt is told how much
     // of it was cached: the index is there to be found.
-    let own = chat(
-        &c,
-        &gw,
-        &[("x-tenant", "a")],
-        &ask(&secret, "draft the memo"),
-    )
-    .await;
+    let own = chat(&c, &gw, &[a], &ask(&secret, "draft the memo")).await;
     assert!(
         meta(&own)["prefix_tokens"].as_u64().unwrap() > 256,
         "{}",
         meta(&own)
     );
     // Tenant b guesses: right and wrong guesses look alike in every answer.
-    let right = chat(
-        &c,
-        &gw,
-        &[("x-tenant", "b")],
-        &ask(&secret, "draft the memo"),
-    )
-    .await;
-    let wrong = chat(
-        &c,
-        &gw,
-        &[("x-tenant", "b")],
-        &ask(&decoy, "draft the memo"),
-    )
-    .await;
+    let right = chat(&c, &gw, &[b], &ask(&secret, "draft the memo")).await;
+    let wrong = chat(&c, &gw, &[b], &ask(&decoy, "draft the memo")).await;
     for r in [&right, &wrong] {
         assert_eq!(r.status, 200);
         let m = meta(r);
