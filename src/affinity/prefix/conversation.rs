@@ -113,6 +113,9 @@ struct End {
     tail_hash: u64,
     tail_exact: bool,
     messages: bool,
+    /// For a prompt with messages: the chain hash its exact key's block
+    /// follows (see `Inner::exact_blocks`).
+    exact_block: u64,
     shared: u32,
     slot: u32,
     bound: bool,
@@ -164,6 +167,11 @@ struct List {
 
 struct Inner {
     markers: crate::affinity::hrw::UniformMap<u64, List>,
+    /// How many ends of prompts with messages end exactly in the block after
+    /// each chain hash: a message end in a block no end ends in is no
+    /// earlier prompt's end, and costs a look-up here instead of hashing
+    /// its bytes.
+    exact_blocks: crate::affinity::hrw::UniformMap<u64, u32>,
     ends: Vec<End>,
     free: Vec<u32>,
     /// (end, generation) in filing order: capacity and age.
@@ -263,6 +271,7 @@ impl Conversations {
         Conversations {
             inner: Mutex::new(Inner {
                 markers: Default::default(),
+                exact_blocks: Default::default(),
                 ends: Vec::new(),
                 free: Vec::new(),
                 order: VecDeque::new(),
@@ -344,6 +353,9 @@ impl Conversations {
         let mut found = None;
         let last = canon.message_ends.len().wrapping_sub(1);
         for (j, &at) in canon.message_ends.iter().enumerate().rev() {
+            if j != last && !inner.exact_blocks.contains_key(&marker(at / block.max(1))) {
+                continue;
+            }
             let key = match j == last {
                 true => exact,
                 false => exact_key(p, canon, block, at),
@@ -453,6 +465,10 @@ impl Conversations {
             tail_hash,
             tail_exact: p.full_bytes == canon.len(),
             messages,
+            exact_block: canon
+                .message_ends
+                .last()
+                .map_or(0, |&at| marker(at / block.max(1))),
             shared,
             slot: UNPLACED,
             bound: false,
@@ -539,6 +555,9 @@ impl Conversations {
             };
             let crowded = list.len > cap;
             inner.ends[index as usize].links[j].next = old;
+            if end.links[j].depth == EXACT {
+                *inner.exact_blocks.entry(end.exact_block).or_insert(0) += 1;
+            }
             if crowded {
                 // The oldest there is no longer found by this marker (it
                 // still is by its others).
@@ -720,10 +739,19 @@ impl Inner {
         if unlinked {
             let e = &mut self.ends[i as usize];
             let n = e.n_links as usize;
+            let block = e.exact_block;
             if let Some(l) = e.links[..n]
                 .iter_mut()
                 .find(|l| l.marker == m && l.depth != DEAD)
             {
+                if l.depth == EXACT {
+                    if let Some(count) = self.exact_blocks.get_mut(&block) {
+                        *count -= 1;
+                        if *count == 0 {
+                            self.exact_blocks.remove(&block);
+                        }
+                    }
+                }
                 l.depth = DEAD;
             }
         }
@@ -1068,5 +1096,21 @@ mod tests {
         assert!(inner.markers.values().all(|l| l.len <= PER_MARKER));
         // Every end is still found where it ends exactly.
         assert_eq!(inner.live, 100);
+        drop(inner);
+        // Ends of prompts with messages count in the block they end in, and
+        // stop counting when they go.
+        let cs = Conversations::new(4, 60_000, 1_800_000);
+        for i in 0..10 {
+            turn(
+                &cs,
+                &chat(&[("user", format!("question {i}"))]),
+                0,
+                false,
+                0,
+            );
+        }
+        let inner = cs.inner.lock();
+        assert_eq!(inner.live, 4);
+        assert_eq!(inner.exact_blocks.values().sum::<u32>(), 4);
     }
 }
