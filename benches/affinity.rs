@@ -316,6 +316,46 @@ fn bench_prefix(c: &mut Criterion) {
                 black_box(p.routed(&prefix, cands[i].slot, true))
             })
         });
+        // The next turn of a conversation: each iteration's setup routes its
+        // earlier turn again (an end to continue), the timed part continues it.
+        g.bench_function(BenchmarkId::new("continue", format!("{kib} KiB")), |b| {
+            b.iter_batched(
+                || {
+                    let mut e = prefix
+                        .read("default", Some("qwen3-8b"), true, &earlier_probe)
+                        .unwrap();
+                    e.routed(&prefix, 3, false);
+                },
+                |()| {
+                    let mut p = prefix
+                        .read("default", Some("qwen3-8b"), true, &probe)
+                        .unwrap();
+                    let c = p.conversation().unwrap();
+                    let key = black_box(c.id as u64);
+                    let continued = c.continues.map(|c| c.slot);
+                    let mut cands = cands.clone();
+                    prefix.fill_probation(&mut cands);
+                    p.look_up(&prefix, &mut cands);
+                    let load = [4u64; 8];
+                    let i = place.place(key, &cands, &load).unwrap();
+                    black_box(p.routed(&prefix, cands[i].slot, true));
+                    continued
+                },
+                criterion::BatchSize::PerIteration,
+            )
+        });
+        // What was timed is a continuation (checked outside the timing).
+        let mut e = prefix
+            .read("default", Some("qwen3-8b"), true, &earlier_probe)
+            .unwrap();
+        e.routed(&prefix, 3, false);
+        let p = prefix
+            .read("default", Some("qwen3-8b"), true, &probe)
+            .unwrap();
+        assert_eq!(
+            p.conversation().and_then(|c| c.continues).map(|c| c.slot),
+            Some(3)
+        );
         g.bench_function(
             BenchmarkId::new("body_top_level_parse", format!("{kib} KiB")),
             |b| b.iter(|| black_box(BodyProbe::parse(black_box(&body)).is_some())),

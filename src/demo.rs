@@ -1006,19 +1006,25 @@ type Table<'a> = (String, Vec<&'a str>, Vec<Vec<report::Report>>);
 async fn keyless_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
     let repeats = args.repeats.max(1);
     let mut tables: Vec<Table> = Vec::new();
-    // Identical openings.
-    let model = contention(args);
+    // Identical openings, then a document of each conversation's own and
+    // caches that hold about two thirds of the working set: a turn sent
+    // away from its conversation recomputes that document.
+    let model = Model {
+        cache_blocks: args.cache_blocks.unwrap_or(2000),
+        ..contention(args)
+    };
     let mut opening = BenchArgs::seed_study("");
     opening.sessions = if args.quick { 24 } else { 64 };
     opening.turns = if args.quick { 4 } else { 8 };
     opening.concurrency = 16;
     opening.system_prompt_bytes = 8192;
     opening.user_bytes = 200;
+    opening.context_bytes = 4000;
     opening.same_opening = true;
     let pair = ["bounded_hrw", "bounded_hrw,ids=none"];
     let name = format!(
-        "identical openings: {}x{} c=16, one 8 KiB system prompt and first message",
-        opening.sessions, opening.turns
+        "identical openings: {}x{} c=16, one 8 KiB system prompt and first message, then a 4 KB document each ({} KV blocks a replica)",
+        opening.sessions, opening.turns, model.cache_blocks
     );
     let (runs, _) = run_variants(exe, &model, 3, &opening, "same opening", &pair, repeats).await?;
     tables.push((name, pair.to_vec(), runs));

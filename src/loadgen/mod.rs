@@ -74,9 +74,10 @@ pub struct BenchArgs {
     #[arg(long)]
     pub no_stream: bool,
     /// Every session's first turn is the same (the shared system prompt and
-    /// one first user message, no per-session document): a chat UI's
-    /// greeting, an agent harness's task template, sampled rollouts of one
-    /// task. Conversations diverge from their second turn.
+    /// one first user message): a chat UI's greeting, an agent harness's
+    /// task template, sampled rollouts of one task. Conversations diverge
+    /// from their second turn, which carries the session's document
+    /// (`--context-bytes`) when it has one.
     #[arg(long)]
     pub same_opening: bool,
     /// Replay a Mooncake-format trace (JSON lines) instead of synthetic sessions.
@@ -451,7 +452,10 @@ async fn run_sessions(client: &reqwest::Client, args: &BenchArgs) -> Vec<TurnRec
                 let user = if turn == 0 && args.same_opening {
                     format!("Turn 0: {}", filler(salt, args.user_bytes))
                 } else {
-                    let mut user = if turn == 0 && !script.context.is_empty() {
+                    // The conversation's own document opens it, or with a
+                    // shared opening comes right after it.
+                    let document_turn = args.same_opening as usize;
+                    let mut user = if turn == document_turn && !script.context.is_empty() {
                         format!("Document:\n{}\n\n", script.context)
                     } else {
                         String::new()

@@ -276,20 +276,20 @@ impl PrefixIndex {
             };
             let mut any = false;
             for h in shard.nodes[n as usize].holders {
-                if h.slot == NO_SLOT || !self.alive(h, now) {
+                // A backend holds block i only if it holds every block
+                // before (whether a holder lives is asked last: it is the
+                // dearest test).
+                let Some(c) = slots.iter().position(|&s| s == h.slot) else {
                     continue;
-                }
-                // A backend holds block i only if it holds every block before.
-                if let Some(c) = slots.iter().position(|&s| s == h.slot) {
-                    let m = &mut held[c];
-                    if m.blocks as usize == i {
-                        m.blocks += 1;
-                        any = true;
-                        if h.confirmed() && m.confirmed as usize == i {
-                            m.confirmed += 1;
-                            m.oldest = if i == 0 { h.at() } else { m.oldest.min(h.at()) };
-                            m.newest = m.newest.max(h.at());
-                        }
+                };
+                let m = &mut held[c];
+                if m.blocks as usize == i && self.alive(h, now) {
+                    m.blocks += 1;
+                    any = true;
+                    if h.confirmed() && m.confirmed as usize == i {
+                        m.confirmed += 1;
+                        m.oldest = if i == 0 { h.at() } else { m.oldest.min(h.at()) };
+                        m.newest = m.newest.max(h.at());
                     }
                 }
             }

@@ -18,6 +18,7 @@
 pub mod conversation;
 pub mod index;
 pub mod prompt;
+mod xxh3;
 
 use crate::affinity::candidate::Candidate;
 use conversation::{Conversation, Conversations};

@@ -22,6 +22,7 @@
 //!
 //! Which conversation a prompt belongs to is [`super::conversation`]'s.
 
+use super::xxh3::hash as block_hash;
 use crate::affinity::scan::{each_element, skip_ws, string_field};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 
@@ -78,7 +79,7 @@ impl Canon<'_> {
         let mut pieces = span(&self.parts, from, to);
         let h = match (pieces.next(), pieces.next()) {
             (None, _) => xxh3_64(&[]),
-            (Some(one), None) => xxh3_64(one),
+            (Some(one), None) => block_hash(one),
             (Some(a), Some(b)) => {
                 let mut h = Xxh3::new();
                 h.update(a);
@@ -377,7 +378,7 @@ pub fn chain(parts: &[&[u8]], block: usize, root: u64, max: usize) -> Vec<u64> {
         }
         let whole = p.len() / block * block;
         for b in p[..whole].chunks_exact(block) {
-            fold(xxh3_64(b));
+            fold(block_hash(b));
         }
         if whole < p.len() {
             carry.update(&p[whole..]);
