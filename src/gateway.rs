@@ -69,6 +69,8 @@ pub struct Gateway {
     /// Prompts, their conversations and where their prefixes are cached
     /// (`affinity.prefix`).
     pub prefix: crate::affinity::prefix::Prefix,
+    /// Which backend stored which response (`previous_response_id`).
+    pub responses: crate::affinity::responses::ResponseRoutes,
     /// The lifecycle service handles SIGHUP (reload) now: `/healthz` says
     /// `starting` until then.
     pub lifecycle_started: std::sync::atomic::AtomicBool,
@@ -167,6 +169,10 @@ impl Gateway {
             routing.hasher.prefix_seed(),
             config.affinity.sticky_ttl.unwrap_or_default(),
         );
+        let responses = crate::affinity::responses::ResponseRoutes::new(
+            config.affinity.max_bindings,
+            responses_ttl_ms(&config),
+        );
         let admission = crate::admission::Admission::new(config.admission.max_queued);
         configure_admission(&admission, &routing);
         let auth = crate::auth::Auth::default();
@@ -182,6 +188,7 @@ impl Gateway {
             auth,
             other_tenant: Default::default(),
             prefix,
+            responses,
             lifecycle_started: Default::default(),
             routing: ArcSwap::from_pointee(routing),
             affinity,
@@ -330,6 +337,8 @@ impl Gateway {
             &config.affinity.prefix,
             config.affinity.sticky_ttl.unwrap_or_default(),
         );
+        self.responses
+            .configure(config.affinity.max_bindings, responses_ttl_ms(&config));
         let live: HashSet<(u16, u32)> = new
             .tiers
             .iter()
@@ -363,6 +372,7 @@ impl Gateway {
             .retire_unused(&live, |slot| affinity.backend_bindings(slot) > 0)
         {
             self.prefix.forget_backend(slot);
+            self.responses.forget_backend(slot);
         }
         for b in probation {
             let gw = Arc::clone(self);
@@ -492,4 +502,14 @@ impl Drop for BodyHold {
     fn drop(&mut self) {
         self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
     }
+}
+
+/// How long a stored response routes its follow-ups: as long as a binding
+/// lives (`sticky_ttl_seconds`; with affinity off, as long as the default).
+fn responses_ttl_ms(config: &crate::config::Config) -> u64 {
+    let ttl = config
+        .affinity
+        .sticky_ttl
+        .unwrap_or(std::time::Duration::from_secs(1800));
+    ttl.as_millis() as u64
 }

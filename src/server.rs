@@ -355,6 +355,7 @@ impl BackgroundService for Sweeper {
                 _ = tick.tick() => {
                     self.0.affinity.sweep();
                     self.0.prefix.sweep();
+                    self.0.responses.sweep(crate::clock::now_ms());
                 }
             }
         }

@@ -1298,3 +1298,55 @@ async fn a_sessions_moves_travel_with_its_binding_to_every_gateway() {
         "{stored}: moved {at}, now {unix_s}"
     );
 }
+
+/// Responses chains by `previous_response_id` whose turns alternate between
+/// two gateways: each follow-up reaches the replica that stored the response
+/// it names, whichever gateway saw that response answered (the route is
+/// shared through the store).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_of_stored_responses_alternating_between_gateways_never_meets_a_404() {
+    let redis = Redis::start_on(free_port());
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gws = fleet_of_gateways(&sims, redis.port, 2).await;
+    for gw in &gws {
+        store_connected(gw).await;
+    }
+    let c = client();
+    let mut previous: Vec<Option<String>> = vec![None; 8];
+    let mut homes: HashMap<String, Vec<String>> = HashMap::new();
+    for turn in 0..6 {
+        for (chain, prev) in previous.iter_mut().enumerate() {
+            let gw = &gws[(chain + turn) % gws.len()];
+            let mut body = serde_json::json!({
+                "model": "m",
+                "input": format!("chain {chain} turn {turn}: run the tests"),
+                "max_output_tokens": 2,
+            });
+            if let Some(p) = prev.as_deref() {
+                body["previous_response_id"] = serde_json::json!(p);
+            }
+            let r = reply(
+                c.post(gw.url("/v1/responses"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap(),
+            )
+            .await;
+            assert_eq!(
+                r.status,
+                200,
+                "{chain}.{turn}: {}",
+                String::from_utf8_lossy(&r.body)
+            );
+            *prev = Some(r.json()["id"].as_str().unwrap().to_string());
+            homes
+                .entry(format!("chain {chain}"))
+                .or_default()
+                .push(r.sim_backend.unwrap());
+        }
+    }
+    assert!(split(&homes).is_empty(), "{:?}", split(&homes));
+}

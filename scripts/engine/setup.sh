@@ -2,14 +2,14 @@
 # Installs the real inference engine the tests, demo and bench run against:
 # llama.cpp's own HTTP server through the `xllamacpp` wheel (no compiler, no
 # download at run time), plus `gguf`/numpy for the model generator, and the
-# official OpenAI Python SDK (the admission tests check that it retries our
-# 429s), in a venv.
+# official OpenAI and Anthropic Python SDKs (tests drive the gateway with
+# them: 429 retries, Responses chains, Anthropic Messages), in a venv.
 # Prints the venv's python. Safe to run repeatedly.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv="${AGENT_GATEWAY_ENGINE_VENV:-$PWD/target/engine-venv}"
 py="$venv/bin/python"
-if ! "$py" -c 'import xllamacpp, gguf, numpy, openai' >/dev/null 2>&1; then
+if ! "$py" -c 'import xllamacpp, gguf, numpy, openai, anthropic' >/dev/null 2>&1; then
   command -v python3 >/dev/null || {
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
@@ -18,6 +18,6 @@ if ! "$py" -c 'import xllamacpp, gguf, numpy, openai' >/dev/null 2>&1; then
   echo "installing the llama.cpp engine into $venv" >&2
   python3 -m venv "$venv" >&2
   "$py" -m pip install -q --disable-pip-version-check \
-    "xllamacpp==2026.10.11549" "gguf==0.19.0" "numpy>=1.26,<3" "openai==3.57.0" >&2
+    "xllamacpp==2026.10.11549" "gguf==0.19.0" "numpy>=1.26,<3" "openai==3.57.0" "anthropic==2.17.0" >&2
 fi
 echo "$py"

@@ -20,6 +20,8 @@ pub enum KeyKind {
     Group = 2,
     /// A conversation named by its prompt (`affinity.prefix`), not by the client.
     Prompt = 3,
+    /// A stored response's id (`previous_response_id`).
+    Response = 4,
 }
 
 /// The keyed hash functions of one fleet (one `hash_key`).

@@ -22,6 +22,7 @@ pub mod lease;
 pub mod placement;
 pub mod policy;
 pub mod prefix;
+pub mod responses;
 pub mod route;
 pub mod scan;
 pub mod session;

@@ -35,6 +35,18 @@ impl SessionRef {
         Self::of_bytes(hasher, kind, tier, id.as_bytes())
     }
 
+    /// The session a stored response's request was a turn of
+    /// ([`crate::affinity::responses`]): a follow-up is its next turn, at
+    /// the backend that holds the response.
+    pub fn resumed(key: BindingKey, hash: u64, at: u32) -> Self {
+        SessionRef {
+            key,
+            hash,
+            continued_at: Some(at),
+            ..SessionRef::conversation(key)
+        }
+    }
+
     /// A keyless conversation, named by its digest: keyed by
     /// `affinity.hash_key` and scoped by tier and tenant already (see
     /// [`crate::affinity::prefix::conversation`]), so it is its own binding

@@ -26,6 +26,9 @@ pub enum Source {
     Body(String),
     /// Derived from the conversation's prompt (`affinity.prefix`).
     Prompt,
+    /// The session of the stored response a Responses request follows
+    /// (`previous_response_id`).
+    StoredResponse,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -213,6 +216,21 @@ impl<'a> BodyProbe<'a> {
         self.string_at(&["model".to_string()])
     }
 
+    /// A Responses request's `previous_response_id`.
+    pub fn previous_response_id(&self) -> Option<String> {
+        self.string_at(&["previous_response_id".to_string()])
+            .filter(|id| !id.is_empty() && check_value(id.as_bytes()).is_ok())
+    }
+
+    /// The Conversations API's `conversation` (an id, or an object with
+    /// one): a session key wherever it is present.
+    pub fn conversation(&self) -> Option<SessionId> {
+        let conversation = || "conversation".to_string();
+        let mut found = self.session(&[vec![conversation()], vec![conversation(), "id".into()]])?;
+        found.source = Source::Body("conversation".into());
+        Some(found)
+    }
+
     pub fn is_stream(&self) -> bool {
         self.raw("stream") == Some(b"true")
     }
@@ -370,5 +388,34 @@ mod tests {
         let user = vec![vec!["user".to_string()]];
         assert_eq!(p.session(&user).unwrap().id, "a\"b");
         assert!(!p.is_stream());
+    }
+
+    #[test]
+    fn a_responses_body_names_its_conversation_and_the_response_it_follows() {
+        for body in [
+            &br#"{"model":"m","conversation":"conv_9","previous_response_id":"resp_1"}"#[..],
+            br#"{"conversation":{"id":"conv_9"},"previous_response_id":"resp_1"}"#,
+        ] {
+            let p = BodyProbe::parse(body).unwrap();
+            let c = p.conversation().unwrap();
+            assert_eq!(c.id, "conv_9");
+            assert_eq!(c.source, Source::Body("conversation".into()));
+            assert_eq!(p.previous_response_id().as_deref(), Some("resp_1"));
+        }
+        // Nothing to follow or to key by: absent, null, empty, not text.
+        for body in [
+            &br#"{"input":"hi"}"#[..],
+            br#"{"conversation":null,"previous_response_id":null}"#,
+            br#"{"conversation":"","previous_response_id":""}"#,
+            br#"{"conversation":7,"previous_response_id":{"id":"resp_1"}}"#,
+        ] {
+            let p = BodyProbe::parse(body).unwrap();
+            assert!(
+                p.conversation().is_none(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+            assert!(p.previous_response_id().is_none());
+        }
     }
 }

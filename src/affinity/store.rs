@@ -323,6 +323,40 @@ impl SharedStore {
         format!("{}{key:032x}", self.cfg.key_prefix)
     }
 
+    fn response_key(&self, key: u64) -> String {
+        format!("{}response:{key:016x}", self.cfg.key_prefix)
+    }
+
+    /// Keep where a stored response lives (`value`: see
+    /// [`crate::affinity::responses`]) for the fleet's other gateways.
+    pub async fn put_response(
+        &self,
+        key: u64,
+        value: String,
+        ttl_ms: u64,
+    ) -> Result<(), StoreError> {
+        let k = self.response_key(key);
+        self.run("response", |mut c| async move {
+            redis::cmd("SET")
+                .arg(&k)
+                .arg(&value)
+                .arg("PX")
+                .arg(ttl_ms.max(1))
+                .query_async::<()>(&mut c)
+                .await
+        })
+        .await
+    }
+
+    /// Where another gateway saw a stored response answered, if any did.
+    pub async fn get_response(&self, key: u64) -> Result<Option<String>, StoreError> {
+        let k = self.response_key(key);
+        self.run("response", |mut c| async move {
+            redis::cmd("GET").arg(&k).query_async(&mut c).await
+        })
+        .await
+    }
+
     pub fn channel(&self) -> String {
         format!("{}bindings", self.cfg.key_prefix)
     }

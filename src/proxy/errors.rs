@@ -146,6 +146,21 @@ impl GatewayError {
             retry_after: None,
         }
     }
+    /// 404: a Responses request names a stored response whose backend is
+    /// gone (down, draining, removed, or refusing connections), and with it
+    /// the chain's state: no other replica has it.
+    pub fn previous_response_not_found(id: &str, why: &str) -> Self {
+        GatewayError {
+            status: 404,
+            kind: "invalid_request_error",
+            code: "previous_response_not_found",
+            message: format!(
+                "Response with id '{id}' not found: {why}; its state was stored there alone. \
+                 Start the conversation again with its whole input."
+            ),
+            retry_after: None,
+        }
+    }
     pub fn backend_unavailable(id: &str) -> Self {
         GatewayError {
             status: 503,

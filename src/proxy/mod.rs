@@ -182,6 +182,14 @@ pub struct RequestCtx {
     conn: Option<Arc<conn_guard::ConnState>>,
     /// Who sent it and how it is admitted: see [`Admittance`].
     who: Admittance,
+    /// A Responses request: the scope (tier and tenant) its answer's
+    /// response id is kept under, for the follow-ups that name it.
+    responses_scope: Option<String>,
+    /// It follows a stored response (`previous_response_id`): the backend
+    /// slot that holds it, and its id.
+    stored_at: Option<(u32, String)>,
+    /// The answer's start, read for its response id.
+    response_id: Option<response::ResponseIdScanner>,
 }
 
 /// Who sent a request (`auth`) and how it waits for a slot (`admission`).
@@ -301,6 +309,9 @@ impl ProxyHttp for GatewayProxy {
                 _tenant_slot: None,
                 permit: None,
             },
+            responses_scope: None,
+            stored_at: None,
+            response_id: None,
         }
     }
 

@@ -2,7 +2,9 @@
 //! metadata (headers and the `x_agent_serve` member), usage read on the way.
 
 use super::request::fields_bytes;
+use super::response::ResponseIdScanner;
 use super::*;
+use crate::affinity::responses::{response_key, stored_value, ResponseRoute};
 
 impl GatewayProxy {
     pub(super) async fn modify_upstream_request(
@@ -83,6 +85,9 @@ impl GatewayProxy {
             ctx.usage = Some(UsageScanner::default());
         }
         ctx.streamed = is_sse;
+        if ctx.responses_scope.is_some() && resp.status.as_u16() == 200 && !encoded {
+            ctx.response_id = Some(ResponseIdScanner::default());
+        }
         let bodyless = session.req_header().method == http::Method::HEAD
             || resp.status.as_u16() == 204
             || resp.status.as_u16() == 304;
@@ -130,6 +135,9 @@ impl GatewayProxy {
             if let Some(scanner) = ctx.usage.as_mut() {
                 scanner.push(chunk);
             }
+            if let Some(id) = ctx.response_id.as_mut().and_then(|s| s.push(chunk)) {
+                self.learn_response(ctx, &id);
+            }
         }
         if let Some(appender) = ctx.appender.as_mut() {
             let mut out = match body.take() {
@@ -156,5 +164,40 @@ impl GatewayProxy {
             *body = (!out.is_empty()).then_some(out);
         }
         Ok(None)
+    }
+
+    /// The backend that answered stored the response `id`: its follow-ups
+    /// go there, as turns of this request's session (a request without one
+    /// starts a session named by its response).
+    fn learn_response(&self, ctx: &RequestCtx, id: &str) {
+        let (Some(scope), Some(backend), Some(routing)) =
+            (&ctx.responses_scope, &ctx.backend, &ctx.routing)
+        else {
+            return;
+        };
+        let session = ctx.session_ref.clone().unwrap_or_else(|| {
+            SessionRef::new(
+                &routing.hasher,
+                KeyKind::Session,
+                scope,
+                &format!("response\u{1f}{id}"),
+            )
+        });
+        let key = response_key(&routing.hasher, scope, id);
+        let route = ResponseRoute {
+            slot: backend.slot,
+            key: session.key,
+            hash: session.hash,
+        };
+        self.gw.responses.learn(key, route, crate::clock::now_ms());
+        if let Some(store) = self.gw.store.clone().filter(|s| s.healthy()) {
+            // The fleet's other gateways route its follow-ups too. Not
+            // awaited: the answer streams on meanwhile.
+            let value = stored_value(&backend.id, &route);
+            let ttl_ms = self.gw.responses.ttl_ms();
+            tokio::spawn(async move {
+                let _ = store.put_response(key, value, ttl_ms).await;
+            });
+        }
     }
 }

@@ -57,6 +57,24 @@ impl GatewayProxy {
         let previous_lease = ctx.lease.take();
         let owner = previous_lease.as_ref().is_some_and(|l| l.owns_pending());
         let mut candidates = tier.candidates(&ctx.excluded);
+        if let Some((slot, id)) = &ctx.stored_at {
+            // Only the backend that stored the response it follows has it.
+            candidates.retain(|c| c.slot == *slot);
+            if candidates.is_empty() {
+                let why = match tier.backend_by_slot(*slot) {
+                    None => "the backend that stored it left the configuration".to_string(),
+                    Some(b) if ctx.excluded.contains(slot) => {
+                        format!(
+                            "backend `{}`, which stored it, refused the connection",
+                            b.id
+                        )
+                    }
+                    Some(b) => format!("backend `{}`, which stored it, is not healthy", b.id),
+                };
+                let e = GatewayError::previous_response_not_found(id, &why);
+                return Err(self.fail(ctx, e));
+            }
+        }
         let admission = routing.config.admission.enabled;
         if admission {
             self.gw.admission.mark(&mut candidates);

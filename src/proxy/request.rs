@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::affinity::prefix::conversation::Conversation;
+use crate::affinity::responses::{parse_stored, response_key, ResponseRoute};
 
 // Parsed once: a lookup by `&str` parses the header name on every request.
 static TARGET_NAME: http::HeaderName = http::HeaderName::from_static(TARGET_HEADER);
@@ -304,10 +305,15 @@ impl GatewayProxy {
         // Routing cannot do without the body when the tier or the session
         // key is in it; the prompt alone is worth reading only when the body
         // can still be forwarded whole (a declared length: see
-        // request_body.rs) and the budget allows — else it routes unread.
+        // request_body.rs) and the budget allows — else it routes unread. A
+        // Responses request is read: it may follow a stored response, which
+        // one backend alone holds (`previous_response_id`), or name its
+        // conversation.
+        let responses_api = has_body && session.req_header().uri.path().ends_with("/responses");
         let must_read = has_body
             && ((tier.is_none() && routing.routes_by_model())
-                || (session_id.is_none() && !cfg.affinity.body_session_fields.is_empty()));
+                || (session_id.is_none() && !cfg.affinity.body_session_fields.is_empty())
+                || responses_api);
         let mut needs_body = must_read || (has_body && read_prompt && declared.is_some());
         // Bodies read to route count against a global budget: a burst of
         // large ones is refused (retry later) instead of exhausting memory.
@@ -343,6 +349,7 @@ impl GatewayProxy {
             }
             _ => None,
         };
+        let mut chain = None;
         if needs_body || replay_hold.is_some() {
             let body = match request_body::pre_read(session, declared, limit).await {
                 Ok(b) => b,
@@ -370,12 +377,30 @@ impl GatewayProxy {
                     }
                 }
                 if session_id.is_none() {
-                    session_id = probe.session(&cfg.affinity.body_session_fields);
+                    session_id = probe
+                        .conversation()
+                        .or_else(|| probe.session(&cfg.affinity.body_session_fields));
                 }
-                if read_prompt {
+                let routed_in = tier.as_ref().unwrap_or_else(|| routing.default_tier());
+                if responses_api {
+                    // Response ids are kept under the tier and tenant too.
+                    let scope = scope_of(&routed_in.name, &scope_suffix);
+                    if let Some(id) = probe.previous_response_id() {
+                        let key = response_key(&routing.hasher, &scope, &id);
+                        if let Some(route) = self.stored_response(key, routed_in).await {
+                            chain = Some(route);
+                            ctx.stored_at = Some((route.slot, id));
+                        }
+                    }
+                    ctx.responses_scope = Some(scope.into_owned());
+                }
+                // A follow-up of a stored response sends only its new input:
+                // it is a turn of the session that made the response, at the
+                // backend that holds it, and its prompt is not the engine's.
+                if read_prompt && chain.is_none() {
                     // Cached under its tier and tenant: one tenant's prompts
                     // never find another's holdings.
-                    let cached_in = tier.as_ref().unwrap_or_else(|| routing.default_tier());
+                    let cached_in = routed_in;
                     let keyless = session_id.is_none() && parent.is_none();
                     ctx.prefix = prefix
                         .read(
@@ -402,6 +427,18 @@ impl GatewayProxy {
             });
         }
 
+        // A follow-up of a stored response without a key of its own: the
+        // session of the response it follows.
+        if let (Some(route), None, None, None) = (chain, &session_id, &parent, &parent_agent) {
+            ctx.session_ref = Some(SessionRef::resumed(route.key, route.hash, route.slot));
+            ctx.session = Some(SessionId {
+                id: format!("response-chain-{:016x}", route.hash),
+                source: session::Source::StoredResponse,
+            });
+            ctx.tier = Some(tier);
+            ctx.routing = Some(routing);
+            return Ok(());
+        }
         ctx.session_ref = match early {
             // Nothing the body said changed the tier or the key.
             Some((t, sref)) if Arc::ptr_eq(&t, &tier) && implicit.is_none() => Some(sref),
@@ -419,6 +456,29 @@ impl GatewayProxy {
         ctx.tier = Some(tier);
         ctx.routing = Some(routing);
         Ok(())
+    }
+
+    /// Where the response kept under `key` lives: this gateway's own
+    /// routes, else the fleet's store (another gateway saw it answered).
+    /// A backend the store names that is not in `tier` here gets a slot no
+    /// candidate has: the follow-up is told its backend is gone.
+    async fn stored_response(&self, key: u64, tier: &Tier) -> Option<ResponseRoute> {
+        let now = crate::clock::now_ms();
+        if let Some(route) = self.gw.responses.find(key, now) {
+            return Some(route);
+        }
+        let store = self.gw.store.as_ref().filter(|s| s.healthy())?;
+        let value = store.get_response(key).await.ok()??;
+        let (backend, session, hash) = parse_stored(&value)?;
+        let route = ResponseRoute {
+            slot: tier.backend_by_id(backend).map_or(u32::MAX, |b| b.slot),
+            key: session,
+            hash,
+        };
+        if route.slot != u32::MAX {
+            self.gw.responses.learn(key, route, now);
+        }
+        Some(route)
     }
 
     /// The 408 for a client that was too slow (its body stalled or crawled),

@@ -210,23 +210,80 @@ impl UsageScanner {
         self.tail.len()
     }
 
-    /// The last non-null `usage` object seen, if any.
+    /// The last non-null `usage` object seen, if any. An Anthropic stream
+    /// counts its input in `message_start` and its output at the end, in
+    /// `message_delta` (`output_tokens` alone): the later output count wins.
     pub fn usage(&self) -> Option<Usage> {
         const NEEDLE: &[u8] = b"\"usage\"";
         let mut end = self.tail.len();
+        let mut output_after = None;
         while let Some(pos) = memchr::memmem::rfind(&self.tail[..end], NEEDLE) {
             let rest = &self.tail[pos + NEEDLE.len()..];
             let rest = trim_start(rest);
             if let Some(after_colon) = rest.strip_prefix(b":") {
                 let mut it = serde_json::Deserializer::from_slice(trim_start(after_colon))
                     .into_iter::<UsageJson>();
-                if let Some(usage) = it.next().and_then(Result::ok).and_then(UsageJson::usage) {
-                    return Some(usage);
+                if let Some(json) = it.next().and_then(Result::ok) {
+                    let output = json.output_tokens;
+                    if let Some(mut usage) = json.usage() {
+                        if let Some(later) = output_after {
+                            usage.completion_tokens = later;
+                        }
+                        return Some(usage);
+                    }
+                    output_after = output_after.or(output);
                 }
             }
             end = pos;
         }
         None
+    }
+}
+
+/// Reads a Responses answer's id from its start: a JSON body's top-level
+/// `id` (its first member in every engine's answer), or in a stream the
+/// `response.created` event's `response.id` — the first `"id"` either way.
+/// Only the first [`RESPONSE_ID_HEAD_BYTES`] are looked at.
+#[derive(Default)]
+pub struct ResponseIdScanner {
+    head: Vec<u8>,
+    done: bool,
+}
+
+pub const RESPONSE_ID_HEAD_BYTES: usize = 4096;
+
+impl ResponseIdScanner {
+    /// Add a chunk; returns the id once it has arrived whole (once only).
+    pub fn push(&mut self, chunk: &[u8]) -> Option<String> {
+        if self.done {
+            return None;
+        }
+        let room = RESPONSE_ID_HEAD_BYTES.saturating_sub(self.head.len());
+        self.head.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        let found = Self::find(&self.head);
+        if found.is_some() || self.head.len() >= RESPONSE_ID_HEAD_BYTES {
+            self.done = true;
+            self.head = Vec::new();
+        }
+        found
+    }
+
+    fn find(head: &[u8]) -> Option<String> {
+        const NEEDLE: &[u8] = b"\"id\"";
+        let pos = memchr::memmem::find(head, NEEDLE)?;
+        let rest = trim_start(&head[pos + NEEDLE.len()..]);
+        let rest = trim_start(rest.strip_prefix(b":")?);
+        let value = rest.strip_prefix(b"\"")?;
+        // Ids are plain: letters, digits, `_` and `-`; anything else (an
+        // escape, a quote not yet arrived) is not taken.
+        let end = memchr::memchr(b'"', value)?;
+        let id = &value[..end];
+        (!id.is_empty()
+            && id.len() <= 256
+            && id
+                .iter()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':')))
+        .then(|| String::from_utf8_lossy(id).into_owned())
     }
 }
 
@@ -238,6 +295,43 @@ fn trim_start(b: &[u8]) -> &[u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_anthropic_stream_counts_its_input_at_the_start_and_its_output_at_the_end() {
+        let mut s = UsageScanner::default();
+        s.push(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"usage\":{\"input_tokens\":12,\"cache_read_input_tokens\":300,\"output_tokens\":1}}}\n\n");
+        s.push(b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"hi\"}}\n\n");
+        s.push(b"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":42}}\n\n");
+        assert_eq!(
+            s.usage(),
+            Some(Usage {
+                prompt_tokens: 312,
+                cached_tokens: Some(300),
+                completion_tokens: 42,
+            })
+        );
+    }
+
+    #[test]
+    fn a_responses_answer_names_its_id_in_json_and_in_a_stream() {
+        let json = br#"{"id": "resp_0a1b", "object":"response","output":[{"id":"msg_9"}]}"#;
+        let sse = b"event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_77\",\"object\":\"response\"}}\n\n";
+        for (body, want) in [(&json[..], "resp_0a1b"), (&sse[..], "resp_77")] {
+            // Whole, and a byte at a time: the id is taken once it is whole.
+            let mut s = ResponseIdScanner::default();
+            assert_eq!(s.push(body).as_deref(), Some(want));
+            assert_eq!(s.push(body), None, "once only");
+            let mut s = ResponseIdScanner::default();
+            let found: Vec<String> = body.iter().filter_map(|b| s.push(&[*b])).collect();
+            assert_eq!(found, [want]);
+        }
+        // No id in the head: nothing, and the head is let go.
+        let mut s = ResponseIdScanner::default();
+        assert_eq!(s.push(&vec![b' '; RESPONSE_ID_HEAD_BYTES + 10]), None);
+        assert_eq!(s.push(br#"{"id":"resp_late"}"#), None);
+        let mut s = ResponseIdScanner::default();
+        assert_eq!(s.push(br#"{"id":"resp\u0041"}"#), None, "not a plain id");
+    }
 
     fn run(body: &[&str]) -> (String, usize) {
         let mut a = JsonAppender::new(br#""x":{"a":1}"#.to_vec());

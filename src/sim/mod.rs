@@ -118,6 +118,30 @@ struct Sim {
     faults: Mutex<Faults>,
     release: Notify,
     rng: AtomicU64,
+    /// Responses this replica stored (`/v1/responses`), as vLLM keeps them
+    /// in its own memory: id -> the conversation through that response.
+    stored: Mutex<std::collections::HashMap<String, Arc<Transcript>>>,
+}
+
+/// A conversation as (role, text) messages.
+type Transcript = Vec<(String, String)>;
+
+/// Responses a replica keeps at most; past it the store starts afresh.
+const MAX_STORED: usize = 100_000;
+
+/// What an answer looks like.
+enum Shape {
+    Chat,
+    Completion,
+    /// The Responses API: the new response's id, the one it follows, and
+    /// the conversation through its input (its output is added when stored).
+    Responses {
+        id: String,
+        previous: Option<String>,
+        transcript: Vec<(String, String)>,
+    },
+    /// Anthropic Messages.
+    Messages,
 }
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -160,6 +184,7 @@ pub async fn spawn(cfg: SimConfig) -> std::io::Result<SocketAddr> {
         }),
         release: Notify::new(),
         rng: AtomicU64::new(0x2545_f491_4f6c_dd1d),
+        stored: Mutex::new(Default::default()),
         cfg,
     });
     tokio::spawn(async move {
@@ -280,6 +305,71 @@ fn output_token(i: u64) -> String {
     format!("t{} ", i % 97)
 }
 
+/// A stream of server-sent events, each as the channel gives it.
+fn sse_response(rx: mpsc::Receiver<Bytes>) -> Response<Body> {
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(StreamBody::new(stream).boxed())
+        .expect("static parts")
+}
+
+/// A Responses API response object; `usage` in the chat shape (converted).
+fn response_object(
+    id: &str,
+    model: &str,
+    previous: Option<&str>,
+    status: &str,
+    text: &str,
+    usage: Option<&Value>,
+) -> Value {
+    let output = if text.is_empty() {
+        json!([])
+    } else {
+        json!([{"type": "message", "id": format!("msg_{id}"), "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}]}])
+    };
+    let usage = usage.map(|u| {
+        let mut r = json!({
+            "input_tokens": u["prompt_tokens"],
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"],
+        });
+        if let Some(cached) = u.get("prompt_tokens_details") {
+            r["input_tokens_details"] = cached.clone();
+        }
+        r
+    });
+    json!({
+        "id": id, "object": "response", "created_at": now_secs(), "model": model, "status": status,
+        "output": output, "previous_response_id": previous, "usage": usage,
+        "parallel_tool_calls": true, "tool_choice": "auto", "tools": [], "store": true,
+    })
+}
+
+/// An Anthropic message object without its content; `usage` in the chat
+/// shape (converted: Anthropic's `input_tokens` leaves out the cached ones).
+fn message_object(id: &str, model: &str, usage: &Value, output_tokens: u64) -> Value {
+    let prompt = usage["prompt_tokens"].as_u64().unwrap_or(0);
+    let mut u = json!({"output_tokens": output_tokens});
+    match usage["prompt_tokens_details"]["cached_tokens"].as_u64() {
+        Some(cached) => {
+            u["input_tokens"] = json!(prompt - cached.min(prompt));
+            u["cache_read_input_tokens"] = json!(cached);
+            u["cache_creation_input_tokens"] = json!(0);
+        }
+        None => u["input_tokens"] = json!(prompt),
+    }
+    json!({"id": format!("msg_{id}"), "type": "message", "role": "assistant", "model": model,
+           "content": [], "stop_reason": null, "stop_sequence": null, "usage": u})
+}
+
 fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -377,15 +467,125 @@ impl Sim {
                         return json_response(StatusCode::BAD_REQUEST, &json!({"error": "body"}))
                     }
                 };
-                let mut resp = self.clone().complete(chat, &body).await;
+                let shape = if chat { Shape::Chat } else { Shape::Completion };
+                let mut resp = self.clone().complete(shape, &body).await;
                 let h = resp.headers_mut();
                 h.insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
                 h.insert("x-sim-body-len", body.len().into());
                 h.insert("x-sim-body-hash", body_hash(&body).parse().expect("hex"));
                 resp
             }
+            ("POST", "/v1/messages") => {
+                // Anthropic Messages: `system` beside the messages.
+                let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                let Some(v) = body
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+                else {
+                    return self.error(StatusCode::BAD_REQUEST, "invalid JSON");
+                };
+                let mut messages = Vec::new();
+                if !v["system"].is_null() {
+                    let system = content_text(&Some(v["system"].clone()));
+                    messages.push(json!({"role": "system", "content": system}));
+                }
+                for m in v["messages"].as_array().into_iter().flatten() {
+                    messages.push(json!({"role": m["role"], "content": content_text(&Some(m["content"].clone()))}));
+                }
+                let chat = json!({"model": v["model"], "messages": messages,
+                                  "max_tokens": v["max_tokens"], "stream": v["stream"].as_bool().unwrap_or(false)});
+                let mut resp = self
+                    .clone()
+                    .complete(Shape::Messages, chat.to_string().as_bytes())
+                    .await;
+                resp.headers_mut()
+                    .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
+                resp
+            }
+            ("POST", "/v1/responses") => {
+                let body = match req.into_body().collect().await {
+                    Ok(b) => b.to_bytes(),
+                    Err(_) => {
+                        return json_response(StatusCode::BAD_REQUEST, &json!({"error": "body"}))
+                    }
+                };
+                let mut resp = self.clone().respond(&body).await;
+                resp.headers_mut()
+                    .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
+                resp
+            }
             _ => json_response(StatusCode::NOT_FOUND, &json!({"error": "not found"})),
         }
+    }
+
+    /// `/v1/responses`: the conversation so far comes from this replica's
+    /// store when the request follows a stored response (404 when this
+    /// replica never stored it, as vLLM answers), then `instructions` and
+    /// `input` (a string, or message items).
+    async fn respond(self: Arc<Self>, body: &[u8]) -> Response<Body> {
+        let Ok(v) = serde_json::from_slice::<Value>(body) else {
+            return self.error(StatusCode::BAD_REQUEST, "invalid JSON");
+        };
+        let previous = v["previous_response_id"].as_str().map(str::to_string);
+        let mut transcript = match &previous {
+            Some(id) => match self.stored.lock().get(id) {
+                Some(t) => t.as_ref().clone(),
+                None => {
+                    return json_response(
+                        StatusCode::NOT_FOUND,
+                        &json!({"error": {"message": format!("Response with id '{id}' not found."),
+                                          "type": "invalid_request_error", "param": Value::Null, "code": 404}}),
+                    )
+                }
+            },
+            None => Vec::new(),
+        };
+        if let Some(system) = v["instructions"].as_str() {
+            transcript.push(("system".into(), system.to_string()));
+        }
+        match &v["input"] {
+            Value::String(text) => transcript.push(("user".into(), text.clone())),
+            Value::Array(items) => {
+                for item in items {
+                    let role = item["role"].as_str().unwrap_or("user").to_string();
+                    transcript.push((role, content_text(&Some(item["content"].clone()))));
+                }
+            }
+            _ => return self.error(StatusCode::BAD_REQUEST, "request needs `input`"),
+        }
+        let messages = transcript
+            .iter()
+            .map(|(role, content)| json!({"role": role, "content": content}))
+            .collect::<Vec<_>>();
+        let chat = json!({
+            "model": v["model"],
+            "messages": messages,
+            "max_tokens": v["max_output_tokens"].as_u64().unwrap_or(16),
+            "stream": v["stream"].as_bool().unwrap_or(false),
+        });
+        let n = self.requests.load(Ordering::Relaxed);
+        let shape = Shape::Responses {
+            id: format!(
+                "resp_{}{:x}",
+                self.cfg
+                    .id
+                    .replace(|c: char| !c.is_ascii_alphanumeric(), ""),
+                n + 1
+            ),
+            previous,
+            transcript,
+        };
+        self.complete(shape, chat.to_string().as_bytes()).await
+    }
+
+    /// Keep a response (and the conversation through it) for follow-ups.
+    fn store(&self, id: &str, mut transcript: Vec<(String, String)>, output: &str) {
+        transcript.push(("assistant".into(), output.to_string()));
+        let mut stored = self.stored.lock();
+        if stored.len() >= MAX_STORED {
+            stored.clear();
+        }
+        stored.insert(id.to_string(), Arc::new(transcript));
     }
 
     fn error(&self, status: StatusCode, message: &str) -> Response<Body> {
@@ -395,7 +595,8 @@ impl Sim {
         )
     }
 
-    async fn complete(self: Arc<Self>, chat: bool, body: &[u8]) -> Response<Body> {
+    async fn complete(self: Arc<Self>, shape: Shape, body: &[u8]) -> Response<Body> {
+        let chat = !matches!(shape, Shape::Completion);
         let served = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
         if let Some(n) = self.cfg.exit_after {
             if served >= n {
@@ -482,6 +683,33 @@ impl Sim {
                 s.await;
             }
             let text: String = (0..max_out).map(output_token).collect();
+            if let Shape::Responses {
+                id,
+                previous,
+                transcript,
+            } = shape
+            {
+                self.store(&id, transcript, &text);
+                drop(permit);
+                self.running.fetch_sub(1, Ordering::Relaxed);
+                let r = response_object(
+                    &id,
+                    &model,
+                    previous.as_deref(),
+                    "completed",
+                    &text,
+                    Some(&usage),
+                );
+                return timing(json_response(StatusCode::OK, &r));
+            }
+            if let Shape::Messages = shape {
+                drop(permit);
+                self.running.fetch_sub(1, Ordering::Relaxed);
+                let mut m = message_object(&id, &model, &usage, max_out);
+                m["content"] = json!([{"type": "text", "text": text}]);
+                m["stop_reason"] = json!("max_tokens");
+                return timing(json_response(StatusCode::OK, &m));
+            }
             let choice = if chat {
                 json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
             } else {
@@ -502,6 +730,126 @@ impl Sim {
         let (tx, rx) = mpsc::channel::<Bytes>(16);
         let sim = Arc::clone(&self);
         sim.active_streams.fetch_add(1, Ordering::Relaxed);
+        if let Shape::Responses {
+            id,
+            previous,
+            transcript,
+        } = shape
+        {
+            // The Responses API's events: created, a delta a token, completed
+            // (with the whole response and its usage); no `[DONE]`.
+            let text: String = (0..max_out).map(output_token).collect();
+            sim.store(&id, transcript, &text);
+            tokio::spawn(async move {
+                let mut seq = 0u64;
+                let mut event = |kind: &str, mut v: Value| {
+                    v["type"] = json!(kind);
+                    v["sequence_number"] = json!(seq);
+                    seq += 1;
+                    Bytes::from(format!("event: {kind}\ndata: {v}\n\n"))
+                };
+                let prev = previous.as_deref();
+                let created = response_object(&id, &model, prev, "in_progress", "", None);
+                let mut open = tx
+                    .send(event("response.created", json!({"response": created})))
+                    .await
+                    .is_ok();
+                let start = tokio::time::Instant::now();
+                let per_token = sim.cfg.decode_us_per_token * slowdown;
+                for i in 0..max_out {
+                    if !open {
+                        break;
+                    }
+                    if i > 0 && per_token >= 1.0 {
+                        let at = Duration::from_micros((per_token * i as f64) as u64);
+                        tokio::time::sleep_until(start + at).await;
+                    }
+                    let delta = json!({"item_id": format!("msg_{id}"), "output_index": 0,
+                                       "content_index": 0, "delta": output_token(i)});
+                    open = tx
+                        .send(event("response.output_text.delta", delta))
+                        .await
+                        .is_ok();
+                }
+                if open {
+                    let done = response_object(&id, &model, prev, "completed", &text, Some(&usage));
+                    let _ = tx
+                        .send(event("response.completed", json!({"response": done})))
+                        .await;
+                }
+                drop(permit);
+                sim.running.fetch_sub(1, Ordering::Relaxed);
+                sim.active_streams.fetch_sub(1, Ordering::Relaxed);
+            });
+            return timing(sse_response(rx));
+        }
+        if let Shape::Messages = shape {
+            // Anthropic's events: message_start (with the input's usage),
+            // a text block a delta a token, message_delta (the output's).
+            tokio::spawn(async move {
+                let event =
+                    |kind: &str, v: Value| Bytes::from(format!("event: {kind}\ndata: {v}\n\n"));
+                let mut open = tx
+                    .send(event(
+                        "message_start",
+                        json!({"type": "message_start",
+                        "message": message_object(&id, &model, &usage, 1)}),
+                    ))
+                    .await
+                    .is_ok();
+                open = open
+                    && tx
+                        .send(event(
+                            "content_block_start",
+                            json!({"type": "content_block_start", "index": 0,
+                            "content_block": {"type": "text", "text": ""}}),
+                        ))
+                        .await
+                        .is_ok();
+                let start = tokio::time::Instant::now();
+                let per_token = sim.cfg.decode_us_per_token * slowdown;
+                for i in 0..max_out {
+                    if !open {
+                        break;
+                    }
+                    if i > 0 && per_token >= 1.0 {
+                        let at = Duration::from_micros((per_token * i as f64) as u64);
+                        tokio::time::sleep_until(start + at).await;
+                    }
+                    open = tx
+                        .send(event(
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": 0,
+                            "delta": {"type": "text_delta", "text": output_token(i)}}),
+                        ))
+                        .await
+                        .is_ok();
+                }
+                if open {
+                    for (kind, v) in [
+                        (
+                            "content_block_stop",
+                            json!({"type": "content_block_stop", "index": 0}),
+                        ),
+                        (
+                            "message_delta",
+                            json!({"type": "message_delta",
+                            "delta": {"stop_reason": "max_tokens", "stop_sequence": null},
+                            "usage": {"output_tokens": max_out}}),
+                        ),
+                        ("message_stop", json!({"type": "message_stop"})),
+                    ] {
+                        if tx.send(event(kind, v)).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+                drop(permit);
+                sim.running.fetch_sub(1, Ordering::Relaxed);
+                sim.active_streams.fetch_sub(1, Ordering::Relaxed);
+            });
+            return timing(sse_response(rx));
+        }
         tokio::spawn(async move {
             let object = if chat {
                 "chat.completion.chunk"
@@ -552,18 +900,7 @@ impl Sim {
             sim.running.fetch_sub(1, Ordering::Relaxed);
             sim.active_streams.fetch_sub(1, Ordering::Relaxed);
         });
-        let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-            rx.recv()
-                .await
-                .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
-        });
-        timing(
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .header("cache-control", "no-cache")
-                .body(StreamBody::new(stream).boxed())
-                .expect("static parts"),
-        )
+        timing(sse_response(rx))
     }
 
     fn slowdown(&self) -> f64 {

@@ -1,0 +1,260 @@
+//! Stateful APIs through the real gateway and simulated replicas that each
+//! keep their own responses (as vLLM and SGLang do): a chain by
+//! `previous_response_id` reaches the one replica that holds it, through the
+//! official OpenAI Python SDK too; a holder that dies ends its chains with a
+//! clear error and nothing else; the official Anthropic SDK's Messages
+//! conversation stays on one backend, streamed, its usage counted.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::collections::HashSet;
+
+async fn respond(c: &reqwest::Client, gw: &Gateway, body: &Value) -> Reply {
+    reply(
+        c.post(gw.url("/v1/responses"))
+            .json(body)
+            .send()
+            .await
+            .expect("request reaches the gateway"),
+    )
+    .await
+}
+
+/// Turn `turn` of chain `chain`: only the new input, the rest is stored.
+fn turn_body(chain: usize, turn: usize, previous: Option<&str>, stream: bool) -> Value {
+    let mut body = json!({
+        "model": "m",
+        "input": format!("chain {chain} turn {turn}: {}", "look at the failing test ".repeat(30)),
+        "max_output_tokens": 4,
+        "stream": stream,
+    });
+    if turn == 0 {
+        body["instructions"] = json!("You are a careful coding agent. ".repeat(40));
+    }
+    if let Some(p) = previous {
+        body["previous_response_id"] = json!(p);
+    }
+    body
+}
+
+/// The response id of a JSON answer or of a stream's `response.created`.
+fn response_id(r: &Reply) -> String {
+    if r.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream")
+    {
+        let text = String::from_utf8_lossy(&r.body);
+        let data = text
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .expect("an event");
+        let v: Value = serde_json::from_str(data).unwrap();
+        assert_eq!(v["type"], "response.created");
+        return v["response"]["id"].as_str().unwrap().to_string();
+    }
+    r.json()["id"].as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn chains_by_previous_response_id_reach_the_replica_that_stored_them() {
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let c = client();
+    let chains = 12;
+    let mut previous: Vec<Option<String>> = vec![None; chains];
+    let mut homes: Vec<HashSet<String>> = vec![HashSet::new(); chains];
+    for turn in 0..6 {
+        for chain in 0..chains {
+            // Half the chains stream.
+            let body = turn_body(chain, turn, previous[chain].as_deref(), chain % 2 == 1);
+            let r = respond(&c, &gw, &body).await;
+            assert_eq!(
+                r.status,
+                200,
+                "{chain}.{turn}: {}",
+                String::from_utf8_lossy(&r.body)
+            );
+            if turn > 0 {
+                assert_eq!(r.hit.as_deref(), Some("true"), "{chain}.{turn}");
+            }
+            homes[chain].insert(r.sim_backend.clone().unwrap());
+            previous[chain] = Some(response_id(&r));
+        }
+    }
+    for (chain, h) in homes.iter().enumerate() {
+        assert_eq!(h.len(), 1, "chain {chain} on {h:?}");
+    }
+    let used: HashSet<&String> = homes.iter().flatten().collect();
+    assert!(used.len() >= 2, "chains spread over the fleet: {used:?}");
+}
+
+#[tokio::test]
+async fn a_chain_whose_holder_died_gets_a_clear_error_and_the_others_go_on() {
+    let (mut sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let c = client();
+    let mut previous: Vec<(String, String)> = Vec::new();
+    for chain in 0..9 {
+        let r = respond(&c, &gw, &turn_body(chain, 0, None, false)).await;
+        assert_eq!(r.status, 200);
+        previous.push((response_id(&r), r.sim_backend.unwrap()));
+    }
+    // The holder of chain 0 dies; health checks take it out.
+    let dead = previous[0].1.clone();
+    let i = sims.iter().position(|s| s.id == dead).unwrap();
+    sims[i].kill();
+    wait_until("the dead replica marked down", || async {
+        gw.metric(&format!(
+            "agentserve_backend_healthy{{backend=\"{dead}\",tier=\"default\"}}"
+        ))
+        .await
+            == 0.0
+    })
+    .await;
+    for (chain, (id, home)) in previous.iter().enumerate() {
+        let r = respond(&c, &gw, &turn_body(chain, 1, Some(id), false)).await;
+        if *home == dead {
+            assert_eq!(r.status, 404, "{}", String::from_utf8_lossy(&r.body));
+            let e = &r.json()["error"];
+            assert_eq!(e["code"], "previous_response_not_found", "{e}");
+            assert_eq!(e["type"], "invalid_request_error");
+            assert!(
+                e["message"].as_str().unwrap().contains(&dead),
+                "says why: {e}"
+            );
+        } else {
+            assert_eq!(r.status, 200, "chain {chain} goes on untouched");
+            assert_eq!(r.sim_backend.as_ref(), Some(home));
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_official_openai_sdk_chains_six_turns_on_one_backend_with_cached_tokens() {
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let script = r#"
+import sys, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="sk-sdk", max_retries=0)
+prev = None
+for turn in range(6):
+    r = client.responses.with_raw_response.create(
+        model="m",
+        instructions="You are a careful coding agent. " * 40 if prev is None else None,
+        input=f"turn {turn}: " + "look at the failing test " * 30,
+        previous_response_id=prev,
+        max_output_tokens=4,
+    )
+    backend = r.headers.get("x-sim-backend")
+    resp = r.parse()
+    cached = resp.usage.input_tokens_details.cached_tokens
+    print(turn, backend, resp.id, cached, resp.output_text.strip() != "")
+    prev = resp.id
+"#;
+    let stdout = python(script, &gw.url("/v1")).await;
+    let turns: Vec<Vec<&str>> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(turns.len(), 6, "{stdout}");
+    let backends: HashSet<&str> = turns.iter().map(|t| t[1]).collect();
+    assert_eq!(backends.len(), 1, "one backend: {stdout}");
+    for t in &turns[1..] {
+        let cached: u64 = t[3].parse().unwrap();
+        assert!(cached > 0, "cached tokens from turn 2: {stdout}");
+        assert_eq!(t[4], "True");
+    }
+}
+
+/// Runs `script` with the engine venv's Python (`scripts/setup.sh` installs
+/// the SDKs there), the gateway's `url` as its argument; its stdout.
+async fn python(script: &str, url: &str) -> String {
+    let python = agent_gateway::engine::default_python();
+    let out = tokio::process::Command::new(&python)
+        .arg("-c")
+        .arg(script)
+        .arg(url)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("{} (run scripts/setup.sh): {e}", python.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "the SDK failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[tokio::test]
+async fn the_official_anthropic_sdk_streams_a_conversation_on_one_backend_with_its_usage_counted() {
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let script = r#"
+import sys, anthropic
+client = anthropic.Anthropic(base_url=sys.argv[1], api_key="sk-ant", max_retries=0)
+system = "You are a careful coding agent. " * 40
+messages = []
+for turn in range(4):
+    messages.append({"role": "user", "content": f"turn {turn}: " + "look at the failing test " * 30})
+    with client.messages.stream(model="m", max_tokens=6, system=system, messages=messages,
+                                extra_headers={"x-claude-code-session-id": "cc-session-1"}) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+        backend = stream.response.headers.get("x-agent-serve-backend")
+    u = final.usage
+    print(turn, backend, u.input_tokens, u.cache_read_input_tokens or 0, u.output_tokens, len(text) > 0)
+    messages.append({"role": "assistant", "content": text})
+"#;
+    let stdout = python(script, &gw.url("")).await;
+    let turns: Vec<Vec<&str>> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(turns.len(), 4, "{stdout}");
+    let backends: HashSet<&str> = turns.iter().map(|t| t[1]).collect();
+    assert_eq!(backends.len(), 1, "one backend: {stdout}");
+    let (mut input, mut cached) = (0u64, 0u64);
+    for t in &turns {
+        assert_eq!(t[4], "6", "{stdout}");
+        assert_eq!(t[5], "True", "{stdout}");
+        input += t[2].parse::<u64>().unwrap();
+        cached += t[3].parse::<u64>().unwrap();
+    }
+    assert!(
+        turns[1..].iter().all(|t| t[3] != "0"),
+        "warm turns cached: {stdout}"
+    );
+    // The gateway read the Anthropic usage of the streams: the whole prompt
+    // (uncached and cached) and the cached part.
+    assert_eq!(
+        gw.metric("agentserve_prompt_tokens_total{").await,
+        (input + cached) as f64
+    );
+    assert_eq!(
+        gw.metric("agentserve_cached_prompt_tokens_total{").await,
+        cached as f64
+    );
+}
+
+#[tokio::test]
+async fn a_conversation_of_the_conversations_api_is_a_session() {
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let c = client();
+    for conv in ["conv_a", "conv_b", "conv_c"] {
+        let mut homes = HashSet::new();
+        for turn in 0..4 {
+            // Each turn alone: nothing in its prompt ties it to the last.
+            let body = json!({"model": "m", "conversation": {"id": conv},
+                              "input": format!("question {turn} of {conv}")});
+            let r = respond(&c, &gw, &body).await;
+            assert_eq!(r.status, 200);
+            assert_eq!(r.json()["x_agent_serve"]["session"], conv);
+            if turn > 0 {
+                assert_eq!(r.hit.as_deref(), Some("true"));
+            }
+            homes.insert(r.sim_backend.unwrap());
+        }
+        assert_eq!(homes.len(), 1, "{conv}: {homes:?}");
+    }
+}
