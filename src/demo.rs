@@ -107,6 +107,10 @@ pub enum Study {
     /// the one before, engines that report no cached tokens, soft mode on
     /// the trace — each against sticky-by-conversation in the same run.
     Keyless,
+    /// Responses chains by `previous_response_id` over replicas that each
+    /// keep their own responses, JSON and streamed, against one replica
+    /// alone (which holds every chain).
+    Responses,
     All,
 }
 
@@ -432,7 +436,12 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     }
     if matches!(
         args.study,
-        Study::Placement | Study::Soft | Study::Recovery | Study::Prefix | Study::Keyless
+        Study::Placement
+            | Study::Soft
+            | Study::Recovery
+            | Study::Prefix
+            | Study::Keyless
+            | Study::Responses
     ) {
         let started = Instant::now();
         let reports = match args.study {
@@ -440,6 +449,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             Study::Recovery => recovery_study(exe, args).await?,
             Study::Prefix => prefix_study(exe, args).await?,
             Study::Keyless => keyless_study(exe, args).await?,
+            Study::Responses => responses_study(exe, args).await?,
             _ => placement_study(exe, args).await?,
         };
         std::fs::write(
@@ -1111,6 +1121,49 @@ async fn keyless_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<re
     for (name, variants, runs) in tables {
         if !args.json {
             println!("{name}:\n\n{}", report::keyless_table(&variants, &runs));
+        }
+        out.extend(runs.into_iter().flatten());
+    }
+    Ok(out)
+}
+
+/// Responses chains: 24 conversations x 6 turns at c=6 (`--sessions`,
+/// `--turns`), each turn only its new message and the last turn's
+/// `previous_response_id`, JSON and streamed: through the gateway (no
+/// session ids) over 3 simulated replicas that each keep their own
+/// responses, against one replica alone, which holds every chain, in the
+/// same run. A misplaced turn is a 404, not a cache miss.
+async fn responses_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    let repeats = args.repeats.max(1);
+    let model = contention(args);
+    let mut w = BenchArgs::seed_study("");
+    w.sessions = args.sessions.unwrap_or(24);
+    w.turns = args.turns.unwrap_or(6);
+    w.concurrency = args.concurrency.unwrap_or(6);
+    w.system_prompt_bytes = 4096;
+    w.context_bytes = 4000;
+    w.user_bytes = 400;
+    w.responses = true;
+    let variant = ["bounded_hrw,ids=none"];
+    let mut out = Vec::new();
+    for stream in [false, true] {
+        w.no_stream = !stream;
+        let shape = if stream { "streamed" } else { "JSON" };
+        let mut runs = Vec::new();
+        for replicas in [1, 3] {
+            let name = format!("responses {shape} {replicas}");
+            let (mut r, _) =
+                run_variants(exe, &model, replicas, &w, &name, &variant, repeats).await?;
+            runs.push(r.remove(0));
+        }
+        if !args.json {
+            println!(
+                "Responses chains, {}x{} at c={}, {shape}:\n\n{}",
+                w.sessions,
+                w.turns,
+                w.concurrency,
+                report::chain_table(&["one replica alone", "gateway, 3 replicas"], &runs)
+            );
         }
         out.extend(runs.into_iter().flatten());
     }

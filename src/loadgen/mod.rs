@@ -80,6 +80,12 @@ pub struct BenchArgs {
     /// (`--context-bytes`) when it has one.
     #[arg(long)]
     pub same_opening: bool,
+    /// Each turn a Responses API request (`/v1/responses`) that sends only
+    /// its new message and names the turn before by `previous_response_id`:
+    /// the replica that stored it holds the rest (the OpenAI Agents SDK's
+    /// chaining, Codex over WebSocket).
+    #[arg(long)]
+    pub responses: bool,
     /// Replay a Mooncake-format trace (JSON lines) instead of synthetic sessions.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
@@ -189,6 +195,19 @@ struct SessionScript {
 }
 
 impl SessionScript {
+    /// The last turn as a Responses request: its new message alone after
+    /// the first, which also carries the system prompt as `instructions`.
+    fn chained(&self, args: &BenchArgs, previous: Option<&str>) -> Value {
+        let input = self.messages.last().map_or("", |(_, text)| text.as_str());
+        let mut b = json!({"model": args.model, "input": input,
+                           "max_output_tokens": args.max_tokens, "stream": !args.no_stream});
+        match previous {
+            Some(p) => b["previous_response_id"] = json!(p),
+            None => b["instructions"] = json!(&*self.system),
+        }
+        b
+    }
+
     fn body(&self, args: &BenchArgs, stream: bool) -> Value {
         let mut msgs = vec![json!({"role": "system", "content": &*self.system})];
         for (role, content) in &self.messages {
@@ -215,6 +234,8 @@ struct Outcome {
     prefill_us: Option<u64>,
     affinity_hit: Option<bool>,
     text: String,
+    /// A Responses answer's id.
+    response_id: Option<String>,
 }
 
 /// The base URL of the next request: `--url`'s one URL, or its list in turn.
@@ -284,13 +305,29 @@ async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
             while let Some(end) = find(&buf, b"\n\n") {
                 let event: Bytes = Bytes::copy_from_slice(&buf[..end]);
                 buf.drain(..end + 2);
-                let Some(data) = event.strip_prefix(b"data: ") else {
+                // The data line, after an `event:` line where the API names
+                // its events (Responses, Anthropic).
+                let Some(data) = event
+                    .split(|&b| b == b'\n')
+                    .find_map(|line| line.strip_prefix(b"data: "))
+                else {
                     continue;
                 };
                 if data == b"[DONE]" {
                     continue;
                 }
                 if let Ok(v) = serde_json::from_slice::<Value>(data) {
+                    // The Responses API's events.
+                    match v["type"].as_str() {
+                        Some("response.created") => {
+                            out.response_id = v["response"]["id"].as_str().map(str::to_string);
+                        }
+                        Some("response.output_text.delta") => {
+                            out.text.push_str(v["delta"].as_str().unwrap_or(""));
+                        }
+                        Some("response.completed") => usage = v["response"]["usage"].clone(),
+                        _ => {}
+                    }
                     if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
                         out.text.push_str(c);
                     } else if let Some(c) = v["choices"][0]["text"].as_str() {
@@ -314,17 +351,28 @@ async fn send(client: &reqwest::Client, args: &BenchArgs, t: &Turn) -> Outcome {
             out.text = c.to_string();
         } else if let Some(c) = body["choices"][0]["text"].as_str() {
             out.text = c.to_string();
+        } else if body["object"] == "response" {
+            out.response_id = body["id"].as_str().map(str::to_string);
+            out.text = body["output"][0]["content"][0]["text"]
+                .as_str()
+                .unwrap_or("")
+                .to_string();
         }
     }
     out.e2e = started.elapsed();
     if let Some(ms) = timings["prompt_ms"].as_f64() {
         out.prefill_us.get_or_insert((ms * 1000.0) as u64);
     }
-    out.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+    // Chat and completions usage, or the Responses API's.
+    out.prompt_tokens = usage["prompt_tokens"]
+        .as_u64()
+        .or(usage["input_tokens"].as_u64())
+        .unwrap_or(0);
     // An engine that reports no cache (the simulator with
     // `--no-cache-report`) still says in a header what it found cached.
     out.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
+        .or(usage["input_tokens_details"]["cached_tokens"].as_u64())
         .or(sim_cached)
         .unwrap_or(0);
     out
@@ -448,6 +496,7 @@ async fn run_sessions(client: &reqwest::Client, args: &BenchArgs) -> Vec<TurnRec
             };
             let session_id = format!("{}-{s}", args.id_prefix);
             let mut children = Vec::new();
+            let mut previous: Option<String> = None;
             for turn in 0..args.turns {
                 let user = if turn == 0 && args.same_opening {
                     format!("Turn 0: {}", filler(salt, args.user_bytes))
@@ -472,16 +521,21 @@ async fn run_sessions(client: &reqwest::Client, args: &BenchArgs) -> Vec<TurnRec
                 } else {
                     session_id.clone()
                 };
+                let (path, body) = match args.responses {
+                    true => ("/v1/responses", script.chained(&args, previous.as_deref())),
+                    false => ("/v1/chat/completions", script.body(&args, !args.no_stream)),
+                };
                 let t = Turn {
                     session: s,
                     turn,
                     session_id: id,
                     parent_id: None,
-                    path: "/v1/chat/completions",
-                    body: script.body(&args, !args.no_stream),
+                    path,
+                    body,
                 };
                 let o = send_limited(&client, &args, &permits, &progress, &t).await;
                 script.messages.push(("assistant".into(), o.text.clone()));
+                previous = o.response_id.clone();
                 out.push(record(&t, &o, None));
                 if turn == 0 {
                     for c in 0..args.subagents {

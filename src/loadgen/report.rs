@@ -348,6 +348,44 @@ pub fn repeats_table(variants: &[&str], runs: &[Vec<Report>]) -> String {
 /// variant's run on the same population: throughput, balance (busiest
 /// backend over the mean), prefix-cache hit, same replica turn to turn,
 /// latency and how often the engines corrected the prefix index.
+/// Chains of stored responses: errors (a misplaced turn is a 404), replicas
+/// per conversation, and what warm turns found cached, against the first.
+pub fn chain_table(variants: &[&str], runs: &[Vec<Report>]) -> String {
+    let mean = |xs: &mut dyn Iterator<Item = f64>| {
+        let (sum, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+        sum / n.max(1) as f64
+    };
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| variant | requests | errors | replicas/conv | warm turns' cached share | × first | req/s | E2E p99 |"
+    );
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    let Some(base) = runs.first() else {
+        return s;
+    };
+    for (name, rs) in variants.iter().zip(runs) {
+        let warm = |r: &Report| r.warm_prefix_cache_hit_rate;
+        let _ = writeln!(
+            s,
+            "| {name} | {} | {} | {:.2} | {:.3} | {:.3} | {:.1} | {:.0} ms |",
+            rs.iter().map(|r| r.requests).sum::<usize>(),
+            rs.iter().map(|r| r.errors).sum::<usize>(),
+            mean(&mut rs.iter().map(|r| r.replicas_per_conversation)),
+            mean(&mut rs.iter().map(warm)),
+            mean(
+                &mut rs
+                    .iter()
+                    .zip(base)
+                    .map(|(r, b)| warm(r) / warm(b).max(1e-9))
+            ),
+            mean(&mut rs.iter().map(|r| r.requests_per_s)),
+            mean(&mut rs.iter().map(|r| r.e2e.p99_ms)),
+        );
+    }
+    s
+}
+
 pub fn keyless_table(variants: &[&str], runs: &[Vec<Report>]) -> String {
     let mean = |xs: &mut dyn Iterator<Item = f64>| {
         let (sum, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
