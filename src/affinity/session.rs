@@ -225,6 +225,7 @@ impl<'a> BodyProbe<'a> {
     /// The Conversations API's `conversation` (an id, or an object with
     /// one): a session key wherever it is present.
     pub fn conversation(&self) -> Option<SessionId> {
+        self.raw("conversation")?;
         let conversation = || "conversation".to_string();
         let mut found = self.session(&[vec![conversation()], vec![conversation(), "id".into()]])?;
         found.source = Source::Body("conversation".into());

@@ -377,8 +377,10 @@ impl GatewayProxy {
                     }
                 }
                 if session_id.is_none() {
-                    session_id = probe
-                        .conversation()
+                    // The Conversations API's id (a Responses field) first.
+                    session_id = responses_api
+                        .then(|| probe.conversation())
+                        .flatten()
                         .or_else(|| probe.session(&cfg.affinity.body_session_fields));
                 }
                 let routed_in = tier.as_ref().unwrap_or_else(|| routing.default_tier());
