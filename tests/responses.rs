@@ -258,3 +258,55 @@ async fn a_conversation_of_the_conversations_api_is_a_session() {
         assert_eq!(homes.len(), 1, "{conv}: {homes:?}");
     }
 }
+
+/// A key's `tokens_per_minute` is charged from the Responses and Anthropic
+/// usage shapes too: a key of 600 tokens a minute gets one request of about
+/// 800 through on each API, then 429 on its next.
+#[tokio::test]
+async fn responses_and_anthropic_usage_count_against_a_keys_token_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.yaml");
+    let mut file = String::from("keys:\n");
+    for (key, tenant) in [("sk-responses", "r"), ("sk-messages", "m")] {
+        file += &format!(
+            "  - key_sha256: {}\n    tenant: {tenant}\n    tokens_per_minute: 600\n",
+            agent_gateway::auth::hash_key(key)
+        );
+    }
+    std::fs::write(&keys, file).unwrap();
+    let (_sims, gw) = fleet(
+        1,
+        &format!(
+            "{}auth:\n  keys_file: \"{}\"\n  required: true\n",
+            affinity_yaml(1800),
+            keys.display()
+        ),
+    )
+    .await;
+    let c = client();
+    let long = "look at the failing test and fix it ".repeat(80);
+    let responses = json!({"model": "m", "input": long, "max_output_tokens": 4});
+    let messages = json!({"model": "m", "max_tokens": 4,
+                          "messages": [{"role": "user", "content": long}]});
+    for (path, key, body) in [
+        ("/v1/responses", "sk-responses", &responses),
+        ("/v1/messages", "sk-messages", &messages),
+    ] {
+        let send = || {
+            c.post(gw.url(path))
+                .header("authorization", format!("Bearer {key}"))
+                .json(body)
+                .send()
+        };
+        let first = reply(send().await.unwrap()).await;
+        assert_eq!(first.status, 200, "{path}");
+        let second = reply(send().await.unwrap()).await;
+        assert_eq!(
+            second.status,
+            429,
+            "{path}: {}",
+            String::from_utf8_lossy(&second.body)
+        );
+        assert_eq!(second.json()["error"]["code"], "rate_limit_exceeded");
+    }
+}
