@@ -333,6 +333,7 @@ impl Affinity {
             .and_then(|p| self.table.get(p, now))
             .map(|b| b.backend)
             .or(session.continued_at)
+            .or(session.forked_at)
             .filter(|&slot| open.iter().any(|c| c.slot == slot));
         let fresh = |exclude: Option<u32>| -> Option<u32> {
             match exclude {

@@ -28,6 +28,10 @@ pub struct SessionRef {
     /// A new keyless conversation on probation: placed, but not bound (see
     /// [`crate::affinity::prefix::conversation`]).
     pub probation: bool,
+    /// A new keyless conversation that forks one whose turn went to this
+    /// backend: it prefers it while it is within the balance bound, as a
+    /// keyed subagent group prefers its parent's.
+    pub forked_at: Option<u32>,
 }
 
 impl SessionRef {
@@ -60,6 +64,7 @@ impl SessionRef {
             indexed: false,
             continued_at: None,
             probation: false,
+            forked_at: None,
         }
     }
 
@@ -73,6 +78,7 @@ impl SessionRef {
             indexed: false,
             continued_at: None,
             probation: false,
+            forked_at: None,
         }
     }
 }

@@ -76,6 +76,7 @@ fn session_ref(
             let mut s = SessionRef::conversation(c.id);
             s.continued_at = c.continues.map(|at| at.slot);
             s.probation = c.continues.is_none();
+            s.forked_at = c.forked_at;
             s
         }),
         (None, _, Some(s)) => Some(SessionRef::new(h, KeyKind::Session, scope, &s.id)),

@@ -70,6 +70,11 @@ pub struct Conversation {
     pub id: u128,
     /// The turn before it went here: it continues that conversation.
     pub continues: Option<Continued>,
+    /// A new conversation that forks one seen here (it agrees with a turn
+    /// of it past what others share, and that turn was continued already:
+    /// a subagent repeating its parent's transcript, an edit of the last
+    /// turn): where that turn went, which holds what they share.
+    pub forked_at: Option<u32>,
     /// Its end, filed at once (another prompt meeting it while this one is
     /// still on its way knows of it); placed once the request is routed.
     end: Handle,
@@ -121,6 +126,8 @@ struct End {
     bound: bool,
     /// Counts as a session of `slot` (on probation, and recent).
     counted: bool,
+    /// Continued already: a later prompt agreeing with it is a fork.
+    taken: bool,
     filed_ms: u64,
 }
 
@@ -179,6 +186,8 @@ struct Inner {
     /// Ends that count as sessions, in filing order.
     counted: VecDeque<(u32, u32)>,
     live: usize,
+    /// Live ends taken over (kept to tell forks where they went).
+    taken: usize,
     cap: usize,
 }
 
@@ -212,6 +221,8 @@ struct Walk {
     n_met: usize,
     /// Ends of the very same prompt met.
     duplicates: u32,
+    /// Where the deepest taken end it would have continued went.
+    forked: Option<u32>,
 }
 
 impl Walk {
@@ -237,6 +248,13 @@ impl Walk {
             let Some(agreement) = agreement(e) else {
                 continue;
             };
+            if e.taken {
+                // Its conversation went on already: this prompt forks it.
+                if agreement > e.shared && self.q_len > e.len && e.slot != UNPLACED {
+                    self.forked.get_or_insert(e.slot);
+                }
+                continue;
+            }
             let exact = agreement == e.len;
             if exact && self.q_len == e.len {
                 same += 1;
@@ -277,6 +295,7 @@ impl Conversations {
                 order: VecDeque::new(),
                 counted: VecDeque::new(),
                 live: 0,
+                taken: 0,
                 cap: max_ends.max(1),
             }),
             probation: (0..MAX_BACKENDS).map(|_| AtomicU32::new(0)).collect(),
@@ -308,7 +327,8 @@ impl Conversations {
 
     /// Live ends (conversations this gateway can continue).
     pub fn len(&self) -> usize {
-        self.inner.lock().live
+        let inner = self.inner.lock();
+        inner.live - inner.taken
     }
 
     pub fn is_empty(&self) -> bool {
@@ -347,6 +367,7 @@ impl Conversations {
             met: [None; MET],
             n_met: 0,
             duplicates: 0,
+            forked: None,
         };
         // An earlier prompt with messages ends where one of this one's
         // messages does: the deepest that it may continue.
@@ -405,7 +426,7 @@ impl Conversations {
             Some(end) => {
                 let e = inner.ends[end as usize];
                 shared = shared.max(e.shared);
-                self.remove(&mut inner, end);
+                self.take_over(&mut inner, end);
                 let continued = (e.slot != UNPLACED).then_some(Continued {
                     slot: e.slot,
                     bound: e.bound,
@@ -473,10 +494,17 @@ impl Conversations {
             slot: UNPLACED,
             bound: false,
             counted: false,
+            taken: false,
             filed_ms: now_ms,
         };
         let end = self.file(&mut inner, end);
-        Conversation { id, continues, end }
+        let forked_at = found.is_none().then_some(walk.forked).flatten();
+        Conversation {
+            id,
+            continues,
+            forked_at,
+            end,
+        }
     }
 
     /// The request of conversation `c` was routed to `slot`: bound (a
@@ -495,7 +523,9 @@ impl Conversations {
         if e.counted {
             self.probation[e.slot as usize].fetch_sub(1, Ordering::Relaxed);
         }
-        let counted = !bound && (slot as usize) < MAX_BACKENDS;
+        // An end taken over while its request was on its way counts for
+        // nobody: its conversation went on.
+        let counted = !bound && !e.taken && (slot as usize) < MAX_BACKENDS;
         let shared = match c.continues {
             Some(_) => e.shared,
             // Never all of it: its next turn must still be able to extend it.
@@ -622,6 +652,21 @@ impl Conversations {
         }
     }
 
+    /// End `i` is continued: it names its conversation no more, but stays
+    /// (until its TTL or capacity drops it) so that a fork of it is known.
+    fn take_over(&self, inner: &mut Inner, i: u32) {
+        let e = &mut inner.ends[i as usize];
+        if e.taken {
+            return;
+        }
+        if e.counted {
+            self.probation[e.slot as usize].fetch_sub(1, Ordering::Relaxed);
+        }
+        e.counted = false;
+        e.taken = true;
+        inner.taken += 1;
+    }
+
     fn remove(&self, inner: &mut Inner, i: u32) {
         let e = inner.ends[i as usize];
         if !e.live {
@@ -640,6 +685,7 @@ impl Conversations {
         slot.counted = false;
         inner.free.push(i);
         inner.live -= 1;
+        inner.taken -= e.taken as usize;
     }
 }
 
@@ -929,6 +975,8 @@ mod tests {
         let seconds: Vec<Conversation> =
             (0..8).map(|i| turn(&cs, &second(i), 0, false, 0)).collect();
         assert!(seconds.iter().all(|c| c.continues.is_none()), "{seconds:?}");
+        // Nor is any a fork of one of them: the opening is everyone's.
+        assert!(seconds.iter().all(|c| c.forked_at.is_none()), "{seconds:?}");
         let names: std::collections::HashSet<u128> = seconds.iter().map(|c| c.id).collect();
         assert_eq!(names.len(), 8);
         // ... and from then on each continues its own.
@@ -1020,6 +1068,47 @@ mod tests {
         assert_eq!(left.id, a.id);
         assert_ne!(right.id, a.id);
         assert_eq!(right.continues, None);
+    }
+
+    #[test]
+    fn a_fork_of_a_conversation_knows_where_the_turn_it_forks_went() {
+        let cs = conversations();
+        let first = vec![
+            ("system", system()),
+            (
+                "user",
+                "Document: the parser's grammar, all of it".repeat(8),
+            ),
+        ];
+        let a = turn(&cs, &chat(&first), 2, false, 0);
+        // The parent's next turn continues it; two subagents repeat its
+        // transcript with tasks of their own: forks, each a conversation
+        // of its own that knows where the transcript went.
+        let with = |extra: &[(&str, String)]| {
+            let mut m = first.clone();
+            m.push(("assistant", "read it".into()));
+            m.extend(extra.iter().cloned());
+            chat(&m)
+        };
+        let parent = turn(
+            &cs,
+            &with(&[("user", "now fix the bug".into())]),
+            2,
+            true,
+            0,
+        );
+        assert_eq!(parent.id, a.id);
+        assert_eq!(parent.forked_at, None);
+        for task in ["write the tests", "review the fix"] {
+            let child = turn(&cs, &with(&[("user", task.to_string())]), 0, false, 0);
+            assert_ne!(child.id, a.id);
+            assert_eq!(child.continues, None);
+            assert_eq!(child.forked_at, Some(2), "{task}");
+        }
+        // Only the parent's conversation is live to continue: the taken
+        // end tells forks where it went, and is no conversation.
+        assert_eq!(cs.len(), 3);
+        assert_eq!(cs.probation(2), 0, "the parent is bound");
     }
 
     #[test]
