@@ -262,17 +262,6 @@ async fn a_quiet_tenant_is_not_stuck_behind_a_noisy_tenants_queue() {
     assert!(quiet_at <= 1, "served {order:?}");
 }
 
-fn keys_file(entries: &[(&str, &str, &str)]) -> String {
-    let mut s = String::from("keys:\n");
-    for (key, tenant, extra) in entries {
-        s += &format!(
-            "  - key_sha256: {}\n    tenant: {tenant}\n{extra}",
-            agent_gateway::auth::hash_key(key)
-        );
-    }
-    s
-}
-
 #[tokio::test]
 async fn client_keys_give_401_and_429_per_limit_and_reload_with_sighup() {
     let dir = tempfile::tempdir().unwrap();

@@ -264,13 +264,7 @@ async fn a_tenant_cannot_tell_a_right_guess_at_another_tenants_prompt_from_a_wro
     // tell the guesses apart.
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.yaml");
-    let mut file = String::from("keys:\n");
-    for (key, tenant) in [("sk-tenant-a", "a"), ("sk-tenant-b", "b")] {
-        file += &format!(
-            "  - key_sha256: {}\n    tenant: {tenant}\n",
-            agent_gateway::auth::hash_key(key)
-        );
-    }
+    let file = keys_file(&[("sk-tenant-a", "a", ""), ("sk-tenant-b", "b", "")]);
     std::fs::write(&keys, file).unwrap();
     let (_sims, gw) = fleet(
         1,

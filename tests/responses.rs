@@ -266,13 +266,8 @@ async fn a_conversation_of_the_conversations_api_is_a_session() {
 async fn responses_and_anthropic_usage_count_against_a_keys_token_limit() {
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.yaml");
-    let mut file = String::from("keys:\n");
-    for (key, tenant) in [("sk-responses", "r"), ("sk-messages", "m")] {
-        file += &format!(
-            "  - key_sha256: {}\n    tenant: {tenant}\n    tokens_per_minute: 600\n",
-            agent_gateway::auth::hash_key(key)
-        );
-    }
+    let limit = "    tokens_per_minute: 600\n";
+    let file = keys_file(&[("sk-responses", "r", limit), ("sk-messages", "m", limit)]);
     std::fs::write(&keys, file).unwrap();
     let (_sims, gw) = fleet(
         1,

@@ -305,6 +305,31 @@ fn output_token(i: u64) -> String {
     format!("t{} ", i % 97)
 }
 
+/// A stream's clock: token i leaves at its start + i × the decode time,
+/// paced against the start so that timer granularity does not add up per
+/// token (a stream then decodes as fast as a JSON answer does).
+struct Pace {
+    start: tokio::time::Instant,
+    per_token_us: f64,
+}
+
+impl Pace {
+    fn new(per_token_us: f64) -> Self {
+        Pace {
+            start: tokio::time::Instant::now(),
+            per_token_us,
+        }
+    }
+
+    /// Wait until token `i` is due.
+    async fn token(&self, i: u64) {
+        if i > 0 && self.per_token_us >= 1.0 {
+            let at = Duration::from_micros((self.per_token_us * i as f64) as u64);
+            tokio::time::sleep_until(self.start + at).await;
+        }
+    }
+}
+
 /// A stream of server-sent events, each as the channel gives it.
 fn sse_response(rx: mpsc::Receiver<Bytes>) -> Response<Body> {
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
@@ -754,16 +779,12 @@ impl Sim {
                     .send(event("response.created", json!({"response": created})))
                     .await
                     .is_ok();
-                let start = tokio::time::Instant::now();
-                let per_token = sim.cfg.decode_us_per_token * slowdown;
+                let pace = Pace::new(sim.cfg.decode_us_per_token * slowdown);
                 for i in 0..max_out {
                     if !open {
                         break;
                     }
-                    if i > 0 && per_token >= 1.0 {
-                        let at = Duration::from_micros((per_token * i as f64) as u64);
-                        tokio::time::sleep_until(start + at).await;
-                    }
+                    pace.token(i).await;
                     let delta = json!({"item_id": format!("msg_{id}"), "output_index": 0,
                                        "content_index": 0, "delta": output_token(i)});
                     open = tx
@@ -806,16 +827,12 @@ impl Sim {
                         ))
                         .await
                         .is_ok();
-                let start = tokio::time::Instant::now();
-                let per_token = sim.cfg.decode_us_per_token * slowdown;
+                let pace = Pace::new(sim.cfg.decode_us_per_token * slowdown);
                 for i in 0..max_out {
                     if !open {
                         break;
                     }
-                    if i > 0 && per_token >= 1.0 {
-                        let at = Duration::from_micros((per_token * i as f64) as u64);
-                        tokio::time::sleep_until(start + at).await;
-                    }
+                    pace.token(i).await;
                     open = tx
                         .send(event(
                             "content_block_delta",
@@ -862,16 +879,9 @@ impl Sim {
                                "choices": choice, "usage": usage});
                 Bytes::from(format!("data: {v}\n\n"))
             };
-            // Token i leaves at start + i × the decode time: paced against
-            // the start, so timer granularity does not add up per token
-            // (a stream then decodes as fast as a JSON answer does).
-            let start = tokio::time::Instant::now();
-            let per_token = sim.cfg.decode_us_per_token * slowdown;
+            let pace = Pace::new(sim.cfg.decode_us_per_token * slowdown);
             for i in 0..max_out {
-                if i > 0 && per_token >= 1.0 {
-                    let at = Duration::from_micros((per_token * i as f64) as u64);
-                    tokio::time::sleep_until(start + at).await;
-                }
+                pace.token(i).await;
                 let finish = if i + 1 == max_out {
                     json!("length")
                 } else {

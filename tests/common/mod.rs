@@ -688,3 +688,16 @@ impl Pki {
         cert.der().to_vec()
     }
 }
+
+/// A keys file (`auth.keys_file`): each (key, tenant, YAML lines of the
+/// entry's limits, indented four spaces).
+pub fn keys_file(entries: &[(&str, &str, &str)]) -> String {
+    let mut s = String::from("keys:\n");
+    for (key, tenant, extra) in entries {
+        s += &format!(
+            "  - key_sha256: {}\n    tenant: {tenant}\n{extra}",
+            agent_gateway::auth::hash_key(key)
+        );
+    }
+    s
+}
