@@ -262,19 +262,8 @@ async fn a_tenant_cannot_tell_a_right_guess_at_another_tenants_prompt_from_a_wro
     // Two tenants with keys of their own. One backend: whatever the index
     // says, every request goes there, and only what the answers show can
     // tell the guesses apart.
-    let dir = tempfile::tempdir().unwrap();
-    let keys = dir.path().join("keys.yaml");
-    let file = keys_file(&[("sk-tenant-a", "a", ""), ("sk-tenant-b", "b", "")]);
-    std::fs::write(&keys, file).unwrap();
-    let (_sims, gw) = fleet(
-        1,
-        &format!(
-            "{}auth:\n  keys_file: \"{}\"\n  required: true\n",
-            affinity_yaml(1800),
-            keys.display()
-        ),
-    )
-    .await;
+    let (_dir, _sims, gw) =
+        fleet_with_keys(&[("sk-tenant-a", "a", ""), ("sk-tenant-b", "b", "")]).await;
     let c = client();
     let (a, b) = (
         ("authorization", "Bearer sk-tenant-a"),

@@ -264,20 +264,9 @@ async fn a_conversation_of_the_conversations_api_is_a_session() {
 /// 800 through on each API, then 429 on its next.
 #[tokio::test]
 async fn responses_and_anthropic_usage_count_against_a_keys_token_limit() {
-    let dir = tempfile::tempdir().unwrap();
-    let keys = dir.path().join("keys.yaml");
     let limit = "    tokens_per_minute: 600\n";
-    let file = keys_file(&[("sk-responses", "r", limit), ("sk-messages", "m", limit)]);
-    std::fs::write(&keys, file).unwrap();
-    let (_sims, gw) = fleet(
-        1,
-        &format!(
-            "{}auth:\n  keys_file: \"{}\"\n  required: true\n",
-            affinity_yaml(1800),
-            keys.display()
-        ),
-    )
-    .await;
+    let (_dir, _sims, gw) =
+        fleet_with_keys(&[("sk-responses", "r", limit), ("sk-messages", "m", limit)]).await;
     let c = client();
     let long = "look at the failing test and fix it ".repeat(80);
     let responses = json!({"model": "m", "input": long, "max_output_tokens": 4});

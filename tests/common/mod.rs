@@ -701,3 +701,23 @@ pub fn keys_file(entries: &[(&str, &str, &str)]) -> String {
     }
     s
 }
+
+/// One replica behind a gateway that requires client keys: `entries` as
+/// [`keys_file`] takes them. The directory holds the keys file.
+pub async fn fleet_with_keys(
+    entries: &[(&str, &str, &str)],
+) -> (tempfile::TempDir, Vec<SimBackend>, Gateway) {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.yaml");
+    std::fs::write(&keys, keys_file(entries)).unwrap();
+    let (sims, gw) = fleet(
+        1,
+        &format!(
+            "{}auth:\n  keys_file: \"{}\"\n  required: true\n",
+            affinity_yaml(1800),
+            keys.display()
+        ),
+    )
+    .await;
+    (dir, sims, gw)
+}
