@@ -15,7 +15,7 @@
 //!     weight: 2                  # fair share against other tenants
 //!     max_in_flight: 16          # 0: no limit (the same for the two below)
 //!     requests_per_minute: 600
-//!     tokens_per_minute: 200000  # prompt + completion, from responses' usage
+//!     tokens_per_minute: 200000  # prompt + completion: estimated up front, settled from usage
 //! ```
 
 use crate::admission::Class;
@@ -204,9 +204,17 @@ impl Client {
         Ok(slot)
     }
 
-    /// Debit what a finished request used (its `usage`).
-    pub fn used_tokens(&self, tokens: u64) {
-        if self.limits.tokens_per_minute > 0 && tokens > 0 {
+    /// Whether its tenant's tokens are counted (`tokens_per_minute`).
+    pub fn counts_tokens(&self) -> bool {
+        self.limits.tokens_per_minute > 0
+    }
+
+    /// Debit `tokens` from the tenant's `tokens_per_minute` (a negative
+    /// amount gives them back): an estimate when a request is admitted, so
+    /// that requests sent together cannot all pass while the bucket is
+    /// positive, and what it used against that estimate when it ends.
+    pub fn charge_tokens(&self, tokens: i64) {
+        if self.counts_tokens() && tokens != 0 {
             let mut b = self.tenant.tokens.lock();
             *b.refill(self.limits.tokens_per_minute as f64, Instant::now()) -= tokens as f64;
         }
@@ -503,7 +511,7 @@ mod tests {
             .unwrap();
         let c = auth.keys().look_up(b"k").unwrap();
         drop(c.take().unwrap());
-        c.used_tokens(900);
+        c.charge_tokens(900);
         let e = c.take().err().unwrap();
         assert_eq!(e.limit, "tokens_per_minute");
         assert!((29..=30).contains(&e.retry_after_s), "{e:?}");

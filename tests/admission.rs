@@ -572,3 +572,164 @@ async fn a_new_sessions_concurrent_requests_queue_together_not_behind_single_fli
     assert_eq!(first.await.unwrap().unwrap(), 200);
     assert_eq!(second.await.unwrap().unwrap(), 200);
 }
+
+// Issue 36: a tenant cannot dodge what its key grants.
+
+/// A keys file in a fresh directory, and the `auth` section naming it
+/// (keys optional: clients without one are served too).
+fn keys_section(entries: &[(&str, &str, &str)]) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.yaml");
+    std::fs::write(&keys, keys_file(entries)).unwrap();
+    let section = format!("auth:\n  keys_file: \"{}\"\n", keys.display());
+    (dir, section)
+}
+
+#[tokio::test]
+async fn a_keys_class_is_a_ceiling_its_header_can_lower_it_never_raise_it() {
+    let (_keys, auth) = keys_section(&[
+        ("sk-batch", "bulk", "    priority: batch\n"),
+        ("sk-plain", "plain", ""),
+        ("sk-person", "desk", "    priority: interactive\n"),
+    ]);
+    let (sims, gw) = one_slot(60_000, &auth).await;
+    let h = |key: &str, class: Option<&str>| {
+        let mut v = vec![("authorization", format!("Bearer {key}"))];
+        if let Some(c) = class {
+            v.push(("x-agent-serve-priority", c.to_string()));
+        }
+        v
+    };
+    let order = served_order(
+        &gw,
+        &sims[0],
+        &[],
+        vec![
+            // First in line, and claiming to be a person waiting.
+            (
+                "batch key says interactive",
+                h("sk-batch", Some("interactive")),
+            ),
+            (
+                "plain key says interactive",
+                h("sk-plain", Some("interactive")),
+            ),
+            ("interactive key says batch", h("sk-person", Some("batch"))),
+            ("interactive key", h("sk-person", None)),
+        ],
+    )
+    .await;
+    assert_eq!(
+        order[..2],
+        ["interactive key", "plain key says interactive"],
+        "{order:?}"
+    );
+    let mut rest = order[2..].to_vec();
+    rest.sort();
+    assert_eq!(
+        rest,
+        ["batch key says interactive", "interactive key says batch"],
+        "{order:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_clients_key_never_reaches_the_engine_once_the_gateway_checks_keys() {
+    let (_dir, sims, gw) = fleet_with_keys(&[("sk-own-secret", "acme", "")]).await;
+    for header in [
+        ("authorization", "Bearer sk-own-secret"),
+        ("x-api-key", "sk-own-secret"),
+    ] {
+        let r = chat(&client(), &gw, &[header], &chat_body("qwen3-8b", 0)).await;
+        assert_eq!(r.status, 200);
+        let seen = &sims[0].stats().await["last_headers"];
+        assert!(
+            seen.get(header.0).is_none(),
+            "{header:?} reached the engine: {seen}"
+        );
+    }
+    // Without keys the gateway is not the one checking them: the client's
+    // own goes on, as an engine started with --api-key needs.
+    let (sims, gw) = fleet(1, &affinity_yaml(600)).await;
+    let r = chat(
+        &client(),
+        &gw,
+        &[("authorization", "Bearer sk-engine")],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        sims[0].stats().await["last_headers"]["authorization"],
+        "Bearer sk-engine"
+    );
+}
+
+/// A streamed chat request for `tokens` tokens, without
+/// `stream_options.include_usage` (the SDKs' default: no usage comes back).
+fn long_stream(turn: usize, tokens: u64) -> Value {
+    let mut body = chat_body("qwen3-8b", turn);
+    body["stream"] = json!(true);
+    body["max_tokens"] = json!(tokens);
+    body
+}
+
+#[tokio::test]
+async fn streams_without_usage_are_charged_to_tokens_per_minute() {
+    let (_dir, _sims, gw) =
+        fleet_with_keys(&[("sk-metered", "metered", "    tokens_per_minute: 3000\n")]).await;
+    let key = ("authorization", "Bearer sk-metered");
+    // One conversation, turn after turn: from its second turn on the body
+    // streams through unread (its max_tokens unknown up front), so only
+    // what came back can charge it.
+    let mut statuses = Vec::new();
+    for turn in 0..4 {
+        let r = chat(
+            &client(),
+            &gw,
+            &[key, ("x-session-id", "metered-task")],
+            &long_stream(turn, 2500),
+        )
+        .await;
+        let text = String::from_utf8_lossy(&r.body);
+        assert!(!text.contains("\"usage\":{"), "no usage came back: {text}");
+        statuses.push(r.status);
+    }
+    assert_eq!(statuses[0], 200, "{statuses:?}");
+    assert!(
+        statuses.contains(&429),
+        "10,000 tokens under 3,000 a minute: {statuses:?}"
+    );
+}
+
+#[tokio::test]
+async fn requests_sent_together_are_charged_before_they_are_answered() {
+    let (_dir, _sims, gw) =
+        fleet_with_keys(&[("sk-metered", "metered", "    tokens_per_minute: 3000\n")]).await;
+    let sent: Vec<_> = (0..4)
+        .map(|i| {
+            let gw_url = gw.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                client()
+                    .post(gw_url)
+                    .header("authorization", "Bearer sk-metered")
+                    .header("x-session-id", format!("together-{i}"))
+                    .json(&long_stream(i, 2500))
+                    .send()
+                    .await
+                    .expect("answered")
+                    .status()
+                    .as_u16()
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for s in sent {
+        statuses.push(s.await.unwrap());
+    }
+    assert!(statuses.contains(&200), "{statuses:?}");
+    assert!(
+        statuses.contains(&429),
+        "four 2,500-token requests at once under 3,000 a minute: {statuses:?}"
+    );
+}

@@ -232,6 +232,14 @@ impl<'a> BodyProbe<'a> {
         Some(found)
     }
 
+    /// The most output tokens it asks for (`max_completion_tokens`,
+    /// `max_tokens`, or Responses' `max_output_tokens`).
+    pub fn max_output_tokens(&self) -> Option<u64> {
+        ["max_completion_tokens", "max_tokens", "max_output_tokens"]
+            .iter()
+            .find_map(|f| std::str::from_utf8(self.raw(f)?).ok()?.trim().parse().ok())
+    }
+
     pub fn is_stream(&self) -> bool {
         self.raw("stream") == Some(b"true")
     }

@@ -298,7 +298,12 @@ pub(super) fn validate_auth(a: &FileAuth, errors: &mut Vec<ConfigError>) -> Auth
             a.upstream_key.as_deref(),
             errors,
         )
-        .unwrap_or(UpstreamAuthorization::Pass),
+        // Once the gateway authenticates clients, their keys are its own
+        // business: none goes upstream unless asked for.
+        .unwrap_or(match a.keys_file {
+            Some(_) => UpstreamAuthorization::Strip,
+            None => UpstreamAuthorization::Pass,
+        }),
     }
 }
 

@@ -227,9 +227,10 @@ impl GatewayProxy {
             if let Some(u) = usage {
                 counters.prompt_tokens.inc_by(u.prompt_tokens);
                 counters.completion_tokens.inc_by(u.completion_tokens);
-                if let Some(c) = &ctx.who.client {
-                    c.used_tokens(u.prompt_tokens + u.completion_tokens);
-                }
+            }
+            if let (Some(c), Some(tally)) = (&ctx.who.client, &ctx.who.tokens) {
+                let used = tally.used(usage.as_ref(), ctx.first_byte.is_some());
+                c.charge_tokens(used as i64 - tally.charged as i64);
             }
         }
         if let (Some(u), Some(b)) = (usage, &ctx.backend) {

@@ -135,6 +135,9 @@ impl GatewayProxy {
             if let Some(scanner) = ctx.usage.as_mut() {
                 scanner.push(chunk);
             }
+            if let Some(tally) = ctx.who.tokens.as_mut() {
+                tally.saw(chunk, ctx.streamed);
+            }
             if let Some(id) = ctx.response_id.as_mut().and_then(|s| s.push(chunk)) {
                 self.learn_response(ctx, &id);
             }

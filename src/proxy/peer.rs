@@ -22,7 +22,7 @@ const CLIENT_LOOK: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Bytes of a request body per prompt token, for estimating a prefill before
 /// the backend has said how many tokens it was (about 4 for English text).
-const BODY_BYTES_PER_TOKEN: u64 = 4;
+pub(super) const BODY_BYTES_PER_TOKEN: u64 = 4;
 
 /// The prompt tokens a request holds: its prompt's own estimate when it was
 /// read (token ids counted, text at 4 bytes a token), else estimated from
@@ -31,7 +31,7 @@ const BODY_BYTES_PER_TOKEN: u64 = 4;
 /// The first is in the units of what the prefix index says is held: taking
 /// a token-id prompt's held part off its body's bytes / 4 left a phantom
 /// third of it queued.
-fn body_tokens(ctx: &RequestCtx) -> u64 {
+pub(super) fn body_tokens(ctx: &RequestCtx) -> u64 {
     if let Some(route) = ctx.prefix.as_deref() {
         return route.tokens();
     }
@@ -191,7 +191,7 @@ impl GatewayProxy {
                 if ctx.who.class_named {
                     adm.name_class(sref.key, ctx.who.class);
                 } else if let Some(c) = sref.parent.and_then(|p| adm.named_class(p)) {
-                    ctx.who.class = c;
+                    ctx.who.class = ctx.who.ceiling.map_or(c, |ceiling| c.max(ceiling));
                 }
             }
             ctx.who.permit = Some(

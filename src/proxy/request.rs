@@ -192,9 +192,18 @@ impl GatewayProxy {
                 None => None,
             };
             ctx.who.class_named = class.is_some();
-            ctx.who.class = class
-                .or(client.as_ref().and_then(|c| c.class))
-                .unwrap_or(adm.default_priority);
+            // A key's class (else the default) is its ceiling: a header may
+            // lower it, never raise it, or a batch key could starve everyone
+            // by calling itself interactive. Without keys nobody is known and
+            // the header is taken as sent.
+            ctx.who.ceiling = client
+                .as_ref()
+                .map(|c| c.class.unwrap_or(adm.default_priority));
+            ctx.who.class = match (class, ctx.who.ceiling) {
+                (Some(asked), Some(ceiling)) => asked.max(ceiling),
+                (Some(asked), None) => asked,
+                (None, ceiling) => ceiling.unwrap_or(adm.default_priority),
+            };
             ctx.who.max_wait = headers
                 .get(&adm.max_wait_header)
                 .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
@@ -351,6 +360,7 @@ impl GatewayProxy {
             _ => None,
         };
         let mut chain = None;
+        let mut max_output = None;
         if needs_body || replay_hold.is_some() {
             let body = match request_body::pre_read(session, declared, limit).await {
                 Ok(b) => b,
@@ -371,6 +381,7 @@ impl GatewayProxy {
                 Some(self.gw.body_budget.hold(ctx.body_bytes))
             });
             if let Some(probe) = needs_body.then(|| BodyProbe::parse(&body)).flatten() {
+                max_output = probe.max_output_tokens();
                 let model = probe.model();
                 if tier.is_none() {
                     if let Some(model) = &model {
@@ -418,6 +429,16 @@ impl GatewayProxy {
             ctx.body = Some(body);
         }
         let tier = tier.unwrap_or_else(|| Arc::clone(routing.default_tier()));
+        if let Some(c) = ctx.who.client.as_ref().filter(|c| c.counts_tokens()) {
+            let prompt = super::peer::body_tokens(ctx);
+            let charged = prompt.saturating_add(max_output.unwrap_or(0));
+            c.charge_tokens(charged.min(i64::MAX as u64) as i64);
+            ctx.who.tokens = Some(TokenTally {
+                charged,
+                prompt,
+                ..Default::default()
+            });
+        }
         // No key from the client: the conversation its prompt belongs to.
         let implicit = match (&session_id, ctx.prefix.as_deref()) {
             (None, Some(route)) => route.conversation().copied(),

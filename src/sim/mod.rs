@@ -121,7 +121,13 @@ struct Sim {
     /// Responses this replica stored (`/v1/responses`), as vLLM keeps them
     /// in its own memory: id -> the conversation through that response.
     stored: Mutex<std::collections::HashMap<String, Arc<Transcript>>>,
+    /// The headers of these names the last POST carried (for tests: what
+    /// reaches an engine).
+    last_headers: Mutex<serde_json::Map<String, Value>>,
 }
+
+/// Headers a test may ask whether an engine received.
+const SEEN_HEADERS: [&str; 4] = ["authorization", "x-api-key", "traceparent", "x-request-id"];
 
 /// A conversation as (role, text) messages.
 type Transcript = Vec<(String, String)>;
@@ -176,6 +182,7 @@ pub async fn spawn(cfg: SimConfig) -> std::io::Result<SocketAddr> {
         running: AtomicU64::new(0),
         waiting: AtomicU64::new(0),
         requests: AtomicU64::new(0),
+        last_headers: Default::default(),
         active_streams: AtomicU64::new(0),
         faults: Mutex::new(Faults {
             fail_rate: cfg.fail_rate,
@@ -422,6 +429,15 @@ impl Sim {
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
         let path = req.uri().path().to_string();
         let method = req.method().clone();
+        if method == hyper::Method::POST && !path.starts_with("/sim/") {
+            *self.last_headers.lock() = SEEN_HEADERS
+                .iter()
+                .filter_map(|h| {
+                    let v = req.headers().get(*h)?.to_str().ok()?;
+                    Some((h.to_string(), json!(v)))
+                })
+                .collect();
+        }
         match (method.as_str(), path.as_str()) {
             ("GET", "/health") => {
                 if self.faults.lock().unhealthy {
@@ -938,6 +954,7 @@ impl Sim {
             "prefix_cache_queries": c.queries_tokens,
             "prefix_cache_hits": c.hit_tokens,
             "cache_blocks": c.len_blocks(),
+            "last_headers": self.last_headers.lock().clone(),
         })
     }
 
