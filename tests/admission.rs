@@ -733,3 +733,103 @@ async fn requests_sent_together_are_charged_before_they_are_answered() {
         "four 2,500-token requests at once under 3,000 a minute: {statuses:?}"
     );
 }
+
+#[tokio::test]
+async fn a_queued_turn_of_a_live_session_is_not_cut_for_the_time_it_waited() {
+    let sims = [SimBackend::start("vllm-0", &[])];
+    // A body must come at 8 KB/s after its first half second.
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        |_| "  body_min_rate_bytes_per_s: 8000\n  body_rate_grace_ms: 500\n".to_string(),
+        &format!(
+            "{FAST_HEALTH}{}admission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: 60000\n",
+            affinity_yaml(600)
+        ),
+    )
+    .await;
+    let session = [("x-session-id", "long-context")];
+    let r = chat(&client(), &gw, &session, &chat_body("qwen3-8b", 0)).await;
+    assert_eq!(r.status, 200);
+    let mut held = hold_the_slot(&gw, &sims[0], &[]).await;
+    // Its next turn, 12 KB, sent at once, waits for the slot: as a live
+    // binding's turn it waits with its body unread.
+    let mut body = chat_body("qwen3-8b", 1);
+    body["messages"][0]["content"] = json!("x".repeat(12 * 1024));
+    let url = gw.url("/v1/chat/completions");
+    let turn = tokio::spawn(async move {
+        client()
+            .post(url)
+            .header("x-session-id", "long-context")
+            .json(&body)
+            .send()
+            .await
+            .expect("answered")
+            .status()
+            .as_u16()
+    });
+    wait_until("the turn to queue", || async {
+        metric_value(&gw.metrics_text().await, &queued("normal")) == 1.0
+    })
+    .await;
+    // Three seconds in the queue: at 8 KB/s, 24 KB of body time.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    sims[0].release_streams().await;
+    while held.next().await.is_some() {}
+    assert_eq!(turn.await.unwrap(), 200);
+}
+
+#[tokio::test]
+async fn fair_share_charges_what_the_engine_will_compute_not_what_it_holds() {
+    let (sims, gw) = one_slot(60_000, "").await;
+    // A long conversation the backend holds: its next turn adds a line.
+    let transcript: String = (0..3000).map(|i| format!("fact{i} ")).collect();
+    let mut body = chat_body("qwen3-8b", 0);
+    body["messages"][0]["content"] = json!(transcript);
+    let r = chat(&client(), &gw, &[("x-session-id", "deep")], &body).await;
+    assert_eq!(r.status, 200);
+    let mut next = body.clone();
+    next["messages"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role": "user", "content": "and one more"}));
+    // Queued first: the deep conversation's warm turn (thousands of tokens,
+    // nearly all held), then a new tenant's cold 300-token question. Each
+    // tenant is new here, so the one that asks the engine for less goes
+    // first.
+    let mut held = hold_the_slot(&gw, &sims[0], &[]).await;
+    let order = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let mut cold = chat_body("qwen3-8b", 7);
+    cold["messages"][0]["content"] = json!((0..300).map(|i| format!("q{i} ")).collect::<String>());
+    let mut tasks = Vec::new();
+    for (i, (name, session, key, body)) in [
+        ("warm turn", "deep", "Bearer agent", next),
+        ("cold question", "fresh", "Bearer chat", cold),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (url, order) = (gw.url("/v1/chat/completions"), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let r = client()
+                .post(url)
+                .header("x-session-id", session)
+                .header("authorization", key)
+                .json(&body)
+                .send()
+                .await
+                .expect("answered");
+            assert_eq!(r.status(), 200);
+            order.lock().push(name);
+        }));
+        wait_until("the request to queue", || async {
+            metric_value(&gw.metrics_text().await, &queued("normal")) == (i + 1) as f64
+        })
+        .await;
+    }
+    sims[0].release_streams().await;
+    while held.next().await.is_some() {}
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(*order.lock(), ["warm turn", "cold question"]);
+}

@@ -86,6 +86,16 @@ impl ConnState {
         };
     }
 
+    /// The gateway starts reading a body it held back (the request waited
+    /// for a slot, or for its session's first placement): the body's rate
+    /// counts from now, not from when its headers came.
+    pub fn body_clock_restart(&self) {
+        if let Phase::Body { since_ms, bytes } = &mut *self.phase.lock() {
+            *since_ms = now_ms();
+            *bytes = 0;
+        }
+    }
+
     pub fn body_done(&self) {
         *self.phase.lock() = Phase::Response;
     }

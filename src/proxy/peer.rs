@@ -195,8 +195,14 @@ impl GatewayProxy {
                 }
             }
             ctx.who.permit = Some(
-                self.admit(session, ctx, &tier, &backend, body_tokens)
-                    .await?,
+                self.admit(
+                    session,
+                    ctx,
+                    &tier,
+                    &backend,
+                    new_tokens.unwrap_or(body_tokens),
+                )
+                .await?,
             );
         }
         ctx.in_flight = Some(InFlight::new(
@@ -224,6 +230,10 @@ impl GatewayProxy {
         if ctx.body.is_none() {
             // A retry streams the body again from Pingora's retry buffer.
             ctx.body_bytes = 0;
+        }
+        // Time parked here was not the client's to send its body in.
+        if let Some(conn) = &ctx.conn {
+            conn.body_clock_restart();
         }
         ctx.backend = Some(backend);
         Ok(Box::new(peer))
