@@ -160,6 +160,37 @@ impl Drop for TenantSlot {
 impl Client {
     /// Count one request against the tenant's limits, or say which it is over.
     pub fn take(&self) -> Result<TenantSlot, OverLimit> {
+        let slot = self.take_slot()?;
+        self.take_rates()?;
+        Ok(slot)
+    }
+
+    /// Count one request against the tenant's `max_in_flight` (each
+    /// gateway's own: what it runs at once).
+    pub fn take_slot(&self) -> Result<TenantSlot, OverLimit> {
+        let t = &self.tenant;
+        let max = self.limits.max_in_flight;
+        if max > 0 {
+            let admitted = t
+                .in_flight
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < max).then_some(n + 1)
+                })
+                .is_ok();
+            if !admitted {
+                return Err(OverLimit {
+                    limit: "max_in_flight",
+                    retry_after_s: 1,
+                });
+            }
+        }
+        Ok(TenantSlot((max > 0).then(|| Arc::clone(t))))
+    }
+
+    /// Count one request against the tenant's per-minute limits in this
+    /// gateway's own buckets (a fleet's store keeps shared ones: see
+    /// [`Client::take_fleet_rates`]).
+    pub fn take_rates(&self) -> Result<(), OverLimit> {
         let t = &self.tenant;
         let l = self.limits;
         let now = Instant::now();
@@ -174,21 +205,6 @@ impl Client {
                 });
             }
         }
-        if l.max_in_flight > 0 {
-            let admitted = t
-                .in_flight
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                    (n < l.max_in_flight).then_some(n + 1)
-                })
-                .is_ok();
-            if !admitted {
-                return Err(OverLimit {
-                    limit: "max_in_flight",
-                    retry_after_s: 1,
-                });
-            }
-        }
-        let slot = TenantSlot((l.max_in_flight > 0).then(|| Arc::clone(t)));
         if l.requests_per_minute > 0 {
             let mut b = t.requests.lock();
             let rate = l.requests_per_minute as f64;
@@ -201,7 +217,72 @@ impl Client {
             }
             *level -= 1.0;
         }
-        Ok(slot)
+        Ok(())
+    }
+
+    /// Whether its tenant has per-minute limits.
+    pub fn has_rates(&self) -> bool {
+        self.limits.requests_per_minute > 0 || self.limits.tokens_per_minute > 0
+    }
+
+    /// The same limits as [`Client::take_rates`], held by the fleet's
+    /// `store` (on its clock, by a script: every gateway draws from one
+    /// bucket); `charge` tokens are taken up front with the request.
+    pub async fn take_fleet_rates(
+        &self,
+        store: &crate::affinity::store::SharedStore,
+        charge: u64,
+    ) -> Result<Result<(), OverLimit>, crate::affinity::store::StoreError> {
+        let l = self.limits;
+        let name = &self.tenant.name;
+        if l.tokens_per_minute > 0 {
+            let rate = l.tokens_per_minute;
+            let (taken, level) = store
+                .limit(&format!("{name}:tpm"), rate, Some(0.0), charge as f64)
+                .await?;
+            if !taken {
+                return Ok(Err(OverLimit {
+                    limit: "tokens_per_minute",
+                    retry_after_s: retry_s(wait_for(level, 0.0, rate as f64)),
+                }));
+            }
+        }
+        if l.requests_per_minute > 0 {
+            let rate = l.requests_per_minute as u64;
+            let (taken, level) = store
+                .limit(&format!("{name}:rpm"), rate, Some(1.0), 1.0)
+                .await?;
+            if !taken {
+                if l.tokens_per_minute > 0 && charge > 0 {
+                    // Refused: the tokens taken for it go back.
+                    let back = -(charge as f64);
+                    let _ = store
+                        .limit(&format!("{name}:tpm"), l.tokens_per_minute, None, back)
+                        .await;
+                }
+                return Ok(Err(OverLimit {
+                    limit: "requests_per_minute",
+                    retry_after_s: retry_s(wait_for(level, 1.0, rate as f64)),
+                }));
+            }
+        }
+        Ok(Ok(()))
+    }
+
+    /// Debit `tokens` from the fleet's bucket of the tenant (a negative
+    /// amount gives them back).
+    pub async fn charge_fleet_tokens(
+        &self,
+        store: &crate::affinity::store::SharedStore,
+        tokens: i64,
+    ) -> Result<(), crate::affinity::store::StoreError> {
+        if self.counts_tokens() && tokens != 0 {
+            let name = format!("{}:tpm", self.tenant.name);
+            store
+                .limit(&name, self.limits.tokens_per_minute, None, tokens as f64)
+                .await?;
+        }
+        Ok(())
     }
 
     /// Whether its tenant's tokens are counted (`tokens_per_minute`).

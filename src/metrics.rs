@@ -43,6 +43,7 @@ pub struct Metrics {
     pub store_errors: IntCounterVec,
     pub store_latency: HistogramVec,
     pub store_unsynced_dropped: IntCounter,
+    pub tenant_limits_local: IntCounter,
     pub store_up: IntGaugeVec,
     pub prefix_index_entries: IntGaugeVec,
     pub prefix_index_bytes: IntGaugeVec,
@@ -331,6 +332,15 @@ impl Metrics {
                 let c = IntCounter::new(
                     "agentserve_store_unsynced_dropped_total",
                     "Bindings made while the store was unreachable that were not remembered for write-back (over 100,000 waiting)",
+                )
+                .expect("valid metric");
+                r.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
+            tenant_limits_local: {
+                let c = IntCounter::new(
+                    "agentserve_tenant_limits_local_total",
+                    "Requests whose tenant's requests_per_minute / tokens_per_minute this gateway checked alone, the fleet's store being unreachable",
                 )
                 .expect("valid metric");
                 r.register(Box::new(c.clone())).expect("unique metric");

@@ -1350,3 +1350,77 @@ async fn a_chain_of_stored_responses_alternating_between_gateways_never_meets_a_
     }
     assert!(split(&homes).is_empty(), "{:?}", split(&homes));
 }
+
+#[tokio::test]
+async fn a_tenants_limits_hold_across_the_fleet_and_each_gateway_keeps_them_without_the_store() {
+    let mut redis = Redis::start_on(free_port());
+    let sims = [SimBackend::start("vllm-0", &[])];
+    let keys = tempfile::tempdir().unwrap();
+    let keys_path = keys.path().join("keys.yaml");
+    std::fs::write(
+        &keys_path,
+        keys_file(&[
+            ("sk-fleet-tenant", "fleet", "    requests_per_minute: 10\n"),
+            (
+                "sk-fleet-tokens",
+                "metered",
+                "    tokens_per_minute: 3000\n",
+            ),
+        ]),
+    )
+    .unwrap();
+    let mut gws = Vec::new();
+    for _ in 0..2 {
+        gws.push(
+            Gateway::start(
+                &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+                &format!(
+                    "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{}\"\n    timeout_ms: 200\nauth:\n  keys_file: \"{}\"\n",
+                    affinity_yaml(1800),
+                    redis.port,
+                    keys_path.display()
+                ),
+            )
+            .await,
+        );
+    }
+    for gw in &gws {
+        store_connected(gw).await;
+    }
+    let key = [("authorization", "Bearer sk-fleet-tenant")];
+    let mut refused = 0;
+    for i in 0..16 {
+        let r = chat(&client(), &gws[i % 2], &key, &chat_body("m", i)).await;
+        match r.status {
+            200 => {}
+            429 => {
+                assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
+                refused += 1;
+            }
+            s => panic!("request {i}: {s}"),
+        }
+    }
+    // Ten a minute for the tenant, not ten for each gateway.
+    assert!(refused >= 6, "{refused} of 16 refused");
+    // Tokens too: 2,500-token streams without usage, alternating.
+    let mut statuses = Vec::new();
+    for i in 0..4 {
+        let mut body = chat_body("m", i);
+        body["stream"] = serde_json::json!(true);
+        body["max_tokens"] = serde_json::json!(2500);
+        let r = chat(
+            &client(),
+            &gws[i % 2],
+            &[("authorization", "Bearer sk-fleet-tokens")],
+            &body,
+        )
+        .await;
+        statuses.push(r.status);
+    }
+    assert!(statuses.contains(&429), "{statuses:?}");
+    // Without the store each gateway keeps the limit alone, and says so.
+    redis.stop();
+    let r = chat(&client(), &gws[0], &key, &chat_body("m", 99)).await;
+    assert_eq!(r.status, 200);
+    assert!(gws[0].metric("agentserve_tenant_limits_local_total").await >= 1.0);
+}

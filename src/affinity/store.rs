@@ -165,6 +165,27 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('PUBLISH', ARGV[4], ARGV[5] .. ' ' .. KEYS[1] .. ' ' .. ARGV[6] .. ' ' .. ARGV[1])
 return false";
 
+/// A tenant's token bucket, shared by the fleet, on Redis's clock: refill
+/// it at ARGV[1] a minute (up to ARGV[1]; full when new), then take ARGV[3]
+/// if it holds at least ARGV[2] (always, when ARGV[2] is `-inf`: a charge
+/// settled after the fact). Returns {taken (0/1), level after}.
+const LIMIT: &str = r"
+local rate = tonumber(ARGV[1])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local v = redis.call('HMGET', KEYS[1], 'l', 't')
+local level = tonumber(v[1]) or rate
+local at = tonumber(v[2]) or now
+level = math.min(rate, level + math.max(0, now - at) * rate / 60000)
+local taken = 0
+if ARGV[2] == '-inf' or level >= tonumber(ARGV[2]) then
+  level = level - tonumber(ARGV[3])
+  taken = 1
+end
+redis.call('HSET', KEYS[1], 'l', tostring(level), 't', now)
+redis.call('PEXPIRE', KEYS[1], 120000)
+return {taken, tostring(level)}";
+
 /// The longest a connection attempt may take (at least `timeout_ms`).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -179,6 +200,7 @@ pub struct SharedStore {
     started: AtomicBool,
     create: redis::Script,
     rebind: redis::Script,
+    limit: redis::Script,
     /// This gateway's name on the invalidation channel (its own messages
     /// are skipped).
     pub instance: String,
@@ -306,6 +328,7 @@ impl SharedStore {
             started: AtomicBool::new(false),
             create: redis::Script::new(CREATE),
             rebind: redis::Script::new(REBIND),
+            limit: redis::Script::new(LIMIT),
             instance: format!("{:016x}", rand::random::<u64>()),
             metrics,
             // Down until connected: requests go on with local state.
@@ -355,6 +378,33 @@ impl SharedStore {
             redis::cmd("GET").arg(&k).query_async(&mut c).await
         })
         .await
+    }
+
+    /// Take `cost` from the fleet's bucket `name` (refilled at `per_minute`)
+    /// if it holds at least `need` (`None`: take it whatever it holds);
+    /// whether it was taken, and the level after.
+    pub async fn limit(
+        &self,
+        name: &str,
+        per_minute: u64,
+        need: Option<f64>,
+        cost: f64,
+    ) -> Result<(bool, f64), StoreError> {
+        let k = format!("{}limit:{name}", self.cfg.key_prefix);
+        let need = need.map_or_else(|| "-inf".to_string(), |n| n.to_string());
+        let script = &self.limit;
+        let (taken, level): (i64, String) = self
+            .run("limit", |mut c| async move {
+                script
+                    .key(&k)
+                    .arg(per_minute)
+                    .arg(&need)
+                    .arg(cost)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok((taken == 1, level.parse().unwrap_or(0.0)))
     }
 
     pub fn channel(&self) -> String {

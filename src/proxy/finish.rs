@@ -230,7 +230,15 @@ impl GatewayProxy {
             }
             if let (Some(c), Some(tally)) = (&ctx.who.client, &ctx.who.tokens) {
                 let used = tally.used(usage.as_ref(), ctx.first_byte.is_some());
-                c.charge_tokens(used as i64 - tally.charged as i64);
+                let settle = used as i64 - tally.charged as i64;
+                let fleet = self.gw.store.as_ref().filter(|_| ctx.who.fleet_rates);
+                let settled = match fleet {
+                    Some(store) => c.charge_fleet_tokens(store, settle).await.is_ok(),
+                    None => false,
+                };
+                if !settled {
+                    c.charge_tokens(settle);
+                }
             }
         }
         if let (Some(u), Some(b)) = (usage, &ctx.backend) {

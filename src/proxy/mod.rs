@@ -214,6 +214,8 @@ struct Admittance {
     permit: Option<crate::admission::Permit>,
     /// Its tokens, when its key's tenant counts them.
     tokens: Option<TokenTally>,
+    /// Its tenant's per-minute limits are the fleet's (kept in the store).
+    fleet_rates: bool,
 }
 
 /// A request's tokens against its tenant's `tokens_per_minute`: charged an
@@ -351,6 +353,7 @@ impl ProxyHttp for GatewayProxy {
                 _tenant_slot: None,
                 permit: None,
                 tokens: None,
+                fleet_rates: false,
             },
             responses_scope: None,
             stored_at: None,

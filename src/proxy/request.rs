@@ -173,13 +173,22 @@ impl GatewayProxy {
         }
         let adm = &cfg.admission;
         if let Some(c) = &client {
-            let slot = c.take().map_err(|e| {
-                m.client_rejected
-                    .with_label_values(&[&c.tenant.name, e.limit])
-                    .inc();
-                GatewayError::over_limit(e.limit, &c.tenant.name, e.retry_after_s)
-            })?;
+            let slot = c.take_slot().map_err(|e| self.over_limit(c, e))?;
             ctx.who._tenant_slot = Some(slot);
+            if c.has_rates() {
+                // A fleet's gateways draw from one bucket in the store
+                // (once the body is read: see `charge`); without the store,
+                // each from its own.
+                match &self.gw.store {
+                    Some(store) if store.healthy() => ctx.who.fleet_rates = true,
+                    store => {
+                        if store.is_some() {
+                            m.tenant_limits_local.inc();
+                        }
+                        c.take_rates().map_err(|e| self.over_limit(c, e))?;
+                    }
+                }
+            }
         }
         if adm.enabled {
             let class = match headers.get(&adm.priority_header) {
@@ -219,6 +228,61 @@ impl GatewayProxy {
             };
         }
         ctx.who.client = client;
+        Ok(())
+    }
+
+    /// A tenant over one of its limits: counted, and the 429 that says so.
+    fn over_limit(&self, c: &crate::auth::Client, e: crate::auth::OverLimit) -> GatewayError {
+        self.gw
+            .metrics
+            .client_rejected
+            .with_label_values(&[&c.tenant.name, e.limit])
+            .inc();
+        GatewayError::over_limit(e.limit, &c.tenant.name, e.retry_after_s)
+    }
+
+    /// Charge the request to its tenant's per-minute limits, its tokens as
+    /// estimated now (its prompt, and the output it may ask for): in the
+    /// fleet's store, or, when that cannot answer, in this gateway's own
+    /// buckets. What it used settles the estimate when it ends.
+    async fn charge(
+        &self,
+        ctx: &mut RequestCtx,
+        max_output: Option<u64>,
+    ) -> std::result::Result<(), GatewayError> {
+        let Some(c) = ctx.who.client.clone().filter(|c| c.has_rates()) else {
+            return Ok(());
+        };
+        let prompt = super::peer::body_tokens(ctx);
+        let charged = match c.counts_tokens() {
+            true => prompt.saturating_add(max_output.unwrap_or(0)),
+            false => 0,
+        };
+        let mut local = true;
+        if let Some(store) = self.gw.store.as_ref().filter(|_| ctx.who.fleet_rates) {
+            match c.take_fleet_rates(store, charged).await {
+                Ok(taken) => {
+                    taken.map_err(|e| self.over_limit(&c, e))?;
+                    local = false;
+                }
+                Err(_) => {
+                    // The store went away meanwhile.
+                    self.gw.metrics.tenant_limits_local.inc();
+                    ctx.who.fleet_rates = false;
+                    c.take_rates().map_err(|e| self.over_limit(&c, e))?;
+                }
+            }
+        }
+        if local {
+            c.charge_tokens(charged.min(i64::MAX as u64) as i64);
+        }
+        if c.counts_tokens() {
+            ctx.who.tokens = Some(TokenTally {
+                charged,
+                prompt,
+                ..Default::default()
+            });
+        }
         Ok(())
     }
 
@@ -429,16 +493,7 @@ impl GatewayProxy {
             ctx.body = Some(body);
         }
         let tier = tier.unwrap_or_else(|| Arc::clone(routing.default_tier()));
-        if let Some(c) = ctx.who.client.as_ref().filter(|c| c.counts_tokens()) {
-            let prompt = super::peer::body_tokens(ctx);
-            let charged = prompt.saturating_add(max_output.unwrap_or(0));
-            c.charge_tokens(charged.min(i64::MAX as u64) as i64);
-            ctx.who.tokens = Some(TokenTally {
-                charged,
-                prompt,
-                ..Default::default()
-            });
-        }
+        self.charge(ctx, max_output).await?;
         // No key from the client: the conversation its prompt belongs to.
         let implicit = match (&session_id, ctx.prefix.as_deref()) {
             (None, Some(route)) => route.conversation().copied(),
