@@ -31,7 +31,8 @@ if [ -z "${BIN:-}" ]; then
 fi
 HEAVY_TURNS="${HEAVY_TURNS:-10}"
 CONTEXT_BYTES="${CONTEXT_BYTES:-8000}"
-# off: admission off (the baseline); on: max_in_flight 4; gated: and max_prefilling 1
+# off: admission off (the baseline); learned: admission on and nothing else (limits
+# learned from the engines' gauges); on: max_in_flight 4; gated: and max_prefilling 1
 MODES="${MODES:-off on gated}"
 WORK=$(mktemp -d)
 PIDS=()
@@ -66,6 +67,8 @@ start() {  # admission on|off: fresh replicas and gateway; sets GW, MP
     on) section="admission: { enabled: true, max_in_flight: 4, max_wait_ms: 60000 }
 auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
     gated) section="admission: { enabled: true, max_in_flight: 4, max_prefilling: 1, max_wait_ms: 60000 }
+auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
+    learned) section="admission: { enabled: true }
 auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
   esac
   cat > "$WORK/gw.yaml" <<YAML

@@ -130,23 +130,26 @@ impl AdminApp {
     fn admission(&self) -> http::Response<Vec<u8>> {
         let routing = self.0.routing();
         let cfg = &routing.config;
-        let slots: HashMap<u32, (usize, u32, u32)> = self
+        let slots: HashMap<u32, crate::admission::Slots> = self
             .0
             .admission
             .snapshot()
             .into_iter()
-            .map(|(slot, waiting, running, limit)| (slot, (waiting, running, limit)))
+            .map(|s| (s.slot, s))
             .collect();
         let backends: Vec<Value> = routing
             .all_backends()
             .map(|(t, b)| {
-                let (waiting, running, limit) = slots.get(&b.slot).copied().unwrap_or_default();
+                let s = slots.get(&b.slot).copied().unwrap_or_default();
                 json!({
                     "tier": &*t.name,
                     "id": &*b.id,
-                    "max_in_flight": limit,
-                    "running": running,
-                    "waiting": waiting,
+                    // 0: none (or, learning, none learned yet).
+                    "max_in_flight": s.limit,
+                    "limit_source": s.source.as_str(),
+                    "max_prefilling": s.max_prefilling,
+                    "running": s.running,
+                    "waiting": s.waiting,
                 })
             })
             .collect();

@@ -95,7 +95,55 @@ struct Backend {
     /// How long its requests have held a slot, ms (a moving average; 0:
     /// none has finished yet).
     hold_ms: f64,
+    /// Where `limit` comes from.
+    source: LimitSource,
+    /// Learning: the engine's running count at the last scrape that found
+    /// requests waiting inside it (0: the last scrape found none).
+    queued_at: u32,
+    /// When the learned limit last changed (process clock, ms).
+    changed_ms: u64,
+    /// Learning, the engine not seen queueing yet: the limit doubles.
+    slow_start: bool,
 }
+
+/// Where a backend's limit comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LimitSource {
+    /// None: every request goes straight on.
+    #[default]
+    None,
+    /// `max_in_flight` in the config.
+    Configured,
+    /// Learned from the engine's own gauges (0 until it first queues).
+    Learned,
+}
+
+impl LimitSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitSource::None => "none",
+            LimitSource::Configured => "configured",
+            LimitSource::Learned => "learned",
+        }
+    }
+}
+
+/// A backend's limit as the config sets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Limit {
+    /// No limit (admission off).
+    None,
+    Fixed(u32),
+    /// Learned from the engine's gauges: see [`Admission::observe`].
+    Learn,
+}
+
+/// A learned limit is raised by one (to find room an engine gained) after
+/// this long at the limit with requests waiting here and none inside it.
+const PROBE_MS: u64 = 30_000;
+
+/// A learned limit starts here once the engine's gauges are first read.
+const SLOW_START: u32 = 4;
 
 /// The weight of the newest slot-hold time in the moving average.
 const HOLD_ALPHA: f64 = 0.1;
@@ -270,12 +318,69 @@ impl Admission {
     }
 
     /// Set how many requests `backend` runs at once, and how many of them
-    /// may be prefilling (0: no limit); raised limits take waiters in at once.
-    pub fn set_limit(&self, backend: u32, limit: u32, max_prefilling: u32) {
+    /// may be prefilling (0: no limit); raised limits take waiters in at
+    /// once. A limit being learned keeps what was learned.
+    pub fn set_limit(&self, backend: u32, limit: Limit, max_prefilling: u32) {
         let mut st = self.state.lock();
         let b = st.backends.entry(backend);
-        b.limit = limit;
+        match limit {
+            Limit::None => (b.limit, b.source) = (0, LimitSource::None),
+            Limit::Fixed(n) => (b.limit, b.source) = (n, LimitSource::Configured),
+            Limit::Learn if b.source == LimitSource::Learned => {}
+            Limit::Learn => {
+                (b.limit, b.source, b.queued_at) = (0, LimitSource::Learned, 0);
+            }
+        }
         b.max_prefilling = max_prefilling;
+        fill(&mut st, backend);
+    }
+
+    /// The engine behind `backend` reported `running` requests and
+    /// `waiting` ones in its own queue (a scrape, at `now_ms`). A learned
+    /// limit is what the engine runs once it queues: two scrapes in a row
+    /// that find requests waiting inside it set the limit to the larger
+    /// running count of the two (one alone may catch a request the engine
+    /// has not scheduled yet), never above what it was. Until the engine
+    /// first queues, the limit starts at `SLOW_START` with the first
+    /// gauges read and doubles at each scrape that finds it reached, with
+    /// requests waiting here and none inside the engine (an engine whose
+    /// gauges cannot be read is never limited). After that, it is raised
+    /// by one at most every `PROBE_MS`, on the same condition.
+    pub fn observe(&self, backend: u32, running: u64, waiting: u64, now_ms: u64) {
+        let mut st = self.state.lock();
+        let Some(b) = st.backends.get_mut(&backend) else {
+            return;
+        };
+        if b.source != LimitSource::Learned {
+            return;
+        }
+        let running = running.min(u32::MAX as u64) as u32;
+        if waiting > 0 && running > 0 {
+            if b.queued_at > 0 {
+                let seen = b.queued_at.max(running);
+                if b.limit == 0 || seen < b.limit {
+                    b.limit = seen;
+                }
+                b.changed_ms = now_ms;
+                b.slow_start = false;
+            }
+            b.queued_at = running;
+            return;
+        }
+        b.queued_at = 0;
+        if b.limit == 0 {
+            (b.limit, b.slow_start, b.changed_ms) = (SLOW_START, true, now_ms);
+            return;
+        }
+        let reached = waiting == 0 && b.running >= b.limit && !b.waiting.is_empty();
+        if reached && b.slow_start {
+            b.limit = b.limit.saturating_mul(2);
+        } else if reached && now_ms >= b.changed_ms + PROBE_MS {
+            b.limit += 1;
+        } else {
+            return;
+        }
+        b.changed_ms = now_ms;
         fill(&mut st, backend);
     }
 
@@ -376,14 +481,21 @@ impl Admission {
         self.state.lock().queued
     }
 
-    /// Each backend's (slot, waiting, running, limit), for the admin view.
-    pub fn snapshot(&self) -> Vec<(u32, usize, u32, u32)> {
+    /// Each backend's slots, for the admin view and the gauges.
+    pub fn snapshot(&self) -> Vec<Slots> {
         let st = self.state.lock();
         st.backends
             .0
             .iter()
             .enumerate()
-            .map(|(slot, b)| (slot as u32, b.waiting.len(), b.running, b.limit))
+            .map(|(slot, b)| Slots {
+                slot: slot as u32,
+                waiting: b.waiting.len(),
+                running: b.running,
+                limit: b.limit,
+                source: b.source,
+                max_prefilling: b.max_prefilling,
+            })
             .collect()
     }
 
@@ -394,6 +506,18 @@ impl Admission {
             .get(&backend)
             .map_or((0, 0), |b| (b.waiting.len(), b.running))
     }
+}
+
+/// One backend's slots as they stand.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Slots {
+    pub slot: u32,
+    pub waiting: usize,
+    pub running: u32,
+    /// 0: none (or none learned yet).
+    pub limit: u32,
+    pub source: LimitSource,
+    pub max_prefilling: u32,
 }
 
 /// Give the room `backend` has to its best waiters still there (one whose
@@ -480,7 +604,7 @@ mod tests {
     #[tokio::test]
     async fn a_backend_runs_its_limit_and_hands_a_freed_slot_to_a_waiter() {
         let a = Admission::new(100);
-        a.set_limit(0, 2, 0);
+        a.set_limit(0, Limit::Fixed(2), 0);
         let p1 = now(a.admit(0, Class::Normal, t("t"), 1, 100));
         let _p2 = now(a.admit(0, Class::Normal, t("t"), 1, 100));
         let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 100));
@@ -495,7 +619,7 @@ mod tests {
     #[tokio::test]
     async fn interactive_turns_go_before_normal_and_batch_whenever_they_came() {
         let a = Admission::new(100);
-        a.set_limit(0, 1, 0);
+        a.set_limit(0, Limit::Fixed(1), 0);
         let first = now(a.admit(0, Class::Batch, t("t"), 1, 10));
         let tickets = vec![
             ("batch", waits(a.admit(0, Class::Batch, t("t"), 1, 10))),
@@ -514,7 +638,7 @@ mod tests {
     #[tokio::test]
     async fn one_tenants_long_prompts_do_not_starve_anothers_short_ones() {
         let a = Admission::new(100);
-        a.set_limit(0, 1, 0);
+        a.set_limit(0, Limit::Fixed(1), 0);
         let first = now(a.admit(0, Class::Normal, t("noisy"), 1, 8_000));
         // The noisy tenant queues four long prompts, then the quiet one two
         // short ones: the quiet tenant's come next, not after all of noisy's.
@@ -538,8 +662,8 @@ mod tests {
     #[tokio::test]
     async fn a_backend_whose_queue_ran_ahead_does_not_push_back_anothers_newcomer() {
         let a = Admission::new(100);
-        a.set_limit(0, 1, 0);
-        a.set_limit(1, 1, 0);
+        a.set_limit(0, Limit::Fixed(1), 0);
+        a.set_limit(1, Limit::Fixed(1), 0);
         let first = now(a.admit(0, Class::Normal, t("noisy"), 1, 1_000));
         let busy = now(a.admit(1, Class::Normal, t("noisy"), 1, 1_000));
         let mut here = Vec::new();
@@ -567,7 +691,7 @@ mod tests {
     #[tokio::test]
     async fn a_heavier_weight_gets_a_larger_share() {
         let a = Admission::new(100);
-        a.set_limit(0, 1, 0);
+        a.set_limit(0, Limit::Fixed(1), 0);
         let first = now(a.admit(0, Class::Normal, t("x"), 1, 1));
         let mut tickets = Vec::new();
         for _ in 0..4 {
@@ -588,7 +712,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_that_leaves_the_queue_is_gone_at_once_and_skipped() {
         let a = Admission::new(2);
-        a.set_limit(0, 1, 0);
+        a.set_limit(0, Limit::Fixed(1), 0);
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let gone = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         let stays = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -606,7 +730,7 @@ mod tests {
     #[tokio::test]
     async fn a_slot_handed_to_a_request_gone_meanwhile_is_passed_on() {
         let a = Admission::new(10);
-        a.set_limit(0, 1, 0);
+        a.set_limit(0, Limit::Fixed(1), 0);
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let gone = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -620,7 +744,7 @@ mod tests {
     async fn a_wait_abandoned_after_its_slot_came_passes_the_slot_on() {
         use futures_util::FutureExt;
         let a = Admission::new(10);
-        a.set_limit(0, 1, 0);
+        a.set_limit(0, Limit::Fixed(1), 0);
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let mut waiting = Box::pin(waits(a.admit(0, Class::Normal, t("t"), 1, 10)).wait());
         let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -635,20 +759,77 @@ mod tests {
     #[tokio::test]
     async fn a_raised_limit_takes_waiters_in_at_once() {
         let a = Admission::new(10);
-        a.set_limit(0, 1, 0);
+        a.set_limit(0, Limit::Fixed(1), 0);
         let _p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
-        a.set_limit(0, 2, 0);
+        a.set_limit(0, Limit::Fixed(2), 0);
         use futures_util::FutureExt;
         let in_now = ticket.wait().now_or_never();
         assert!(in_now.is_some());
         assert_eq!(a.depth(0), (0, 2));
     }
 
+    fn limit_of(a: &Admission, backend: u32) -> (u32, LimitSource) {
+        let s = a.snapshot()[backend as usize];
+        (s.limit, s.source)
+    }
+
+    #[tokio::test]
+    async fn a_learned_limit_is_what_the_engine_runs_once_it_queues() {
+        use futures_util::FutureExt;
+        let a = Admission::new(100);
+        a.set_limit(0, Limit::Learn, 0);
+        // Nothing read from the engine yet: every request goes straight on.
+        let mut running: Vec<Permit> = (0..3)
+            .map(|_| now(a.admit(0, Class::Normal, t("t"), 1, 10)))
+            .collect();
+        assert_eq!(limit_of(&a, 0), (0, LimitSource::Learned));
+        // Its first gauges: a slow start.
+        a.observe(0, 3, 0, 1_000);
+        assert_eq!(limit_of(&a, 0).0, SLOW_START);
+        running.push(now(a.admit(0, Class::Normal, t("t"), 1, 10)));
+        let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        // Reached, with a waiter here and none inside the engine: doubled,
+        // and the waiter goes in.
+        a.observe(0, 4, 0, 2_000);
+        assert_eq!(limit_of(&a, 0).0, 2 * SLOW_START);
+        running.push(ticket.wait().now_or_never().expect("let in"));
+        running.extend((0..3).map(|_| now(a.admit(0, Class::Normal, t("t"), 1, 10))));
+        // One scrape that finds a request waiting inside the engine may
+        // have caught it before the engine scheduled it: no change.
+        a.observe(0, 5, 1, 3_000);
+        assert_eq!(limit_of(&a, 0).0, 2 * SLOW_START);
+        // Two in a row: the engine runs 6 at most.
+        a.observe(0, 6, 2, 4_000);
+        assert_eq!(limit_of(&a, 0), (6, LimitSource::Learned));
+        running.truncate(6);
+        let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        // A later queue at a higher count does not raise it.
+        a.observe(0, 7, 1, 5_000);
+        a.observe(0, 7, 1, 6_000);
+        assert_eq!(limit_of(&a, 0).0, 6);
+        // At the limit with a waiter here and none inside the engine: after
+        // PROBE_MS it tries one more, and the waiter goes in.
+        a.observe(0, 6, 0, 6_000 + PROBE_MS - 1);
+        assert_eq!(limit_of(&a, 0).0, 6);
+        a.observe(0, 6, 0, 6_000 + PROBE_MS);
+        assert_eq!(limit_of(&a, 0).0, 7);
+        assert!(ticket.wait().now_or_never().is_some());
+        drop(running);
+        // A reload that still learns keeps what was learned; a configured
+        // limit is never touched by what the engine says.
+        a.set_limit(0, Limit::Learn, 0);
+        assert_eq!(limit_of(&a, 0), (7, LimitSource::Learned));
+        a.set_limit(0, Limit::Fixed(8), 0);
+        a.observe(0, 2, 5, 10_000_000);
+        a.observe(0, 2, 5, 10_001_000);
+        assert_eq!(limit_of(&a, 0), (8, LimitSource::Configured));
+    }
+
     #[tokio::test]
     async fn retry_after_grows_with_the_queue_and_the_slot_hold_time() {
         let a = Admission::new(100);
-        a.set_limit(0, 2, 0);
+        a.set_limit(0, Limit::Fixed(2), 0);
         // Before any request has finished, a slot is taken to be held 1 s.
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let _q = now(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -667,8 +848,8 @@ mod tests {
     fn full_backends_are_marked_and_their_queues_count_as_load() {
         use crate::affinity::Candidate;
         let a = Admission::new(100);
-        a.set_limit(0, 1, 0);
-        a.set_limit(1, 1, 0);
+        a.set_limit(0, Limit::Fixed(1), 0);
+        a.set_limit(1, Limit::Fixed(1), 0);
         let _p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let _w = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         let mut c = [
@@ -695,7 +876,7 @@ mod tests {
     async fn a_backend_prefills_at_most_its_max_prefilling_at_once() {
         use futures_util::FutureExt;
         let a = Admission::new(10);
-        a.set_limit(0, 4, 1);
+        a.set_limit(0, Limit::Fixed(4), 1);
         let mut first = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         // Three slots are free, but one request is prefilling: the next waits.
         let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));

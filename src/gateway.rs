@@ -89,13 +89,20 @@ fn configure_admission(admission: &crate::admission::Admission, routing: &Routin
     for (tier, tc) in routing.tiers.iter().zip(&routing.config.tiers) {
         for bc in &tc.backends {
             if let Some(b) = tier.backend_by_id(&bc.id) {
-                match on {
-                    true => admission.set_limit(
+                use crate::admission::Limit;
+                match (on, bc.max_in_flight) {
+                    (false, _) => admission.set_limit(b.slot, Limit::None, 0),
+                    // None configured: learned from the engine's gauges.
+                    (true, 0) => admission.set_limit(
                         b.slot,
-                        bc.max_in_flight,
+                        Limit::Learn,
                         routing.config.admission.max_prefilling,
                     ),
-                    false => admission.set_limit(b.slot, 0, 0),
+                    (true, n) => admission.set_limit(
+                        b.slot,
+                        Limit::Fixed(n),
+                        routing.config.admission.max_prefilling,
+                    ),
                 }
             }
         }

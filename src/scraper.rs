@@ -48,10 +48,18 @@ impl LoadScraper {
             resp.text().await
         };
         match tokio::time::timeout(cfg.timeout, fetched).await {
-            Ok(Ok(text)) => b
-                .stats
-                .engine
-                .record(&EngineGauges::parse(&text), cfg.stale),
+            Ok(Ok(text)) => {
+                let g = EngineGauges::parse(&text);
+                b.stats.engine.record(&g, cfg.stale);
+                if let (Some(running), Some(waiting)) = (g.running, g.waiting) {
+                    self.0.admission.observe(
+                        b.slot,
+                        running as u64,
+                        waiting as u64,
+                        crate::clock::now_ms(),
+                    );
+                }
+            }
             outcome => {
                 log::debug!("load scrape of {} failed: {outcome:?}", b.id);
                 self.0

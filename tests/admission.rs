@@ -833,3 +833,89 @@ async fn fair_share_charges_what_the_engine_will_compute_not_what_it_holds() {
     }
     assert_eq!(*order.lock(), ["warm turn", "cold question"]);
 }
+
+// Issue 36: admission that works out of the box.
+
+async fn admission_view(gw: &Gateway) -> Value {
+    reqwest::get(gw.admin_url("/admin/admission"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn turned_on_with_nothing_else_it_learns_what_the_engine_runs_and_queues_the_rest_here() {
+    // An engine that runs two requests at once and queues the rest.
+    let sims = [SimBackend::start("vllm-0", &["--max-batch", "2"])];
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}admission:\n  enabled: true\nload:\n  interval_ms: 100\n",
+            affinity_yaml(600)
+        ),
+    )
+    .await;
+    sims[0].set_faults(json!({"hold_streams": true})).await;
+    // Eight streams at once, each held open after its first token.
+    let mut streams = Vec::new();
+    for i in 0..8 {
+        let url = gw.url("/v1/chat/completions");
+        streams.push(tokio::spawn(async move {
+            let mut body = chat_body("qwen3-8b", i);
+            body["stream"] = json!(true);
+            let r = client()
+                .post(url)
+                .header("x-session-id", format!("burst-{i}"))
+                .json(&body)
+                .send()
+                .await
+                .expect("answered");
+            let status = r.status().as_u16();
+            let _ = r.bytes().await;
+            status
+        }));
+    }
+    // The gateway finds the engine queueing and learns its two.
+    wait_until("the limit learned", || async {
+        let v = admission_view(&gw).await;
+        v["backends"][0]["max_in_flight"] == 2
+    })
+    .await;
+    let v = admission_view(&gw).await;
+    assert_eq!(v["backends"][0]["limit_source"], "learned", "{v}");
+    sims[0].release_streams().await;
+    for s in streams {
+        assert_eq!(s.await.unwrap(), 200);
+    }
+    // From then on the rest wait here, not inside the engine.
+    sims[0].set_faults(json!({"hold_streams": true})).await;
+    let mut streams = Vec::new();
+    for i in 0..6 {
+        let url = gw.url("/v1/chat/completions");
+        streams.push(tokio::spawn(async move {
+            let mut body = chat_body("qwen3-8b", 10 + i);
+            body["stream"] = json!(true);
+            let r = client()
+                .post(url)
+                .header("x-session-id", format!("after-{i}"))
+                .json(&body)
+                .send()
+                .await
+                .expect("answered");
+            let status = r.status().as_u16();
+            let _ = r.bytes().await;
+            status
+        }));
+    }
+    wait_until("four waiting in the gateway", || async {
+        admission_view(&gw).await["queued"] == 4
+    })
+    .await;
+    assert_eq!(sims[0].stats().await["waiting"], 0);
+    sims[0].release_streams().await;
+    for s in streams {
+        assert_eq!(s.await.unwrap(), 200);
+    }
+}
