@@ -356,14 +356,22 @@ async fn client_keys_give_401_and_429_per_limit_and_reload_with_sighup() {
     .await;
     assert_eq!(r.status, 200);
 
-    // Tenants by name in metrics; no key anywhere.
+    // Tenants by name in metrics (counted as each request ends, just after
+    // its answer went out); no key anywhere.
+    wait_until("beta's requests counted", || async {
+        gw.metric("agentserve_tenant_requests_total{tenant=\"beta\"}")
+            .await
+            >= 2.0
+    })
+    .await;
     let m = gw.metrics_text().await;
-    assert!(metric_value(&m, "agentserve_tenant_requests_total{tenant=\"beta\"}") >= 2.0);
-    assert!(
+    assert_eq!(
         metric_value(
             &m,
             "agentserve_client_rejected_total{reason=\"max_in_flight\",tenant=\"alpha\"}"
-        ) == 1.0
+        ),
+        1.0,
+        "{m}"
     );
     let admin: Value = c
         .get(gw.admin_url("/admin/admission"))
