@@ -44,6 +44,7 @@ pub struct Metrics {
     pub store_latency: HistogramVec,
     pub store_unsynced_dropped: IntCounter,
     pub tenant_limits_local: IntCounter,
+    pub store_reseeds: IntCounter,
     pub store_up: IntGaugeVec,
     pub prefix_index_entries: IntGaugeVec,
     pub prefix_index_bytes: IntGaugeVec,
@@ -332,6 +333,15 @@ impl Metrics {
                 let c = IntCounter::new(
                     "agentserve_store_unsynced_dropped_total",
                     "Bindings made while the store was unreachable that were not remembered for write-back (over 100,000 waiting)",
+                )
+                .expect("valid metric");
+                r.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
+            store_reseeds: {
+                let c = IntCounter::new(
+                    "agentserve_store_reseeds_total",
+                    "Times this gateway found the store had lost its data (a new epoch) and wrote its bindings back",
                 )
                 .expect("valid metric");
                 r.register(Box::new(c.clone())).expect("unique metric");

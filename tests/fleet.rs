@@ -1424,3 +1424,65 @@ async fn a_tenants_limits_hold_across_the_fleet_and_each_gateway_keeps_them_with
     assert_eq!(r.status, 200);
     assert!(gws[0].metric("agentserve_tenant_limits_local_total").await >= 1.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_lost_its_data_is_reseeded_and_the_fleet_agrees_in_the_next_round() {
+    let port = free_port();
+    let mut redis = Redis::start_on(port);
+    let mut sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    // Bindings are checked against the store only every minute (the
+    // default): agreement cannot come from revalidation here.
+    let mut gws = fleet_of_gateways(&sims, port, 3).await;
+    for gw in &gws {
+        store_connected(gw).await;
+    }
+    let sessions: Vec<String> = (0..48).map(|i| format!("conv-{i}")).collect();
+    let first = round(&gws, &sessions, 0).await;
+    assert!(split(&first).is_empty(), "{:?}", split(&first));
+    // The busiest replica dies: its sessions rebind (version 2).
+    let mut load: HashMap<String, usize> = HashMap::new();
+    for b in first.values() {
+        *load.entry(b[0].clone()).or_default() += 1;
+    }
+    let busiest = load.iter().max_by_key(|(_, n)| **n).unwrap().0.clone();
+    let victim = sims.iter().position(|s| s.id == busiest).unwrap();
+    sims[victim].kill();
+    let healthy = format!("agentserve_backend_healthy{{backend=\"{busiest}\",tier=\"default\"}}");
+    for gw in &gws {
+        wait_until("the dead replica marked down", || async {
+            gw.metric(&healthy).await == 0.0
+        })
+        .await;
+    }
+    let before = round(&gws, &sessions, 1).await;
+    assert!(split(&before).is_empty(), "{:?}", split(&before));
+    // Redis restarts empty, and one gateway is replaced by one with no state.
+    redis.stop();
+    let _redis = Redis::start_on(port);
+    gws.pop();
+    gws.push(fleet_of_gateways(&sims, port, 1).await.remove(0));
+    store_connected(&gws[2]).await;
+    // The two that knew the store see it lost its data and write back.
+    for gw in &gws[..2] {
+        wait_until("the store reseeded", || async {
+            gw.metric("agentserve_store_reseeds_total").await >= 1.0
+        })
+        .await;
+    }
+    // Every session's next turns, whichever gateway they reach, go where
+    // its cache is: no session split, none moved.
+    let next = round(&gws, &sessions, 2).await;
+    assert!(
+        split(&next).is_empty(),
+        "{} of 48 split: {:?}",
+        split(&next).len(),
+        split(&next)
+    );
+    let moved: Vec<&String> = sessions
+        .iter()
+        .filter(|s| next[*s][0] != before[*s][0])
+        .collect();
+    assert!(moved.is_empty(), "{} of 48 moved: {moved:?}", moved.len());
+}

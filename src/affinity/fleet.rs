@@ -345,6 +345,35 @@ fn apply_remote(
     }
 }
 
+/// The store came back without what it held: every local binding is
+/// written back create-if-absent (the newer version wins where gateways
+/// differ), so that the fleet agrees again at once, not only as each
+/// binding is next revalidated.
+async fn reseed(affinity: &dyn LocalBindings, tiers: &dyn Tiers, store: &SharedStore) {
+    let bindings = affinity.bindings();
+    log::warn!(
+        "binding store lost its data (a new epoch); writing back {} bindings",
+        bindings.len()
+    );
+    let mut left = bindings.into_iter();
+    while let Some((key, b)) = left.next() {
+        let Some(tier) = tiers.by_index(b.tier) else {
+            continue;
+        };
+        if reconcile(affinity, store, key, &*tier, b, InStore::Absent)
+            .await
+            .is_err()
+        {
+            // Down again: what is left is written back when it returns.
+            for (rest, _) in left {
+                store.remember_unsynced(rest);
+            }
+            break;
+        }
+    }
+    store.reseeded();
+}
+
 /// Bindings made while Redis was unreachable, written back create-if-absent:
 /// where another gateway wrote one meanwhile, this gateway adopts it.
 async fn write_back(affinity: &dyn LocalBindings, tiers: &dyn Tiers, store: &SharedStore) {
@@ -398,6 +427,9 @@ impl Fleet {
                 _ = tick.tick() => {
                     // Down (or not connected yet): connect, then check it answers.
                     let up = store.healthy() || (store.connect().await && store.ping().await);
+                    if up && store.lost_its_data().await.unwrap_or(false) {
+                        reseed(&*affinity, &*tiers, store).await;
+                    }
                     if up && store.has_unsynced() {
                         write_back(&*affinity, &*tiers, store).await;
                     }

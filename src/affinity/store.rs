@@ -165,6 +165,15 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('PUBLISH', ARGV[4], ARGV[5] .. ' ' .. KEYS[1] .. ' ' .. ARGV[6] .. ' ' .. ARGV[1])
 return false";
 
+/// The store's epoch: ARGV[1] written if it has none. A store that comes
+/// back without it lost what it held (restarted empty, failed over to a
+/// replica that had not caught up): its gateways write their bindings back.
+const EPOCH: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur then return cur end
+redis.call('SET', KEYS[1], ARGV[1])
+return ARGV[1]";
+
 /// A tenant's token bucket, shared by the fleet, on Redis's clock: refill
 /// it at ARGV[1] a minute (up to ARGV[1]; full when new), then take ARGV[3]
 /// if it holds at least ARGV[2] (always, when ARGV[2] is `-inf`: a charge
@@ -201,6 +210,9 @@ pub struct SharedStore {
     create: redis::Script,
     rebind: redis::Script,
     limit: redis::Script,
+    epoch: redis::Script,
+    /// The store's epoch when this gateway last looked.
+    known_epoch: Mutex<Option<String>>,
     /// This gateway's name on the invalidation channel (its own messages
     /// are skipped).
     pub instance: String,
@@ -329,6 +341,8 @@ impl SharedStore {
             create: redis::Script::new(CREATE),
             rebind: redis::Script::new(REBIND),
             limit: redis::Script::new(LIMIT),
+            epoch: redis::Script::new(EPOCH),
+            known_epoch: Mutex::new(None),
             instance: format!("{:016x}", rand::random::<u64>()),
             metrics,
             // Down until connected: requests go on with local state.
@@ -405,6 +419,28 @@ impl SharedStore {
             })
             .await?;
         Ok((taken == 1, level.parse().unwrap_or(0.0)))
+    }
+
+    /// Whether the store lost what it held since this gateway last looked:
+    /// its epoch (set now if it has none) is not the one seen before.
+    pub async fn lost_its_data(&self) -> Result<bool, StoreError> {
+        let k = format!("{}epoch", self.cfg.key_prefix);
+        let fresh = format!("{}-{:016x}", self.instance, rand::random::<u64>());
+        let script = &self.epoch;
+        let epoch: String = self
+            .run("epoch", |mut c| async move {
+                script.key(&k).arg(&fresh).invoke_async(&mut c).await
+            })
+            .await?;
+        let mut known = self.known_epoch.lock();
+        let lost = known.as_ref().is_some_and(|k| *k != epoch);
+        *known = Some(epoch);
+        Ok(lost)
+    }
+
+    /// This gateway wrote its bindings back to a store that lost them.
+    pub fn reseeded(&self) {
+        self.metrics.store_reseeds.inc();
     }
 
     pub fn channel(&self) -> String {
