@@ -167,6 +167,11 @@ PY
 }
 
 echo "admission bench: 3 replicas x 4 running (serial prefill), light 4x6 turns at 2, heavy 60x$HEAVY_TURNS turns at 60"
-scenario "tenants: quiet beside noisy" "$QUIET_KEY" "$NOISY_KEY" "" ""
-scenario "classes: interactive beside batch (one tenant)" "$QUIET_KEY" "$QUIET_KEY" \
-  "x-agent-serve-priority:interactive" "x-agent-serve-priority:batch"
+# SCENARIOS: which to run (tenants, classes; both by default)
+for s in ${SCENARIOS:-tenants classes}; do
+  case "$s" in
+    tenants) scenario "tenants: quiet beside noisy" "$QUIET_KEY" "$NOISY_KEY" "" "" ;;
+    classes) scenario "classes: interactive beside batch (one tenant)" "$QUIET_KEY" "$QUIET_KEY" \
+      "x-agent-serve-priority:interactive" "x-agent-serve-priority:batch" ;;
+  esac
+done

@@ -148,6 +148,10 @@ impl AdminApp {
                     "max_in_flight": s.limit,
                     "limit_source": s.source.as_str(),
                     "max_prefilling": s.max_prefilling,
+                    "prefilling": s.prefilling,
+                    "prefill_tokens": s.prefill_tokens,
+                    // Tokens: admission.max_prefill_ms at the learned cost.
+                    "prefill_budget_tokens": s.prefill_budget,
                     "running": s.running,
                     "waiting": s.waiting,
                 })

@@ -76,6 +76,8 @@ struct Waiter {
     wake: oneshot::Sender<()>,
     /// Its virtual start tag.
     start: u64,
+    /// Its estimated prefill, tokens.
+    tokens: u64,
 }
 
 #[derive(Default)]
@@ -87,6 +89,11 @@ struct Backend {
     prefilling: u32,
     /// How many may be prefilling at once (0: no limit).
     max_prefilling: u32,
+    /// The estimated prefill tokens of those prefilling.
+    prefill_tokens: u64,
+    /// At most this many of them before one more may start (0: no bound):
+    /// `admission.max_prefill_ms` of prefill at the backend's learned cost.
+    prefill_budget: u64,
     waiting: BTreeMap<Place, Waiter>,
     /// Each tenant's last virtual finish tag here.
     tenants: crate::affinity::hrw::UniformMap<u64, u64>,
@@ -155,11 +162,21 @@ impl Backend {
     fn has_room(&self) -> bool {
         (self.limit == 0 || self.running < self.limit)
             && (self.max_prefilling == 0 || self.prefilling < self.max_prefilling)
+            && (self.prefill_budget == 0
+                || self.prefilling == 0
+                || self.prefill_tokens < self.prefill_budget)
     }
 
-    fn start(&mut self) {
+    fn start(&mut self, tokens: u64) {
         self.running += 1;
         self.prefilling += 1;
+        self.prefill_tokens += tokens;
+    }
+
+    /// One request of `tokens` is no longer prefilling.
+    fn prefill_over(&mut self, tokens: u64) {
+        self.prefilling = self.prefilling.saturating_sub(1);
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(tokens);
     }
 }
 
@@ -210,36 +227,70 @@ pub struct Permit {
     admission: Arc<Admission>,
     backend: u32,
     since: Instant,
-    prefilled: bool,
+    /// Its estimated prefill, tokens.
+    tokens: u64,
+    /// No longer prefilling: its first byte came back, or the time its
+    /// prefill should take passed (see [`Permit::prefill_within`]).
+    prefilled: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Permit {
-    fn new(admission: &Arc<Admission>, backend: u32) -> Permit {
+    fn new(admission: &Arc<Admission>, backend: u32, tokens: u64) -> Permit {
         Permit {
             admission: Arc::clone(admission),
             backend,
             since: Instant::now(),
-            prefilled: false,
+            tokens,
+            prefilled: Default::default(),
         }
     }
 
     /// Its first byte came back: it no longer counts as prefilling.
     pub fn prefilled(&mut self) {
-        if !std::mem::replace(&mut self.prefilled, true) {
-            let mut st = self.admission.state.lock();
-            if let Some(b) = st.backends.get_mut(&self.backend) {
-                b.prefilling = b.prefilling.saturating_sub(1);
-            }
-            fill(&mut st, self.backend);
+        prefill_over(&self.admission, &self.prefilled, self.backend, self.tokens);
+    }
+
+    /// It counts as prefilling for `within` at most: an answer that is not
+    /// streamed sends its first byte only once it is whole, long after its
+    /// prefill (counted until then, a backend with `max_prefilling: 1` ran
+    /// one such request at a time).
+    pub fn prefill_within(&self, within: std::time::Duration) {
+        let (admission, flag) = (Arc::clone(&self.admission), Arc::clone(&self.prefilled));
+        let (backend, tokens) = (self.backend, self.tokens);
+        tokio::spawn(async move {
+            tokio::time::sleep(within).await;
+            prefill_over(&admission, &flag, backend, tokens);
+        });
+    }
+}
+
+/// A permit's prefill is over (once: `flag`): its room goes to a waiter.
+fn prefill_over(
+    admission: &Admission,
+    flag: &std::sync::atomic::AtomicBool,
+    backend: u32,
+    tokens: u64,
+) {
+    if !flag.swap(true, std::sync::atomic::Ordering::AcqRel) {
+        let mut st = admission.state.lock();
+        if let Some(b) = st.backends.get_mut(&backend) {
+            b.prefill_over(tokens);
         }
+        fill(&mut st, backend);
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
         let held_ms = self.since.elapsed().as_secs_f64() * 1000.0;
-        self.admission
-            .release(self.backend, Some(held_ms), self.prefilled);
+        let prefilled = self
+            .prefilled
+            .swap(true, std::sync::atomic::Ordering::AcqRel);
+        self.admission.release(
+            self.backend,
+            Some(held_ms),
+            (!prefilled).then_some(self.tokens),
+        );
     }
 }
 
@@ -249,6 +300,7 @@ pub struct Ticket {
     admission: Arc<Admission>,
     backend: u32,
     place: Place,
+    tokens: u64,
     woken: Option<oneshot::Receiver<()>>,
 }
 
@@ -262,7 +314,7 @@ impl Ticket {
             let _ = woken.await;
         }
         self.woken = None;
-        Permit::new(&self.admission, self.backend)
+        Permit::new(&self.admission, self.backend, self.tokens)
     }
 }
 
@@ -280,7 +332,8 @@ impl Drop for Ticket {
             } else if woken.try_recv().is_ok() {
                 // Handed a slot, then gone before using it: pass it on.
                 drop(st);
-                self.admission.release(self.backend, None, false);
+                self.admission
+                    .release(self.backend, None, Some(self.tokens));
             }
         }
     }
@@ -315,6 +368,14 @@ impl Admission {
     /// The class `session`'s requests named last, if they did.
     pub fn named_class(&self, session: u128) -> Option<Class> {
         self.classes.lock().get(&session).copied()
+    }
+
+    /// Bound the prefill `backend` runs at once to `tokens` (0: none): one
+    /// more request starts only while those prefilling there come to less.
+    pub fn set_prefill_budget(&self, backend: u32, tokens: u64) {
+        let mut st = self.state.lock();
+        st.backends.entry(backend).prefill_budget = tokens;
+        fill(&mut st, backend);
     }
 
     /// Set how many requests `backend` runs at once, and how many of them
@@ -401,10 +462,10 @@ impl Admission {
         let start = last.max(b.vtime);
         let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
         if b.has_room() && b.waiting.is_empty() {
-            b.start();
+            b.start(tokens);
             b.vtime = b.vtime.max(start);
             remember(b, tenant, finish);
-            return Admit::Now(Permit::new(self, backend));
+            return Admit::Now(Permit::new(self, backend, tokens));
         }
         if queued >= self.max_queued {
             return Admit::Full;
@@ -413,23 +474,28 @@ impl Admission {
         st.seq += 1;
         let place = (class, finish, st.seq);
         let (wake, woken) = oneshot::channel();
-        st.backends
-            .entry(backend)
-            .waiting
-            .insert(place, Waiter { wake, start });
+        st.backends.entry(backend).waiting.insert(
+            place,
+            Waiter {
+                wake,
+                start,
+                tokens,
+            },
+        );
         st.queued += 1;
         Admit::Wait(Ticket {
             admission: Arc::clone(self),
             backend,
             place,
+            tokens,
             woken: Some(woken),
         })
     }
 
     /// A slot of `backend` is free (after `held_ms` in use, when it was;
-    /// `prefilled`: its first byte had come back): hand it on to the best
-    /// waiters there is room for.
-    fn release(&self, backend: u32, held_ms: Option<f64>, prefilled: bool) {
+    /// `prefilling`: the tokens of a request whose prefill was not over):
+    /// hand it on to the best waiters there is room for.
+    fn release(&self, backend: u32, held_ms: Option<f64>, prefilling: Option<u64>) {
         let mut st = self.state.lock();
         if let Some(b) = st.backends.get_mut(&backend) {
             if let Some(ms) = held_ms {
@@ -439,8 +505,8 @@ impl Admission {
                 };
             }
             b.running = b.running.saturating_sub(1);
-            if !prefilled {
-                b.prefilling = b.prefilling.saturating_sub(1);
+            if let Some(tokens) = prefilling {
+                b.prefill_over(tokens);
             }
         }
         fill(&mut st, backend);
@@ -495,6 +561,9 @@ impl Admission {
                 limit: b.limit,
                 source: b.source,
                 max_prefilling: b.max_prefilling,
+                prefilling: b.prefilling,
+                prefill_tokens: b.prefill_tokens,
+                prefill_budget: b.prefill_budget,
             })
             .collect()
     }
@@ -518,6 +587,11 @@ pub struct Slots {
     pub limit: u32,
     pub source: LimitSource,
     pub max_prefilling: u32,
+    /// Requests prefilling, and their estimated tokens.
+    pub prefilling: u32,
+    pub prefill_tokens: u64,
+    /// 0: none.
+    pub prefill_budget: u64,
 }
 
 /// Give the room `backend` has to its best waiters still there (one whose
@@ -536,7 +610,7 @@ fn fill(st: &mut State, backend: u32) {
         };
         st.queued -= 1;
         if w.wake.send(()).is_ok() {
-            b.start();
+            b.start(w.tokens);
             b.vtime = b.vtime.max(w.start);
         }
     }
@@ -893,6 +967,50 @@ mod tests {
             .wait()
             .now_or_never()
             .expect("in once the second ended");
+    }
+
+    #[tokio::test]
+    async fn a_backend_runs_at_most_its_prefill_budget_at_once() {
+        use futures_util::FutureExt;
+        let a = Admission::new(10);
+        a.set_limit(0, Limit::Fixed(10), 0);
+        a.set_prefill_budget(0, 1_000);
+        let mut long = now(a.admit(0, Class::Normal, t("t"), 1, 800));
+        // Under the budget: one more starts, whatever its size.
+        let _short = now(a.admit(0, Class::Normal, t("t"), 1, 300));
+        // Over it: the next waits for a prefill to end.
+        let next = waits(a.admit(0, Class::Normal, t("t"), 1, 100));
+        long.prefilled();
+        next.wait()
+            .now_or_never()
+            .expect("in once the long one prefilled");
+        // Whatever is prefilling, one request may: a prompt over the budget
+        // alone is not kept out for ever.
+        let b = Admission::new(10);
+        b.set_limit(0, Limit::Fixed(10), 0);
+        b.set_prefill_budget(0, 1_000);
+        let _huge = now(b.admit(0, Class::Normal, t("t"), 1, 50_000));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_that_does_not_stream_stops_counting_as_prefilling_by_the_clock() {
+        use futures_util::FutureExt;
+        let a = Admission::new(10);
+        a.set_limit(0, Limit::Fixed(4), 1);
+        let json = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        json.prefill_within(std::time::Duration::from_millis(50));
+        let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let next = next.wait();
+        tokio::pin!(next);
+        assert!((&mut next).now_or_never().is_none());
+        tokio::time::sleep(std::time::Duration::from_millis(51)).await;
+        let _second = next.await;
+        // Its slot is still its own until it ends; dropping it then does
+        // not count its prefill off twice.
+        assert_eq!(a.depth(0), (0, 2));
+        drop(json);
+        let s = a.snapshot()[0];
+        assert_eq!((s.running, a.state.lock().backends.0[0].prefilling), (1, 1));
     }
 
     #[test]

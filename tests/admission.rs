@@ -927,3 +927,55 @@ async fn turned_on_with_nothing_else_it_learns_what_the_engine_runs_and_queues_t
         assert_eq!(s.await.unwrap(), 200);
     }
 }
+
+#[tokio::test]
+async fn answers_that_do_not_stream_do_not_hold_the_prefill_slot_through_their_decode() {
+    // Slow decode: each answer takes about two seconds after its prefill.
+    let sims = [SimBackend::start(
+        "vllm-0",
+        &["--decode-us-per-token", "100000"],
+    )];
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}admission:\n  enabled: true\n  max_in_flight: 4\n  max_prefilling: 1\n  max_wait_ms: 60000\n",
+            affinity_yaml(600)
+        ),
+    )
+    .await;
+    // A live session's turn, whose body streams through unread, and two
+    // new conversations, whose bodies are read to place them: none streams.
+    let r = chat(
+        &client(),
+        &gw,
+        &[("x-session-id", "live")],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let mut answers = Vec::new();
+    for (i, sid) in ["live", "new-1", "new-2"].into_iter().enumerate() {
+        let url = gw.url("/v1/chat/completions");
+        answers.push(tokio::spawn(async move {
+            let mut body = chat_body("qwen3-8b", 1 + i);
+            body["max_tokens"] = json!(20);
+            client()
+                .post(url)
+                .header("x-session-id", sid)
+                .json(&body)
+                .send()
+                .await
+                .expect("answered")
+                .status()
+                .as_u16()
+        }));
+    }
+    // One at a time prefills, but all three decode together.
+    wait_until("three answers decoding at once", || async {
+        sims[0].stats().await["running"] == 3
+    })
+    .await;
+    for a in answers {
+        assert_eq!(a.await.unwrap(), 200);
+    }
+}

@@ -178,6 +178,11 @@ pub struct RequestCtx {
     /// its prefill was done. A JSON answer's first byte comes after its
     /// whole decode.
     streamed: bool,
+    /// Whether the request asked for a stream (`None`: its body was not read).
+    asks_stream: Option<bool>,
+    /// A body not read before it was admitted: how long its prefill should
+    /// take, and whether it was seen to ask for a stream on its way.
+    prefill_clock: Option<(std::time::Duration, bool)>,
     /// The client connection's limits (HTTP/1 on a proxy listener).
     conn: Option<Arc<conn_guard::ConnState>>,
     /// Who sent it and how it is admitted: see [`Admittance`].
@@ -342,6 +347,8 @@ impl ProxyHttp for GatewayProxy {
             usage: None,
             first_byte: None,
             streamed: false,
+            asks_stream: None,
+            prefill_clock: None,
             conn: None,
             who: Admittance {
                 client: None,

@@ -24,6 +24,10 @@ const CLIENT_LOOK: std::time::Duration = std::time::Duration::from_millis(100);
 /// the backend has said how many tokens it was (about 4 for English text).
 pub(super) const BODY_BYTES_PER_TOKEN: u64 = 4;
 
+/// What a token of prefill is taken to cost before a backend's answers
+/// taught it, µs.
+const PREFILL_PRIOR_US: f64 = 100.0;
+
 /// The prompt tokens a request holds: its prompt's own estimate when it was
 /// read (token ids counted, text at 4 bytes a token), else estimated from
 /// the body's size (read already, or declared in Content-Length, which
@@ -194,16 +198,21 @@ impl GatewayProxy {
                     ctx.who.class = ctx.who.ceiling.map_or(c, |ceiling| c.max(ceiling));
                 }
             }
-            ctx.who.permit = Some(
-                self.admit(
-                    session,
-                    ctx,
-                    &tier,
-                    &backend,
-                    new_tokens.unwrap_or(body_tokens),
-                )
-                .await?,
-            );
+            let prefill = new_tokens.unwrap_or(body_tokens);
+            let permit = self.admit(session, ctx, &tier, &backend, prefill).await?;
+            if ctx.asks_stream != Some(true) {
+                // An answer that does not stream shows no end of its
+                // prefill: it counts as prefilling for twice what that
+                // should take (a body not read yet is looked at on its way).
+                let us = backend.stats.cost.prefill_us_per_token(PREFILL_PRIOR_US, 1);
+                let ms = (prefill as f64 * us * 2.0 / 1000.0) as u64;
+                let within = std::time::Duration::from_millis(ms.clamp(50, 10_000));
+                match ctx.asks_stream {
+                    Some(_) => permit.prefill_within(within),
+                    None => ctx.prefill_clock = Some((within, false)),
+                }
+            }
+            ctx.who.permit = Some(permit);
         }
         ctx.in_flight = Some(InFlight::new(
             &backend.stats,

@@ -446,6 +446,7 @@ impl GatewayProxy {
             });
             if let Some(probe) = needs_body.then(|| BodyProbe::parse(&body)).flatten() {
                 max_output = probe.max_output_tokens();
+                ctx.asks_stream = Some(probe.is_stream());
                 let model = probe.model();
                 if tier.is_none() {
                     if let Some(model) = &model {
@@ -590,6 +591,14 @@ impl GatewayProxy {
             *body = Some(full.clone());
             return Ok(());
         }
+        if let (Some((_, streams)), Some(chunk)) = (ctx.prefill_clock.as_mut(), body.as_ref()) {
+            *streams |= asks_stream(chunk);
+        }
+        if end_of_stream {
+            if let (Some((within, false)), Some(p)) = (ctx.prefill_clock.take(), &ctx.who.permit) {
+                p.prefill_within(within);
+            }
+        }
         if let Some(chunk) = body {
             ctx.body_bytes += chunk.len() as u64;
             let limit = ctx
@@ -601,5 +610,32 @@ impl GatewayProxy {
             }
         }
         Ok(())
+    }
+}
+
+/// Whether a piece of a request body holds `"stream": true` (a member split
+/// between two pieces is missed: the request is then timed as one that does
+/// not stream, which only ends its count as prefilling early).
+fn asks_stream(chunk: &[u8]) -> bool {
+    memchr::memmem::find_iter(chunk, b"\"stream\"").any(|at| {
+        let rest = chunk[at + 8..].trim_ascii_start();
+        rest.strip_prefix(b":")
+            .is_some_and(|v| v.trim_ascii_start().starts_with(b"true"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_body_asks_for_a_stream_by_its_member_only() {
+        use super::asks_stream;
+        assert!(asks_stream(br#"{"messages":[],"stream" : true}"#));
+        assert!(asks_stream(br#"{"stream":true,"messages":[]}"#));
+        assert!(!asks_stream(br#"{"stream":false}"#));
+        assert!(!asks_stream(
+            br#"{"stream_options":{"include_usage":true}}"#
+        ));
+        assert!(!asks_stream(br#"{"content":"stream"}"#));
+        assert!(!asks_stream(br#"{"stream""#));
     }
 }
