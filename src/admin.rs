@@ -149,9 +149,8 @@ impl AdminApp {
                     "limit_source": s.source.as_str(),
                     "max_prefilling": s.max_prefilling,
                     "prefilling": s.prefilling,
+                    // Their estimated prefill, tokens.
                     "prefill_tokens": s.prefill_tokens,
-                    // Tokens: admission.max_prefill_ms at the learned cost.
-                    "prefill_budget_tokens": s.prefill_budget,
                     "running": s.running,
                     "waiting": s.waiting,
                 })

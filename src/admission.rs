@@ -91,9 +91,6 @@ struct Backend {
     max_prefilling: u32,
     /// The estimated prefill tokens of those prefilling.
     prefill_tokens: u64,
-    /// At most this many of them before one more may start (0: no bound):
-    /// `admission.max_prefill_ms` of prefill at the backend's learned cost.
-    prefill_budget: u64,
     waiting: BTreeMap<Place, Waiter>,
     /// Each tenant's last virtual finish tag here.
     tenants: crate::affinity::hrw::UniformMap<u64, u64>,
@@ -162,9 +159,6 @@ impl Backend {
     fn has_room(&self) -> bool {
         (self.limit == 0 || self.running < self.limit)
             && (self.max_prefilling == 0 || self.prefilling < self.max_prefilling)
-            && (self.prefill_budget == 0
-                || self.prefilling == 0
-                || self.prefill_tokens < self.prefill_budget)
     }
 
     fn start(&mut self, tokens: u64) {
@@ -370,14 +364,6 @@ impl Admission {
         self.classes.lock().get(&session).copied()
     }
 
-    /// Bound the prefill `backend` runs at once to `tokens` (0: none): one
-    /// more request starts only while those prefilling there come to less.
-    pub fn set_prefill_budget(&self, backend: u32, tokens: u64) {
-        let mut st = self.state.lock();
-        st.backends.entry(backend).prefill_budget = tokens;
-        fill(&mut st, backend);
-    }
-
     /// Set how many requests `backend` runs at once, and how many of them
     /// may be prefilling (0: no limit); raised limits take waiters in at
     /// once. A limit being learned keeps what was learned.
@@ -563,7 +549,6 @@ impl Admission {
                 max_prefilling: b.max_prefilling,
                 prefilling: b.prefilling,
                 prefill_tokens: b.prefill_tokens,
-                prefill_budget: b.prefill_budget,
             })
             .collect()
     }
@@ -590,8 +575,6 @@ pub struct Slots {
     /// Requests prefilling, and their estimated tokens.
     pub prefilling: u32,
     pub prefill_tokens: u64,
-    /// 0: none.
-    pub prefill_budget: u64,
 }
 
 /// Give the room `backend` has to its best waiters still there (one whose
@@ -967,29 +950,6 @@ mod tests {
             .wait()
             .now_or_never()
             .expect("in once the second ended");
-    }
-
-    #[tokio::test]
-    async fn a_backend_runs_at_most_its_prefill_budget_at_once() {
-        use futures_util::FutureExt;
-        let a = Admission::new(10);
-        a.set_limit(0, Limit::Fixed(10), 0);
-        a.set_prefill_budget(0, 1_000);
-        let mut long = now(a.admit(0, Class::Normal, t("t"), 1, 800));
-        // Under the budget: one more starts, whatever its size.
-        let _short = now(a.admit(0, Class::Normal, t("t"), 1, 300));
-        // Over it: the next waits for a prefill to end.
-        let next = waits(a.admit(0, Class::Normal, t("t"), 1, 100));
-        long.prefilled();
-        next.wait()
-            .now_or_never()
-            .expect("in once the long one prefilled");
-        // Whatever is prefilling, one request may: a prompt over the budget
-        // alone is not kept out for ever.
-        let b = Admission::new(10);
-        b.set_limit(0, Limit::Fixed(10), 0);
-        b.set_prefill_budget(0, 1_000);
-        let _huge = now(b.admit(0, Class::Normal, t("t"), 1, 50_000));
     }
 
     #[tokio::test(start_paused = true)]

@@ -73,17 +73,7 @@ impl LoadScraper {
 
     fn export(&self, routing: &crate::upstream::Routing) {
         let m = &self.0.metrics;
-        let adm = &routing.config.admission;
         for (tier, b) in routing.all_backends() {
-            // What the backend's prefill costs, learned from its answers,
-            // bounds the prefill admission lets run there at once.
-            let budget = match (adm.enabled, b.stats.cost.learned_us_per_token()) {
-                (true, Some(us)) if !adm.max_prefill.is_zero() => {
-                    (adm.max_prefill.as_micros() as f64 / us) as u64
-                }
-                _ => 0,
-            };
-            self.0.admission.set_prefill_budget(b.slot, budget);
             let labels = [&*tier.name, &*b.id];
             m.backend_bindings
                 .with_label_values(&labels)

@@ -979,3 +979,83 @@ async fn answers_that_do_not_stream_do_not_hold_the_prefill_slot_through_their_d
         assert_eq!(a.await.unwrap(), 200);
     }
 }
+
+#[tokio::test]
+async fn http2_streams_reset_while_queued_leave_the_queue_and_never_go_upstream() {
+    let pki = Pki::new();
+    let certs = tempfile::tempdir().unwrap();
+    pki.leaf(certs.path(), "gw.test");
+    let sims = [SimBackend::start("vllm-0", &[])];
+    let tls_port = free_port();
+    let d = certs.path().display();
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        |_| {
+            format!(
+                "  tls:\n    listen: [\"127.0.0.1:{tls_port}\"]\n    h2: true\n    certificates:\n      - {{ cert: \"{d}/gw.test.pem\", key: \"{d}/gw.test.key\", server_names: [gw.test] }}\n"
+            )
+        },
+        &format!(
+            "{FAST_HEALTH}{}admission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: 60000\n  max_queued: 100\n",
+            affinity_yaml(600)
+        ),
+    )
+    .await;
+    let mut held = hold_the_slot(&gw, &sims[0], &[]).await;
+    let sent_before = engine_requests(&sims[0]).await;
+    // One HTTP/2 connection: a hundred streams queue, then all are reset;
+    // fifteen times over.
+    let h2 = reqwest::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(pki.ca_pem.as_bytes()).unwrap())
+        .resolve("gw.test", ([127, 0, 0, 1], tls_port).into())
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let url = format!("https://gw.test:{tls_port}/v1/chat/completions");
+    for wave in 0..15 {
+        let streams: Vec<_> = (0..100)
+            .map(|i| {
+                let req = h2
+                    .post(&url)
+                    .header("x-session-id", format!("reset-{wave}-{i}"))
+                    .json(&chat_body("qwen3-8b", i));
+                tokio::spawn(async move { req.send().await })
+            })
+            .collect();
+        wait_until("a hundred streams queued", || async {
+            admission_view(&gw).await["queued"] == 100
+        })
+        .await;
+        for s in &streams {
+            s.abort();
+        }
+        wait_until("the reset streams gone from the queue", || async {
+            admission_view(&gw).await["queued"] == 0
+        })
+        .await;
+    }
+    // Another client is queued, not refused, and served once the slot frees.
+    let other = tokio::spawn({
+        let url = gw.url("/v1/chat/completions");
+        async move {
+            client()
+                .post(url)
+                .header("x-session-id", "patient")
+                .json(&chat_body("qwen3-8b", 1))
+                .send()
+                .await
+                .expect("answered")
+                .status()
+                .as_u16()
+        }
+    });
+    wait_until("the other client queued", || async {
+        admission_view(&gw).await["queued"] == 1
+    })
+    .await;
+    sims[0].release_streams().await;
+    while held.next().await.is_some() {}
+    assert_eq!(other.await.unwrap(), 200);
+    // Of the 1,500 reset streams, none reached the engine.
+    assert_eq!(engine_requests(&sims[0]).await, sent_before + 1);
+}

@@ -138,11 +138,6 @@ pub struct AdmissionConfig {
     /// Of a backend's running requests, how many may be prefilling (sent,
     /// no first byte back) at once (0: no limit).
     pub max_prefilling: u32,
-    /// The prefill a backend runs at once, in time at its learned cost per
-    /// token: one more request starts prefilling only while those
-    /// prefilling there come to less (0: no bound). A request let in behind
-    /// more waits for them inside the engine, in arrival order.
-    pub max_prefill: Duration,
     /// The longest a request waits for a slot before a 429.
     pub max_wait: Duration,
     /// Requests waiting at once, over all backends; more get a 429 at once.

@@ -224,19 +224,12 @@ pub(super) fn validate_admission(
             "must be at most 3600000 (an hour)",
         ));
     }
-    if a.max_prefill_ms > 60_000 {
-        errors.push(err(
-            "admission.max_prefill_ms",
-            "must be at most 60000 (0: no bound)",
-        ));
-    }
     if a.max_queued == 0 || a.max_queued > 1_000_000 {
         errors.push(err("admission.max_queued", "must be between 1 and 1000000"));
     }
     AdmissionConfig {
         enabled: a.enabled,
         max_prefilling: a.max_prefilling,
-        max_prefill: Duration::from_millis(a.max_prefill_ms),
         max_wait: Duration::from_millis(a.max_wait_ms),
         max_queued: a.max_queued.clamp(1, 1_000_000),
         priority_header,

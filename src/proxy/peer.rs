@@ -254,7 +254,7 @@ impl GatewayProxy {
     /// full), before any byte of it has gone upstream.
     async fn admit(
         &self,
-        session: &Session,
+        session: &mut Session,
         ctx: &mut RequestCtx,
         tier: &Tier,
         backend: &Backend,
@@ -297,14 +297,32 @@ impl GatewayProxy {
         tokio::pin!(wait);
         let deadline = tokio::time::sleep(ctx.who.max_wait);
         tokio::pin!(deadline);
-        // The client's socket is looked at now and then: one that leaves
-        // leaves the queue (dropping the wait drops its ticket).
-        let mut look = tokio::time::interval(CLIENT_LOOK);
-        let got = loop {
-            tokio::select! {
-                p = &mut wait => break Ok(p),
-                _ = &mut deadline => break Err("deadline"),
-                _ = look.tick() => if client_gone(session) { break Err("client_gone") },
+        // A client that leaves leaves the queue (dropping the wait drops its
+        // ticket): an HTTP/2 stream says so itself when it is reset or its
+        // connection goes (other streams of the connection may wait on); an
+        // HTTP/1 client's socket is looked at now and then.
+        let got = match session.as_downstream().is_http2() {
+            true => {
+                let closed = session
+                    .as_downstream_mut()
+                    .watch_h2_stream_close()
+                    .expect("an HTTP/2 session");
+                tokio::pin!(closed);
+                tokio::select! {
+                    p = &mut wait => Ok(p),
+                    _ = &mut deadline => Err("deadline"),
+                    _ = &mut closed => Err("client_gone"),
+                }
+            }
+            false => {
+                let mut look = tokio::time::interval(CLIENT_LOOK);
+                loop {
+                    tokio::select! {
+                        p = &mut wait => break Ok(p),
+                        _ = &mut deadline => break Err("deadline"),
+                        _ = look.tick() => if client_gone(session) { break Err("client_gone") },
+                    }
+                }
             }
         };
         queued.dec();
