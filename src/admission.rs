@@ -387,7 +387,8 @@ impl Admission {
     /// limit is what the engine runs once it queues: two scrapes in a row
     /// that find requests waiting inside it set the limit to the larger
     /// running count of the two (one alone may catch a request the engine
-    /// has not scheduled yet), never above what it was. Until the engine
+    /// has not scheduled yet; in slow start, at the limit, one does), never
+    /// above what it was. Until the engine
     /// first queues, the limit starts at `SLOW_START` with the first
     /// gauges read and doubles at each scrape that finds it reached, with
     /// requests waiting here and none inside the engine (an engine whose
@@ -403,7 +404,10 @@ impl Admission {
         }
         let running = running.min(u32::MAX as u64) as u32;
         if waiting > 0 && running > 0 {
-            if b.queued_at > 0 {
+            // In slow start the gateway has just sent more than before and
+            // is at its limit: one scrape is evidence enough, and each one
+            // waited for leaves more requests queued inside the engine.
+            if b.queued_at > 0 || (b.slow_start && b.running >= b.limit) {
                 let seen = b.queued_at.max(running);
                 if b.limit == 0 || seen < b.limit {
                     b.limit = seen;
@@ -852,17 +856,19 @@ mod tests {
         assert_eq!(limit_of(&a, 0).0, 2 * SLOW_START);
         running.push(ticket.wait().now_or_never().expect("let in"));
         running.extend((0..3).map(|_| now(a.admit(0, Class::Normal, t("t"), 1, 10))));
-        // One scrape that finds a request waiting inside the engine may
-        // have caught it before the engine scheduled it: no change.
-        a.observe(0, 5, 1, 3_000);
-        assert_eq!(limit_of(&a, 0).0, 2 * SLOW_START);
-        // Two in a row: the engine runs 6 at most.
-        a.observe(0, 6, 2, 4_000);
+        // In slow start, at the limit, one scrape that finds requests
+        // waiting inside the engine ends it: the engine runs 6 at most.
+        a.observe(0, 6, 2, 3_000);
         assert_eq!(limit_of(&a, 0), (6, LimitSource::Learned));
         running.truncate(6);
         let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
-        // A later queue at a higher count does not raise it.
-        a.observe(0, 7, 1, 5_000);
+        // After it, one scrape may have caught a request the engine had not
+        // scheduled yet: no change; and a queue at a higher count does not
+        // raise it.
+        a.observe(0, 5, 1, 4_000);
+        assert_eq!(limit_of(&a, 0).0, 6);
+        a.observe(0, 7, 0, 5_000);
+        a.observe(0, 7, 1, 5_500);
         a.observe(0, 7, 1, 6_000);
         assert_eq!(limit_of(&a, 0).0, 6);
         // At the limit with a waiter here and none inside the engine: after

@@ -1059,3 +1059,152 @@ async fn http2_streams_reset_while_queued_leave_the_queue_and_never_go_upstream(
     // Of the 1,500 reset streams, none reached the engine.
     assert_eq!(engine_requests(&sims[0]).await, sent_before + 1);
 }
+
+/// Two replicas running one request each; sessions of the first one's, one
+/// of them holding its slot with a stream, two more turns queued for it.
+/// Returns the replicas, the gateway, the held stream and the queued turns.
+async fn queued_for_the_first(
+    server_lines: &str,
+    extra: &str,
+) -> (
+    Vec<SimBackend>,
+    Gateway,
+    impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>>,
+    Vec<tokio::task::JoinHandle<(u16, String)>>,
+) {
+    let sims: Vec<SimBackend> = (0..2)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        |_| server_lines.to_string(),
+        &format!(
+            "{FAST_HEALTH}{}admission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: 60000\n{extra}",
+            affinity_yaml(600)
+        ),
+    )
+    .await;
+    // Sessions whose first turn went to vllm-0.
+    let mut on_first = Vec::new();
+    for i in 0..40 {
+        let sid = format!("task-{i}");
+        let r = chat(
+            &client(),
+            &gw,
+            &[("x-session-id", &sid)],
+            &chat_body("qwen3-8b", 0),
+        )
+        .await;
+        if r.backend.as_deref() == Some("vllm-0") {
+            on_first.push(sid);
+        }
+        if on_first.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(on_first.len(), 3, "three sessions on vllm-0");
+    sims[0].set_faults(json!({"hold_streams": true})).await;
+    let mut body = chat_body("qwen3-8b", 1);
+    body["stream"] = json!(true);
+    let resp = client()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-session-id", &on_first[0])
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["x-agent-serve-backend"], "vllm-0");
+    let mut held = resp.bytes_stream();
+    held.next().await.expect("first event").expect("bytes");
+    let mut turns = Vec::new();
+    for sid in &on_first[1..] {
+        let (url, sid) = (gw.url("/v1/chat/completions"), sid.clone());
+        turns.push(tokio::spawn(async move {
+            let r = client()
+                .post(url)
+                .header("x-session-id", &sid)
+                .json(&chat_body("qwen3-8b", 1))
+                .send()
+                .await
+                .expect("answered");
+            let backend = r.headers()["x-agent-serve-backend"]
+                .to_str()
+                .unwrap()
+                .to_string();
+            (r.status().as_u16(), backend)
+        }));
+    }
+    wait_until("two turns queued for vllm-0", || async {
+        admission_view(&gw).await["queued"] == 2
+    })
+    .await;
+    (sims, gw, held, turns)
+}
+
+#[tokio::test]
+async fn requests_queued_for_a_backend_marked_down_are_served_by_another() {
+    let (sims, _gw, _held, turns) = queued_for_the_first("", "").await;
+    let sent = engine_requests(&sims[0]).await;
+    // Its health checks fail: the gateway can tell, and its waiters go on.
+    sims[0]
+        .set_faults(json!({"hold_streams": true, "unhealthy": true}))
+        .await;
+    for t in turns {
+        assert_eq!(t.await.unwrap(), (200, "vllm-1".to_string()));
+    }
+    assert_eq!(engine_requests(&sims[0]).await, sent, "none sent to vllm-0");
+    sims[0].release_streams().await;
+}
+
+#[tokio::test]
+async fn requests_queued_for_a_backend_a_reload_removes_are_served_by_another() {
+    let (sims, gw, _held, turns) = queued_for_the_first("", "").await;
+    let sent = engine_requests(&sims[0]).await;
+    let yaml = std::fs::read_to_string(&gw.config_path).unwrap();
+    let kept: String = yaml
+        .lines()
+        .filter(|l| !l.contains("id: \"vllm-0\""))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_ne!(kept.len(), yaml.len());
+    std::fs::write(&gw.config_path, kept).unwrap();
+    gw.reload("success", 1.0).await;
+    for t in turns {
+        assert_eq!(t.await.unwrap(), (200, "vllm-1".to_string()));
+    }
+    assert_eq!(engine_requests(&sims[0]).await, sent, "none sent to vllm-0");
+    sims[0].release_streams().await;
+}
+
+#[tokio::test]
+async fn requests_queued_for_a_backend_that_dies_are_served_by_another() {
+    let (mut sims, _gw, _held, turns) = queued_for_the_first("", "").await;
+    // Killed with a request running and two waiting for its slot: the slot
+    // its crash frees, and what health checks then say, send them on.
+    sims[0].kill();
+    for t in turns {
+        assert_eq!(t.await.unwrap(), (200, "vllm-1".to_string()));
+    }
+}
+
+#[tokio::test]
+async fn requests_queued_for_a_backend_that_hangs_are_served_by_another() {
+    // A backend is ejected at its first failure; reads time out after 2 s.
+    let (sims, _gw, _held, turns) = queued_for_the_first(
+        "  read_timeout_ms: 2000\n",
+        "outlier:\n  consecutive_failures: 1\n",
+    )
+    .await;
+    let sent = engine_requests(&sims[0]).await;
+    // It stops answering (its health checks still pass): once the request
+    // running there times out and it is ejected, the gateway can tell.
+    sims[0]
+        .set_faults(json!({"hold_streams": true, "hang": true}))
+        .await;
+    for t in turns {
+        assert_eq!(t.await.unwrap(), (200, "vllm-1".to_string()));
+    }
+    assert_eq!(engine_requests(&sims[0]).await, sent, "none sent to vllm-0");
+    sims[0].set_faults(json!({})).await;
+    sims[0].release_streams().await;
+}

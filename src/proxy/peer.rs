@@ -199,7 +199,17 @@ impl GatewayProxy {
                 }
             }
             let prefill = new_tokens.unwrap_or(body_tokens);
-            let permit = self.admit(session, ctx, &tier, &backend, prefill).await?;
+            let Some(permit) = self.admit(session, ctx, &tier, &backend, prefill).await? else {
+                // Its backend went while it waited: it is placed again
+                // without it, its session rebound like any turn's whose
+                // backend is down.
+                log::info!(
+                    "backend {} went while requests waited for it; placing them again",
+                    backend.id
+                );
+                ctx.excluded.push(backend.slot);
+                return Box::pin(self.choose_peer(session, ctx)).await;
+            };
             if ctx.asks_stream != Some(true) {
                 // An answer that does not stream shows no end of its
                 // prefill: it counts as prefilling for twice what that
@@ -259,7 +269,7 @@ impl GatewayProxy {
         tier: &Tier,
         backend: &Backend,
         tokens: u64,
-    ) -> Result<crate::admission::Permit> {
+    ) -> Result<Option<crate::admission::Permit>> {
         use crate::admission::Admit;
         let adm = &self.gw.admission;
         let m = &self.gw.metrics;
@@ -268,7 +278,7 @@ impl GatewayProxy {
         let ticket = match adm.admit(backend.slot, ctx.who.class, ctx.who.tenant, weight, tokens) {
             Admit::Now(p) => {
                 tier.metrics.admitted_now[ctx.who.class.index()].inc();
-                return Ok(p);
+                return Ok(Some(p));
             }
             Admit::Full => {
                 m.admission_rejected
@@ -301,6 +311,9 @@ impl GatewayProxy {
         // ticket): an HTTP/2 stream says so itself when it is reset or its
         // connection goes (other streams of the connection may wait on); an
         // HTTP/1 client's socket is looked at now and then.
+        // Its backend is looked at as often: one that turns unhealthy, is
+        // ejected or leaves the configuration sends its waiters elsewhere.
+        let mut look = tokio::time::interval(CLIENT_LOOK);
         let got = match session.as_downstream().is_http2() {
             true => {
                 let closed = session
@@ -308,34 +321,46 @@ impl GatewayProxy {
                     .watch_h2_stream_close()
                     .expect("an HTTP/2 session");
                 tokio::pin!(closed);
-                tokio::select! {
-                    p = &mut wait => Ok(p),
-                    _ = &mut deadline => Err("deadline"),
-                    _ = &mut closed => Err("client_gone"),
-                }
-            }
-            false => {
-                let mut look = tokio::time::interval(CLIENT_LOOK);
                 loop {
                     tokio::select! {
                         p = &mut wait => break Ok(p),
                         _ = &mut deadline => break Err("deadline"),
-                        _ = look.tick() => if client_gone(session) { break Err("client_gone") },
+                        _ = &mut closed => break Err("client_gone"),
+                        _ = look.tick() => if self.backend_gone(tier, backend) { break Err("backend_gone") },
                     }
                 }
             }
+            false => loop {
+                tokio::select! {
+                    p = &mut wait => break Ok(p),
+                    _ = &mut deadline => break Err("deadline"),
+                    _ = look.tick() => {
+                        if client_gone(session) {
+                            break Err("client_gone");
+                        }
+                        if self.backend_gone(tier, backend) {
+                            break Err("backend_gone");
+                        }
+                    }
+                }
+            },
         };
         queued.dec();
         m.admission_wait
             .with_label_values(&[&tier.name, class])
             .observe(since.elapsed().as_secs_f64());
         match got {
+            // Handed a slot freed by a request that failed there: the
+            // backend may have been found sick meanwhile.
+            Ok(_) if self.backend_gone(tier, backend) => Ok(None),
             Ok(p) => {
                 m.admission_admitted
                     .with_label_values(&[&tier.name, class, "queued"])
                     .inc();
-                Ok(p)
+                Ok(Some(p))
             }
+            // Placed again, as a turn arriving now would be.
+            Err("backend_gone") => Ok(None),
             Err(reason) => {
                 m.admission_rejected
                     .with_label_values(&[&tier.name, class, reason])
@@ -358,6 +383,20 @@ impl GatewayProxy {
                 );
                 Err(self.fail(ctx, e))
             }
+        }
+    }
+
+    /// Whether `backend` of `tier` can no longer take a waiting request:
+    /// unhealthy or ejected as the configuration in force sees it, or gone
+    /// from it.
+    fn backend_gone(&self, tier: &Tier, backend: &Backend) -> bool {
+        let routing = self.gw.routing();
+        let Some(now) = routing.tier_by_name(&tier.name) else {
+            return true;
+        };
+        match now.backend_by_id(&backend.id) {
+            Some(b) if b.addr == backend.addr => !now.healthy(b),
+            _ => true,
         }
     }
 
