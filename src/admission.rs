@@ -224,8 +224,11 @@ pub struct Permit {
     /// Its estimated prefill, tokens.
     tokens: u64,
     /// No longer prefilling: its first byte came back, or the time its
-    /// prefill should take passed (see [`Permit::prefill_within`]).
-    prefilled: Arc<std::sync::atomic::AtomicBool>,
+    /// prefill should take passed (see [`Permit::prefill_within`]): shared
+    /// with that clock once it runs.
+    prefilled: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// Its prefill counted off here (the clock's flag says so once it runs).
+    done: bool,
 }
 
 impl Permit {
@@ -235,51 +238,59 @@ impl Permit {
             backend,
             since: Instant::now(),
             tokens,
-            prefilled: Default::default(),
+            prefilled: None,
+            done: false,
         }
     }
 
     /// Its first byte came back: it no longer counts as prefilling.
     pub fn prefilled(&mut self) {
-        prefill_over(&self.admission, &self.prefilled, self.backend, self.tokens);
+        let first = match &self.prefilled {
+            Some(flag) => !flag.swap(true, std::sync::atomic::Ordering::AcqRel),
+            None => !std::mem::replace(&mut self.done, true),
+        };
+        if first {
+            prefill_over(&self.admission, self.backend, self.tokens);
+        }
     }
 
     /// It counts as prefilling for `within` at most: an answer that is not
     /// streamed sends its first byte only once it is whole, long after its
     /// prefill (counted until then, a backend with `max_prefilling: 1` ran
     /// one such request at a time).
-    pub fn prefill_within(&self, within: std::time::Duration) {
-        let (admission, flag) = (Arc::clone(&self.admission), Arc::clone(&self.prefilled));
+    pub fn prefill_within(&mut self, within: std::time::Duration) {
+        if self.done || self.prefilled.is_some() {
+            return;
+        }
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        self.prefilled = Some(Arc::clone(&flag));
+        let admission = Arc::clone(&self.admission);
         let (backend, tokens) = (self.backend, self.tokens);
         tokio::spawn(async move {
             tokio::time::sleep(within).await;
-            prefill_over(&admission, &flag, backend, tokens);
+            if !flag.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                prefill_over(&admission, backend, tokens);
+            }
         });
     }
 }
 
-/// A permit's prefill is over (once: `flag`): its room goes to a waiter.
-fn prefill_over(
-    admission: &Admission,
-    flag: &std::sync::atomic::AtomicBool,
-    backend: u32,
-    tokens: u64,
-) {
-    if !flag.swap(true, std::sync::atomic::Ordering::AcqRel) {
-        let mut st = admission.state.lock();
-        if let Some(b) = st.backends.get_mut(&backend) {
-            b.prefill_over(tokens);
-        }
-        fill(&mut st, backend);
+/// A request's prefill is over: its room goes to a waiter.
+fn prefill_over(admission: &Admission, backend: u32, tokens: u64) {
+    let mut st = admission.state.lock();
+    if let Some(b) = st.backends.get_mut(&backend) {
+        b.prefill_over(tokens);
     }
+    fill(&mut st, backend);
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
         let held_ms = self.since.elapsed().as_secs_f64() * 1000.0;
-        let prefilled = self
-            .prefilled
-            .swap(true, std::sync::atomic::Ordering::AcqRel);
+        let prefilled = match &self.prefilled {
+            Some(flag) => flag.swap(true, std::sync::atomic::Ordering::AcqRel),
+            None => self.done,
+        };
         self.admission.release(
             self.backend,
             Some(held_ms),
@@ -963,7 +974,7 @@ mod tests {
         use futures_util::FutureExt;
         let a = Admission::new(10);
         a.set_limit(0, Limit::Fixed(4), 1);
-        let json = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let mut json = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         json.prefill_within(std::time::Duration::from_millis(50));
         let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         let next = next.wait();

@@ -199,7 +199,7 @@ impl GatewayProxy {
                 }
             }
             let prefill = new_tokens.unwrap_or(body_tokens);
-            let Some(permit) = self.admit(session, ctx, &tier, &backend, prefill).await? else {
+            let Some(mut permit) = self.admit(session, ctx, &tier, &backend, prefill).await? else {
                 // Its backend went while it waited: it is placed again
                 // without it, its session rebound like any turn's whose
                 // backend is down.
@@ -210,10 +210,11 @@ impl GatewayProxy {
                 ctx.excluded.push(backend.slot);
                 return Box::pin(self.choose_peer(session, ctx)).await;
             };
-            if ctx.asks_stream != Some(true) {
+            if routing.config.admission.max_prefilling > 0 && ctx.asks_stream != Some(true) {
                 // An answer that does not stream shows no end of its
                 // prefill: it counts as prefilling for twice what that
                 // should take (a body not read yet is looked at on its way).
+                // Only a backend with `max_prefilling` counts it at all.
                 let us = backend.stats.cost.prefill_us_per_token(PREFILL_PRIOR_US, 1);
                 let ms = (prefill as f64 * us * 2.0 / 1000.0) as u64;
                 let within = std::time::Duration::from_millis(ms.clamp(50, 10_000));

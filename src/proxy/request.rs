@@ -595,7 +595,9 @@ impl GatewayProxy {
             *streams |= asks_stream(chunk);
         }
         if end_of_stream {
-            if let (Some((within, false)), Some(p)) = (ctx.prefill_clock.take(), &ctx.who.permit) {
+            if let (Some((within, false)), Some(p)) =
+                (ctx.prefill_clock.take(), ctx.who.permit.as_mut())
+            {
                 p.prefill_within(within);
             }
         }
