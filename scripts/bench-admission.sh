@@ -32,7 +32,8 @@ fi
 HEAVY_TURNS="${HEAVY_TURNS:-10}"
 CONTEXT_BYTES="${CONTEXT_BYTES:-8000}"
 # off: admission off (the baseline); learned: admission on and nothing else (limits
-# learned from the engines' gauges); on: max_in_flight 4; gated: and max_prefilling 1
+# learned from the engines' gauges); learned-fast: and the gauges read every 250 ms;
+# on: max_in_flight 4; gated: and max_prefilling 1
 MODES="${MODES:-off on gated}"
 WORK=$(mktemp -d)
 PIDS=()
@@ -67,6 +68,9 @@ start() {  # admission on|off: fresh replicas and gateway; sets GW, MP
     on) section="admission: { enabled: true, max_in_flight: 4, max_wait_ms: 60000 }
 auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
     gated) section="admission: { enabled: true, max_in_flight: 4, max_prefilling: 1, max_wait_ms: 60000 }
+auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
+    learned-fast) section="admission: { enabled: true }
+load: { interval_ms: 250 }
 auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
     learned) section="admission: { enabled: true }
 auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
