@@ -18,7 +18,7 @@ use std::time::Duration;
 pub struct TraceRecord<'a> {
     /// Milliseconds since the Unix epoch at request start.
     pub time_ms: u64,
-    pub request_id: String,
+    pub request_id: &'a str,
     pub method: &'a str,
     pub path: &'a str,
     pub tier: Option<&'a str>,
@@ -156,7 +156,7 @@ mod tests {
     fn rec(i: u64) -> TraceRecord<'static> {
         TraceRecord {
             time_ms: i,
-            request_id: format!("r{i}"),
+            request_id: "r",
             method: "POST",
             path: "/v1/chat/completions",
             tier: Some("default"),

@@ -304,6 +304,7 @@ async fn trace_lines_describe_each_turn_of_a_session() {
         .send()
         .await
         .unwrap();
+    let last_id = r.headers()["x-request-id"].to_str().unwrap().to_string();
     r.bytes().await.unwrap();
     let read = || {
         std::fs::read_to_string(&trace)
@@ -318,6 +319,8 @@ async fn trace_lines_describe_each_turn_of_a_session() {
     })
     .await;
     let lines = read();
+    // The id the client was answered with.
+    assert_eq!(lines[2]["request_id"], last_id.as_str());
     assert_eq!(lines[0]["reason"], "first_turn");
     assert_eq!(lines[0]["affinity_hit"], false);
     assert_eq!(lines[0]["cached_tokens"], 0);
@@ -328,7 +331,7 @@ async fn trace_lines_describe_each_turn_of_a_session() {
         assert_eq!(l["backend"], lines[0]["backend"]);
         assert!(l["prompt_tokens"].as_u64().unwrap() > 0, "line {i}: {l}");
         assert!(l["ttfb_ms"].as_f64().unwrap() <= l["total_ms"].as_f64().unwrap());
-        assert_eq!(l["request_id"].as_str().unwrap().len(), 16);
+        assert_eq!(l["request_id"].as_str().unwrap().len(), 32);
         if i > 0 {
             assert_eq!(l["affinity_hit"], true);
             assert!(

@@ -471,3 +471,43 @@ async fn two_gateways_with_one_hash_key_agree() {
         assert_eq!(a.backend, b.backend, "{sid}");
     }
 }
+
+#[tokio::test]
+async fn a_request_id_is_echoed_or_made_and_goes_upstream() {
+    let (sims, gw) = fleet(1, &affinity_yaml(600)).await;
+    let c = client();
+    let seen = || async { sims[0].stats().await["last_headers"]["x-request-id"].clone() };
+    // The client's own: back in the answer, and upstream.
+    let r = chat(&c, &gw, &[("x-request-id", "req-7f3a")], &chat_body("m", 0)).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers["x-request-id"], "req-7f3a");
+    assert_eq!(seen().await, "req-7f3a");
+    // None sent: one is made, a different one each time.
+    let mut made = HashSet::new();
+    for turn in 0..2 {
+        let r = chat(&c, &gw, &[], &chat_body("m", turn)).await;
+        let id = r.headers["x-request-id"].to_str().unwrap().to_string();
+        assert_eq!(id.len(), 32, "{id}");
+        assert!(id.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(seen().await, id.as_str());
+        made.insert(id);
+    }
+    assert_eq!(made.len(), 2);
+    // One that is not a short printable token is replaced.
+    let long = "x".repeat(200);
+    let r = chat(&c, &gw, &[("x-request-id", &long)], &chat_body("m", 0)).await;
+    assert_eq!(r.headers["x-request-id"].len(), 32);
+    // The gateway's own errors carry it too.
+    let r = chat(
+        &c,
+        &gw,
+        &[
+            ("x-request-id", "req-bad"),
+            ("x-session-id", &"s".repeat(300)),
+        ],
+        &chat_body("m", 0),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.headers["x-request-id"], "req-bad");
+}

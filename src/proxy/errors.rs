@@ -254,9 +254,13 @@ impl GatewayError {
         session: &mut Session,
         tier: Option<&str>,
         backend: Option<&str>,
+        request_id: Option<&http::HeaderValue>,
     ) -> Result<()> {
         let body = self.body();
-        let mut resp = ResponseHeader::build(self.status, Some(4))?;
+        let mut resp = ResponseHeader::build(self.status, Some(5))?;
+        if let Some(id) = request_id {
+            resp.insert_header(super::REQUEST_ID_HEADER, id.clone())?;
+        }
         resp.insert_header("content-type", "application/json")?;
         resp.insert_header("content-length", body.len().to_string())?;
         if let Some(t) = tier {

@@ -98,7 +98,11 @@ impl GatewayProxy {
                 let tier = ctx.tier_name().map(str::to_string);
                 let status = g.status;
                 let backend = ctx.backend.as_ref().map(|b| Arc::clone(&b.id));
-                if let Err(we) = g.write(session, tier.as_deref(), backend.as_deref()).await {
+                let id = ctx.request_id.clone();
+                if let Err(we) = g
+                    .write(session, tier.as_deref(), backend.as_deref(), id.as_ref())
+                    .await
+                {
                     log::debug!("writing error response failed: {we}");
                 }
                 status
@@ -260,7 +264,10 @@ impl GatewayProxy {
                     .map_or(0, |d| {
                         d.saturating_sub(ctx.start.elapsed()).as_millis() as u64
                     }),
-                request_id: format!("{:016x}", self.request_ids.fetch_add(1, Ordering::Relaxed)),
+                request_id: ctx
+                    .request_id
+                    .as_ref()
+                    .map_or("", |v| v.to_str().unwrap_or_default()),
                 method: req.method.as_str(),
                 path: req.uri.path(),
                 tier: ctx.tier_name(),

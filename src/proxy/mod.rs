@@ -52,8 +52,45 @@ pub struct GatewayProxy {
     gw: Arc<Gateway>,
     /// Rotates ties among equally loaded backends for session-less requests.
     tiebreak: AtomicUsize,
-    /// Request ids for traces: a random per-process start, then counting.
+    /// Request ids made here (`x-request-id`): a random per-process start,
+    /// then counting.
     request_ids: std::sync::atomic::AtomicU64,
+    request_ids_prefix: u64,
+}
+
+/// The request id header: echoed when the client sends one, else made here;
+/// it goes upstream, back in the answer, and into logs and the trace.
+pub const REQUEST_ID_HEADER: http::HeaderName = http::HeaderName::from_static("x-request-id");
+
+/// A client's request id longer than this is replaced by one made here.
+const MAX_REQUEST_ID: usize = 128;
+
+impl GatewayProxy {
+    /// The request's id: the client's own when it is a short printable
+    /// token, else a new one (32 hex digits, unique per process run).
+    fn request_id(&self, headers: &http::HeaderMap) -> http::HeaderValue {
+        if let Some(v) = headers.get(&REQUEST_ID_HEADER) {
+            let b = v.as_bytes();
+            if !b.is_empty() && b.len() <= MAX_REQUEST_ID && b.iter().all(|c| c.is_ascii_graphic())
+            {
+                return v.clone();
+            }
+        }
+        let n = self.request_ids.fetch_add(1, Ordering::Relaxed);
+        let mut hex = [0u8; 32];
+        let (hi, lo) = (self.request_ids_prefix, n);
+        for (i, byte) in hi
+            .to_be_bytes()
+            .iter()
+            .chain(lo.to_be_bytes().iter())
+            .enumerate()
+        {
+            const DIGITS: &[u8; 16] = b"0123456789abcdef";
+            hex[2 * i] = DIGITS[(byte >> 4) as usize];
+            hex[2 * i + 1] = DIGITS[(byte & 15) as usize];
+        }
+        http::HeaderValue::from_bytes(&hex).expect("hex digits")
+    }
 }
 
 impl GatewayProxy {
@@ -62,6 +99,7 @@ impl GatewayProxy {
             gw,
             tiebreak: AtomicUsize::new(0),
             request_ids: std::sync::atomic::AtomicU64::new(rand::random::<u64>() & !0xffff_ffff),
+            request_ids_prefix: rand::random::<u64>(),
         }
     }
 }
@@ -163,6 +201,8 @@ pub struct RequestCtx {
     /// Backends that refused a connection for this request.
     excluded: Vec<u32>,
     error: Option<GatewayError>,
+    /// `x-request-id`: the client's, or made here.
+    request_id: Option<http::HeaderValue>,
     /// `x-agent-serve-backend-id`, when allowed.
     explicit_target: Option<String>,
     /// Close the binding once this request ends.
@@ -339,6 +379,7 @@ impl ProxyHttp for GatewayProxy {
             in_flight: None,
             excluded: Vec::new(),
             error: None,
+            request_id: None,
             explicit_target: None,
             session_final: false,
             appender: None,

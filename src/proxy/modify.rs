@@ -17,6 +17,9 @@ impl GatewayProxy {
             // The gateway already answered the client's 100-continue.
             upstream_request.remove_header("expect");
         }
+        if let Some(id) = &ctx.request_id {
+            upstream_request.insert_header(REQUEST_ID_HEADER, id.clone())?;
+        }
         if ctx
             .backend
             .as_ref()
@@ -62,6 +65,9 @@ impl GatewayProxy {
             return Err(self.fail(ctx, e));
         }
         resp.insert_header(BACKEND_HEADER, backend.id_header.clone())?;
+        if let Some(id) = &ctx.request_id {
+            resp.insert_header(REQUEST_ID_HEADER, id.clone())?;
+        }
         // Static values: a `&str` is checked and copied into a new value.
         static TRUE: http::HeaderValue = http::HeaderValue::from_static("true");
         static FALSE: http::HeaderValue = http::HeaderValue::from_static("false");

@@ -137,11 +137,13 @@ impl GatewayProxy {
         if let Some(conn) = &ctx.conn {
             conn.headers_done(!session.is_body_empty());
         }
+        ctx.request_id = Some(self.request_id(&session.req_header().headers));
         match self.route_request(session, ctx).await {
             Ok(()) => Ok(false),
             Err(e) => {
                 let tier = ctx.tier_name().map(str::to_string);
-                e.write(session, tier.as_deref(), None).await?;
+                e.write(session, tier.as_deref(), None, ctx.request_id.as_ref())
+                    .await?;
                 ctx.error = Some(e);
                 Ok(true)
             }
