@@ -257,6 +257,8 @@ struct Admittance {
     _tenant_slot: Option<crate::auth::TenantSlot>,
     /// Its slot at its backend until it ends.
     permit: Option<crate::admission::Permit>,
+    /// It waited in the queue for that slot.
+    waited: bool,
     /// Its tokens, when its key's tenant counts them.
     tokens: Option<TokenTally>,
     /// Its tenant's per-minute limits are the fleet's (kept in the store).
@@ -400,6 +402,7 @@ impl ProxyHttp for GatewayProxy {
                 max_wait: std::time::Duration::ZERO,
                 _tenant_slot: None,
                 permit: None,
+                waited: false,
                 tokens: None,
                 fleet_rates: false,
             },
@@ -447,7 +450,10 @@ impl ProxyHttp for GatewayProxy {
             if let Some(b) = ctx
                 .backend
                 .as_ref()
-                .filter(|b| upstream_conn::peek_before_reuse(&b.stats))
+                // A request that waited for its slot may find the backend
+                // gone meanwhile (a crash frees the slot it then takes):
+                // its pooled connection is looked at first too.
+                .filter(|b| ctx.who.waited || upstream_conn::peek_before_reuse(&b.stats))
             {
                 if upstream_conn::peer_closed(fd, peer.is_tls()) {
                     upstream_conn::closes_pooled(&b.stats);

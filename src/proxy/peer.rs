@@ -358,6 +358,7 @@ impl GatewayProxy {
                 m.admission_admitted
                     .with_label_values(&[&tier.name, class, "queued"])
                     .inc();
+                ctx.who.waited = true;
                 Ok(Some(p))
             }
             // Placed again, as a turn arriving now would be.
@@ -459,7 +460,12 @@ impl GatewayProxy {
         let mut e = e.more_context(format!("Peer: {peer}"));
         let body_replayable =
             ctx.body.is_some() || !session.as_downstream().retry_buffer_truncated();
-        let replay = upstream_conn::should_replay(&e, client_reused, ctx.replayed, body_replayable);
+        // A request that waited for its slot is treated as one on a reused
+        // connection: the backend may have died while it waited (a crash
+        // frees the slot it then takes), and a connection to a dying
+        // process can be accepted, then reset before any answer.
+        let reused = client_reused || ctx.who.waited;
+        let replay = upstream_conn::should_replay(&e, reused, ctx.replayed, body_replayable);
         e.set_retry(replay);
         if replay {
             ctx.replayed = true;
