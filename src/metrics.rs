@@ -116,6 +116,12 @@ impl BackendCounters {
     }
 }
 
+fn plain_counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::new(name, help).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
     r.register(Box::new(c.clone())).expect("unique metric");
@@ -329,33 +335,21 @@ impl Metrics {
                 "Configuration reloads by result",
                 &["result"],
             ),
-            store_unsynced_dropped: {
-                let c = IntCounter::new(
-                    "agentserve_store_unsynced_dropped_total",
-                    "Bindings made while the store was unreachable that were not remembered for write-back (over 100,000 waiting)",
-                )
-                .expect("valid metric");
-                r.register(Box::new(c.clone())).expect("unique metric");
-                c
-            },
-            store_reseeds: {
-                let c = IntCounter::new(
-                    "agentserve_store_reseeds_total",
-                    "Times this gateway found the store had lost its data (a new epoch) and wrote its bindings back",
-                )
-                .expect("valid metric");
-                r.register(Box::new(c.clone())).expect("unique metric");
-                c
-            },
-            tenant_limits_local: {
-                let c = IntCounter::new(
-                    "agentserve_tenant_limits_local_total",
-                    "Requests whose tenant's requests_per_minute / tokens_per_minute this gateway checked alone, the fleet's store being unreachable",
-                )
-                .expect("valid metric");
-                r.register(Box::new(c.clone())).expect("unique metric");
-                c
-            },
+            store_unsynced_dropped: plain_counter(
+                &r,
+                "agentserve_store_unsynced_dropped_total",
+                "Bindings made while the store was unreachable that were not remembered for write-back (over 100,000 waiting)",
+            ),
+            store_reseeds: plain_counter(
+                &r,
+                "agentserve_store_reseeds_total",
+                "Times this gateway found the store had lost its data (a new epoch) and wrote its bindings back",
+            ),
+            tenant_limits_local: plain_counter(
+                &r,
+                "agentserve_tenant_limits_local_total",
+                "Requests whose tenant's requests_per_minute / tokens_per_minute this gateway checked alone, the fleet's store being unreachable",
+            ),
             store_up: gauge(
                 &r,
                 "agentserve_store_up",

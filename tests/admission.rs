@@ -50,6 +50,25 @@ fn queued(class: &str) -> String {
     format!("agentserve_admission_queued{{class=\"{class}\",tier=\"default\"}}")
 }
 
+/// A chat completion sent in the background with `headers`: its status, once
+/// its whole answer is read.
+fn send_chat(
+    gw: &Gateway,
+    headers: &[(&str, String)],
+    body: &Value,
+) -> tokio::task::JoinHandle<u16> {
+    let mut req = client().post(gw.url("/v1/chat/completions")).json(body);
+    for (k, v) in headers {
+        req = req.header(*k, v);
+    }
+    tokio::spawn(async move {
+        let r = req.send().await.expect("answered");
+        let status = r.status().as_u16();
+        let _ = r.bytes().await;
+        status
+    })
+}
+
 async fn engine_requests(sim: &SimBackend) -> u64 {
     sim.stats().await["requests"].as_u64().unwrap()
 }
@@ -716,19 +735,11 @@ async fn requests_sent_together_are_charged_before_they_are_answered() {
         fleet_with_keys(&[("sk-metered", "metered", "    tokens_per_minute: 3000\n")]).await;
     let sent: Vec<_> = (0..4)
         .map(|i| {
-            let gw_url = gw.url("/v1/chat/completions");
-            tokio::spawn(async move {
-                client()
-                    .post(gw_url)
-                    .header("authorization", "Bearer sk-metered")
-                    .header("x-session-id", format!("together-{i}"))
-                    .json(&long_stream(i, 2500))
-                    .send()
-                    .await
-                    .expect("answered")
-                    .status()
-                    .as_u16()
-            })
+            let headers = [
+                ("authorization", "Bearer sk-metered".to_string()),
+                ("x-session-id", format!("together-{i}")),
+            ];
+            send_chat(&gw, &headers, &long_stream(i, 2500))
         })
         .collect();
     let mut statuses = Vec::new();
@@ -763,18 +774,7 @@ async fn a_queued_turn_of_a_live_session_is_not_cut_for_the_time_it_waited() {
     // binding's turn it waits with its body unread.
     let mut body = chat_body("qwen3-8b", 1);
     body["messages"][0]["content"] = json!("x".repeat(12 * 1024));
-    let url = gw.url("/v1/chat/completions");
-    let turn = tokio::spawn(async move {
-        client()
-            .post(url)
-            .header("x-session-id", "long-context")
-            .json(&body)
-            .send()
-            .await
-            .expect("answered")
-            .status()
-            .as_u16()
-    });
+    let turn = send_chat(&gw, &[("x-session-id", "long-context".into())], &body);
     wait_until("the turn to queue", || async {
         metric_value(&gw.metrics_text().await, &queued("normal")) == 1.0
     })
@@ -867,24 +867,14 @@ async fn turned_on_with_nothing_else_it_learns_what_the_engine_runs_and_queues_t
     .await;
     sims[0].set_faults(json!({"hold_streams": true})).await;
     // Eight streams at once, each held open after its first token.
-    let mut streams = Vec::new();
-    for i in 0..8 {
-        let url = gw.url("/v1/chat/completions");
-        streams.push(tokio::spawn(async move {
-            let mut body = chat_body("qwen3-8b", i);
-            body["stream"] = json!(true);
-            let r = client()
-                .post(url)
-                .header("x-session-id", format!("burst-{i}"))
-                .json(&body)
-                .send()
-                .await
-                .expect("answered");
-            let status = r.status().as_u16();
-            let _ = r.bytes().await;
-            status
-        }));
-    }
+    let stream = |i: usize| {
+        let mut body = chat_body("qwen3-8b", i);
+        body["stream"] = json!(true);
+        body
+    };
+    let streams: Vec<_> = (0..8)
+        .map(|i| send_chat(&gw, &[("x-session-id", format!("burst-{i}"))], &stream(i)))
+        .collect();
     // The gateway finds the engine queueing and learns its two.
     wait_until("the limit learned", || async {
         let v = admission_view(&gw).await;
@@ -899,24 +889,15 @@ async fn turned_on_with_nothing_else_it_learns_what_the_engine_runs_and_queues_t
     }
     // From then on the rest wait here, not inside the engine.
     sims[0].set_faults(json!({"hold_streams": true})).await;
-    let mut streams = Vec::new();
-    for i in 0..6 {
-        let url = gw.url("/v1/chat/completions");
-        streams.push(tokio::spawn(async move {
-            let mut body = chat_body("qwen3-8b", 10 + i);
-            body["stream"] = json!(true);
-            let r = client()
-                .post(url)
-                .header("x-session-id", format!("after-{i}"))
-                .json(&body)
-                .send()
-                .await
-                .expect("answered");
-            let status = r.status().as_u16();
-            let _ = r.bytes().await;
-            status
-        }));
-    }
+    let streams: Vec<_> = (0..6)
+        .map(|i| {
+            send_chat(
+                &gw,
+                &[("x-session-id", format!("after-{i}"))],
+                &stream(10 + i),
+            )
+        })
+        .collect();
     wait_until("four waiting in the gateway", || async {
         admission_view(&gw).await["queued"] == 4
     })
@@ -955,20 +936,9 @@ async fn answers_that_do_not_stream_do_not_hold_the_prefill_slot_through_their_d
     assert_eq!(r.status, 200);
     let mut answers = Vec::new();
     for (i, sid) in ["live", "new-1", "new-2"].into_iter().enumerate() {
-        let url = gw.url("/v1/chat/completions");
-        answers.push(tokio::spawn(async move {
-            let mut body = chat_body("qwen3-8b", 1 + i);
-            body["max_tokens"] = json!(20);
-            client()
-                .post(url)
-                .header("x-session-id", sid)
-                .json(&body)
-                .send()
-                .await
-                .expect("answered")
-                .status()
-                .as_u16()
-        }));
+        let mut body = chat_body("qwen3-8b", 1 + i);
+        body["max_tokens"] = json!(20);
+        answers.push(send_chat(&gw, &[("x-session-id", sid.into())], &body));
     }
     // One at a time prefills, but all three decode together.
     wait_until("three answers decoding at once", || async {
@@ -1035,20 +1005,11 @@ async fn http2_streams_reset_while_queued_leave_the_queue_and_never_go_upstream(
         .await;
     }
     // Another client is queued, not refused, and served once the slot frees.
-    let other = tokio::spawn({
-        let url = gw.url("/v1/chat/completions");
-        async move {
-            client()
-                .post(url)
-                .header("x-session-id", "patient")
-                .json(&chat_body("qwen3-8b", 1))
-                .send()
-                .await
-                .expect("answered")
-                .status()
-                .as_u16()
-        }
-    });
+    let other = send_chat(
+        &gw,
+        &[("x-session-id", "patient".into())],
+        &chat_body("qwen3-8b", 1),
+    );
     wait_until("the other client queued", || async {
         admission_view(&gw).await["queued"] == 1
     })

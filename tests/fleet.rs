@@ -155,6 +155,29 @@ async fn add_backend(gw: &Gateway, like: &SimBackend, extra: &SimBackend) {
     gw.reload("success", 1.0).await;
 }
 
+/// Kill the replica most sessions of `seen` (a round) are on, and wait until
+/// every gateway has it down.
+async fn kill_the_busiest(
+    sims: &mut [SimBackend],
+    gws: &[Gateway],
+    seen: &HashMap<String, Vec<String>>,
+) {
+    let mut load: HashMap<String, usize> = HashMap::new();
+    for b in seen.values() {
+        *load.entry(b[0].clone()).or_default() += 1;
+    }
+    let busiest = load.iter().max_by_key(|(_, n)| **n).unwrap().0.clone();
+    let victim = sims.iter().position(|s| s.id == busiest).unwrap();
+    sims[victim].kill();
+    let healthy = format!("agentserve_backend_healthy{{backend=\"{busiest}\",tier=\"default\"}}");
+    for gw in gws {
+        wait_until("the dead replica marked down", || async {
+            gw.metric(&healthy).await == 0.0
+        })
+        .await;
+    }
+}
+
 fn split(seen: &HashMap<String, Vec<String>>) -> Vec<String> {
     seen.iter()
         .filter(|(_, b)| b.iter().collect::<HashSet<_>>().len() > 1)
@@ -772,20 +795,7 @@ async fn sessions_converge_after_a_rebind_redis_restarting_empty_and_a_gateway_r
     let first = round(&gws, &sessions, 0).await;
     assert!(split(&first).is_empty(), "{:?}", split(&first));
     // The busiest replica dies: its sessions rebind (version 2).
-    let mut load: HashMap<String, usize> = HashMap::new();
-    for b in first.values() {
-        *load.entry(b[0].clone()).or_default() += 1;
-    }
-    let busiest = load.iter().max_by_key(|(_, n)| **n).unwrap().0.clone();
-    let victim = sims.iter().position(|s| s.id == busiest).unwrap();
-    sims[victim].kill();
-    let healthy = format!("agentserve_backend_healthy{{backend=\"{busiest}\",tier=\"default\"}}");
-    for gw in &gws {
-        wait_until("the dead replica marked down", || async {
-            gw.metric(&healthy).await == 0.0
-        })
-        .await;
-    }
+    kill_the_busiest(&mut sims, &gws, &first).await;
     let _ = round(&gws, &sessions, 1).await;
     // Redis restarts empty (it keeps nothing), and one gateway restarts
     // with no state: the store and that gateway know nothing of version 2.
@@ -1442,20 +1452,7 @@ async fn a_store_that_lost_its_data_is_reseeded_and_the_fleet_agrees_in_the_next
     let first = round(&gws, &sessions, 0).await;
     assert!(split(&first).is_empty(), "{:?}", split(&first));
     // The busiest replica dies: its sessions rebind (version 2).
-    let mut load: HashMap<String, usize> = HashMap::new();
-    for b in first.values() {
-        *load.entry(b[0].clone()).or_default() += 1;
-    }
-    let busiest = load.iter().max_by_key(|(_, n)| **n).unwrap().0.clone();
-    let victim = sims.iter().position(|s| s.id == busiest).unwrap();
-    sims[victim].kill();
-    let healthy = format!("agentserve_backend_healthy{{backend=\"{busiest}\",tier=\"default\"}}");
-    for gw in &gws {
-        wait_until("the dead replica marked down", || async {
-            gw.metric(&healthy).await == 0.0
-        })
-        .await;
-    }
+    kill_the_busiest(&mut sims, &gws, &first).await;
     let before = round(&gws, &sessions, 1).await;
     assert!(split(&before).is_empty(), "{:?}", split(&before));
     // Redis restarts empty, and one gateway is replaced by one with no state.
