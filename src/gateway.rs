@@ -353,6 +353,10 @@ impl Gateway {
             .collect();
         configure_admission(&self.admission, &new);
         let new = Arc::new(new);
+        // A scrape that read the old routing would set a removed backend's
+        // gauges again after they are forgotten: swap and forget under the
+        // lock scrapes refresh under.
+        let scrapes = self.gauges_lock();
         self.routing.store(Arc::clone(&new));
         for (t, b) in old.all_backends() {
             if new
@@ -362,6 +366,7 @@ impl Gateway {
                 self.metrics.forget_backend(&t.name, &b.id);
             }
         }
+        drop(scrapes);
         // Bindings to backends that left their tier stay: each breaks at its
         // session's next turn, which rebinds it and says so (`broken`, and
         // counted then), like a binding to a backend that went down.
@@ -409,11 +414,16 @@ impl Gateway {
         self.routing.load_full()
     }
 
+    /// Held while per-backend gauges are written or forgotten.
+    pub(crate) fn gauges_lock(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.gauge_refresh.lock()
+    }
+
     /// Bring gauges up to date before a scrape.
     pub fn refresh_gauges(&self) {
         // One scrape at a time: the eviction counter catches up by a
         // difference, which two concurrent scrapes would both add.
-        let _one = self.gauge_refresh.lock();
+        let _one = self.gauges_lock();
         let routing = self.routing();
         let m = &self.metrics;
         if let Some(store) = &self.store {

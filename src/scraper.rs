@@ -25,7 +25,7 @@ impl pingora_core::services::background::BackgroundService for LoadScraper {
                     .map(|(tier, b)| self.scrape(&client, &cfg, tier, b));
                 futures_util::future::join_all(scrapes).await;
             }
-            self.export(&routing);
+            self.export();
             tokio::select! {
                 _ = shutdown.changed() => return,
                 _ = tokio::time::sleep(cfg.interval) => {}
@@ -71,7 +71,12 @@ impl LoadScraper {
         }
     }
 
-    fn export(&self, routing: &crate::upstream::Routing) {
+    /// Export under the gauges' lock, with the routing of now: one read
+    /// before the scrapes would set the gauges of a backend a reload removed
+    /// meanwhile after the reload forgot them.
+    fn export(&self) {
+        let _gauges = self.0.gauges_lock();
+        let routing = self.0.routing();
         let m = &self.0.metrics;
         for (tier, b) in routing.all_backends() {
             let labels = [&*tier.name, &*b.id];

@@ -701,7 +701,25 @@ async fn a_reload_that_removes_a_backend_drops_its_gauges() {
         .map(|l| format!("{l}\n"))
         .collect();
     std::fs::write(&gw.config_path, kept).unwrap();
+    // Scrapes race the reload: one that read the old backends must not
+    // bring the removed one's gauges back after the reload dropped them.
+    let url = gw.metrics_url("/metrics");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let scrapers: Vec<_> = (0..4)
+        .map(|_| {
+            let (url, stop) = (url.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = reqwest::get(&url).await;
+                }
+            })
+        })
+        .collect();
     gw.reload("success", 1.0).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for s in scrapers {
+        s.await.unwrap();
+    }
     let text = gw.metrics_text().await;
     assert!(
         !text.contains("backend=\"vllm-1\",tier=\"default\"} "),
