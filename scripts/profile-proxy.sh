@@ -12,6 +12,8 @@
 #   KEEP=dir scripts/profile-proxy.sh            # keep callgrind.out.* for callgrind_annotate
 #   BACKENDS=8 scripts/profile-proxy.sh          # the gateway in front of 8 replicas (bare Pingora: the first)
 #   ADMISSION=1 scripts/profile-proxy.sh         # adds a row: admission and client keys on, unsaturated
+#   TELEMETRY=1 scripts/profile-proxy.sh         # adds a row: OpenTelemetry spans for every request
+#                                                # (sample_ratio 1.0), exported to a local OTLP receiver
 #
 # Prints instructions per request for each proxy, the ratio to the bare floor,
 # and the instructions inside each of the gateway's hooks, per request.
@@ -72,6 +74,19 @@ if [ -n "${ADMISSION:-}" ]; then
   printf 'admission: { enabled: true, max_in_flight: 100000 }\nauth: { keys_file: "%s" }\n' \
     "$WORK/keys.yaml" >> "$WORK/admission.yaml"
   profile agent-gateway-admission "$AP" "$BIN" run --config "$WORK/admission.yaml"
+fi
+if [ -n "${TELEMETRY:-}" ]; then
+  # Every request is sampled; its span is built, queued, batched, encoded
+  # and posted (the export runs in the gateway's process: counted too).
+  PY=$(scripts/engine/setup.sh)
+  RP=$(port)
+  "$PY" scripts/otlp-receiver.py "$RP" --count-only &
+  PIDS+=("$!")
+  wait_port "$RP"
+  TP=$(port); gateway_config "$TP" telemetry 1
+  printf 'telemetry: { otlp: { endpoint: "http://127.0.0.1:%s" }, sample_ratio: 1.0 }\n' "$RP" >> "$WORK/telemetry.yaml"
+  profile agent-gateway-telemetry "$TP" "$BIN" run --config "$WORK/telemetry.yaml"
+  echo "spans received by the OTLP receiver: $(curl -s "http://127.0.0.1:$RP/count")" >&2
 fi
 if [ -n "${BIN_BEFORE:-}" ]; then
   OP=$(port); gateway_config "$OP" before 1

@@ -59,6 +59,8 @@ pub struct Gateway {
     pub config_path: Option<PathBuf>,
     /// The request trace log, when `trace.path` is set.
     pub trace: Option<crate::trace::TraceLog>,
+    /// OpenTelemetry spans, when an OTLP endpoint is configured.
+    pub telemetry: Option<Arc<crate::telemetry::Telemetry>>,
     /// Certificates of the TLS listeners, reloaded on SIGHUP.
     pub tls: Option<Arc<crate::tls::SniResolver>>,
     /// Request bodies held in memory (routing pre-reads, replay copies).
@@ -150,6 +152,7 @@ impl Gateway {
                 }
             }
         });
+        let telemetry = crate::telemetry::Telemetry::new(&config.telemetry, &metrics).map(Arc::new);
         configure_affinity(&affinity, &config);
         let store = match config.affinity.store.kind {
             crate::affinity::store::StoreKind::Local => None,
@@ -205,6 +208,7 @@ impl Gateway {
             health_check,
             config_path,
             trace,
+            telemetry,
             tls,
             body_budget: Default::default(),
             gauge_refresh: Default::default(),
@@ -273,6 +277,11 @@ impl Gateway {
             (o.health.interval != n.health.interval, "health.interval_ms"),
             (o.server.threads != n.server.threads, "server.threads"),
             (o.trace != n.trace, "trace"),
+            (
+                (&o.telemetry.otlp, o.telemetry.max_queued_spans)
+                    != (&n.telemetry.otlp, n.telemetry.max_queued_spans),
+                "telemetry.otlp / max_queued_spans",
+            ),
             (o.affinity.store != n.affinity.store, "affinity.store"),
             (
                 (
@@ -352,6 +361,9 @@ impl Gateway {
             .flat_map(|t| t.backends.iter().map(move |b| (t.index, b.slot)))
             .collect();
         configure_admission(&self.admission, &new);
+        if let Some(t) = &self.telemetry {
+            t.set_sample_ratio(config.telemetry.sample_ratio);
+        }
         let new = Arc::new(new);
         // A scrape that read the old routing would set a removed backend's
         // gauges again after they are forgotten: swap and forget under the

@@ -18,6 +18,7 @@ pub mod scraper;
 pub mod server;
 pub mod sim;
 pub mod state;
+pub mod telemetry;
 pub mod tls;
 pub mod trace;
 pub mod upstream;

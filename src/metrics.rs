@@ -35,6 +35,7 @@ pub struct Metrics {
     pub backend_prefill_cost: GaugeVec,
     pub backend_queue: GaugeVec,
     pub load_scrape_failures: IntCounterVec,
+    pub otel_spans: IntCounterVec,
     pub backend_ejections: IntCounterVec,
     pub backend_ejected: IntGaugeVec,
     pub timeouts: IntCounterVec,
@@ -261,6 +262,12 @@ impl Metrics {
                 "agentserve_backend_queue_seconds",
                 "Learned queueing delay before a request's prefill starts (moving average)",
                 &["tier", "backend"],
+            ),
+            otel_spans: counter(
+                &r,
+                "agentserve_otel_spans_total",
+                "Sampled request spans by fate: exported to the OTLP collector, dropped (the export queue was full) or failed (the collector refused or was unreachable)",
+                &["result"],
             ),
             load_scrape_failures: counter(
                 &r,

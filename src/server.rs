@@ -130,6 +130,12 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
             StoreService(Arc::clone(&gw), store),
         ));
     }
+    if let Some(t) = gw.telemetry.clone() {
+        server.add_service(background_service(
+            "span export",
+            crate::telemetry::SpanExport(t),
+        ));
+    }
     server.add_service(background_service(
         "load signals",
         crate::scraper::LoadScraper(Arc::clone(&gw)),

@@ -19,6 +19,9 @@ pub struct TraceRecord<'a> {
     /// Milliseconds since the Unix epoch at request start.
     pub time_ms: u64,
     pub request_id: &'a str,
+    /// The OpenTelemetry trace it belongs to (`telemetry` on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
     pub method: &'a str,
     pub path: &'a str,
     pub tier: Option<&'a str>,

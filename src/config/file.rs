@@ -32,6 +32,49 @@ pub(crate) struct FileConfig {
     pub(crate) admission: FileAdmission,
     #[serde(default)]
     pub(crate) auth: FileAuth,
+    #[serde(default)]
+    pub(crate) telemetry: FileTelemetry,
+}
+
+/// `telemetry`: OpenTelemetry traces (a span per request, OTLP export).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct FileTelemetry {
+    pub(crate) otlp: FileOtlp,
+    /// Share of new traces (no sampled parent) that are recorded, 0..1.
+    pub(crate) sample_ratio: f64,
+    /// Finished spans waiting for export; past it spans are dropped (counted).
+    pub(crate) max_queued_spans: usize,
+}
+
+impl Default for FileTelemetry {
+    fn default() -> Self {
+        FileTelemetry {
+            otlp: FileOtlp::default(),
+            sample_ratio: 1.0,
+            max_queued_spans: 4096,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct FileOtlp {
+    /// The collector's base URL (`/v1/traces` is added); absent: the
+    /// `OTEL_EXPORTER_OTLP_*ENDPOINT` variables; neither: telemetry off.
+    pub(crate) endpoint: Option<String>,
+    pub(crate) protocol: String,
+    pub(crate) timeout_ms: u64,
+}
+
+impl Default for FileOtlp {
+    fn default() -> Self {
+        FileOtlp {
+            endpoint: None,
+            protocol: "http/protobuf".into(),
+            timeout_ms: 10_000,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]

@@ -58,6 +58,7 @@ pub struct Config {
     pub outlier: OutlierConfig,
     pub admission: AdmissionConfig,
     pub auth: AuthConfig,
+    pub telemetry: TelemetryConfig,
     /// Things that are allowed but probably a mistake.
     pub warnings: Vec<String>,
 }
@@ -204,6 +205,25 @@ pub enum TenantSource {
     Header(http::HeaderName),
     /// A keyed hash of the `Authorization` header (the key is never stored).
     Authorization,
+}
+
+/// `telemetry`: OpenTelemetry traces.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TelemetryConfig {
+    /// Where spans go; `None`: no spans, and `traceparent` passes through
+    /// untouched.
+    pub otlp: Option<OtlpConfig>,
+    pub sample_ratio: f64,
+    pub max_queued_spans: usize,
+    /// `OTEL_SERVICE_NAME`, else `agent-gateway`.
+    pub service_name: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct OtlpConfig {
+    /// The traces URL spans are posted to (OTLP/HTTP protobuf).
+    pub traces_url: String,
+    pub timeout: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -410,6 +430,43 @@ metrics:
             .into_iter()
             .map(|e| e.key)
             .collect()
+    }
+
+    #[test]
+    fn telemetry_takes_the_files_endpoint_else_the_otel_variables() {
+        let run = |yaml: &str, vars: &[(&str, &str)]| {
+            let file: file::FileTelemetry = serde_yaml::from_str(yaml).unwrap();
+            let env = |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+            let mut errors = Vec::new();
+            let t = validate::validate_telemetry(&file, &env, &mut errors);
+            (t, errors.into_iter().map(|e| e.key).collect::<Vec<_>>())
+        };
+        let url = |t: &TelemetryConfig| t.otlp.as_ref().map(|o| o.traces_url.clone());
+        let (t, e) = run("{}", &[]);
+        assert_eq!((url(&t), e.len()), (None, 0), "off without an endpoint");
+        assert_eq!(t.service_name, "agent-gateway");
+        let base = [("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/")];
+        assert_eq!(url(&run("{}", &base).0).as_deref(), Some("http://collector:4318/v1/traces"));
+        let traces = [("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://c:4318/custom")];
+        assert_eq!(url(&run("{}", &traces).0).as_deref(), Some("http://c:4318/custom"));
+        let file = "otlp: { endpoint: \"http://127.0.0.1:4318\" }";
+        assert_eq!(
+            url(&run(file, &base).0).as_deref(),
+            Some("http://127.0.0.1:4318/v1/traces"),
+            "the file wins"
+        );
+        let disabled = [base[0], ("OTEL_SDK_DISABLED", "true"), ("OTEL_SERVICE_NAME", "edge")];
+        let (t, _) = run("{}", &disabled);
+        assert_eq!((url(&t), t.service_name.as_str()), (None, "edge"));
+        for (bad, key) in [
+            ("otlp: { protocol: grpc, endpoint: \"http://c:4317\" }", "telemetry.otlp.protocol"),
+            ("otlp: { endpoint: \"https://c:4318\" }", "telemetry.otlp.endpoint"),
+            ("otlp: { endpoint: \"c:4318\" }", "telemetry.otlp.endpoint"),
+            ("sample_ratio: 1.5", "telemetry.sample_ratio"),
+            ("max_queued_spans: 0", "telemetry.max_queued_spans"),
+        ] {
+            assert_eq!(run(bad, &[]).1, vec![key.to_string()], "{bad}");
+        }
     }
 
     #[test]

@@ -255,6 +255,31 @@ impl GatewayProxy {
                     .inc_by(cached);
             }
         }
+        if let (Some(t), Some(span)) = (&self.gw.telemetry, &ctx.span) {
+            let req = session.req_header();
+            t.end(
+                span,
+                &req.headers,
+                &crate::telemetry::Finished {
+                    method: req.method.as_str(),
+                    path: req.uri.path(),
+                    model: ctx.model.as_deref(),
+                    status,
+                    error_code: ctx.error.as_ref().map(|g| g.code),
+                    request_id: ctx
+                        .request_id
+                        .as_ref()
+                        .map_or("", |v| v.to_str().unwrap_or_default()),
+                    tier: ctx.tier_name(),
+                    backend: ctx.backend.as_ref().map(|b| (&*b.id, b.addr)),
+                    affinity_hit: ctx.affinity_hit,
+                    reason: ctx.reason.map(Reason::as_str),
+                    session: ctx.session.as_ref().map(|s| s.id.as_str()),
+                    queue_wait: ctx.who.queue_wait,
+                    usage: usage.map(|u| (u.prompt_tokens, u.completion_tokens, u.cached_tokens)),
+                },
+            );
+        }
         if let Some(trace) = &self.gw.trace {
             let req = session.req_header();
             trace.record(&crate::trace::TraceRecord {
@@ -268,6 +293,7 @@ impl GatewayProxy {
                     .request_id
                     .as_ref()
                     .map_or("", |v| v.to_str().unwrap_or_default()),
+                trace_id: ctx.span.as_ref().map(|s| s.trace_id()),
                 method: req.method.as_str(),
                 path: req.uri.path(),
                 tier: ctx.tier_name(),

@@ -235,6 +235,10 @@ pub struct RequestCtx {
     stored_at: Option<(u32, String)>,
     /// The answer's start, read for its response id.
     response_id: Option<response::ResponseIdScanner>,
+    /// Its OpenTelemetry span, when `telemetry` exports them.
+    span: Option<crate::telemetry::RequestSpan>,
+    /// The model its body named (kept for a sampled span).
+    model: Option<Box<str>>,
 }
 
 /// Who sent a request (`auth`) and how it waits for a slot (`admission`).
@@ -257,8 +261,9 @@ struct Admittance {
     _tenant_slot: Option<crate::auth::TenantSlot>,
     /// Its slot at its backend until it ends.
     permit: Option<crate::admission::Permit>,
-    /// It waited in the queue for that slot.
+    /// It waited in the queue for that slot, this long.
     waited: bool,
+    queue_wait: std::time::Duration,
     /// Its tokens, when its key's tenant counts them.
     tokens: Option<TokenTally>,
     /// Its tenant's per-minute limits are the fleet's (kept in the store).
@@ -403,12 +408,15 @@ impl ProxyHttp for GatewayProxy {
                 _tenant_slot: None,
                 permit: None,
                 waited: false,
+                queue_wait: std::time::Duration::ZERO,
                 tokens: None,
                 fleet_rates: false,
             },
             responses_scope: None,
             stored_at: None,
             response_id: None,
+            span: None,
+            model: None,
         }
     }
 

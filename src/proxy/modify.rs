@@ -20,6 +20,10 @@ impl GatewayProxy {
         if let Some(id) = &ctx.request_id {
             upstream_request.insert_header(REQUEST_ID_HEADER, id.clone())?;
         }
+        if let Some(span) = &ctx.span {
+            // The engine's spans nest under the gateway's.
+            upstream_request.insert_header("traceparent", span.traceparent())?;
+        }
         if ctx
             .backend
             .as_ref()

@@ -347,9 +347,10 @@ impl GatewayProxy {
             },
         };
         queued.dec();
+        ctx.who.queue_wait = since.elapsed();
         m.admission_wait
             .with_label_values(&[&tier.name, class])
-            .observe(since.elapsed().as_secs_f64());
+            .observe(ctx.who.queue_wait.as_secs_f64());
         match got {
             // Handed a slot freed by a request that failed there: the
             // backend may have been found sick meanwhile.

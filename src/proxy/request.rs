@@ -138,6 +138,9 @@ impl GatewayProxy {
             conn.headers_done(!session.is_body_empty());
         }
         ctx.request_id = Some(self.request_id(&session.req_header().headers));
+        if let Some(t) = &self.gw.telemetry {
+            ctx.span = Some(t.start(&session.req_header().headers));
+        }
         match self.route_request(session, ctx).await {
             Ok(()) => Ok(false),
             Err(e) => {
@@ -450,6 +453,9 @@ impl GatewayProxy {
                 max_output = probe.max_output_tokens();
                 ctx.asks_stream = Some(probe.is_stream());
                 let model = probe.model();
+                if ctx.span.as_ref().is_some_and(|s| s.sampled()) {
+                    ctx.model = model.as_deref().map(Box::from);
+                }
                 if tier.is_none() {
                     if let Some(model) = &model {
                         tier = routing.tier_by_model(model).cloned();
@@ -596,6 +602,10 @@ impl GatewayProxy {
         if let (Some((_, streams)), Some(chunk)) = (ctx.prefill_clock.as_mut(), body.as_ref()) {
             *streams |= asks_stream(chunk);
         }
+        // A sampled span names the model of a body that streams through unread.
+        if ctx.model.is_none() && ctx.span.as_ref().is_some_and(|s| s.sampled()) {
+            ctx.model = body.as_deref().and_then(model_in).map(Box::from);
+        }
         if end_of_stream {
             if let (Some((within, false)), Some(p)) =
                 (ctx.prefill_clock.take(), ctx.who.permit.as_mut())
@@ -628,8 +638,32 @@ fn asks_stream(chunk: &[u8]) -> bool {
     })
 }
 
+/// The `model` member of a piece of a request body, when it is a plain
+/// string there (one split between pieces or holding escapes is not read).
+fn model_in(chunk: &[u8]) -> Option<&str> {
+    memchr::memmem::find_iter(chunk, b"\"model\"").find_map(|at| {
+        let rest = chunk[at + 7..].trim_ascii_start().strip_prefix(b":")?;
+        let rest = rest.trim_ascii_start().strip_prefix(b"\"")?;
+        let end = memchr::memchr2(b'"', b'\\', rest)?;
+        (rest[end] == b'"' && (1..=256).contains(&end))
+            .then(|| std::str::from_utf8(&rest[..end]).ok())
+            .flatten()
+    })
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_plain_model_member_is_read_from_a_piece_of_body() {
+        use super::model_in;
+        assert_eq!(model_in(br#"{"messages":[],"model" : "qwen3-8b"}"#), Some("qwen3-8b"));
+        assert_eq!(model_in(br#"{"content":"model","model":"m"}"#), Some("m"));
+        assert_eq!(model_in(br#"{"model":"a\"b"}"#), None);
+        assert_eq!(model_in(br#"{"model":""}"#), None);
+        assert_eq!(model_in(br#"{"model":"unterminated"#), None);
+        assert_eq!(model_in(br#"{"model":7}"#), None);
+    }
+
     #[test]
     fn a_body_asks_for_a_stream_by_its_member_only() {
         use super::asks_stream;
