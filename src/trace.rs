@@ -160,6 +160,7 @@ mod tests {
         TraceRecord {
             time_ms: i,
             request_id: "r",
+            trace_id: None,
             method: "POST",
             path: "/v1/chat/completions",
             tier: Some("default"),
