@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building agent-gateway needs and the machine may lack:
-# cmake (Pingora's zlib-ng build), a C compiler, redis-server, and the real inference
+# cmake (Pingora's zlib-ng build), a C compiler, redis-server, dnsmasq, and the real inference
 # engine the tests and `demo --engine llamacpp` run (scripts/engine/setup.sh).
 # Safe to run repeatedly.
 set -euo pipefail
@@ -9,6 +9,7 @@ command -v cmake >/dev/null || need+=(cmake)
 command -v cc >/dev/null || need+=(gcc)
 command -v systemd-analyze >/dev/null || need+=(systemd)   # tests verify the unit file
 command -v redis-server >/dev/null || need+=(redis-server)  # shared bindings (affinity.store: redis) and its tests
+command -v dnsmasq >/dev/null || [ -x /usr/sbin/dnsmasq ] || need+=(dnsmasq-base)  # the DNS server tests/discovery.rs runs
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}" >&2
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"

@@ -4,14 +4,14 @@
 
 use crate::affinity::policy::DefaultPolicy;
 use crate::affinity::Affinity;
-use crate::config::Config;
+use crate::config::{BackendConfig, Config};
 use crate::metrics::Metrics;
 use crate::upstream::health::ReloadableCheck;
 use crate::upstream::{Routing, Slots, TooManyTiers};
 use arc_swap::ArcSwap;
 use pingora_load_balancing::health_check::HealthCheck;
 use pingora_load_balancing::HealthRegistry;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -66,6 +66,10 @@ pub struct Gateway {
     /// Request bodies held in memory (routing pre-reads, replay copies).
     pub body_budget: Arc<BodyBudget>,
     gauge_refresh: parking_lot::Mutex<()>,
+    /// One configuration change at a time (a reload, a DNS answer).
+    applying: parking_lot::Mutex<()>,
+    /// Discovering tiers' last good backends, by tier.
+    discovered: parking_lot::Mutex<HashMap<String, Vec<BackendConfig>>>,
     /// The fleet's shared bindings (`affinity.store: redis`).
     pub store: Option<Arc<crate::affinity::store::SharedStore>>,
     /// Prompts, their conversations and where their prefixes are cached
@@ -212,6 +216,15 @@ impl Gateway {
             tls,
             body_budget: Default::default(),
             gauge_refresh: Default::default(),
+            applying: Default::default(),
+            discovered: parking_lot::Mutex::new(
+                config
+                    .tiers
+                    .iter()
+                    .filter(|t| t.discovery.is_some() && !t.backends.is_empty())
+                    .map(|t| (t.name.clone(), t.backends.clone()))
+                    .collect(),
+            ),
             store,
         }))
     }
@@ -252,7 +265,77 @@ impl Gateway {
     /// backends' bindings are broken (and counted); added backends take new
     /// sessions only after a health check passes.
     pub fn apply(self: &Arc<Self>, config: Config) -> Result<ReloadSummary, String> {
-        let config = Arc::new(config);
+        let _one = self.applying.lock();
+        self.apply_locked(config)
+    }
+
+    /// A discovering tier's latest DNS answer (`discovery.rs`): a changed
+    /// set of backends is applied as a reload would apply it; a failed or
+    /// empty answer keeps the last good set.
+    pub fn discovered(
+        self: &Arc<Self>,
+        tier: &str,
+        name: &str,
+        answer: Result<Vec<BackendConfig>, String>,
+    ) {
+        let m = &self.metrics;
+        let stale = m.discovery_stale.with_label_values(&[tier]);
+        let result = match answer {
+            Err(e) => {
+                if stale.get() == 0 {
+                    log::warn!("tier {tier}: looking up {name} failed ({e}); keeping its last good backends");
+                }
+                stale.set(1);
+                "failed"
+            }
+            Ok(b) if b.is_empty() => {
+                if stale.get() == 0 {
+                    log::warn!("tier {tier}: {name} has no addresses; keeping its last good backends");
+                }
+                stale.set(1);
+                "empty"
+            }
+            Ok(backends) => {
+                stale.set(0);
+                m.discovery_backends
+                    .with_label_values(&[tier])
+                    .set(backends.len() as i64);
+                let _one = self.applying.lock();
+                let mut known = self.discovered.lock();
+                if known.get(tier) == Some(&backends) {
+                    "unchanged"
+                } else {
+                    known.insert(tier.to_string(), backends);
+                    drop(known);
+                    match self.apply_locked((*self.routing().config).clone()) {
+                        Ok(s) => log::info!(
+                            "tier {tier}: {name} changed: backends added {:?}, removed {:?}, {} sessions on removed backends (they rebind at their next turn)",
+                            s.backends_added,
+                            s.backends_removed,
+                            s.bindings_broken
+                        ),
+                        Err(e) => log::error!("tier {tier}: applying {name}'s answer failed: {e}"),
+                    }
+                    "changed"
+                }
+            }
+        };
+        m.discovery_refreshes
+            .with_label_values(&[tier, result])
+            .inc();
+    }
+
+    /// Discovering tiers get the backends of their last good answer.
+    fn with_discovered(&self, mut config: Config) -> Config {
+        let known = self.discovered.lock();
+        for t in config.tiers.iter_mut().filter(|t| t.discovery.is_some()) {
+            t.backends = known.get(&t.name).cloned().unwrap_or_default();
+        }
+        config
+    }
+
+    fn apply_locked(self: &Arc<Self>, config: Config) -> Result<ReloadSummary, String> {
+        let config = Arc::new(self.with_discovered(config));
         let old = self.routing();
         let mut summary = ReloadSummary::default();
         let (o, n) = (&old.config, &config);

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod clock;
 pub mod config;
 pub mod demo;
+pub mod discovery;
 pub mod engine;
 pub mod gateway;
 pub mod loadgen;

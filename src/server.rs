@@ -50,6 +50,8 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
     unsafe {
         libc::signal(libc::SIGHUP, libc::SIG_IGN);
     }
+    let mut config = config;
+    crate::discovery::first_answers(&mut config);
     let config = Arc::new(config);
     let opt = Opt {
         upgrade: opts.upgrade,
@@ -130,6 +132,11 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
             StoreService(Arc::clone(&gw), store),
         ));
     }
+    // Idle (a look each second) until a tier has `discovery`.
+    server.add_service(background_service(
+        "dns discovery",
+        crate::discovery::Discovery(Arc::clone(&gw)),
+    ));
     if let Some(t) = gw.telemetry.clone() {
         server.add_service(background_service(
             "span export",

@@ -34,6 +34,8 @@ pub(crate) struct FileConfig {
     pub(crate) auth: FileAuth,
     #[serde(default)]
     pub(crate) telemetry: FileTelemetry,
+    #[serde(default)]
+    pub(crate) discovery: FileDiscovery,
 }
 
 /// `telemetry`: OpenTelemetry traces (a span per request, OTLP export).
@@ -347,6 +349,32 @@ pub(crate) struct FileTier {
     /// This tier's own `auth.upstream_authorization` / `upstream_key`.
     pub(crate) upstream_authorization: Option<String>,
     pub(crate) upstream_key: Option<String>,
+    /// Backends from DNS instead of `backends`.
+    pub(crate) discovery: Option<FileTierDiscovery>,
+}
+
+/// A tier's `discovery`: `{dns: NAME, port: P}` (each A/AAAA address is a
+/// backend) or `{srv: NAME}` (targets and ports from SRV records).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct FileTierDiscovery {
+    pub(crate) dns: Option<String>,
+    pub(crate) port: Option<u16>,
+    pub(crate) srv: Option<String>,
+    #[serde(default = "default_refresh_ms")]
+    pub(crate) refresh_ms: u64,
+}
+
+fn default_refresh_ms() -> u64 {
+    5_000
+}
+
+/// The top-level `discovery`: which DNS servers tiers' names are asked of.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct FileDiscovery {
+    /// `host:port` or an IP (port 53); empty: the system's (/etc/resolv.conf).
+    pub(crate) resolvers: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -59,6 +59,8 @@ pub struct Config {
     pub admission: AdmissionConfig,
     pub auth: AuthConfig,
     pub telemetry: TelemetryConfig,
+    /// DNS servers for tiers with `discovery` (empty: the system's).
+    pub resolvers: Vec<SocketAddr>,
     /// Things that are allowed but probably a mistake.
     pub warnings: Vec<String>,
 }
@@ -114,6 +116,50 @@ pub struct TierConfig {
     pub backends: Vec<BackendConfig>,
     /// Overrides what goes upstream as `Authorization` for this tier.
     pub upstream_authorization: Option<UpstreamAuthorization>,
+    /// Its backends come from DNS: `backends` is the last good answer.
+    pub discovery: Option<TierDiscovery>,
+    /// Each backend's `max_in_flight` (the tier's, else admission's), for
+    /// backends that discovery adds.
+    pub max_in_flight: u32,
+}
+
+/// A tier's `discovery`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierDiscovery {
+    pub target: DnsTarget,
+    pub refresh: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum DnsTarget {
+    /// Every A/AAAA address of `name` is a backend on `port`.
+    Host { name: String, port: u16 },
+    /// The targets (and ports) of `name`'s SRV records of the best priority.
+    Srv { name: String },
+}
+
+impl TierDiscovery {
+    /// The DNS name it asks for.
+    pub fn name(&self) -> &str {
+        match &self.target {
+            DnsTarget::Host { name, .. } | DnsTarget::Srv { name } => name,
+        }
+    }
+}
+
+impl TierConfig {
+    /// A discovered backend: its id is its address, so the same address
+    /// keeps its id (and its sessions) from one answer to the next.
+    pub fn discovered_backend(&self, addr: SocketAddr, weight: u32) -> BackendConfig {
+        BackendConfig {
+            id: addr.to_string(),
+            addr,
+            weight: weight.clamp(1, 10_000),
+            draining: false,
+            tls: None,
+            max_in_flight: self.max_in_flight,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -430,6 +476,46 @@ metrics:
             .into_iter()
             .map(|e| e.key)
             .collect()
+    }
+
+    #[test]
+    fn a_tier_lists_backends_or_names_discovery() {
+        let tier = |d: &str| {
+            format!(
+                "tiers:\n  default:\n    default: true\n    discovery: {d}\n\
+                 discovery:\n  resolvers: [\"127.0.0.1:5353\", \"10.0.0.10\"]\n"
+            )
+        };
+        let c = Config::from_yaml(&tier("{ dns: vllm.default.svc.cluster.local, port: 8000 }")).unwrap();
+        let d = c.tiers[0].discovery.as_ref().unwrap();
+        assert_eq!(
+            d.target,
+            DnsTarget::Host { name: "vllm.default.svc.cluster.local".into(), port: 8000 }
+        );
+        assert_eq!(d.refresh, Duration::from_secs(5));
+        assert!(c.tiers[0].backends.is_empty());
+        assert_eq!(c.resolvers[1], "10.0.0.10:53".parse().unwrap());
+        let c = Config::from_yaml(&tier("{ srv: _http._tcp.vllm, refresh_ms: 1000 }")).unwrap();
+        assert_eq!(
+            c.tiers[0].discovery.as_ref().unwrap().target,
+            DnsTarget::Srv { name: "_http._tcp.vllm".into() }
+        );
+        for (d, key) in [
+            ("{ dns: vllm }", "tiers.default.discovery.port"),
+            ("{ srv: _h._tcp.vllm, port: 80 }", "tiers.default.discovery.port"),
+            ("{ dns: vllm, srv: _h._tcp.vllm, port: 80 }", "tiers.default.discovery"),
+            ("{ dns: \"bad name\", port: 80 }", "tiers.default.discovery"),
+            ("{ dns: vllm, port: 80, refresh_ms: 10 }", "tiers.default.discovery.refresh_ms"),
+        ] {
+            assert_eq!(keys(&tier(d)), vec![key.to_string()], "{d}");
+        }
+        let both = GOOD.replace(
+            "    backends:\n",
+            "    discovery: { dns: vllm, port: 80 }\n    backends:\n",
+        );
+        assert_eq!(keys(&both), vec!["tiers.default.discovery".to_string()]);
+        let bad_resolver = format!("{GOOD}discovery:\n  resolvers: [\"dns.example\"]\n");
+        assert_eq!(keys(&bad_resolver), vec!["discovery.resolvers".to_string()]);
     }
 
     #[test]

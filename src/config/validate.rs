@@ -161,6 +161,7 @@ pub(super) fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     let health = validate_health(&file.health, &mut errors);
     let (placement, load) = validate_placement(&file.placement, &file.load, &mut errors);
     let outlier = validate_outlier(&file.outlier, &mut errors);
+    let resolvers = validate_resolvers(&file.discovery, &mut errors);
     let telemetry = validate_telemetry(&file.telemetry, &|k| std::env::var(k).ok(), &mut errors);
     let metrics = MetricsConfig {
         listen: parse_addr("metrics.listen", &file.metrics.listen, &mut errors)
@@ -187,6 +188,7 @@ pub(super) fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
         admission,
         auth,
         telemetry,
+        resolvers,
         warnings,
     })
 }
@@ -269,6 +271,85 @@ pub(super) fn validate_telemetry(
         max_queued_spans: t.max_queued_spans.clamp(1, 1_000_000),
         service_name: set("OTEL_SERVICE_NAME").unwrap_or_else(|| "agent-gateway".into()),
     }
+}
+
+/// A tier's `discovery`: a DNS name with a port, or an SRV name.
+fn tier_discovery(
+    key: &str,
+    d: &FileTierDiscovery,
+    errors: &mut Vec<ConfigError>,
+) -> Option<TierDiscovery> {
+    let key = format!("{key}.discovery");
+    let name_ok = |n: &str| {
+        !n.is_empty()
+            && n.len() <= 253
+            && n.bytes().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'-' | b'_'))
+    };
+    if !(100..=3_600_000).contains(&d.refresh_ms) {
+        errors.push(err(
+            format!("{key}.refresh_ms"),
+            "must be between 100 and 3600000",
+        ));
+    }
+    let target = match (&d.dns, &d.srv, d.port) {
+        (Some(name), None, Some(port)) if name_ok(name) && port > 0 => DnsTarget::Host {
+            name: name.clone(),
+            port,
+        },
+        (Some(name), None, Some(_)) if name_ok(name) => {
+            errors.push(err(format!("{key}.port"), "must be between 1 and 65535"));
+            return None;
+        }
+        (Some(_), None, None) => {
+            errors.push(err(
+                format!("{key}.port"),
+                "`dns` needs the port its addresses serve on",
+            ));
+            return None;
+        }
+        (None, Some(name), None) if name_ok(name) => DnsTarget::Srv { name: name.clone() },
+        (None, Some(_), Some(_)) => {
+            errors.push(err(
+                format!("{key}.port"),
+                "`srv` records carry their own ports",
+            ));
+            return None;
+        }
+        (Some(n), None, _) | (None, Some(n), _) => {
+            errors.push(err(
+                &key,
+                format!("`{n}` is not a DNS name (letters, digits, `.`, `-`, `_`)"),
+            ));
+            return None;
+        }
+        _ => {
+            errors.push(err(&key, "name exactly one of `dns` (with `port`) or `srv`"));
+            return None;
+        }
+    };
+    Some(TierDiscovery {
+        target,
+        refresh: Duration::from_millis(d.refresh_ms),
+    })
+}
+
+/// `discovery.resolvers`: `ip:port`, or an IP alone (port 53).
+fn validate_resolvers(d: &FileDiscovery, errors: &mut Vec<ConfigError>) -> Vec<SocketAddr> {
+    d.resolvers
+        .iter()
+        .filter_map(|r| {
+            r.parse::<SocketAddr>()
+                .ok()
+                .or_else(|| r.parse::<std::net::IpAddr>().ok().map(|ip| SocketAddr::new(ip, 53)))
+                .or_else(|| {
+                    errors.push(err(
+                        "discovery.resolvers",
+                        format!("`{r}` is not an IP address or ip:port"),
+                    ));
+                    None
+                })
+        })
+        .collect()
 }
 
 /// `admission`: the queue's bounds, deadline and headers.
@@ -520,11 +601,20 @@ pub(super) fn validate_tiers(
                 "tier names use letters, digits, `-`, `_` and `.` only",
             ));
         }
-        if t.backends.is_empty() {
-            errors.push(err(
+        let discovery = t
+            .discovery
+            .as_ref()
+            .and_then(|d| tier_discovery(&key, d, errors));
+        match (&t.discovery, t.backends.is_empty()) {
+            (None, true) => errors.push(err(
                 format!("{key}.backends"),
-                "a tier needs at least one backend",
-            ));
+                "a tier needs at least one backend (or `discovery`)",
+            )),
+            (Some(_), false) => errors.push(err(
+                format!("{key}.discovery"),
+                "a tier either lists `backends` or names `discovery`, not both",
+            )),
+            _ => {}
         }
         for m in &t.models {
             if let Some(other) = model_owner.insert(m.clone(), name.clone()) {
@@ -582,6 +672,8 @@ pub(super) fn validate_tiers(
                 t.upstream_key.as_deref(),
                 errors,
             ),
+            discovery,
+            max_in_flight: t.max_in_flight.unwrap_or(max_in_flight),
         });
     }
     let defaults = tiers.iter().filter(|t| t.default).count();
