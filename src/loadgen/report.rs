@@ -481,131 +481,166 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
-/// A chart panel: title, (series name, value of a run) pairs, axis maximum.
-type Panel<'a> = (&'a str, Vec<(&'a str, Box<dyn Fn(&Report) -> f64>)>, f64);
+/// One measure of the chart: its heading, colour, value of a run and how
+/// the value is printed.
+struct Measure {
+    heading: &'static str,
+    better: &'static str,
+    color: &'static str,
+    value: fn(&Report) -> f64,
+    decimals: usize,
+}
 
-/// A grouped bar chart: hit rates (left panel, %) and TTFT p50/p99 (right panel, ms).
+const MEASURES: [Measure; 4] = [
+    Measure {
+        heading: "prefix-cache hit, %",
+        better: "higher is better",
+        color: "#2b6cb0",
+        value: |r| r.prefix_cache_hit_rate * 100.0,
+        decimals: 1,
+    },
+    Measure {
+        heading: "TTFT p50, ms",
+        better: "lower is better",
+        color: "#dd6b20",
+        value: |r| r.ttft.p50_ms,
+        decimals: 0,
+    },
+    Measure {
+        heading: "TTFT p99, ms",
+        better: "lower is better",
+        color: "#c53030",
+        value: |r| r.ttft.p99_ms,
+        decimals: 0,
+    },
+    Measure {
+        heading: "throughput, req/s",
+        better: "higher is better",
+        color: "#38a169",
+        value: |r| r.requests_per_s,
+        decimals: 1,
+    },
+];
+
+/// The runs as a chart that reads at a glance: one row per run (its name
+/// beside it, no legend to match colours with), one panel per measure, each
+/// panel's bars on their own scale from zero with the value at the bar's
+/// end. Runs named `group: variant` are grouped under the group's name.
 pub fn svg(reports: &[Report], title: &str) -> String {
-    const COLORS: [&str; 6] = [
-        "#2b6cb0", "#dd6b20", "#38a169", "#805ad5", "#d53f8c", "#718096",
-    ];
-    let (w, h) = (900.0, 380.0);
+    const ROW: f64 = 22.0;
+    const PANEL: f64 = 190.0;
+    const GAP: f64 = 24.0;
+    let split = |label: &str| match label.split_once(": ") {
+        Some((group, rest)) => (group.to_string(), rest.to_string()),
+        None => (String::new(), label.to_string()),
+    };
+    // Rows: a group's heading (when it changes), then its runs.
+    let mut rows: Vec<(Option<String>, Option<&Report>)> = Vec::new();
+    let mut group = None;
+    for r in reports {
+        let (g, _) = split(&r.label);
+        if !g.is_empty() && group.as_ref() != Some(&g) {
+            rows.push((Some(g.clone()), None));
+        }
+        group = Some(g);
+        rows.push((None, Some(r)));
+    }
+    let label_w = reports
+        .iter()
+        .map(|r| split(&r.label).1.chars().count())
+        .max()
+        .unwrap_or(10)
+        .clamp(10, 70) as f64
+        * 6.6
+        + 24.0;
+    let top = 78.0;
+    let w = label_w + MEASURES.len() as f64 * (PANEL + GAP);
+    let h = top + rows.len() as f64 * ROW + 16.0;
     let mut s = String::new();
     let _ = writeln!(
         s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w:.0}" height="{h:.0}" viewBox="0 0 {w:.0} {h:.0}" font-family="sans-serif" font-size="12">"#
     );
     let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let _ = writeln!(
         s,
-        r#"<text x="{}" y="24" font-size="16" text-anchor="middle">{}</text>"#,
-        w / 2.0,
+        r#"<text x="12" y="24" font-size="16" font-weight="bold">{}</text>"#,
         esc(title)
     );
-    let panels: [Panel; 2] = [
-        (
-            "hit rates (%)",
-            vec![
-                (
-                    "affinity hit",
-                    Box::new(|r: &Report| r.affinity_hit_rate * 100.0),
-                ),
-                (
-                    "prefix-cache hit",
-                    Box::new(|r: &Report| r.prefix_cache_hit_rate * 100.0),
-                ),
-            ],
-            100.0,
-        ),
-        (
-            "time to first token (ms)",
-            vec![
-                ("TTFT p50", Box::new(|r: &Report| r.ttft.p50_ms)),
-                ("TTFT p99", Box::new(|r: &Report| r.ttft.p99_ms)),
-            ],
-            reports.iter().map(|r| r.ttft.p99_ms).fold(1.0, f64::max) * 1.1,
-        ),
-    ];
-    let (top, bottom) = (50.0, h - 90.0);
-    for (p, (name, metrics, max)) in panels.iter().enumerate() {
-        let x0 = 60.0 + p as f64 * (w / 2.0);
-        let pw = w / 2.0 - 90.0;
+    for (m, measure) in MEASURES.iter().enumerate() {
+        let x0 = label_w + m as f64 * (PANEL + GAP);
+        let max = reports
+            .iter()
+            .map(|r| (measure.value)(r))
+            .filter(|v| v.is_finite())
+            .fold(0.0, f64::max);
         let _ = writeln!(
             s,
-            r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
-            x0 + pw / 2.0,
-            top - 8.0,
-            esc(name)
+            r#"<text x="{x0:.1}" y="{}" font-weight="bold">{}</text>"#,
+            top - 30.0,
+            esc(measure.heading)
         );
         let _ = writeln!(
             s,
-            r#"<line x1="{x0}" y1="{bottom}" x2="{}" y2="{bottom}" stroke="black"/>"#,
-            x0 + pw
+            r#"<text x="{x0:.1}" y="{}" fill="dimgray" font-size="11">{}</text>"#,
+            top - 15.0,
+            measure.better
         );
         let _ = writeln!(
             s,
-            r#"<line x1="{x0}" y1="{top}" x2="{x0}" y2="{bottom}" stroke="black"/>"#
+            r#"<line x1="{x0:.1}" y1="{}" x2="{x0:.1}" y2="{}" stroke="darkgray"/>"#,
+            top - 6.0,
+            top + rows.len() as f64 * ROW
         );
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{}" text-anchor="end">{:.0}</text>"#,
-            x0 - 4.0,
-            top + 4.0,
-            max
-        );
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{}" text-anchor="end">0</text>"#,
-            x0 - 4.0,
-            bottom + 4.0
-        );
-        let group = pw / metrics.len() as f64;
-        let bar = (group * 0.8) / reports.len().max(1) as f64;
-        for (m, (mname, f)) in metrics.iter().enumerate() {
-            let gx = x0 + m as f64 * group + group * 0.1;
-            for (i, r) in reports.iter().enumerate() {
-                let v = f(r);
-                let bh = (v / max).clamp(0.0, 1.0) * (bottom - top);
-                let x = gx + i as f64 * bar;
-                let _ = writeln!(
-                    s,
-                    r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{bh:.1}" fill="{}"><title>{}: {v:.1}</title></rect>"#,
-                    bottom - bh,
-                    bar * 0.9,
-                    COLORS[i % COLORS.len()],
-                    esc(&r.label)
-                );
-                let _ = writeln!(
-                    s,
-                    r#"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="10">{v:.0}</text>"#,
-                    x + bar * 0.45,
-                    bottom - bh - 3.0
-                );
-            }
+        for (i, (_, run)) in rows.iter().enumerate() {
+            let Some(r) = run else { continue };
+            let v = (measure.value)(r);
+            let y = top + i as f64 * ROW;
+            // Room for the printed value after the longest bar.
+            let len = if max > 0.0 && v.is_finite() {
+                (v / max).clamp(0.0, 1.0) * (PANEL - 48.0)
+            } else {
+                0.0
+            };
             let _ = writeln!(
                 s,
-                r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
-                gx + group * 0.4,
-                bottom + 16.0,
-                esc(mname)
+                r#"<rect x="{x0:.1}" y="{:.1}" width="{len:.1}" height="{:.1}" fill="{}"><title>{}: {v:.2}</title></rect>"#,
+                y + 3.0,
+                ROW - 8.0,
+                measure.color,
+                esc(&r.label)
+            );
+            let _ = writeln!(
+                s,
+                r#"<text x="{:.1}" y="{:.1}" font-size="11">{:.*}</text>"#,
+                x0 + len + 4.0,
+                y + ROW - 7.0,
+                measure.decimals,
+                v
             );
         }
     }
-    for (i, r) in reports.iter().enumerate() {
-        let y = h - 50.0 + (i / 3) as f64 * 16.0;
-        let x = 60.0 + (i % 3) as f64 * 280.0;
-        let _ = writeln!(
-            s,
-            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{}"/>"#,
-            y - 10.0,
-            COLORS[i % COLORS.len()]
-        );
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{y}">{}</text>"#,
-            x + 18.0,
-            esc(&r.label)
-        );
+    for (i, (heading, run)) in rows.iter().enumerate() {
+        let y = top + i as f64 * ROW + ROW - 7.0;
+        match (heading, run) {
+            (Some(g), _) => {
+                let _ = writeln!(
+                    s,
+                    r#"<text x="12" y="{y:.1}" font-weight="bold">{}</text>"#,
+                    esc(g)
+                );
+            }
+            (None, Some(r)) => {
+                let (g, name) = split(&r.label);
+                let indent = if g.is_empty() { 12.0 } else { 24.0 };
+                let _ = writeln!(
+                    s,
+                    r#"<text x="{indent}" y="{y:.1}">{}</text>"#,
+                    esc(&name)
+                );
+            }
+            _ => {}
+        }
     }
     s.push_str("</svg>\n");
     s
@@ -653,5 +688,70 @@ mod tests {
         assert_eq!((r.e2e_miss.p50_ms, r.e2e_miss.p99_ms), (20.0, 20.0));
         assert!(svg(std::slice::from_ref(&r), "t").starts_with("<svg"));
         assert!(comparison_table(&[r]).contains("| x | 5 | 0 | 60.0% | 66.7% |"));
+    }
+
+    #[test]
+    fn the_chart_names_every_run_once_draws_throughput_and_no_text_overlaps() {
+        let runs: Vec<Report> = [
+            "seed: with session ids",
+            "seed: without session ids (keyless)",
+            "seed: affinity off",
+            "long: with session ids",
+            "long: without session ids (keyless)",
+            "long: affinity off",
+            "long: ideal (1 replica, unlimited cache)",
+            "placement: bounded_hrw, queue-aware, one replica slowed 3×",
+            "placement: least_loaded",
+            "placement: round_robin",
+            "placement: hrw",
+            "seed again: the same runs, 13 in all",
+            "no group here",
+        ]
+        .iter()
+        .enumerate()
+        .map(|(i, label)| {
+            let records = (0..4)
+                .map(|t| rec(i, t, "b0", 1000, 100 * i as u64))
+                .collect();
+            Report::new(label.to_string(), records, Duration::from_millis(500 + 100 * i as u64), 0)
+        })
+        .collect();
+        let svg = svg(&runs, "a title");
+        let texts: Vec<(f64, f64, String)> = svg
+            .lines()
+            .filter(|l| l.starts_with("<text"))
+            .map(|l| {
+                let attr = |name: &str| -> f64 {
+                    let at = l.find(&format!(" {name}=\"")).unwrap() + name.len() + 3;
+                    l[at..].split('"').next().unwrap().parse().unwrap()
+                };
+                let body = l.split('>').nth(1).unwrap().split('<').next().unwrap();
+                (attr("x"), attr("y"), body.to_string())
+            })
+            .collect();
+        let short = |l: &str| esc(l.split_once(": ").map_or(l, |(_, n)| n));
+        for r in &runs {
+            let name = short(&r.label);
+            let runs_named = runs.iter().filter(|o| short(&o.label) == name).count();
+            let rows = texts.iter().filter(|t| t.2 == name).count();
+            assert_eq!(rows, runs_named, "{name}: a row per run, no legend");
+        }
+        assert!(svg.contains("throughput, req/s"));
+        for (g, n) in [("seed", 1), ("seed again", 1), ("long", 1), ("placement", 1)] {
+            assert_eq!(texts.iter().filter(|t| t.2 == g).count(), n, "group {g}");
+        }
+        // Boxes at 7 px a character (wider than the 6.6 laid out), 12 px high.
+        let boxes: Vec<(f64, f64, f64)> = texts
+            .iter()
+            .map(|(x, y, t)| (*x, *x + 7.0 * t.chars().count() as f64, *y))
+            .collect();
+        for (i, a) in boxes.iter().enumerate() {
+            for b in &boxes[i + 1..] {
+                let apart = a.1 <= b.0 || b.1 <= a.0 || (a.2 - b.2).abs() >= 12.0;
+                assert!(apart, "texts overlap: {a:?} {b:?}\n{svg}");
+            }
+        }
+        let width: f64 = svg.split("width=\"").nth(1).unwrap().split('"').next().unwrap().parse().unwrap();
+        assert!(boxes.iter().all(|b| b.1 <= width), "nothing falls off the image");
     }
 }
