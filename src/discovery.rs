@@ -128,9 +128,7 @@ impl ServiceDiscovery for DnsDiscovery {
             .await
             .map_err(|_| "timed out".to_string())
             .and_then(|r| r)
-            .map_err(|e| {
-                pingora_core::Error::explain(pingora_core::ErrorType::InternalError, e)
-            })?;
+            .map_err(|e| pingora_core::Error::explain(pingora_core::ErrorType::InternalError, e))?;
         let backends = found
             .into_iter()
             .map(|(addr, weight)| Backend {

@@ -290,7 +290,9 @@ impl Gateway {
             }
             Ok(b) if b.is_empty() => {
                 if stale.get() == 0 {
-                    log::warn!("tier {tier}: {name} has no addresses; keeping its last good backends");
+                    log::warn!(
+                        "tier {tier}: {name} has no addresses; keeping its last good backends"
+                    );
                 }
                 stale.set(1);
                 "empty"

@@ -41,11 +41,11 @@ enum Command {
         connect: bool,
     },
     /// Run one simulated vLLM replica (prefix cache, latency model, faults).
-    SimBackend(agent_gateway::sim::SimConfig),
+    SimBackend(agent_gateway_tools::sim::SimConfig),
     /// Replay agent sessions (or a Mooncake trace) against a URL and report.
-    Bench(agent_gateway::loadgen::BenchArgs),
+    Bench(agent_gateway_tools::loadgen::BenchArgs),
     /// Show what affinity buys: simulated replicas + gateway + agent workload.
-    Demo(agent_gateway::demo::DemoArgs),
+    Demo(agent_gateway_tools::demo::DemoArgs),
     /// Print the `key_sha256` of a client key read from stdin, for
     /// `auth.keys_file` (read from stdin: a key on the command line would
     /// show in `ps` and shell history).
@@ -65,7 +65,7 @@ fn main() -> ExitCode {
             println!("{}", agent_gateway::auth::hash_key(key.trim()));
             ExitCode::SUCCESS
         }
-        Command::Demo(args) => match agent_gateway::demo::run(args) {
+        Command::Demo(args) => match agent_gateway_tools::demo::run(args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -73,7 +73,7 @@ fn main() -> ExitCode {
             }
         },
         Command::Bench(args) => bench(args),
-        Command::SimBackend(cfg) => match agent_gateway::sim::run(cfg) {
+        Command::SimBackend(cfg) => match agent_gateway_tools::sim::run(cfg) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -136,8 +136,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn bench(args: agent_gateway::loadgen::BenchArgs) -> ExitCode {
-    use agent_gateway::loadgen::{self, report};
+fn bench(args: agent_gateway_tools::loadgen::BenchArgs) -> ExitCode {
+    use agent_gateway_tools::loadgen::{self, report};
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -223,11 +223,18 @@ fn parent_of(headers: &http::HeaderMap) -> Option<(TraceId, SpanId, bool)> {
     }
     // version "-" trace-id "-" parent-id "-" flags; a later version may add
     // fields after a dash, version ff is invalid.
-    if v.len() < 55 || (v.len() > 55 && v[55] != b'-') || v[2] != b'-' || v[35] != b'-' || v[52] != b'-' {
+    if v.len() < 55
+        || (v.len() > 55 && v[55] != b'-')
+        || v[2] != b'-'
+        || v[35] != b'-'
+        || v[52] != b'-'
+    {
         return None;
     }
     let hex = |b: &[u8]| -> Option<u128> {
-        if b.iter().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c)) {
+        if b.iter()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
+        {
             u128::from_str_radix(std::str::from_utf8(b).ok()?, 16).ok()
         } else {
             None
@@ -266,17 +273,19 @@ fn nonzero_u64() -> u64 {
 /// `gen_ai.operation.name` and `gen_ai.provider.name` of an API path.
 fn operation(path: &str) -> Option<(&'static str, &'static str)> {
     let path = path.trim_end_matches('/');
-    Some(if path.ends_with("/chat/completions") || path.ends_with("/responses") {
-        ("chat", "openai")
-    } else if path.ends_with("/messages") {
-        ("chat", "anthropic")
-    } else if path.ends_with("/completions") {
-        ("text_completion", "openai")
-    } else if path.ends_with("/embeddings") {
-        ("embeddings", "openai")
-    } else {
-        return None;
-    })
+    Some(
+        if path.ends_with("/chat/completions") || path.ends_with("/responses") {
+            ("chat", "openai")
+        } else if path.ends_with("/messages") {
+            ("chat", "anthropic")
+        } else if path.ends_with("/completions") {
+            ("text_completion", "openai")
+        } else if path.ends_with("/embeddings") {
+            ("embeddings", "openai")
+        } else {
+            return None;
+        },
+    )
 }
 
 /// GenAI convention: `{gen_ai.operation.name} {gen_ai.request.model}`;
@@ -311,13 +320,21 @@ fn attributes(f: &Finished<'_>) -> Vec<KeyValue> {
     a.push(KeyValue::new("http.request.method", f.method.to_string()));
     a.push(KeyValue::new("url.path", f.path.to_string()));
     if f.status != 0 {
-        a.push(KeyValue::new("http.response.status_code", i64::from(f.status)));
+        a.push(KeyValue::new(
+            "http.response.status_code",
+            i64::from(f.status),
+        ));
     }
     if f.status >= 500 || f.status == 0 {
-        let kind = f.error_code.map_or_else(|| f.status.to_string(), str::to_string);
+        let kind = f
+            .error_code
+            .map_or_else(|| f.status.to_string(), str::to_string);
         a.push(KeyValue::new("error.type", kind));
     }
-    a.push(KeyValue::new("agent_gateway.request_id", f.request_id.to_string()));
+    a.push(KeyValue::new(
+        "agent_gateway.request_id",
+        f.request_id.to_string(),
+    ));
     if let Some(tier) = f.tier {
         a.push(KeyValue::new("agent_gateway.tier", tier.to_string()));
     }
@@ -519,7 +536,10 @@ mod tests {
         let up = span.traceparent();
         let up = up.to_str().unwrap();
         assert_eq!(up.len(), 55);
-        assert!(up.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"), "{up}");
+        assert!(
+            up.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"),
+            "{up}"
+        );
         assert!(up.ends_with("-01"), "the caller sampled it: {up}");
         assert_ne!(&up[36..52], "00f067aa0ba902b7", "the gateway's own span");
         assert!(parent_of(&headers(&[up])).is_some(), "well-formed: {up}");

@@ -430,7 +430,7 @@ r = client.chat.completions.create(
 )
 print("completed", r.choices[0].finish_reason)
 "#;
-    let python = agent_gateway::engine::default_python();
+    let python = agent_gateway_tools::engine::default_python();
     let sdk = tokio::process::Command::new(&python)
         .arg("-c")
         .arg(script)

@@ -164,7 +164,11 @@ async fn a_changed_record_set_keeps_surviving_sessions_moves_the_removed_and_rea
     .await;
     healthy(&gw, &id("127.0.0.2")).await;
     healthy(&gw, &id("127.0.0.3")).await;
-    assert_eq!(gw.metric("agentserve_discovery_backends{tier=\"default\"}").await, 2.0);
+    assert_eq!(
+        gw.metric("agentserve_discovery_backends{tier=\"default\"}")
+            .await,
+        2.0
+    );
 
     let c = client();
     let mut home: HashMap<String, String> = HashMap::new();

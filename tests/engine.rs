@@ -8,8 +8,8 @@
 
 mod common;
 
-use agent_gateway::engine::{Engine, EngineOptions, ModelShape, Workdir};
-use agent_gateway::loadgen::{self, BenchArgs};
+use agent_gateway_tools::engine::{Engine, EngineOptions, ModelShape, Workdir};
+use agent_gateway_tools::loadgen::{self, BenchArgs};
 use common::*;
 use serde_json::{json, Value};
 use std::net::SocketAddr;

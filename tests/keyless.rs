@@ -6,7 +6,7 @@
 
 mod common;
 
-use agent_gateway::loadgen::trace;
+use agent_gateway_tools::loadgen::trace;
 use common::*;
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};

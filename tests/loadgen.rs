@@ -57,7 +57,7 @@ async fn mooncake_trace_replays_with_real_prefix_reuse() {
     let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("trace.jsonl");
-    std::fs::write(&path, agent_gateway::loadgen::trace::synthetic(5, 4)).unwrap();
+    std::fs::write(&path, agent_gateway_tools::loadgen::trace::synthetic(5, 4)).unwrap();
     let p = path.to_str().unwrap();
     let on = bench(&gw, &["--trace", p, "-c", "4", "--id-prefix", "on"]);
     assert_eq!(on["requests"], 20);
@@ -82,6 +82,6 @@ fn the_shipped_sample_trace_parses() {
         "/conf/traces/mooncake-sample.jsonl"
     ))
     .unwrap();
-    let lines = agent_gateway::loadgen::trace::parse(&text).unwrap();
+    let lines = agent_gateway_tools::loadgen::trace::parse(&text).unwrap();
     assert!(lines.len() >= 40);
 }

@@ -169,7 +169,7 @@ for turn in range(6):
 /// Runs `script` with the engine venv's Python (`scripts/setup.sh` installs
 /// the SDKs there), the gateway's `url` as its argument; its stdout.
 async fn python(script: &str, url: &str) -> String {
-    let python = agent_gateway::engine::default_python();
+    let python = agent_gateway_tools::engine::default_python();
     let out = tokio::process::Command::new(&python)
         .arg("-c")
         .arg(script)

@@ -81,7 +81,7 @@ async fn large_bodies_are_forwarded_byte_for_byte_and_model_still_picks_the_tier
             assert_eq!(sent_len, body.len(), "{size}: body length at the backend");
             assert_eq!(
                 r.headers["x-sim-body-hash"].to_str().unwrap(),
-                agent_gateway::sim::body_hash(&body),
+                agent_gateway_tools::sim::body_hash(&body),
                 "{size}: body bytes at the backend"
             );
         }
@@ -111,7 +111,7 @@ async fn bodies_without_pre_read_are_forwarded_whole_too() {
     assert_eq!(r.status, 200);
     assert_eq!(
         r.headers["x-sim-body-hash"].to_str().unwrap(),
-        agent_gateway::sim::body_hash(&body)
+        agent_gateway_tools::sim::body_hash(&body)
     );
 }
 
@@ -175,7 +175,7 @@ async fn chunked_bodies_that_must_be_read_are_forwarded_or_refused_never_truncat
     assert_eq!(r.tier.as_deref(), Some("big"));
     assert_eq!(
         r.headers["x-sim-body-hash"].to_str().unwrap(),
-        agent_gateway::sim::body_hash(&body)
+        agent_gateway_tools::sim::body_hash(&body)
     );
     // Chunked and past the retry buffer: refused with 411, not cut short.
     let body = big_body("qwen3-235b", 200_000);

@@ -18,8 +18,11 @@ struct Receiver {
 impl Receiver {
     async fn start() -> Receiver {
         let port = free_port();
-        let child = Command::new(agent_gateway::engine::default_python())
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/otlp-receiver.py"))
+        let child = Command::new(agent_gateway_tools::engine::default_python())
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/scripts/otlp-receiver.py"
+            ))
             .arg(port.to_string())
             .spawn()
             .expect("the engine venv's python (run scripts/setup.sh)");
@@ -127,7 +130,10 @@ async fn spans_join_the_callers_trace_with_genai_attributes_and_the_engine_nests
             .find(|s| s["attributes"]["agent_gateway.request_id"] == id.as_str())
             .unwrap_or_else(|| panic!("a span for {id}: {spans:?}"));
         let a = &span["attributes"];
-        assert_eq!(span["parent_span_id"], CALLER_SPAN, "the caller's span is the parent");
+        assert_eq!(
+            span["parent_span_id"], CALLER_SPAN,
+            "the caller's span is the parent"
+        );
         assert_eq!(span["name"], "chat qwen3-8b");
         assert_eq!(span["kind"], 2, "a server span");
         assert_eq!(span["service"], "agent-gateway");
@@ -140,7 +146,10 @@ async fn spans_join_the_callers_trace_with_genai_attributes_and_the_engine_nests
             a["gen_ai.usage.cache_read.input_tokens"],
             usage["prompt_tokens_details"]["cached_tokens"]
         );
-        let sim = sims.iter().find(|s| Some(&s.id) == reply.backend.as_ref()).unwrap();
+        let sim = sims
+            .iter()
+            .find(|s| Some(&s.id) == reply.backend.as_ref())
+            .unwrap();
         assert_eq!(a["server.address"], "127.0.0.1");
         assert_eq!(a["server.port"], json!(sim.addr.port()));
         assert_eq!(a["agent_gateway.backend"], sim.id.as_str());
@@ -154,7 +163,10 @@ async fn spans_join_the_callers_trace_with_genai_attributes_and_the_engine_nests
         // (The engine keeps the last one: both turns went to it.)
         if turn == 1 {
             let up = upstream_traceparent(&sims, reply).await;
-            assert_eq!(up, format!("00-{TRACE}-{}-01", span["span_id"].as_str().unwrap()));
+            assert_eq!(
+                up,
+                format!("00-{TRACE}-{}-01", span["span_id"].as_str().unwrap())
+            );
         }
     }
     let warm = spans
@@ -165,7 +177,11 @@ async fn spans_join_the_callers_trace_with_genai_attributes_and_the_engine_nests
         warm["attributes"]["gen_ai.usage.cache_read.input_tokens"].as_u64() > Some(0),
         "the warm turn's cached tokens: {warm}"
     );
-    assert!(gw.metric("agentserve_otel_spans_total{result=\"exported\"}").await >= 2.0);
+    assert!(
+        gw.metric("agentserve_otel_spans_total{result=\"exported\"}")
+            .await
+            >= 2.0
+    );
 }
 
 #[tokio::test]
@@ -199,7 +215,11 @@ async fn a_caller_that_does_not_sample_gets_no_span_and_a_new_trace_gets_a_root_
     // Spans are exported in the order requests end: the unsampled request's
     // would have come first.
     assert!(
-        receiver.spans().await.iter().all(|s| s["trace_id"] != unsampled),
+        receiver
+            .spans()
+            .await
+            .iter()
+            .all(|s| s["trace_id"] != unsampled),
         "an unsampled request exported a span"
     );
 }

@@ -486,11 +486,15 @@ metrics:
                  discovery:\n  resolvers: [\"127.0.0.1:5353\", \"10.0.0.10\"]\n"
             )
         };
-        let c = Config::from_yaml(&tier("{ dns: vllm.default.svc.cluster.local, port: 8000 }")).unwrap();
+        let c = Config::from_yaml(&tier("{ dns: vllm.default.svc.cluster.local, port: 8000 }"))
+            .unwrap();
         let d = c.tiers[0].discovery.as_ref().unwrap();
         assert_eq!(
             d.target,
-            DnsTarget::Host { name: "vllm.default.svc.cluster.local".into(), port: 8000 }
+            DnsTarget::Host {
+                name: "vllm.default.svc.cluster.local".into(),
+                port: 8000
+            }
         );
         assert_eq!(d.refresh, Duration::from_secs(5));
         assert!(c.tiers[0].backends.is_empty());
@@ -498,14 +502,25 @@ metrics:
         let c = Config::from_yaml(&tier("{ srv: _http._tcp.vllm, refresh_ms: 1000 }")).unwrap();
         assert_eq!(
             c.tiers[0].discovery.as_ref().unwrap().target,
-            DnsTarget::Srv { name: "_http._tcp.vllm".into() }
+            DnsTarget::Srv {
+                name: "_http._tcp.vllm".into()
+            }
         );
         for (d, key) in [
             ("{ dns: vllm }", "tiers.default.discovery.port"),
-            ("{ srv: _h._tcp.vllm, port: 80 }", "tiers.default.discovery.port"),
-            ("{ dns: vllm, srv: _h._tcp.vllm, port: 80 }", "tiers.default.discovery"),
+            (
+                "{ srv: _h._tcp.vllm, port: 80 }",
+                "tiers.default.discovery.port",
+            ),
+            (
+                "{ dns: vllm, srv: _h._tcp.vllm, port: 80 }",
+                "tiers.default.discovery",
+            ),
             ("{ dns: \"bad name\", port: 80 }", "tiers.default.discovery"),
-            ("{ dns: vllm, port: 80, refresh_ms: 10 }", "tiers.default.discovery.refresh_ms"),
+            (
+                "{ dns: vllm, port: 80, refresh_ms: 10 }",
+                "tiers.default.discovery.refresh_ms",
+            ),
         ] {
             assert_eq!(keys(&tier(d)), vec![key.to_string()], "{d}");
         }
@@ -522,7 +537,11 @@ metrics:
     fn telemetry_takes_the_files_endpoint_else_the_otel_variables() {
         let run = |yaml: &str, vars: &[(&str, &str)]| {
             let file: file::FileTelemetry = serde_yaml::from_str(yaml).unwrap();
-            let env = |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+            let env = |k: &str| {
+                vars.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            };
             let mut errors = Vec::new();
             let t = validate::validate_telemetry(&file, &env, &mut errors);
             (t, errors.into_iter().map(|e| e.key).collect::<Vec<_>>())
@@ -532,21 +551,37 @@ metrics:
         assert_eq!((url(&t), e.len()), (None, 0), "off without an endpoint");
         assert_eq!(t.service_name, "agent-gateway");
         let base = [("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/")];
-        assert_eq!(url(&run("{}", &base).0).as_deref(), Some("http://collector:4318/v1/traces"));
+        assert_eq!(
+            url(&run("{}", &base).0).as_deref(),
+            Some("http://collector:4318/v1/traces")
+        );
         let traces = [("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://c:4318/custom")];
-        assert_eq!(url(&run("{}", &traces).0).as_deref(), Some("http://c:4318/custom"));
+        assert_eq!(
+            url(&run("{}", &traces).0).as_deref(),
+            Some("http://c:4318/custom")
+        );
         let file = "otlp: { endpoint: \"http://127.0.0.1:4318\" }";
         assert_eq!(
             url(&run(file, &base).0).as_deref(),
             Some("http://127.0.0.1:4318/v1/traces"),
             "the file wins"
         );
-        let disabled = [base[0], ("OTEL_SDK_DISABLED", "true"), ("OTEL_SERVICE_NAME", "edge")];
+        let disabled = [
+            base[0],
+            ("OTEL_SDK_DISABLED", "true"),
+            ("OTEL_SERVICE_NAME", "edge"),
+        ];
         let (t, _) = run("{}", &disabled);
         assert_eq!((url(&t), t.service_name.as_str()), (None, "edge"));
         for (bad, key) in [
-            ("otlp: { protocol: grpc, endpoint: \"http://c:4317\" }", "telemetry.otlp.protocol"),
-            ("otlp: { endpoint: \"https://c:4318\" }", "telemetry.otlp.endpoint"),
+            (
+                "otlp: { protocol: grpc, endpoint: \"http://c:4317\" }",
+                "telemetry.otlp.protocol",
+            ),
+            (
+                "otlp: { endpoint: \"https://c:4318\" }",
+                "telemetry.otlp.endpoint",
+            ),
             ("otlp: { endpoint: \"c:4318\" }", "telemetry.otlp.endpoint"),
             ("sample_ratio: 1.5", "telemetry.sample_ratio"),
             ("max_queued_spans: 0", "telemetry.max_queued_spans"),

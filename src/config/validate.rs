@@ -216,7 +216,10 @@ pub(super) fn validate_telemetry(
     let (key, url) = match &t.otlp.endpoint {
         Some(e) => ("telemetry.otlp.endpoint", Some(base(e))),
         None => match set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") {
-            Some(e) => ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", Some(e.trim().to_string())),
+            Some(e) => (
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                Some(e.trim().to_string()),
+            ),
             None => (
                 "OTEL_EXPORTER_OTLP_ENDPOINT",
                 set("OTEL_EXPORTER_OTLP_ENDPOINT").map(|e| base(&e)),
@@ -283,7 +286,8 @@ fn tier_discovery(
     let name_ok = |n: &str| {
         !n.is_empty()
             && n.len() <= 253
-            && n.bytes().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'-' | b'_'))
+            && n.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'-' | b'_'))
     };
     if !(100..=3_600_000).contains(&d.refresh_ms) {
         errors.push(err(
@@ -323,7 +327,10 @@ fn tier_discovery(
             return None;
         }
         _ => {
-            errors.push(err(&key, "name exactly one of `dns` (with `port`) or `srv`"));
+            errors.push(err(
+                &key,
+                "name exactly one of `dns` (with `port`) or `srv`",
+            ));
             return None;
         }
     };
@@ -340,7 +347,11 @@ fn validate_resolvers(d: &FileDiscovery, errors: &mut Vec<ConfigError>) -> Vec<S
         .filter_map(|r| {
             r.parse::<SocketAddr>()
                 .ok()
-                .or_else(|| r.parse::<std::net::IpAddr>().ok().map(|ip| SocketAddr::new(ip, 53)))
+                .or_else(|| {
+                    r.parse::<std::net::IpAddr>()
+                        .ok()
+                        .map(|ip| SocketAddr::new(ip, 53))
+                })
                 .or_else(|| {
                     errors.push(err(
                         "discovery.resolvers",

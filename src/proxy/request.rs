@@ -656,7 +656,10 @@ mod tests {
     #[test]
     fn a_plain_model_member_is_read_from_a_piece_of_body() {
         use super::model_in;
-        assert_eq!(model_in(br#"{"messages":[],"model" : "qwen3-8b"}"#), Some("qwen3-8b"));
+        assert_eq!(
+            model_in(br#"{"messages":[],"model" : "qwen3-8b"}"#),
+            Some("qwen3-8b")
+        );
         assert_eq!(model_in(br#"{"content":"model","model":"m"}"#), Some("m"));
         assert_eq!(model_in(br#"{"model":"a\"b"}"#), None);
         assert_eq!(model_in(br#"{"model":""}"#), None);

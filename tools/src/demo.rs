@@ -927,7 +927,7 @@ async fn prefix_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<rep
     let mut trace = BenchArgs::seed_study("");
     trace.trace = Some(PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/conf/traces/mooncake-sample.jsonl"
+        "/../conf/traces/mooncake-sample.jsonl"
     )));
     trace.concurrency = 8;
     let trace_variants = [

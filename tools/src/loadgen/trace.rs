@@ -10,7 +10,6 @@
 
 use super::report::TurnRecord;
 use super::{gather, send_limited, BenchArgs, Progress, Turn};
-use crate::affinity::hrw::mix;
 use serde::Deserialize;
 use serde_json::json;
 use std::collections::HashMap;
@@ -255,6 +254,15 @@ pub fn mooncake_like(conversations: usize, seed: u64, reblock: bool) -> String {
         }
     }
     out
+}
+
+/// SplitMix64's finaliser: the synthetic trace's ids from its seed.
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 #[cfg(test)]

@@ -633,11 +633,7 @@ pub fn svg(reports: &[Report], title: &str) -> String {
             (None, Some(r)) => {
                 let (g, name) = split(&r.label);
                 let indent = if g.is_empty() { 12.0 } else { 24.0 };
-                let _ = writeln!(
-                    s,
-                    r#"<text x="{indent}" y="{y:.1}">{}</text>"#,
-                    esc(&name)
-                );
+                let _ = writeln!(s, r#"<text x="{indent}" y="{y:.1}">{}</text>"#, esc(&name));
             }
             _ => {}
         }
@@ -713,7 +709,12 @@ mod tests {
             let records = (0..4)
                 .map(|t| rec(i, t, "b0", 1000, 100 * i as u64))
                 .collect();
-            Report::new(label.to_string(), records, Duration::from_millis(500 + 100 * i as u64), 0)
+            Report::new(
+                label.to_string(),
+                records,
+                Duration::from_millis(500 + 100 * i as u64),
+                0,
+            )
         })
         .collect();
         let svg = svg(&runs, "a title");
@@ -737,7 +738,12 @@ mod tests {
             assert_eq!(rows, runs_named, "{name}: a row per run, no legend");
         }
         assert!(svg.contains("throughput, req/s"));
-        for (g, n) in [("seed", 1), ("seed again", 1), ("long", 1), ("placement", 1)] {
+        for (g, n) in [
+            ("seed", 1),
+            ("seed again", 1),
+            ("long", 1),
+            ("placement", 1),
+        ] {
             assert_eq!(texts.iter().filter(|t| t.2 == g).count(), n, "group {g}");
         }
         // Boxes at 7 px a character (wider than the 6.6 laid out), 12 px high.
@@ -751,7 +757,18 @@ mod tests {
                 assert!(apart, "texts overlap: {a:?} {b:?}\n{svg}");
             }
         }
-        let width: f64 = svg.split("width=\"").nth(1).unwrap().split('"').next().unwrap().parse().unwrap();
-        assert!(boxes.iter().all(|b| b.1 <= width), "nothing falls off the image");
+        let width: f64 = svg
+            .split("width=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            boxes.iter().all(|b| b.1 <= width),
+            "nothing falls off the image"
+        );
     }
 }

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const MAKE_MODEL_PY: &str = include_str!("../scripts/engine/make_model.py");
-const SERVE_PY: &str = include_str!("../scripts/engine/serve.py");
+const MAKE_MODEL_PY: &str = include_str!("../../scripts/engine/make_model.py");
+const SERVE_PY: &str = include_str!("../../scripts/engine/serve.py");
 
 /// The Python that runs the engine: `$AGENT_GATEWAY_ENGINE_PYTHON`, else the
 /// venv `scripts/engine/setup.sh` makes beside the build, else `python3`.
@@ -22,7 +22,8 @@ pub fn default_python() -> PathBuf {
     if let Some(p) = std::env::var_os("AGENT_GATEWAY_ENGINE_PYTHON") {
         return PathBuf::from(p);
     }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/engine-venv/bin/python");
+    // The workspace's root: this crate's parent.
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/engine-venv/bin/python");
     if venv.exists() {
         return venv;
     }

@@ -1,0 +1,10 @@
+//! The tools around the gateway: the simulated vLLM replica (`sim`), the agent
+//! load generator and its reports (`loadgen`), the real llama.cpp engine the
+//! tests and benchmarks start (`engine`), and `agent-gateway demo` (`demo`).
+//! They drive the gateway as a user would, through its binary and its HTTP
+//! interfaces; the gateway's library knows nothing of them.
+
+pub mod demo;
+pub mod engine;
+pub mod loadgen;
+pub mod sim;
