@@ -270,6 +270,9 @@ pub struct OtlpConfig {
     /// The traces URL spans are posted to (OTLP/HTTP protobuf).
     pub traces_url: String,
     pub timeout: Duration,
+    /// Sent with every export: `OTEL_EXPORTER_OTLP_(TRACES_)HEADERS`
+    /// (`key=value,...`, values percent-decoded), a collector's key say.
+    pub headers: Vec<(http::HeaderName, http::HeaderValue)>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -565,6 +568,26 @@ metrics:
             url(&run(file, &base).0).as_deref(),
             Some("http://127.0.0.1:4318/v1/traces"),
             "the file wins"
+        );
+        let keyed = [
+            base[0],
+            (
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "api-key=s%3Dcret, x-team=edge",
+            ),
+        ];
+        let (t, e) = run("{}", &keyed);
+        let headers = &t.otlp.unwrap().headers;
+        assert!(e.is_empty());
+        assert_eq!(headers.len(), 2);
+        assert_eq!(
+            (headers[0].0.as_str(), headers[0].1.to_str().unwrap()),
+            ("api-key", "s=cret")
+        );
+        let bad = [base[0], ("OTEL_EXPORTER_OTLP_HEADERS", "no-equals-sign")];
+        assert_eq!(
+            run("{}", &bad).1,
+            vec!["OTEL_EXPORTER_OTLP_HEADERS".to_string()]
         );
         let disabled = [
             base[0],

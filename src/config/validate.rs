@@ -265,15 +265,64 @@ pub(super) fn validate_telemetry(
             "must be between 1 and 600000",
         ));
     }
+    let header_var = if set("OTEL_EXPORTER_OTLP_TRACES_HEADERS").is_some() {
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS"
+    } else {
+        "OTEL_EXPORTER_OTLP_HEADERS"
+    };
+    let headers = set(header_var)
+        .map(|v| otlp_headers(header_var, &v, errors))
+        .unwrap_or_default();
     TelemetryConfig {
         otlp: url.map(|traces_url| OtlpConfig {
             traces_url,
             timeout: Duration::from_millis(t.otlp.timeout_ms),
+            headers,
         }),
         sample_ratio: t.sample_ratio.clamp(0.0, 1.0),
         max_queued_spans: t.max_queued_spans.clamp(1, 1_000_000),
         service_name: set("OTEL_SERVICE_NAME").unwrap_or_else(|| "agent-gateway".into()),
     }
+}
+
+/// `OTEL_EXPORTER_OTLP_HEADERS`: `key=value` pairs, comma-separated, values
+/// percent-encoded (the OpenTelemetry convention).
+fn otlp_headers(
+    var: &str,
+    v: &str,
+    errors: &mut Vec<ConfigError>,
+) -> Vec<(http::HeaderName, http::HeaderValue)> {
+    let decode = |s: &str| -> Option<String> {
+        let b = s.trim().as_bytes();
+        let mut out = Vec::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            if b[i] == b'%' {
+                let h = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+                out.push(u8::from_str_radix(h, 16).ok()?);
+                i += 3;
+            } else {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+        String::from_utf8(out).ok()
+    };
+    v.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .filter_map(|pair| {
+            let parsed = pair.split_once('=').and_then(|(k, v)| {
+                Some((
+                    http::HeaderName::from_bytes(k.trim().as_bytes()).ok()?,
+                    http::HeaderValue::from_str(&decode(v)?).ok()?,
+                ))
+            });
+            if parsed.is_none() {
+                errors.push(err(var, "must be key=value pairs separated by commas"));
+            }
+            parsed
+        })
+        .collect()
 }
 
 /// A tier's `discovery`: a DNS name with a port, or an SRV name.

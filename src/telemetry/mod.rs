@@ -2,22 +2,19 @@
 //! caller's W3C trace, with the GenAI semantic conventions, exported as
 //! OTLP/HTTP protobuf.
 //!
-//! The request path only stamps ids and, at the end, builds one `SpanData`
-//! and offers it to a bounded queue (never waiting: a full queue drops the
-//! span and counts it). The [`SpanExport`] background service batches the
-//! queue and posts it with the opentelemetry-otlp exporter. The engine gets a
-//! `traceparent` naming the gateway's span as its parent, so its own spans
-//! (vLLM's `--otlp-traces-endpoint`) nest under the gateway's.
+//! The request path stamps ids when a request arrives and, when it ends,
+//! encodes its span (see `otlp.rs`) and offers the bytes to a bounded queue,
+//! never waiting: a full queue drops the span and counts it. The
+//! [`SpanExport`] background service batches the queue and posts it to the
+//! collector. The engine gets a `traceparent` naming the gateway's span as
+//! its parent, so its own spans (vLLM's `--otlp-traces-endpoint`) nest under
+//! the gateway's.
+
+mod otlp;
 
 use crate::config::TelemetryConfig;
-use opentelemetry::trace::{
-    SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState,
-};
-use opentelemetry::{InstrumentationScope, KeyValue};
-use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter as _, SpanLinks};
+use otlp::{span, Pb, Value};
 use prometheus::IntCounter;
-use std::borrow::Cow;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 use tokio::sync::mpsc;
 
@@ -25,14 +22,15 @@ use tokio::sync::mpsc;
 const MAX_BATCH: usize = 512;
 /// How long the first span of a batch waits for others.
 const BATCH_DELAY: Duration = Duration::from_millis(500);
+/// The collector's answer is read up to this much.
+const MAX_COLLECTOR_ANSWER: usize = 1 << 20;
 
 /// The tracer: sampling, the export queue and its counters.
 pub struct Telemetry {
-    tx: mpsc::Sender<SpanData>,
-    rx: parking_lot::Mutex<Option<mpsc::Receiver<SpanData>>>,
+    tx: mpsc::Sender<Vec<u8>>,
+    rx: parking_lot::Mutex<Option<mpsc::Receiver<Vec<u8>>>>,
     /// A new trace is sampled when the low 63 bits of its id fall below this.
-    threshold: AtomicU64,
-    scope: InstrumentationScope,
+    threshold: std::sync::atomic::AtomicU64,
     config: TelemetryConfig,
     exported: IntCounter,
     dropped: IntCounter,
@@ -42,10 +40,10 @@ pub struct Telemetry {
 /// A request's place in its trace, fixed when it arrives.
 #[derive(Debug, Clone)]
 pub struct RequestSpan {
-    trace_id: TraceId,
-    span_id: SpanId,
-    /// The caller's span (`SpanId::INVALID`: the trace starts here).
-    parent: SpanId,
+    trace_id: u128,
+    span_id: u64,
+    /// The caller's span (0: the trace starts here).
+    parent: u64,
     sampled: bool,
     start: SystemTime,
 }
@@ -79,10 +77,7 @@ impl Telemetry {
         Some(Telemetry {
             tx,
             rx: parking_lot::Mutex::new(Some(rx)),
-            threshold: AtomicU64::new(threshold(config.sample_ratio)),
-            scope: InstrumentationScope::builder("agent-gateway")
-                .with_version(env!("CARGO_PKG_VERSION"))
-                .build(),
+            threshold: threshold(config.sample_ratio).into(),
             config: config.clone(),
             exported: spans("exported"),
             dropped: spans("dropped"),
@@ -92,14 +87,15 @@ impl Telemetry {
 
     /// A reload's new sampling ratio (the endpoint needs a restart).
     pub fn set_sample_ratio(&self, ratio: f64) {
-        self.threshold.store(threshold(ratio), Ordering::Relaxed);
+        self.threshold
+            .store(threshold(ratio), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The span of a request with these headers: a child of the caller's
     /// `traceparent` (whose sampled flag it follows), else the root of a new
     /// trace, sampled by `telemetry.sample_ratio`.
     pub fn start(&self, headers: &http::HeaderMap) -> RequestSpan {
-        let span_id = SpanId::from_bytes(nonzero_u64().to_be_bytes());
+        let span_id = nonzero_u64();
         let start = SystemTime::now();
         match parent_of(headers) {
             Some((trace_id, parent, sampled)) => RequestSpan {
@@ -110,83 +106,93 @@ impl Telemetry {
                 start,
             },
             None => {
-                let id = (u128::from(nonzero_u64()) << 64) | u128::from(rand::random::<u64>());
+                let trace_id =
+                    (u128::from(nonzero_u64()) << 64) | u128::from(rand::random::<u64>());
+                let threshold = self.threshold.load(std::sync::atomic::Ordering::Relaxed);
                 RequestSpan {
-                    trace_id: TraceId::from_bytes(id.to_be_bytes()),
+                    trace_id,
                     span_id,
-                    parent: SpanId::INVALID,
-                    sampled: ((id as u64) >> 1) < self.threshold.load(Ordering::Relaxed),
+                    parent: 0,
+                    sampled: ((trace_id as u64) >> 1) < threshold,
                     start,
                 }
             }
         }
     }
 
-    /// End a request's span: a sampled one is queued for export (or dropped
-    /// and counted when the queue is full); the request never waits.
+    /// End a request's span: a sampled one is encoded and queued for export
+    /// (or dropped and counted when the queue is full); the request never
+    /// waits.
     pub fn end(&self, span: &RequestSpan, headers: &http::HeaderMap, f: &Finished<'_>) {
         if !span.sampled {
             return;
         }
         let trace_state = headers
             .get("tracestate")
-            .filter(|_| span.parent != SpanId::INVALID)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<TraceState>().ok())
-            .unwrap_or_default();
-        let data = SpanData {
-            span_context: SpanContext::new(
-                span.trace_id,
-                span.span_id,
-                TraceFlags::SAMPLED,
-                false,
-                trace_state,
-            ),
-            parent_span_id: span.parent,
-            parent_span_is_remote: span.parent != SpanId::INVALID,
-            span_kind: SpanKind::Server,
-            name: Cow::Owned(span_name(f)),
-            start_time: span.start,
-            end_time: SystemTime::now(),
-            attributes: attributes(f),
-            dropped_attributes_count: 0,
-            events: SpanEvents::default(),
-            links: SpanLinks::default(),
-            status: if f.status >= 500 || f.status == 0 {
-                Status::error(f.error_code.unwrap_or("no answer").to_string())
-            } else {
-                Status::Unset
-            },
-            instrumentation_scope: self.scope.clone(),
-        };
-        if self.tx.try_send(data).is_err() {
+            .filter(|_| span.parent != 0)
+            .and_then(|v| v.to_str().ok());
+        if self.tx.try_send(encode(span, trace_state, f)).is_err() {
             self.dropped.inc();
         }
     }
 
-    fn exporter(&self) -> Result<opentelemetry_otlp::SpanExporter, String> {
-        use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
-        let otlp = self.config.otlp.as_ref().ok_or("no OTLP endpoint")?;
-        let mut exporter = opentelemetry_otlp::SpanExporter::builder()
-            .with_http()
-            .with_http_client(OtlpClient {
-                client: reqwest::Client::builder()
-                    .timeout(otlp.timeout)
-                    .pool_max_idle_per_host(1)
-                    .build()
-                    .map_err(|e| e.to_string())?,
-            })
-            .with_endpoint(otlp.traces_url.clone())
-            .with_protocol(Protocol::HttpBinary)
-            .with_timeout(otlp.timeout)
-            .build()
-            .map_err(|e| e.to_string())?;
-        exporter.set_resource(
-            &opentelemetry_sdk::Resource::builder()
-                .with_service_name(self.config.service_name.clone())
-                .build(),
+    /// Post one batch; count its spans exported or failed.
+    async fn export(&self, client: &reqwest::Client, spans: &[Vec<u8>]) {
+        let Some(otlp) = &self.config.otlp else {
+            return;
+        };
+        let n = spans.len() as u64;
+        let body = otlp::export_request(
+            &[
+                ("service.name", &self.config.service_name),
+                ("service.version", env!("CARGO_PKG_VERSION")),
+                ("telemetry.sdk.name", "agent-gateway"),
+                ("telemetry.sdk.language", "rust"),
+            ],
+            ("agent-gateway", env!("CARGO_PKG_VERSION")),
+            spans,
         );
-        Ok(exporter)
+        let mut req = client
+            .post(&otlp.traces_url)
+            .header(http::header::CONTENT_TYPE, "application/x-protobuf")
+            .body(body);
+        for (k, v) in &otlp.headers {
+            req = req.header(k, v);
+        }
+        let outcome = async {
+            let mut resp = req.send().await.map_err(|e| e.to_string())?;
+            let status = resp.status();
+            // Read (a bounded part of) the answer so the connection is reused.
+            let mut read = 0;
+            while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+                read += chunk.len();
+                if read > MAX_COLLECTOR_ANSWER {
+                    break;
+                }
+            }
+            if status.is_success() {
+                Ok(())
+            } else {
+                Err(format!("the collector answered {status}"))
+            }
+        };
+        match tokio::time::timeout(otlp.timeout, outcome).await {
+            Ok(Ok(())) => self.exported.inc_by(n),
+            Ok(Err(e)) => {
+                self.failed.inc_by(n);
+                log::warn!(
+                    "telemetry: exporting {n} spans to {} failed: {e}",
+                    otlp.traces_url
+                );
+            }
+            Err(_) => {
+                self.failed.inc_by(n);
+                log::warn!(
+                    "telemetry: exporting {n} spans to {} timed out",
+                    otlp.traces_url
+                );
+            }
+        }
     }
 }
 
@@ -194,18 +200,19 @@ impl RequestSpan {
     /// The `traceparent` the backend gets: this trace, the gateway's span
     /// as the parent, this request's sampling decision.
     pub fn traceparent(&self) -> http::HeaderValue {
-        let v = format!(
-            "00-{}-{}-{:02x}",
-            self.trace_id,
-            self.span_id,
-            u8::from(self.sampled)
-        );
-        http::HeaderValue::from_str(&v).expect("hex digits and dashes are a valid header value")
+        let mut v = [0u8; 55];
+        v[..3].copy_from_slice(b"00-");
+        hex(&self.trace_id.to_be_bytes(), &mut v[3..35]);
+        v[35] = b'-';
+        hex(&self.span_id.to_be_bytes(), &mut v[36..52]);
+        v[52..54].copy_from_slice(b"-0");
+        v[54] = if self.sampled { b'1' } else { b'0' };
+        http::HeaderValue::from_bytes(&v).expect("hex digits and dashes are a valid header value")
     }
 
     /// The trace's id, 32 hex digits.
     pub fn trace_id(&self) -> String {
-        self.trace_id.to_string()
+        format!("{:032x}", self.trace_id)
     }
 
     pub fn sampled(&self) -> bool {
@@ -213,9 +220,17 @@ impl RequestSpan {
     }
 }
 
+fn hex(bytes: &[u8], out: &mut [u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for (i, b) in bytes.iter().enumerate() {
+        out[2 * i] = DIGITS[usize::from(b >> 4)];
+        out[2 * i + 1] = DIGITS[usize::from(b & 0xf)];
+    }
+}
+
 /// The caller's W3C `traceparent`: trace id, parent span id, sampled. One
 /// that is absent, repeated or malformed starts a new trace (W3C §3.2).
-fn parent_of(headers: &http::HeaderMap) -> Option<(TraceId, SpanId, bool)> {
+fn parent_of(headers: &http::HeaderMap) -> Option<(u128, u64, bool)> {
     let mut all = headers.get_all("traceparent").iter();
     let v = all.next()?.as_bytes();
     if all.next().is_some() {
@@ -250,11 +265,7 @@ fn parent_of(headers: &http::HeaderMap) -> Option<(TraceId, SpanId, bool)> {
     if trace == 0 || parent == 0 {
         return None;
     }
-    Some((
-        TraceId::from_bytes(trace.to_be_bytes()),
-        SpanId::from_bytes(parent.to_be_bytes()),
-        flags & 1 == 1,
-    ))
+    Some((trace, parent, flags & 1 == 1))
 }
 
 fn threshold(ratio: f64) -> u64 {
@@ -268,6 +279,11 @@ fn nonzero_u64() -> u64 {
             return v;
         }
     }
+}
+
+fn unix_nanos(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// `gen_ai.operation.name` and `gen_ai.provider.name` of an API path.
@@ -288,73 +304,97 @@ fn operation(path: &str) -> Option<(&'static str, &'static str)> {
     )
 }
 
-/// GenAI convention: `{gen_ai.operation.name} {gen_ai.request.model}`;
-/// other requests: `{method} {path}`.
-fn span_name(f: &Finished<'_>) -> String {
-    match (operation(f.path), f.model) {
-        (Some((op, _)), Some(model)) => format!("{op} {model}"),
-        (Some((op, _)), None) => op.to_string(),
-        (None, _) => format!("{} {}", f.method, f.path),
+/// The bytes of the request's `Span` message. Named by the GenAI
+/// convention, `{gen_ai.operation.name} {gen_ai.request.model}`; other
+/// requests `{method} {path}`.
+fn encode(s: &RequestSpan, trace_state: Option<&str>, f: &Finished<'_>) -> Vec<u8> {
+    let mut pb = Pb::with_capacity(768);
+    pb.bytes(span::TRACE_ID, &s.trace_id.to_be_bytes());
+    pb.bytes(span::SPAN_ID, &s.span_id.to_be_bytes());
+    if let Some(ts) = trace_state {
+        pb.string(span::TRACE_STATE, ts);
     }
-}
-
-fn attributes(f: &Finished<'_>) -> Vec<KeyValue> {
-    let mut a = Vec::with_capacity(20);
-    if let Some((op, provider)) = operation(f.path) {
-        a.push(KeyValue::new("gen_ai.operation.name", op));
-        a.push(KeyValue::new("gen_ai.provider.name", provider));
+    if s.parent != 0 {
+        pb.bytes(span::PARENT_SPAN_ID, &s.parent.to_be_bytes());
+    }
+    let op = operation(f.path);
+    match (op, f.model) {
+        (Some((op, _)), Some(model)) => pb.string_of(span::NAME, &[op, " ", model]),
+        (Some((op, _)), None) => pb.string(span::NAME, op),
+        (None, _) => pb.string_of(span::NAME, &[f.method, " ", f.path]),
+    }
+    pb.uint(span::KIND, span::KIND_SERVER);
+    pb.fixed64(span::START, unix_nanos(s.start));
+    pb.fixed64(span::END, unix_nanos(SystemTime::now()));
+    let mut attr = |key: &str, v: Value<'_>| pb.attr(span::ATTRIBUTES, key, v);
+    if let Some((op, provider)) = op {
+        attr("gen_ai.operation.name", Value::Str(op));
+        attr("gen_ai.provider.name", Value::Str(provider));
     }
     if let Some(model) = f.model {
-        a.push(KeyValue::new("gen_ai.request.model", model.to_string()));
+        attr("gen_ai.request.model", Value::Str(model));
     }
     if let Some((input, output, cached)) = f.usage {
-        a.push(KeyValue::new("gen_ai.usage.input_tokens", input as i64));
-        a.push(KeyValue::new("gen_ai.usage.output_tokens", output as i64));
+        attr("gen_ai.usage.input_tokens", Value::Int(input as i64));
+        attr("gen_ai.usage.output_tokens", Value::Int(output as i64));
         if let Some(cached) = cached {
-            a.push(KeyValue::new(
+            attr(
                 "gen_ai.usage.cache_read.input_tokens",
-                cached as i64,
-            ));
+                Value::Int(cached as i64),
+            );
         }
     }
-    a.push(KeyValue::new("http.request.method", f.method.to_string()));
-    a.push(KeyValue::new("url.path", f.path.to_string()));
+    attr("http.request.method", Value::Str(f.method));
+    attr("url.path", Value::Str(f.path));
     if f.status != 0 {
-        a.push(KeyValue::new(
-            "http.response.status_code",
-            i64::from(f.status),
-        ));
+        attr("http.response.status_code", Value::Int(i64::from(f.status)));
     }
-    if f.status >= 500 || f.status == 0 {
-        let kind = f
-            .error_code
-            .map_or_else(|| f.status.to_string(), str::to_string);
-        a.push(KeyValue::new("error.type", kind));
+    let failed = f.status >= 500 || f.status == 0;
+    let status_text;
+    let error = match f.error_code {
+        Some(code) => code,
+        None if f.status == 0 => "no answer",
+        None => {
+            status_text = f.status.to_string();
+            &status_text
+        }
+    };
+    if failed {
+        attr("error.type", Value::Str(error));
     }
-    a.push(KeyValue::new(
-        "agent_gateway.request_id",
-        f.request_id.to_string(),
-    ));
+    attr("agent_gateway.request_id", Value::Str(f.request_id));
     if let Some(tier) = f.tier {
-        a.push(KeyValue::new("agent_gateway.tier", tier.to_string()));
+        attr("agent_gateway.tier", Value::Str(tier));
     }
     if let Some((id, addr)) = f.backend {
-        a.push(KeyValue::new("server.address", addr.ip().to_string()));
-        a.push(KeyValue::new("server.port", i64::from(addr.port())));
-        a.push(KeyValue::new("agent_gateway.backend", id.to_string()));
-        a.push(KeyValue::new("agent_gateway.affinity_hit", f.affinity_hit));
-        a.push(KeyValue::new(
+        attr("server.address", Value::Str(&addr.ip().to_string()));
+        attr("server.port", Value::Int(i64::from(addr.port())));
+        attr("agent_gateway.backend", Value::Str(id));
+        attr("agent_gateway.affinity_hit", Value::Bool(f.affinity_hit));
+        attr(
             "agent_gateway.queue_wait_ms",
-            f.queue_wait.as_secs_f64() * 1000.0,
-        ));
+            Value::Double(f.queue_wait.as_secs_f64() * 1000.0),
+        );
     }
     if let Some(reason) = f.reason {
-        a.push(KeyValue::new("agent_gateway.reason", reason.to_string()));
+        attr("agent_gateway.reason", Value::Str(reason));
     }
     if let Some(session) = f.session {
-        a.push(KeyValue::new("agent_gateway.session", session.to_string()));
+        attr("agent_gateway.session", Value::Str(session));
     }
-    a
+    if failed {
+        pb.message(span::STATUS, |st| {
+            st.string(span::STATUS_MESSAGE, error);
+            st.uint(span::STATUS_CODE, span::STATUS_ERROR);
+        });
+    }
+    let remote = if s.parent != 0 {
+        span::FLAGS_IS_REMOTE
+    } else {
+        0
+    };
+    pb.fixed32(span::FLAGS, 1 | span::FLAGS_HAS_IS_REMOTE | remote);
+    pb.buf
 }
 
 /// Batches finished spans and posts them to the collector.
@@ -367,20 +407,21 @@ impl pingora_core::services::background::BackgroundService for SpanExport {
         let Some(mut rx) = t.rx.lock().take() else {
             return;
         };
-        let exporter = match t.exporter() {
-            Ok(e) => e,
+        let client = match reqwest::Client::builder().pool_max_idle_per_host(1).build() {
+            Ok(c) => c,
             Err(e) => {
-                log::error!("telemetry: no OTLP exporter, spans are dropped: {e}");
+                log::error!("telemetry: no HTTP client, spans are dropped: {e}");
                 return;
             }
         };
+        let mut batch = Vec::with_capacity(MAX_BATCH);
         loop {
             let first = tokio::select! {
                 s = rx.recv() => s,
                 _ = shutdown.changed() => None,
             };
             let Some(first) = first else { break };
-            let mut batch = vec![first];
+            batch.push(first);
             let deadline = tokio::time::Instant::now() + BATCH_DELAY;
             while batch.len() < MAX_BATCH {
                 tokio::select! {
@@ -391,70 +432,20 @@ impl pingora_core::services::background::BackgroundService for SpanExport {
                     _ = tokio::time::sleep_until(deadline) => break,
                 }
             }
-            t.export(&exporter, batch).await;
+            t.export(&client, &batch).await;
+            batch.clear();
         }
         // Shutting down: what is queued goes out in one last round.
-        let mut batch = Vec::new();
         while let Ok(s) = rx.try_recv() {
             batch.push(s);
             if batch.len() == MAX_BATCH {
-                t.export(&exporter, std::mem::take(&mut batch)).await;
+                t.export(&client, &batch).await;
+                batch.clear();
             }
         }
         if !batch.is_empty() {
-            t.export(&exporter, batch).await;
+            t.export(&client, &batch).await;
         }
-    }
-}
-
-impl Telemetry {
-    async fn export(&self, exporter: &opentelemetry_otlp::SpanExporter, batch: Vec<SpanData>) {
-        let n = batch.len() as u64;
-        match exporter.export(batch).await {
-            Ok(()) => self.exported.inc_by(n),
-            Err(e) => {
-                self.failed.inc_by(n);
-                log::warn!("telemetry: exporting {n} spans failed: {e}");
-            }
-        }
-    }
-}
-
-/// The exporter's HTTP client: the gateway's own reqwest, bounded by the
-/// export timeout (the collector's answer is read whole, capped).
-#[derive(Debug)]
-struct OtlpClient {
-    client: reqwest::Client,
-}
-
-const MAX_COLLECTOR_ANSWER: usize = 1 << 20;
-
-#[async_trait::async_trait]
-impl opentelemetry_http::HttpClient for OtlpClient {
-    async fn send_bytes(
-        &self,
-        request: http::Request<bytes::Bytes>,
-    ) -> Result<http::Response<bytes::Bytes>, opentelemetry_http::HttpError> {
-        let (parts, body) = request.into_parts();
-        let mut resp = self
-            .client
-            .request(parts.method, parts.uri.to_string())
-            .headers(parts.headers)
-            .body(body)
-            .send()
-            .await?;
-        let mut answer = http::Response::builder().status(resp.status());
-        if let Some(h) = answer.headers_mut() {
-            *h = std::mem::take(resp.headers_mut());
-        }
-        let mut body = Vec::new();
-        while let Some(chunk) = resp.chunk().await? {
-            if body.len() + chunk.len() > MAX_COLLECTOR_ANSWER {
-                return Err("the collector's answer is over 1 MiB".into());
-            }
-            body.extend_from_slice(&chunk);
-        }
-        Ok(answer.body(bytes::Bytes::from(body))?)
     }
 }
 
@@ -474,8 +465,8 @@ mod tests {
     fn a_callers_traceparent_is_the_parent_and_its_sampled_flag_is_followed() {
         let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         let (trace, parent, sampled) = parent_of(&headers(&[tp])).unwrap();
-        assert_eq!(trace.to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
-        assert_eq!(parent.to_string(), "00f067aa0ba902b7");
+        assert_eq!(format!("{trace:032x}"), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(format!("{parent:016x}"), "00f067aa0ba902b7");
         assert!(sampled);
         let off = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
         assert!(!parent_of(&headers(&[off])).unwrap().2);
@@ -507,6 +498,7 @@ mod tests {
             otlp: Some(crate::config::OtlpConfig {
                 traces_url: "http://127.0.0.1:1/v1/traces".into(),
                 timeout: Duration::from_secs(1),
+                headers: Vec::new(),
             }),
             sample_ratio: ratio,
             max_queued_spans: 2,
@@ -568,6 +560,5 @@ mod tests {
             t.end(&span, &http::HeaderMap::new(), &f);
         }
         assert_eq!(t.dropped.get(), 3, "a queue of 2 holds 2 of 5");
-        assert_eq!(span_name(&f), "chat m");
     }
 }
