@@ -36,6 +36,12 @@ fn varint_into(mut v: u64, out: &mut [u8; 10]) -> usize {
     n + 1
 }
 
+/// Bytes `v` takes as a varint.
+#[inline]
+fn varint_len(v: u64) -> usize {
+    (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
+}
+
 impl Pb {
     pub fn with_capacity(n: usize) -> Pb {
         Pb {
@@ -43,12 +49,18 @@ impl Pb {
         }
     }
 
+    #[inline]
     fn varint(&mut self, v: u64) {
+        if v < 0x80 {
+            self.buf.push(v as u8);
+            return;
+        }
         let mut b = [0; 10];
         let n = varint_into(v, &mut b);
         self.buf.extend_from_slice(&b[..n]);
     }
 
+    #[inline]
     fn key(&mut self, field: u32, wire: u8) {
         self.varint((u64::from(field) << 3) | u64::from(wire));
     }
@@ -102,17 +114,28 @@ impl Pb {
         self.buf.truncate(self.buf.len() - (LEN_ROOM - n));
     }
 
-    /// A `KeyValue` (common.proto) in repeated field `field`.
+    /// A `KeyValue` (common.proto) in repeated field `field`. Its sizes are
+    /// known before it is written (the one message a span has many of).
     pub fn attr(&mut self, field: u32, key: &str, value: Value<'_>) {
-        self.message(field, |kv| {
-            kv.string(1, key);
-            kv.message(2, |any| match value {
-                Value::Str(s) => any.string(1, s),
-                Value::Bool(b) => any.uint(2, u64::from(b)),
-                Value::Int(i) => any.uint(3, i as u64),
-                Value::Double(d) => any.fixed64(4, d.to_bits()),
-            });
-        });
+        // Each field key here is one byte (fields 1-15).
+        let any = match value {
+            Value::Str(s) => 1 + varint_len(s.len() as u64) + s.len(),
+            Value::Bool(_) => 2,
+            Value::Int(i) => 1 + varint_len(i as u64),
+            Value::Double(_) => 9,
+        };
+        let kv = 1 + varint_len(key.len() as u64) + key.len() + 1 + varint_len(any as u64) + any;
+        self.key(field, LEN);
+        self.varint(kv as u64);
+        self.string(1, key);
+        self.key(2, LEN);
+        self.varint(any as u64);
+        match value {
+            Value::Str(s) => self.string(1, s),
+            Value::Bool(b) => self.uint(2, u64::from(b)),
+            Value::Int(i) => self.uint(3, i as u64),
+            Value::Double(d) => self.fixed64(4, d.to_bits()),
+        }
     }
 }
 
@@ -200,6 +223,44 @@ mod tests {
         // A 303-byte body: a two-byte length (0xaf 0x02).
         assert_eq!(&pb.buf[..3], &[0x0a, 0xaf, 0x02]);
         assert_eq!(pb.buf.len(), 3 + 303);
+    }
+
+    #[test]
+    fn an_attribute_written_with_its_sizes_known_is_the_nested_messages_bytes() {
+        let long = "v".repeat(200);
+        for v in [
+            Value::Str("qwen3-8b"),
+            Value::Str(&long),
+            Value::Bool(true),
+            Value::Int(0),
+            Value::Int(300),
+            Value::Int(-1),
+            Value::Double(1.5),
+        ] {
+            let mut direct = Pb::default();
+            direct.attr(9, "gen_ai.request.model", v);
+            let mut nested = Pb::default();
+            nested.message(9, |kv| {
+                kv.string(1, "gen_ai.request.model");
+                kv.message(2, |any| match v {
+                    Value::Str(s) => any.string(1, s),
+                    Value::Bool(b) => any.uint(2, u64::from(b)),
+                    Value::Int(i) => any.uint(3, i as u64),
+                    Value::Double(d) => any.fixed64(4, d.to_bits()),
+                });
+            });
+            assert_eq!(direct.buf, nested.buf, "{v:?}");
+        }
+        for (v, n) in [
+            (0, 1),
+            (127, 1),
+            (128, 2),
+            (16_383, 2),
+            (16_384, 3),
+            (u64::MAX, 10),
+        ] {
+            assert_eq!(varint_len(v), n, "{v}");
+        }
     }
 
     #[test]
