@@ -511,3 +511,45 @@ async fn a_request_id_is_echoed_or_made_and_goes_upstream() {
     assert_eq!(r.status, 400);
     assert_eq!(r.headers["x-request-id"], "req-bad");
 }
+
+#[tokio::test]
+async fn pingoras_error_lines_name_the_request_id() {
+    let mut sim = SimBackend::start("vllm-0", &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let (port, mport) = (free_port(), free_port_pair());
+    // Health checks that never notice: the request meets the dead backend.
+    let yaml = config_yaml(
+        port,
+        mport,
+        dir.path(),
+        &[tier("default", true, &[], &[&sim])],
+        &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(600)),
+    );
+    let log_path = dir.path().join("gateway.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let gw = Gateway::start_yaml_logging_to(
+        tempfile::tempdir().unwrap(),
+        port,
+        mport,
+        &yaml,
+        std::process::Stdio::from(log),
+    )
+    .await;
+    sim.kill();
+    let r = chat(
+        &client(),
+        &gw,
+        &[("x-request-id", "req-in-the-log")],
+        &chat_body("m", 0),
+    )
+    .await;
+    assert_eq!(r.status, 502);
+    assert_eq!(r.headers["x-request-id"], "req-in-the-log");
+    drop(gw);
+    let text = std::fs::read_to_string(&log_path).unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l.contains("Fail to proxy") && l.contains("request id req-in-the-log")),
+        "{text}"
+    );
+}

@@ -363,6 +363,16 @@ impl GatewayProxy {
 impl ProxyHttp for GatewayProxy {
     type CTX = RequestCtx;
 
+    /// What Pingora's own error lines say about a request ("Fail to
+    /// proxy: …"): its summary and its `x-request-id`.
+    fn request_summary(&self, session: &Session, ctx: &RequestCtx) -> String {
+        let summary = session.as_ref().request_summary();
+        match ctx.request_id.as_ref().and_then(|v| v.to_str().ok()) {
+            Some(id) => format!("{summary}, request id {id}"),
+            None => summary,
+        }
+    }
+
     fn new_ctx(&self) -> RequestCtx {
         RequestCtx {
             start: Instant::now(),
