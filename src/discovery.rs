@@ -141,24 +141,14 @@ impl ServiceDiscovery for DnsDiscovery {
     }
 }
 
-/// What one refresh of a tier found.
-enum Answer {
-    Backends(Vec<BackendConfig>),
-    Empty,
-    Failed(String),
-}
-
-/// Ask `d` for `tier`'s backends, as the tier would configure them.
-async fn ask(d: &DnsDiscovery, tier: &TierConfig) -> Answer {
-    match d.discover().await {
-        Err(e) => Answer::Failed(e.to_string()),
-        Ok((set, _)) if set.is_empty() => Answer::Empty,
-        Ok((set, _)) => Answer::Backends(
-            set.iter()
-                .filter_map(|b| Some(tier.discovered_backend(*b.addr.as_inet()?, b.weight as u32)))
-                .collect(),
-        ),
-    }
+/// Ask `d` for `tier`'s backends, as the tier would configure them (an
+/// empty list: the name has no addresses).
+async fn ask(d: &DnsDiscovery, tier: &TierConfig) -> Result<Vec<BackendConfig>, String> {
+    let (set, _) = d.discover().await.map_err(|e| e.to_string())?;
+    Ok(set
+        .iter()
+        .filter_map(|b| Some(tier.discovered_backend(*b.addr.as_inet()?, b.weight as u32)))
+        .collect())
 }
 
 /// Before the gateway serves: each discovering tier's first answer, so its
@@ -182,15 +172,15 @@ pub fn first_answers(config: &mut Config) {
                     let Some(d) = &t.discovery else { continue };
                     let dns = DnsDiscovery::new(Arc::clone(&resolver), d.target.clone());
                     match ask(&dns, t).await {
-                        Answer::Backends(b) => {
-                            found.insert(t.name.clone(), b);
-                        }
-                        Answer::Empty => log::warn!(
+                        Ok(b) if b.is_empty() => log::warn!(
                             "tier {}: {} has no addresses yet; the tier starts empty",
                             t.name,
                             d.name()
                         ),
-                        Answer::Failed(e) => log::warn!(
+                        Ok(b) => {
+                            found.insert(t.name.clone(), b);
+                        }
+                        Err(e) => log::warn!(
                             "tier {}: discovery failed ({e}); the tier starts empty",
                             t.name
                         ),
@@ -253,13 +243,13 @@ impl pingora_core::services::background::BackgroundService for Discovery {
                     async move {
                         match resolver {
                             Ok(r) => ask(&DnsDiscovery::new(r, d.target.clone()), t).await,
-                            Err(e) => Answer::Failed(e),
+                            Err(e) => Err(e),
                         }
                     }
                 }))
                 .await;
                 for ((t, d), answer) in asked.iter().zip(answers) {
-                    gw.discovered(&t.name, d.name(), answer_parts(answer));
+                    gw.discovered(&t.name, d.name(), answer);
                     due.insert(t.name.clone(), Instant::now() + d.refresh);
                 }
             }
@@ -274,13 +264,5 @@ impl pingora_core::services::background::BackgroundService for Discovery {
                 _ = tokio::time::sleep(next) => {}
             }
         }
-    }
-}
-
-fn answer_parts(a: Answer) -> Result<Vec<BackendConfig>, String> {
-    match a {
-        Answer::Backends(b) => Ok(b),
-        Answer::Empty => Ok(Vec::new()),
-        Answer::Failed(e) => Err(e),
     }
 }

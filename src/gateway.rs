@@ -281,23 +281,7 @@ impl Gateway {
         let m = &self.metrics;
         let stale = m.discovery_stale.with_label_values(&[tier]);
         let result = match answer {
-            Err(e) => {
-                if stale.get() == 0 {
-                    log::warn!("tier {tier}: looking up {name} failed ({e}); keeping its last good backends");
-                }
-                stale.set(1);
-                "failed"
-            }
-            Ok(b) if b.is_empty() => {
-                if stale.get() == 0 {
-                    log::warn!(
-                        "tier {tier}: {name} has no addresses; keeping its last good backends"
-                    );
-                }
-                stale.set(1);
-                "empty"
-            }
-            Ok(backends) => {
+            Ok(backends) if !backends.is_empty() => {
                 stale.set(0);
                 m.discovery_backends
                     .with_label_values(&[tier])
@@ -320,6 +304,17 @@ impl Gateway {
                     }
                     "changed"
                 }
+            }
+            kept => {
+                let (result, why) = match kept {
+                    Err(e) => ("failed", format!("looking up {name} failed ({e})")),
+                    Ok(_) => ("empty", format!("{name} has no addresses")),
+                };
+                if stale.get() == 0 {
+                    log::warn!("tier {tier}: {why}; keeping its last good backends");
+                }
+                stale.set(1);
+                result
             }
         };
         m.discovery_refreshes

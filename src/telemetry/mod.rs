@@ -246,7 +246,7 @@ fn parent_of(headers: &http::HeaderMap) -> Option<(u128, u64, bool)> {
     {
         return None;
     }
-    let hex = |b: &[u8]| -> Option<u128> {
+    let number = |b: &[u8]| -> Option<u128> {
         if b.iter()
             .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
         {
@@ -255,13 +255,13 @@ fn parent_of(headers: &http::HeaderMap) -> Option<(u128, u64, bool)> {
             None
         }
     };
-    let version = hex(&v[..2])?;
+    let version = number(&v[..2])?;
     if version == 0xff || (version == 0 && v.len() != 55) {
         return None;
     }
-    let trace = hex(&v[3..35])?;
-    let parent = hex(&v[36..52])? as u64;
-    let flags = hex(&v[53..55])? as u8;
+    let trace = number(&v[3..35])?;
+    let parent = number(&v[36..52])? as u64;
+    let flags = number(&v[53..55])? as u8;
     if trace == 0 || parent == 0 {
         return None;
     }
