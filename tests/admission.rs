@@ -305,14 +305,7 @@ async fn client_keys_give_401_and_429_per_limit_and_reload_with_sighup() {
             keys.display()
         ),
     );
-    let gw = Gateway::start_yaml_logging_to(
-        gw_dir,
-        port,
-        metrics_port,
-        &yaml,
-        std::fs::File::create(&log).unwrap().into(),
-    )
-    .await;
+    let gw = Gateway::start_yaml_logging_to_file(gw_dir, port, metrics_port, &yaml, &log).await;
     let c = client();
     let body = chat_body("qwen3-8b", 0);
     // No key, a wrong key: 401.

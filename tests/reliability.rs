@@ -211,13 +211,12 @@ async fn a_fleet_failing_every_request_does_not_flood_the_log() {
         &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(1800)),
     );
     let log_path = dir.path().join("gateway.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let gw = Gateway::start_yaml_logging_to(
+    let gw = Gateway::start_yaml_logging_to_file(
         tempfile::tempdir().unwrap(),
         port,
         mport,
         &yaml,
-        std::process::Stdio::from(log),
+        &log_path,
     )
     .await;
     for s in sims.iter_mut() {

@@ -526,13 +526,12 @@ async fn pingoras_error_lines_name_the_request_id() {
         &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(600)),
     );
     let log_path = dir.path().join("gateway.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let gw = Gateway::start_yaml_logging_to(
+    let gw = Gateway::start_yaml_logging_to_file(
         tempfile::tempdir().unwrap(),
         port,
         mport,
         &yaml,
-        std::process::Stdio::from(log),
+        &log_path,
     )
     .await;
     sim.kill();

@@ -92,14 +92,13 @@ async fn soak_with_flapping_backends_and_hostile_clients() {
         1,
     );
     let log_path = dir.path().join("gateway.log");
-    let log = std::fs::File::create(&log_path).unwrap();
     let gw = Arc::new(
-        Gateway::start_yaml_logging_to(
+        Gateway::start_yaml_logging_to_file(
             tempfile::tempdir().unwrap(),
             port,
             mport,
             &yaml,
-            std::process::Stdio::from(log),
+            &log_path,
         )
         .await,
     );

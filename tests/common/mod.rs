@@ -281,6 +281,19 @@ impl Gateway {
         Self::start_yaml_logging_to(dir, port, metrics_port, yaml, Stdio::inherit()).await
     }
 
+    /// Like [`Gateway::start_yaml`], with the gateway's log written to the
+    /// file `log` (made anew), for a test that reads what it logged.
+    pub async fn start_yaml_logging_to_file(
+        dir: tempfile::TempDir,
+        port: u16,
+        metrics_port: u16,
+        yaml: &str,
+        log: &std::path::Path,
+    ) -> Gateway {
+        let file = std::fs::File::create(log).expect("create the gateway's log file");
+        Self::start_yaml_logging_to(dir, port, metrics_port, yaml, Stdio::from(file)).await
+    }
+
     /// Like [`Gateway::start_yaml`], with the gateway's stderr (its log) sent to `stderr`.
     pub async fn start_yaml_logging_to(
         dir: tempfile::TempDir,
