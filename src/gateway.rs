@@ -157,6 +157,13 @@ impl Gateway {
             }
         });
         let telemetry = crate::telemetry::Telemetry::new(&config.telemetry, &metrics).map(Arc::new);
+        // Discovering tiers start with their first answer (`discovery::first_answers`).
+        for t in config.tiers.iter().filter(|t| t.discovery.is_some()) {
+            metrics
+                .discovery_backends
+                .with_label_values(&[&t.name])
+                .set(t.backends.len() as i64);
+        }
         configure_affinity(&affinity, &config);
         let store = match config.affinity.store.kind {
             crate::affinity::store::StoreKind::Local => None,

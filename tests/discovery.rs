@@ -24,53 +24,59 @@ impl Dns {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("hosts");
         std::fs::write(&file, hosts).unwrap();
-        let port = free_udp_port();
-        let mut cmd = Command::new(dnsmasq());
-        cmd.args([
-            "--keep-in-foreground",
-            "--conf-file=/dev/null",
-            "--no-resolv",
-            "--no-hosts",
-            "--bind-interfaces",
-            "--listen-address=127.0.0.1",
-            "--local-ttl=0",
-            "--cache-size=0",
-        ])
-        .arg(format!("--port={port}"))
-        .arg(format!("--addn-hosts={}", file.display()))
-        .arg(format!("--pid-file={}", dir.path().join("pid").display()));
-        // As root it would read its files as `nobody`, who cannot enter the
-        // test's private directory.
-        if unsafe { libc::geteuid() } == 0 {
-            cmd.arg("--user=root");
+        // dnsmasq takes its port for both UDP and TCP; one a parallel test
+        // took meanwhile makes it exit: start it again on another.
+        for _ in 0..20 {
+            let port = free_dns_port();
+            let mut cmd = Command::new(dnsmasq());
+            cmd.args([
+                "--keep-in-foreground",
+                "--conf-file=/dev/null",
+                "--no-resolv",
+                "--no-hosts",
+                "--bind-interfaces",
+                "--listen-address=127.0.0.1",
+                "--local-ttl=0",
+                "--cache-size=0",
+            ])
+            .arg(format!("--port={port}"))
+            .arg(format!("--addn-hosts={}", file.display()))
+            .arg(format!("--pid-file={}", dir.path().join("pid").display()));
+            // As root it would read its files as `nobody`, who cannot enter the
+            // test's private directory.
+            if unsafe { libc::geteuid() } == 0 {
+                cmd.arg("--user=root");
+            }
+            for s in srv {
+                cmd.arg(format!("--srv-host={s}"));
+            }
+            let mut child = cmd
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("dnsmasq (run scripts/setup.sh)");
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            let answering = loop {
+                if answers(port) {
+                    break true;
+                }
+                if child.try_wait().unwrap().is_some() || std::time::Instant::now() > deadline {
+                    break false;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            };
+            if answering {
+                return Dns {
+                    port,
+                    hosts: file,
+                    child,
+                    _dir: dir,
+                };
+            }
+            let _ = child.kill();
+            let _ = child.wait();
         }
-        for s in srv {
-            cmd.arg(format!("--srv-host={s}"));
-        }
-        let child = cmd
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("dnsmasq (run scripts/setup.sh)");
-        let dns = Dns {
-            port,
-            hosts: file,
-            child,
-            _dir: dir,
-        };
-        wait_until("dnsmasq to answer", || async { dns.answers() }).await;
-        dns
-    }
-
-    /// Whether it answers a query (for any name) on its port.
-    fn answers(&self) -> bool {
-        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-        s.set_read_timeout(Some(std::time::Duration::from_millis(200)))
-            .unwrap();
-        // A query for `x.` type A, class IN.
-        let q = [
-            0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, b'x', 0, 0, 1, 0, 1,
-        ];
-        s.send_to(&q, ("127.0.0.1", self.port)).is_ok() && s.recv(&mut [0u8; 512]).is_ok()
+        panic!("dnsmasq never answered");
     }
 
     /// A new record set, as an operator's change would make it.
@@ -94,12 +100,27 @@ fn dnsmasq() -> &'static str {
         .unwrap_or("dnsmasq")
 }
 
-fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// A port free for both UDP and TCP on 127.0.0.1 (dnsmasq takes both).
+fn free_dns_port() -> u16 {
+    loop {
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = udp.local_addr().unwrap().port();
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// Whether a DNS server answers a query (for any name) on `port`.
+fn answers(port: u16) -> bool {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_millis(200)))
+        .unwrap();
+    // A query for `x.` type A, class IN.
+    let q = [
+        0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, b'x', 0, 0, 1, 0, 1,
+    ];
+    s.send_to(&q, ("127.0.0.1", port)).is_ok() && s.recv(&mut [0u8; 512]).is_ok()
 }
 
 /// A port free on each of these loopback addresses.
