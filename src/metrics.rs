@@ -48,6 +48,7 @@ pub struct Metrics {
     pub store_latency: HistogramVec,
     pub store_unsynced_dropped: IntCounter,
     pub tenant_limits_local: IntCounter,
+    pub websockets: IntCounter,
     pub store_reseeds: IntCounter,
     pub store_up: IntGaugeVec,
     pub prefix_index_entries: IntGaugeVec,
@@ -377,6 +378,11 @@ impl Metrics {
                 &r,
                 "agentserve_tenant_limits_local_total",
                 "Requests whose tenant's requests_per_minute / tokens_per_minute this gateway checked alone, the fleet's store being unreachable",
+            ),
+            websockets: plain_counter(
+                &r,
+                "agentserve_websockets_total",
+                "WebSocket upgrades a backend accepted (/v1/responses in WebSocket mode: each socket carries turns until it closes)",
             ),
             store_up: gauge(
                 &r,

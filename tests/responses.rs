@@ -294,3 +294,181 @@ async fn responses_and_anthropic_usage_count_against_a_keys_token_limit() {
         assert_eq!(second.json()["error"]["code"], "rate_limit_exceeded");
     }
 }
+
+/// Open `/v1/responses` over WebSocket through the gateway, naming `session`;
+/// the 101's headers and the socket.
+async fn websocket(
+    gw: &Gateway,
+    session: Option<&str>,
+) -> (
+    String,
+    agent_gateway_tools::ws::Socket<tokio::io::BufReader<tokio::net::TcpStream>>,
+) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    let session = session.map_or(String::new(), |s| format!("x-session-id: {s}\r\n"));
+    let head = format!(
+        "GET /v1/responses HTTP/1.1\r\nhost: 127.0.0.1\r\nupgrade: websocket\r\n\
+         connection: Upgrade\r\nsec-websocket-version: 13\r\n\
+         sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n{session}\r\n"
+    );
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    let mut io = tokio::io::BufReader::new(tcp);
+    let mut answer = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(io.read_line(&mut line).await.unwrap() > 0, "{answer}");
+        answer.push_str(&line.to_ascii_lowercase());
+        if line == "\r\n" {
+            break;
+        }
+    }
+    assert!(answer.starts_with("http/1.1 101"), "{answer}");
+    assert!(
+        answer.contains("sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo="),
+        "{answer}"
+    );
+    (answer, agent_gateway_tools::ws::Socket::client(io))
+}
+
+/// The header `name` of a lower-cased response head.
+fn head_value<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
+}
+
+/// One turn over an open socket: `response.create`, then the events up to
+/// `response.completed` (panics on an `error` event).
+async fn socket_turn(
+    socket: &mut agent_gateway_tools::ws::Socket<tokio::io::BufReader<tokio::net::TcpStream>>,
+    mut create: Value,
+) -> Value {
+    create["type"] = json!("response.create");
+    socket.send_text(&create.to_string()).await.unwrap();
+    let created: Value = serde_json::from_str(&socket.recv_text().await.unwrap().unwrap()).unwrap();
+    assert_eq!(created["type"], "response.created", "{created}");
+    let done: Value = serde_json::from_str(&socket.recv_text().await.unwrap().unwrap()).unwrap();
+    assert_eq!(done["type"], "response.completed");
+    done["response"].clone()
+}
+
+/// Responses over WebSocket (OpenAI's WebSocket mode): the upgrade is a turn
+/// of its session, so the socket reaches the replica holding the session's
+/// stored responses and chains on them; each of 6 sessions began over HTTP
+/// on one of 3 replicas, and any other replica would answer its first
+/// `response.create` with a 404 error event. The session stays usable over
+/// HTTP after the socket closes, and the socket's turns are counted in the
+/// gateway's token metrics as requests' are.
+#[tokio::test]
+async fn a_websocket_upgrade_is_pinned_like_a_turn_of_its_session() {
+    let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let c = client();
+    let mut homes = HashSet::new();
+    let mut socket_prompt_tokens = 0.0;
+    for s in 0..6 {
+        let session = format!("ws-{s}");
+        let first = reply(
+            c.post(gw.url("/v1/responses"))
+                .header("x-session-id", &session)
+                .json(&turn_body(s, 0, None, false))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(first.status, 200);
+        let home = first.backend.clone().unwrap();
+        homes.insert(home.clone());
+        let (head, mut socket) = websocket(&gw, Some(&session)).await;
+        assert_eq!(head_value(&head, "x-agent-serve-backend"), Some(&*home));
+        assert_eq!(
+            head_value(&head, "x-agent-serve-affinity-hit"),
+            Some("true")
+        );
+        let mut previous = response_id(&first);
+        let before = metric_value(&gw.metrics_text().await, "agentserve_prompt_tokens_total{");
+        let mut prompt = 0.0;
+        for turn in 1..4 {
+            let done = socket_turn(&mut socket, turn_body(s, turn, Some(&previous), false)).await;
+            assert!(
+                done["usage"]["input_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap()
+                    > 0,
+                "{s}.{turn}: the stored conversation is cached where it lives"
+            );
+            prompt += done["usage"]["input_tokens"].as_f64().unwrap();
+            previous = done["id"].as_str().unwrap().to_string();
+        }
+        socket.close().await.unwrap();
+        socket_prompt_tokens += prompt;
+        wait_until("the socket's usage counted", || async {
+            metric_value(&gw.metrics_text().await, "agentserve_prompt_tokens_total{") - before
+                == prompt
+        })
+        .await;
+        // The socket's last response lives on the same replica: an HTTP turn
+        // of the session chains on it.
+        let next = reply(
+            c.post(gw.url("/v1/responses"))
+                .header("x-session-id", &session)
+                .json(&turn_body(s, 4, Some(&previous), false))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(next.status, 200, "{}", String::from_utf8_lossy(&next.body));
+        assert_eq!(next.backend.as_deref(), Some(&*home));
+    }
+    assert!(homes.len() > 1, "sessions spread: {homes:?}");
+    assert!(socket_prompt_tokens > 0.0);
+    let m = gw.metrics_text().await;
+    assert_eq!(metric_value(&m, "agentserve_websockets_total"), 6.0);
+}
+
+/// A socket without a session key: the response ids its events announce are
+/// learned, so a keyless HTTP follow-up by `previous_response_id` reaches the
+/// replica that stored it (any other would answer 404). A socket may idle past
+/// `server.body_idle_timeout_ms` between turns; a message over
+/// `server.max_body_bytes` ends it, though the socket's turns together pass it.
+#[tokio::test]
+async fn a_keyless_socket_teaches_its_response_ids_and_idles_between_turns() {
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gw = Gateway::start_with(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        |_| "  body_idle_timeout_ms: 300\n  max_body_bytes: 2048\n".into(),
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
+    )
+    .await;
+    let c = client();
+    for s in 0..6 {
+        let (_, mut socket) = websocket(&gw, None).await;
+        let mut previous: Option<String> = None;
+        for turn in 0..3 {
+            if turn == 2 {
+                // Longer than the body clock allows a stalled body: a socket
+                // between turns is not a stalled body.
+                tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+            }
+            let mut body = turn_body(s, turn, previous.as_deref(), false);
+            body.as_object_mut().unwrap().remove("instructions");
+            let done = socket_turn(&mut socket, body).await;
+            previous = Some(done["id"].as_str().unwrap().to_string());
+        }
+        let next = respond(&c, &gw, &turn_body(s, 3, previous.as_deref(), false)).await;
+        assert_eq!(next.status, 200, "{}", String::from_utf8_lossy(&next.body));
+        assert_eq!(next.hit.as_deref(), Some("true"));
+        // One message over the limit: the socket is closed on it.
+        let mut big = turn_body(s, 4, None, false);
+        big["input"] = json!("x".repeat(5000));
+        big["type"] = json!("response.create");
+        socket.send_text(&big.to_string()).await.unwrap();
+        assert_eq!(socket.recv_text().await.ok().flatten(), None);
+    }
+}

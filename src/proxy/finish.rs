@@ -82,11 +82,12 @@ impl GatewayProxy {
         };
         let code = match gateway_error {
             // A response already started cannot be replaced: just end it.
-            // (A forwarded `100 Continue` is no answer: the final one can follow.)
+            // (A forwarded `100 Continue` is no answer: the final one can
+            // follow. A `101` is: the connection speaks another protocol.)
             Some(g)
-                if session
-                    .response_written()
-                    .is_none_or(|r| r.status.is_informational()) =>
+                if session.response_written().is_none_or(|r| {
+                    r.status.is_informational() && r.status != http::StatusCode::SWITCHING_PROTOCOLS
+                }) =>
             {
                 // The connection closes after this answer (below): say so,
                 // or a client reusing it races the close.
@@ -167,10 +168,15 @@ impl GatewayProxy {
                 .with_label_values(&[tier_name, backend_id, &status.to_string()])
                 .inc(),
         }
-        let usage = ctx.usage.as_ref().and_then(UsageScanner::usage);
+        // A socket's usage is its turns' added up; they teach no one cost.
+        let usage = match &ctx.websocket {
+            Some(ws) => ws.usage,
+            None => ctx.usage.as_ref().and_then(UsageScanner::usage),
+        };
         // What the backend's answer teaches: its prefill cost and queueing,
         // and how much of this session it still had cached.
-        if let (Some(u), Some(b), Some(fb), 200) = (usage, &ctx.backend, ctx.first_byte, status) {
+        let answer = usage.filter(|_| ctx.websocket.is_none());
+        if let (Some(u), Some(b), Some(fb), 200) = (answer, &ctx.backend, ctx.first_byte, status) {
             let (alone, behind) = ctx
                 .in_flight
                 .as_ref()

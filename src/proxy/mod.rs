@@ -22,6 +22,7 @@ mod request;
 pub mod request_body;
 pub mod response;
 pub mod upstream_conn;
+mod websocket;
 
 use crate::affinity::hrw::KeyKind;
 use crate::affinity::prefix::PromptRoute;
@@ -239,6 +240,8 @@ pub struct RequestCtx {
     span: Option<crate::telemetry::RequestSpan>,
     /// The model its body named (kept for a sampled span).
     model: Option<Box<str>>,
+    /// The backend switched protocols: the socket's frames, followed.
+    websocket: Option<Box<websocket::WebSocket>>,
 }
 
 /// Who sent a request (`auth`) and how it waits for a slot (`admission`).
@@ -427,6 +430,7 @@ impl ProxyHttp for GatewayProxy {
             response_id: None,
             span: None,
             model: None,
+            websocket: None,
         }
     }
 

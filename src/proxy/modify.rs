@@ -9,7 +9,7 @@ use crate::affinity::responses::{response_key, stored_value, ResponseRoute};
 impl GatewayProxy {
     pub(super) async fn modify_upstream_request(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         upstream_request: &mut RequestHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
@@ -28,6 +28,7 @@ impl GatewayProxy {
             .backend
             .as_ref()
             .is_some_and(|b| upstream_conn::avoid_reuse(&b.stats))
+            && !session.is_upgrade_req()
         {
             upstream_request.insert_header("connection", "close")?;
         }
@@ -78,6 +79,10 @@ impl GatewayProxy {
         let hit = if ctx.affinity_hit { &TRUE } else { &FALSE };
         resp.insert_header(HIT_HEADER, hit.clone())?;
         resp.insert_header(TIER_HEADER, tier.name_header.clone())?;
+        if session.is_upgrade(resp) == Some(true) {
+            self.upgraded(session, ctx);
+            return Ok(());
+        }
 
         let content_type = resp
             .headers
@@ -142,6 +147,14 @@ impl GatewayProxy {
                     p.prefilled();
                 }
             }
+            if let Some(mut ws) = ctx.websocket.take() {
+                let mut created = Vec::new();
+                ws.backend_bytes(chunk, &mut |id| created.push(id.to_string()));
+                ctx.websocket = Some(ws);
+                for id in created {
+                    self.learn_response(ctx, &id);
+                }
+            }
             if let Some(scanner) = ctx.usage.as_mut() {
                 scanner.push(chunk);
             }
@@ -177,6 +190,22 @@ impl GatewayProxy {
             *body = (!out.is_empty()).then_some(out);
         }
         Ok(None)
+    }
+
+    /// The backend switched protocols (a WebSocket): from here on the
+    /// connection is a socket that lives across turns. It holds no
+    /// admission slot and counts as no request in flight (an idle socket
+    /// is no load), no body clock runs on what the client sends, and it may
+    /// idle as long as the backend's `read_timeout` allows.
+    fn upgraded(&self, session: &mut Session, ctx: &mut RequestCtx) {
+        ctx.websocket = Some(Box::default());
+        ctx.who.permit = None;
+        ctx.in_flight = None;
+        if let Some(conn) = &ctx.conn {
+            conn.body_done();
+        }
+        session.set_read_timeout(None);
+        self.gw.metrics.websockets.inc();
     }
 
     /// The backend that answered stored the response `id`: its follow-ups

@@ -527,6 +527,10 @@ impl GatewayProxy {
             ctx.routing = Some(routing);
             return Ok(());
         }
+        if session.is_upgrade_req() && session.req_header().uri.path().ends_with("/responses") {
+            // Responses over WebSocket: the ids its events announce are kept too.
+            ctx.responses_scope = Some(scope_of(&tier.name, &scope_suffix).into_owned());
+        }
         ctx.session_ref = match early {
             // Nothing the body said changed the tier or the key.
             Some((t, sref)) if Arc::ptr_eq(&t, &tier) && implicit.is_none() => Some(sref),
@@ -619,7 +623,12 @@ impl GatewayProxy {
                 .routing
                 .as_ref()
                 .map_or(u64::MAX, |r| r.config.server.max_body_bytes);
-            if ctx.body_bytes > limit {
+            // A socket's turns are held to the limit one message at a time.
+            let over = match ctx.websocket.as_mut() {
+                Some(ws) => ws.client_bytes(chunk, limit).is_err(),
+                None => ctx.body_bytes > limit,
+            };
+            if over {
                 return Err(self.fail(ctx, GatewayError::body_too_large(limit)));
             }
         }

@@ -152,6 +152,13 @@ enum Shape {
 
 type Body = BoxBody<Bytes, Infallible>;
 
+fn is_websocket(req: &Request<Incoming>) -> bool {
+    req.headers()
+        .get("upgrade")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("websocket"))
+}
+
 fn full(b: impl Into<Bytes>) -> Body {
     Full::new(b.into()).boxed()
 }
@@ -208,6 +215,7 @@ pub async fn spawn(cfg: SimConfig) -> std::io::Result<SocketAddr> {
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), service)
+                    .with_upgrades()
                     .await;
             });
         }
@@ -543,6 +551,7 @@ impl Sim {
                     .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
                 resp
             }
+            ("GET", "/v1/responses") if is_websocket(&req) => self.upgrade(req),
             ("POST", "/v1/responses") => {
                 let body = match req.into_body().collect().await {
                     Ok(b) => b.to_bytes(),
@@ -617,6 +626,77 @@ impl Sim {
             transcript,
         };
         self.complete(shape, chat.to_string().as_bytes()).await
+    }
+
+    /// `/v1/responses` over WebSocket (OpenAI's WebSocket mode): each
+    /// `response.create` message is a Responses request (`stream` ignored),
+    /// answered with `response.created` and `response.completed` events, or
+    /// an `error` event (a `previous_response_id` never stored here: 404).
+    fn upgrade(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let Some(key) = req
+            .headers()
+            .get("sec-websocket-key")
+            .and_then(|k| k.to_str().ok())
+        else {
+            return self.error(StatusCode::BAD_REQUEST, "no Sec-WebSocket-Key");
+        };
+        let accept = crate::ws::accept_key(key);
+        let sim = Arc::clone(&self);
+        tokio::spawn(async move {
+            let Ok(io) = hyper::upgrade::on(req).await else {
+                return;
+            };
+            let mut socket = crate::ws::Socket::server(TokioIo::new(io));
+            while let Ok(Some(text)) = socket.recv_text().await {
+                for event in sim.clone().over_websocket(&text).await {
+                    if socket.send_text(&event.to_string()).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        let mut resp = Response::new(full(""));
+        *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+        let h = resp.headers_mut();
+        h.insert("upgrade", "websocket".parse().expect("static"));
+        h.insert("connection", "upgrade".parse().expect("static"));
+        h.insert("sec-websocket-accept", accept.parse().expect("base64"));
+        h.insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
+        resp
+    }
+
+    /// The events one WebSocket message gets back.
+    async fn over_websocket(self: Arc<Self>, text: &str) -> Vec<Value> {
+        let error = |status: u16, message: String| {
+            vec![json!({"type": "error", "status": status,
+                        "error": {"type": "invalid_request_error", "message": message}})]
+        };
+        let mut body = match serde_json::from_str::<Value>(text) {
+            Ok(v) if v["type"] == "response.create" => v,
+            _ => return error(400, "expected a response.create message".into()),
+        };
+        body["stream"] = json!(false);
+        let resp = self.respond(body.to_string().as_bytes()).await;
+        let status = resp.status().as_u16();
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let answer: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        if status != 200 {
+            let message = answer["error"]["message"]
+                .as_str()
+                .or(answer["message"].as_str())
+                .unwrap_or("failed")
+                .to_string();
+            return error(status, message);
+        }
+        vec![
+            json!({"type": "response.created", "response": {"id": answer["id"], "object": "response", "status": "in_progress"}}),
+            json!({"type": "response.completed", "response": answer}),
+        ]
     }
 
     /// Keep a response (and the conversation through it) for follow-ups.

@@ -1,0 +1,299 @@
+//! WebSocket upgrades: `/v1/responses` in OpenAI's WebSocket mode, where one
+//! socket carries many turns. Pingora passes the upgraded bytes through; the
+//! upgrade request is routed like a turn of its session (its headers are all
+//! routing sees). Once the backend switched protocols, the gateway reads the
+//! frames going by, without holding any of them back:
+//! - each message the client sends is held to `server.max_body_bytes` (the
+//!   socket as a whole is not: it lives across many turns);
+//! - each message the backend sends that carries `usage` adds to the
+//!   socket's usage, which the request's end counts and charges as it does
+//!   one answer's;
+//! - a `response.created` event's id is learned, as a JSON answer's is, so a
+//!   follow-up over HTTP finds the replica that stored it.
+
+use super::response::{ResponseIdScanner, Usage, UsageScanner};
+
+/// A backend message larger than this is passed on unread.
+const READ_AT_MOST: usize = 1 << 20;
+
+/// Where one direction of a socket is, frame by frame.
+#[derive(Default)]
+struct Frames {
+    /// The frame header being read (2 to 14 bytes).
+    head: [u8; 14],
+    head_len: usize,
+    /// Payload bytes of the current frame still to come.
+    remaining: u64,
+    in_payload: bool,
+    /// The current frame: its mask and offset, whether it ends its message,
+    /// whether it is a control frame (not part of any message).
+    mask: Option<[u8; 4]>,
+    offset: usize,
+    fin: bool,
+    control: bool,
+    /// The current message: its length so far, and its bytes when read.
+    message_len: u64,
+    reading: bool,
+    message: Vec<u8>,
+}
+
+/// How long a frame header whose first two bytes are `head` is.
+fn header_len(head: &[u8]) -> usize {
+    let len = match head[1] & 0x7f {
+        126 => 2,
+        127 => 8,
+        _ => 0,
+    };
+    2 + len + if head[1] & 0x80 != 0 { 4 } else { 0 }
+}
+
+impl Frames {
+    /// Follow `chunk`; `read` says whether text messages are gathered and
+    /// handed to `message` whole. `Err` with a message's length once it
+    /// passes `limit`.
+    fn push(
+        &mut self,
+        mut chunk: &[u8],
+        read: bool,
+        limit: u64,
+        message: &mut impl FnMut(&[u8]),
+    ) -> Result<(), u64> {
+        while !chunk.is_empty() {
+            if !self.in_payload {
+                let need = if self.head_len < 2 {
+                    2
+                } else {
+                    header_len(&self.head)
+                };
+                let take = (need - self.head_len).min(chunk.len());
+                self.head[self.head_len..self.head_len + take].copy_from_slice(&chunk[..take]);
+                self.head_len += take;
+                chunk = &chunk[take..];
+                if self.head_len < 2 || self.head_len < header_len(&self.head) {
+                    continue;
+                }
+                self.start_frame(read, limit)?;
+                if self.remaining == 0 {
+                    self.end_frame(message);
+                }
+                continue;
+            }
+            let n = (self.remaining.min(chunk.len() as u64)) as usize;
+            let (part, rest) = chunk.split_at(n);
+            if self.reading && !self.control {
+                if self.message.len() + n <= READ_AT_MOST {
+                    let mask = self.mask.unwrap_or_default();
+                    let at = self.offset;
+                    self.message
+                        .extend(part.iter().enumerate().map(|(i, b)| b ^ mask[(at + i) % 4]));
+                } else {
+                    self.reading = false;
+                    self.message = Vec::new();
+                }
+            }
+            self.offset += n;
+            self.remaining -= n as u64;
+            chunk = rest;
+            if self.remaining == 0 {
+                self.end_frame(message);
+            }
+        }
+        Ok(())
+    }
+
+    fn start_frame(&mut self, read: bool, limit: u64) -> Result<(), u64> {
+        let h = &self.head[..self.head_len];
+        let opcode = h[0] & 0x0f;
+        let (len, at) = match h[1] & 0x7f {
+            126 => (u16::from_be_bytes([h[2], h[3]]) as u64, 4),
+            127 => (
+                u64::from_be_bytes(h[2..10].try_into().expect("8 bytes")),
+                10,
+            ),
+            n => (n as u64, 2),
+        };
+        self.mask = (h[1] & 0x80 != 0).then(|| h[at..at + 4].try_into().expect("4 bytes"));
+        self.fin = h[0] & 0x80 != 0;
+        self.control = opcode >= 8;
+        self.remaining = len;
+        self.offset = 0;
+        self.in_payload = true;
+        self.head_len = 0;
+        if !self.control {
+            if opcode != 0 {
+                // A new message (text or binary); 0 continues the last.
+                self.message_len = 0;
+                self.message.clear();
+                self.reading = read && opcode == 1;
+            }
+            self.message_len = self.message_len.saturating_add(len);
+            if self.message_len > limit {
+                return Err(self.message_len);
+            }
+        }
+        Ok(())
+    }
+
+    fn end_frame(&mut self, message: &mut impl FnMut(&[u8])) {
+        self.in_payload = false;
+        if !self.control && self.fin {
+            if self.reading {
+                message(&self.message);
+            }
+            self.message.clear();
+            self.reading = false;
+        }
+    }
+}
+
+/// An upgraded request's socket, as far as the gateway follows it.
+#[derive(Default)]
+pub(super) struct WebSocket {
+    sent: Frames,
+    received: Frames,
+    /// What the backend's messages reported, added up.
+    pub usage: Option<Usage>,
+}
+
+impl WebSocket {
+    /// Bytes from the client; `Err` with the length of a message over `limit`.
+    pub fn client_bytes(&mut self, chunk: &[u8], limit: u64) -> Result<(), u64> {
+        self.sent.push(chunk, false, limit, &mut |_| {})
+    }
+
+    /// Bytes from the backend; `created` gets each response id it announces.
+    pub fn backend_bytes(&mut self, chunk: &[u8], created: &mut impl FnMut(&str)) {
+        let usage = &mut self.usage;
+        let mut message = |m: &[u8]| {
+            let finder = |needle: &[u8]| memchr::memmem::find(m, needle).is_some();
+            if finder(b"\"response.created\"") {
+                if let Some(id) = ResponseIdScanner::default().push(m) {
+                    created(&id);
+                }
+            }
+            if finder(b"\"usage\"") {
+                let mut scanner = UsageScanner::default();
+                scanner.push(m);
+                if let Some(u) = scanner.usage() {
+                    let sum = usage.get_or_insert_with(Usage::default);
+                    sum.prompt_tokens += u.prompt_tokens;
+                    sum.completion_tokens += u.completion_tokens;
+                    sum.cached_tokens = match (sum.cached_tokens, u.cached_tokens) {
+                        (None, None) => None,
+                        (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+                    };
+                }
+            }
+        };
+        // The backend's messages have no limit of the gateway's.
+        let _ = self.received.push(chunk, true, u64::MAX, &mut message);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A frame as a client (masked) or a server (unmasked) sends it.
+    fn frame(opcode: u8, fin: bool, payload: &[u8], mask: Option<[u8; 4]>) -> Vec<u8> {
+        let mut f = vec![if fin { 0x80 } else { 0 } | opcode];
+        let m = if mask.is_some() { 0x80 } else { 0 };
+        match payload.len() {
+            n if n < 126 => f.push(m | n as u8),
+            n if n <= 0xffff => {
+                f.push(m | 126);
+                f.extend_from_slice(&(n as u16).to_be_bytes());
+            }
+            n => {
+                f.push(m | 127);
+                f.extend_from_slice(&(n as u64).to_be_bytes());
+            }
+        }
+        match mask {
+            Some(k) => {
+                f.extend_from_slice(&k);
+                f.extend(payload.iter().enumerate().map(|(i, b)| b ^ k[i % 4]));
+            }
+            None => f.extend_from_slice(payload),
+        }
+        f
+    }
+
+    fn completed(id: &str, input: u64, cached: u64, output: u64) -> Vec<u8> {
+        let created =
+            format!(r#"{{"type":"response.created","response":{{"id":"{id}","usage":null}}}}"#);
+        let done = format!(
+            r#"{{"type":"response.completed","response":{{"id":"{id}","usage":{{"input_tokens":{input},"input_tokens_details":{{"cached_tokens":{cached}}},"output_tokens":{output}}}}}}}"#
+        );
+        let mut bytes = frame(1, true, created.as_bytes(), None);
+        bytes.extend(frame(9, true, b"ping", None));
+        bytes.extend(frame(1, true, done.as_bytes(), None));
+        bytes
+    }
+
+    #[test]
+    fn a_sockets_turns_add_up_their_usage_and_name_their_responses_split_anywhere() {
+        let mut stream = completed("resp_a", 1000, 0, 10);
+        stream.extend(completed("resp_b", 1200, 1000, 20));
+        // A long message (16-bit length) that says nothing of usage.
+        stream.extend(frame(1, true, "x".repeat(70_000).as_bytes(), None));
+        for cut in [1, 2, 3, 7, 64, 4096, stream.len()] {
+            let mut ws = WebSocket::default();
+            let mut ids = Vec::new();
+            for piece in stream.chunks(cut) {
+                ws.backend_bytes(piece, &mut |id| ids.push(id.to_string()));
+            }
+            assert_eq!(ids, ["resp_a", "resp_b"], "cut {cut}");
+            assert_eq!(
+                ws.usage,
+                Some(Usage {
+                    prompt_tokens: 2200,
+                    cached_tokens: Some(1000),
+                    completion_tokens: 30
+                }),
+                "cut {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_fragmented_message_is_read_whole_and_control_frames_between_do_not_break_it() {
+        let text = br#"{"type":"response.completed","response":{"usage":{"input_tokens":5,"output_tokens":1}}}"#;
+        let mut stream = frame(1, false, &text[..20], None);
+        stream.extend(frame(9, true, b"", None));
+        stream.extend(frame(0, true, &text[20..], None));
+        let mut ws = WebSocket::default();
+        ws.backend_bytes(&stream, &mut |_| {});
+        assert_eq!(ws.usage.map(|u| u.prompt_tokens), Some(5));
+    }
+
+    #[test]
+    fn each_client_message_is_held_to_the_limit_not_the_socket() {
+        let mask = Some([1, 2, 3, 4]);
+        let mut ws = WebSocket::default();
+        // Many messages under the limit: far more than it in all.
+        for _ in 0..50 {
+            let m = frame(1, true, &[b'a'; 900], mask);
+            assert_eq!(ws.client_bytes(&m, 1000), Ok(()));
+        }
+        // One message over it, in two frames: refused at the second.
+        assert_eq!(
+            ws.client_bytes(&frame(1, false, &[b'a'; 600], mask), 1000),
+            Ok(())
+        );
+        assert_eq!(
+            ws.client_bytes(&frame(0, true, &[b'a'; 600], mask), 1000),
+            Err(1200)
+        );
+    }
+
+    #[test]
+    fn masked_text_is_unmasked_before_it_is_read() {
+        let text = br#"{"type":"response.created","response":{"id":"resp_m"}}"#;
+        let mut ids = Vec::new();
+        WebSocket::default().backend_bytes(&frame(1, true, text, Some([9, 8, 7, 6])), &mut |id| {
+            ids.push(id.to_string())
+        });
+        assert_eq!(ids, ["resp_m"]);
+    }
+}
