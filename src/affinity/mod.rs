@@ -307,8 +307,14 @@ impl Affinity {
         }
         if session.probation {
             // A new keyless conversation: placed, not bound (its second
-            // turn binds it where this one goes).
-            let slot = self.place(session.hash, open, None)?;
+            // turn binds it where this one goes). A fork (a subagent that
+            // starts from its parent's transcript, a retried or branched
+            // turn) prefers where it came from, as a subagent naming its
+            // parent does, unless that backend is over its bound.
+            let came_from = session
+                .forked_at
+                .filter(|&slot| open.iter().any(|c| c.slot == slot));
+            let slot = self.place(session.hash, open, came_from)?;
             return Some(Choice::Go(Selection {
                 index: candidates.iter().position(|c| c.slot == slot)?,
                 backend: slot,
@@ -655,6 +661,32 @@ mod tests {
                 ..Default::default()
             })
             .collect()
+    }
+
+    #[test]
+    fn a_fork_on_probation_goes_where_it_came_from_unless_that_is_over_its_bound() {
+        let h = HrwHasher::new("k");
+        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
+        let c = fleet(&h, 3);
+        for i in 0..12 {
+            let mut s = SessionRef::conversation(u128::from(i as u32) << 64 | 7);
+            s.probation = true;
+            let elsewhere = go(&a, &s, &c).backend;
+            // The same conversation as a fork of one on another backend.
+            s.forked_at = Some((elsewhere + 1) % 3);
+            assert_eq!(go(&a, &s, &c).backend, (elsewhere + 1) % 3, "{i}");
+        }
+        // A backend over its bound takes no fork: 9 sessions bound there.
+        for i in 0..9 {
+            let s = SessionRef::new(&h, KeyKind::Session, "t", &format!("s{i}"));
+            let mut pinned: Vec<_> = c.iter().copied().filter(|c| c.slot == 0).collect();
+            drop(go(&a, &s, &pinned[..]).lease);
+            pinned.clear();
+        }
+        let mut fork = SessionRef::conversation(99);
+        fork.probation = true;
+        fork.forked_at = Some(0);
+        assert_ne!(go(&a, &fork, &c).backend, 0);
     }
 
     #[test]
