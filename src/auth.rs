@@ -233,40 +233,41 @@ impl Client {
         store: &crate::affinity::store::SharedStore,
         charge: u64,
     ) -> Result<Result<(), OverLimit>, crate::affinity::store::StoreError> {
+        use crate::affinity::store::Bucket;
         let l = self.limits;
         let name = &self.tenant.name;
+        let (tpm, rpm) = (format!("{name}:tpm"), format!("{name}:rpm"));
+        // Both limits in one call: neither is taken unless both allow it.
+        let mut buckets = Vec::with_capacity(2);
+        let mut which = Vec::with_capacity(2);
         if l.tokens_per_minute > 0 {
-            let rate = l.tokens_per_minute;
-            let (taken, level) = store
-                .limit(&format!("{name}:tpm"), rate, Some(0.0), charge as f64)
-                .await?;
-            if !taken {
-                return Ok(Err(OverLimit {
-                    limit: "tokens_per_minute",
-                    retry_after_s: retry_s(wait_for(level, 0.0, rate as f64)),
-                }));
-            }
+            buckets.push(Bucket {
+                name: &tpm,
+                per_minute: l.tokens_per_minute,
+                need: Some(0.0),
+                cost: charge as f64,
+            });
+            which.push(("tokens_per_minute", 0.0, l.tokens_per_minute as f64));
         }
         if l.requests_per_minute > 0 {
-            let rate = l.requests_per_minute as u64;
-            let (taken, level) = store
-                .limit(&format!("{name}:rpm"), rate, Some(1.0), 1.0)
-                .await?;
-            if !taken {
-                if l.tokens_per_minute > 0 && charge > 0 {
-                    // Refused: the tokens taken for it go back.
-                    let back = -(charge as f64);
-                    let _ = store
-                        .limit(&format!("{name}:tpm"), l.tokens_per_minute, None, back)
-                        .await;
-                }
-                return Ok(Err(OverLimit {
-                    limit: "requests_per_minute",
-                    retry_after_s: retry_s(wait_for(level, 1.0, rate as f64)),
-                }));
-            }
+            buckets.push(Bucket {
+                name: &rpm,
+                per_minute: l.requests_per_minute as u64,
+                need: Some(1.0),
+                cost: 1.0,
+            });
+            which.push(("requests_per_minute", 1.0, l.requests_per_minute as f64));
         }
-        Ok(Ok(()))
+        if buckets.is_empty() {
+            return Ok(Ok(()));
+        }
+        Ok(store.limits(&buckets).await?.map_err(|(i, level)| {
+            let (limit, need, rate) = which[i];
+            OverLimit {
+                limit,
+                retry_after_s: retry_s(wait_for(level, need, rate)),
+            }
+        }))
     }
 
     /// Debit `tokens` from the fleet's bucket of the tenant (a negative
@@ -278,9 +279,13 @@ impl Client {
     ) -> Result<(), crate::affinity::store::StoreError> {
         if self.counts_tokens() && tokens != 0 {
             let name = format!("{}:tpm", self.tenant.name);
-            store
-                .limit(&name, self.limits.tokens_per_minute, None, tokens as f64)
-                .await?;
+            let bucket = crate::affinity::store::Bucket {
+                name: &name,
+                per_minute: self.limits.tokens_per_minute,
+                need: None,
+                cost: tokens as f64,
+            };
+            let _ = store.limits(&[bucket]).await?;
         }
         Ok(())
     }

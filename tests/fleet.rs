@@ -1376,6 +1376,11 @@ async fn a_tenants_limits_hold_across_the_fleet_and_each_gateway_keeps_them_with
                 "metered",
                 "    tokens_per_minute: 3000\n",
             ),
+            (
+                "sk-fleet-both",
+                "both",
+                "    requests_per_minute: 10\n    tokens_per_minute: 1000000\n",
+            ),
         ]),
     )
     .unwrap();
@@ -1412,6 +1417,21 @@ async fn a_tenants_limits_hold_across_the_fleet_and_each_gateway_keeps_them_with
     }
     // Ten a minute for the tenant, not ten for each gateway.
     assert!(refused >= 6, "{refused} of 16 refused");
+    // Both limits set (one call to the store for both): the tighter holds,
+    // and says which it is.
+    let both = [("authorization", "Bearer sk-fleet-both")];
+    let mut refused = Vec::new();
+    for i in 0..16 {
+        let r = chat(&client(), &gws[i % 2], &both, &chat_body("m", i)).await;
+        if r.status == 429 {
+            refused.push(r.json()["error"]["message"].as_str().unwrap().to_string());
+        }
+    }
+    assert!(refused.len() >= 6, "{refused:?}");
+    assert!(
+        refused.iter().all(|m| m.ends_with("requests_per_minute")),
+        "{refused:?}"
+    );
     // Tokens too: 2,500-token streams without usage, alternating.
     let mut statuses = Vec::new();
     for i in 0..4 {

@@ -179,27 +179,42 @@ return ARGV[1]";
 /// if it holds at least ARGV[2] (always, when ARGV[2] is `-inf`: a charge
 /// settled after the fact). Returns {taken (0/1), level after}.
 const LIMIT: &str = r"
-local rate = tonumber(ARGV[1])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local v = redis.call('HMGET', KEYS[1], 'l', 't')
-local level = tonumber(v[1]) or rate
-local at = tonumber(v[2]) or now
-level = math.min(rate, level + math.max(0, now - at) * rate / 60000)
-local taken = 0
-if ARGV[2] == '-inf' or level >= tonumber(ARGV[2]) then
-  level = level - tonumber(ARGV[3])
-  taken = 1
+local levels = {}
+for i, k in ipairs(KEYS) do
+  local rate = tonumber(ARGV[3 * i - 2])
+  local v = redis.call('HMGET', k, 'l', 't')
+  local level = tonumber(v[1]) or rate
+  local at = tonumber(v[2]) or now
+  level = math.min(rate, level + math.max(0, now - at) * rate / 60000)
+  local need = ARGV[3 * i - 1]
+  if need ~= '-inf' and level < tonumber(need) then
+    return {i, tostring(level)}
+  end
+  levels[i] = level
 end
-redis.call('HSET', KEYS[1], 'l', tostring(level), 't', now)
-redis.call('PEXPIRE', KEYS[1], 120000)
-return {taken, tostring(level)}";
+for i, k in ipairs(KEYS) do
+  redis.call('HSET', k, 'l', tostring(levels[i] - tonumber(ARGV[3 * i])), 't', now)
+  redis.call('PEXPIRE', k, 120000)
+end
+return {0, '0'}";
 
 /// The longest a connection attempt may take (at least `timeout_ms`).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Bindings made while Redis could not be reached (bounded).
 const MAX_PENDING_WRITES: usize = 100_000;
+
+/// One of a tenant's per-minute buckets in the fleet's store.
+pub struct Bucket<'a> {
+    pub name: &'a str,
+    /// Refilled at this many a minute, up to as many.
+    pub per_minute: u64,
+    /// Taken only if it holds this much (`None`: whatever it holds).
+    pub need: Option<f64>,
+    pub cost: f64,
+}
 
 pub struct SharedStore {
     cfg: StoreConfig,
@@ -394,31 +409,32 @@ impl SharedStore {
         .await
     }
 
-    /// Take `cost` from the fleet's bucket `name` (refilled at `per_minute`)
-    /// if it holds at least `need` (`None`: take it whatever it holds);
-    /// whether it was taken, and the level after.
-    pub async fn limit(
+    /// Take each bucket's `cost` from the fleet's buckets, all or none, in
+    /// one call on Redis's clock: all if each holds at least its `need`;
+    /// else `Err` with the first that does not, and its level.
+    pub async fn limits(
         &self,
-        name: &str,
-        per_minute: u64,
-        need: Option<f64>,
-        cost: f64,
-    ) -> Result<(bool, f64), StoreError> {
-        let k = format!("{}limit:{name}", self.cfg.key_prefix);
-        let need = need.map_or_else(|| "-inf".to_string(), |n| n.to_string());
+        buckets: &[Bucket<'_>],
+    ) -> Result<Result<(), (usize, f64)>, StoreError> {
+        let keys: Vec<String> = buckets
+            .iter()
+            .map(|b| format!("{}limit:{}", self.cfg.key_prefix, b.name))
+            .collect();
         let script = &self.limit;
-        let (taken, level): (i64, String) = self
-            .run("limit", |mut c| async move {
-                script
-                    .key(&k)
-                    .arg(per_minute)
-                    .arg(&need)
-                    .arg(cost)
-                    .invoke_async(&mut c)
-                    .await
+        let (refused, level): (usize, String) = self
+            .run("limit", |mut c| {
+                let mut call = script.prepare_invoke();
+                for (k, b) in keys.iter().zip(buckets) {
+                    let need = b.need.map_or_else(|| "-inf".to_string(), |n| n.to_string());
+                    call.key(k).arg(b.per_minute).arg(need).arg(b.cost);
+                }
+                async move { call.invoke_async(&mut c).await }
             })
             .await?;
-        Ok((taken == 1, level.parse().unwrap_or(0.0)))
+        Ok(match refused {
+            0 => Ok(()),
+            i => Err((i - 1, level.parse().unwrap_or(0.0))),
+        })
     }
 
     /// Whether the store lost what it held since this gateway last looked:
