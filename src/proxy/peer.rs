@@ -8,11 +8,18 @@ use super::*;
 /// Whether the client has closed its connection (FIN or RST seen). Used while
 /// a request waits, when no read on the socket is in progress.
 fn client_gone(session: &Session) -> bool {
+    socket_closed(
+        session
+            .as_downstream()
+            .digest()
+            .and_then(|d| d.socket_digest.as_deref()),
+    )
+}
+
+/// The same, for a socket read before its session was borrowed elsewhere.
+fn socket_closed(socket: Option<&pingora_core::protocols::SocketDigest>) -> bool {
     const TCP_ESTABLISHED: u8 = 1;
-    session
-        .as_downstream()
-        .digest()
-        .and_then(|d| d.socket_digest.as_ref())
+    socket
         .and_then(|s| s.tcp_info())
         .is_some_and(|info| info.tcpi_state != TCP_ESTABLISHED)
 }
@@ -315,36 +322,26 @@ impl GatewayProxy {
         // Its backend is looked at as often: one that turns unhealthy, is
         // ejected or leaves the configuration sends its waiters elsewhere.
         let mut look = tokio::time::interval(CLIENT_LOOK);
-        let got = match session.as_downstream().is_http2() {
-            true => {
-                let closed = session
-                    .as_downstream_mut()
-                    .watch_h2_stream_close()
-                    .expect("an HTTP/2 session");
-                tokio::pin!(closed);
-                loop {
-                    tokio::select! {
-                        p = &mut wait => break Ok(p),
-                        _ = &mut deadline => break Err("deadline"),
-                        _ = &mut closed => break Err("client_gone"),
-                        _ = look.tick() => if self.backend_gone(tier, backend) { break Err("backend_gone") },
+        let socket = session
+            .as_downstream()
+            .digest()
+            .and_then(|d| d.socket_digest.clone());
+        let mut stream_closed = session.as_downstream_mut().watch_h2_stream_close();
+        let got = loop {
+            let h2_closed = futures_util::future::OptionFuture::from(stream_closed.as_mut());
+            tokio::select! {
+                p = &mut wait => break Ok(p),
+                _ = &mut deadline => break Err("deadline"),
+                Some(_) = h2_closed => break Err("client_gone"),
+                _ = look.tick() => {
+                    if stream_closed.is_none() && socket_closed(socket.as_deref()) {
+                        break Err("client_gone");
+                    }
+                    if self.backend_gone(tier, backend) {
+                        break Err("backend_gone");
                     }
                 }
             }
-            false => loop {
-                tokio::select! {
-                    p = &mut wait => break Ok(p),
-                    _ = &mut deadline => break Err("deadline"),
-                    _ = look.tick() => {
-                        if client_gone(session) {
-                            break Err("client_gone");
-                        }
-                        if self.backend_gone(tier, backend) {
-                            break Err("backend_gone");
-                        }
-                    }
-                }
-            },
         };
         queued.dec();
         ctx.who.queue_wait = since.elapsed();
