@@ -21,6 +21,7 @@
 #
 #   scripts/bench-admission.sh
 #   BIN=target/debug/agent-gateway scripts/bench-admission.sh   # skip the build
+#   SIM_FLAGS="" scripts/bench-admission.sh   # engines that prefill side by side (default --serial-prefill)
 #
 # Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
 set -euo pipefail
@@ -32,7 +33,9 @@ fi
 HEAVY_TURNS="${HEAVY_TURNS:-10}"
 CONTEXT_BYTES="${CONTEXT_BYTES:-8000}"
 # off: admission off (the baseline); learned: admission on and nothing else (limits
-# learned from the engines' gauges); learned-fast: and the gauges read every 250 ms;
+# learned from the engines' gauges); learned-budget: and prefill_queue_ms: 250 (at
+# most 250 ms of prefill sent to a backend and not answered, beyond one request);
+# learned-fast: learned, the gauges read every 250 ms;
 # on: max_in_flight 4; gated: and max_prefilling 1
 MODES="${MODES:-off on gated}"
 WORK=$(mktemp -d)
@@ -59,7 +62,7 @@ start() {  # admission on|off: fresh replicas and gateway; sets GW, MP
   RUN_PIDS=()
   for i in 0 1 2; do
     "$BIN" sim-backend --listen "127.0.0.1:${SIM_PORTS[$i]}" --id "vllm-$i" --max-batch 4 \
-      --serial-prefill --cache-blocks 4096 >/dev/null &
+      ${SIM_FLAGS---serial-prefill} --cache-blocks 4096 >/dev/null &
     RUN_PIDS+=($!); PIDS+=($!)
   done
   gp=$(port); MP=$(port); ap=$(port)
@@ -73,6 +76,8 @@ auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
 load: { interval_ms: 250 }
 auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
     learned) section="admission: { enabled: true }
+auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
+    learned-budget) section="admission: { enabled: true, prefill_queue_ms: 250 }
 auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
   esac
   cat > "$WORK/gw.yaml" <<YAML

@@ -151,6 +151,8 @@ impl AdminApp {
                     "prefilling": s.prefilling,
                     // Their estimated prefill, tokens.
                     "prefill_tokens": s.prefill_tokens,
+                    // What `prefill_queue_ms` allows there now, tokens (0: no limit).
+                    "prefill_budget_tokens": s.prefill_budget,
                     "running": s.running,
                     "waiting": s.waiting,
                 })

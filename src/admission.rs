@@ -108,6 +108,13 @@ struct Backend {
     changed_ms: u64,
     /// Learning, the engine not seen queueing yet: the limit doubles.
     slow_start: bool,
+    /// In slow start, one request over the limit is being tried: an engine
+    /// that runs it has room to double into.
+    probing: bool,
+    /// Prefill tokens that may be sent here and not yet answered, beyond
+    /// one request (0: no limit): `admission.prefill_queue_ms` at this
+    /// backend's learned cost, as of the last request admitted.
+    prefill_budget: u64,
 }
 
 /// Where a backend's limit comes from.
@@ -159,6 +166,9 @@ impl Backend {
     fn has_room(&self) -> bool {
         (self.limit == 0 || self.running < self.limit)
             && (self.max_prefilling == 0 || self.prefilling < self.max_prefilling)
+            && (self.prefill_budget == 0
+                || self.prefilling == 0
+                || self.prefill_tokens < self.prefill_budget)
     }
 
     fn start(&mut self, tokens: u64) {
@@ -401,9 +411,10 @@ impl Admission {
     /// has not scheduled yet; in slow start, at the limit, one does), never
     /// above what it was. Until the engine
     /// first queues, the limit starts at `SLOW_START` with the first
-    /// gauges read and doubles at each scrape that finds it reached, with
-    /// requests waiting here and none inside the engine (an engine whose
-    /// gauges cannot be read is never limited). After that, it is raised
+    /// gauges read and, at each scrape that finds it reached with requests
+    /// waiting here and none inside the engine, goes one over, then (the
+    /// engine running that one too) doubles (an engine whose gauges cannot
+    /// be read is never limited). After that, it is raised
     /// by one at most every `PROBE_MS`, on the same condition.
     pub fn observe(&self, backend: u32, running: u64, waiting: u64, now_ms: u64) {
         let mut st = self.state.lock();
@@ -424,7 +435,7 @@ impl Admission {
                     b.limit = seen;
                 }
                 b.changed_ms = now_ms;
-                b.slow_start = false;
+                (b.slow_start, b.probing) = (false, false);
             }
             b.queued_at = running;
             return;
@@ -436,7 +447,15 @@ impl Admission {
         }
         let reached = waiting == 0 && b.running >= b.limit && !b.waiting.is_empty();
         if reached && b.slow_start {
-            b.limit = b.limit.saturating_mul(2);
+            // One more first: an engine that runs it too has room, and the
+            // limit doubles; one that queues it is at its limit (above)
+            // with one request waiting inside it, not a doubling's worth,
+            // ahead of whatever this gateway would send first.
+            b.limit = match b.probing {
+                true => (b.limit - 1).saturating_mul(2),
+                false => b.limit + 1,
+            };
+            b.probing = !b.probing;
         } else if reached && now_ms >= b.changed_ms + PROBE_MS {
             b.limit += 1;
         } else {
@@ -456,9 +475,25 @@ impl Admission {
         weight: u32,
         tokens: u64,
     ) -> Admit {
+        self.admit_within(backend, class, tenant, weight, tokens, 0)
+    }
+
+    /// [`Admission::admit`], with the backend's prefill budget as of now
+    /// (`prefill_budget` tokens sent and not answered beyond one request;
+    /// 0: none).
+    pub fn admit_within(
+        self: &Arc<Self>,
+        backend: u32,
+        class: Class,
+        tenant: u64,
+        weight: u32,
+        tokens: u64,
+        prefill_budget: u64,
+    ) -> Admit {
         let mut st = self.state.lock();
         let queued = st.queued;
         let b = st.backends.entry(backend);
+        b.prefill_budget = prefill_budget;
         let last = b.tenants.get(&tenant).copied().unwrap_or(0);
         let start = last.max(b.vtime);
         let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
@@ -564,6 +599,7 @@ impl Admission {
                 max_prefilling: b.max_prefilling,
                 prefilling: b.prefilling,
                 prefill_tokens: b.prefill_tokens,
+                prefill_budget: b.prefill_budget,
             })
             .collect()
     }
@@ -590,6 +626,9 @@ pub struct Slots {
     /// Requests prefilling, and their estimated tokens.
     pub prefilling: u32,
     pub prefill_tokens: u64,
+    /// Prefill tokens it may have sent and not answered beyond one request
+    /// (`admission.prefill_queue_ms` at its learned cost; 0: none).
+    pub prefill_budget: u64,
 }
 
 /// Give the room `backend` has to its best waiters still there (one whose
@@ -861,12 +900,17 @@ mod tests {
         assert_eq!(limit_of(&a, 0).0, SLOW_START);
         running.push(now(a.admit(0, Class::Normal, t("t"), 1, 10)));
         let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
-        // Reached, with a waiter here and none inside the engine: doubled,
-        // and the waiter goes in.
+        // Reached, with a waiter here and none inside the engine: one more
+        // is tried, and the waiter goes in.
         a.observe(0, 4, 0, 2_000);
+        assert_eq!(limit_of(&a, 0).0, SLOW_START + 1);
+        running.push(ticket.wait().now_or_never().expect("let in"));
+        let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        // The engine runs it too: room to double into.
+        a.observe(0, 5, 0, 2_500);
         assert_eq!(limit_of(&a, 0).0, 2 * SLOW_START);
         running.push(ticket.wait().now_or_never().expect("let in"));
-        running.extend((0..3).map(|_| now(a.admit(0, Class::Normal, t("t"), 1, 10))));
+        running.extend((0..2).map(|_| now(a.admit(0, Class::Normal, t("t"), 1, 10))));
         // In slow start, at the limit, one scrape that finds requests
         // waiting inside the engine ends it: the engine runs 6 at most.
         a.observe(0, 6, 2, 3_000);

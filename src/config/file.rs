@@ -87,6 +87,7 @@ pub(crate) struct FileAdmission {
     /// from the engine's gauges).
     pub(crate) max_in_flight: u32,
     pub(crate) max_prefilling: u32,
+    pub(crate) prefill_queue_ms: u64,
     pub(crate) max_wait_ms: u64,
     pub(crate) max_queued: usize,
     pub(crate) priority_header: String,
@@ -100,6 +101,7 @@ impl Default for FileAdmission {
             enabled: false,
             max_in_flight: 0,
             max_prefilling: 0,
+            prefill_queue_ms: 0,
             max_wait_ms: 30_000,
             max_queued: 10_000,
             priority_header: "x-agent-serve-priority".into(),

@@ -185,6 +185,14 @@ pub struct AdmissionConfig {
     /// Of a backend's running requests, how many may be prefilling (sent,
     /// no first byte back) at once (0: no limit).
     pub max_prefilling: u32,
+    /// Without `max_prefilling`: how much prefill work (ms, at the
+    /// backend's learned cost a token) may be sent to a backend and not
+    /// yet answered, beyond one request (0: no limit, the default).
+    /// Requests inside an engine are served in arrival order; past this
+    /// they wait here, in order of class and fair share. For engines that
+    /// prefill one prompt at a time: where prefills run side by side it
+    /// holds back work the engine would have done at once.
+    pub prefill_queue: Duration,
     /// The longest a request waits for a slot before a 429.
     pub max_wait: Duration,
     /// Requests waiting at once, over all backends; more get a 429 at once.

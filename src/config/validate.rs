@@ -447,12 +447,19 @@ pub(super) fn validate_admission(
             "must be at most 3600000 (an hour)",
         ));
     }
+    if a.prefill_queue_ms > 600_000 {
+        errors.push(err(
+            "admission.prefill_queue_ms",
+            "must be at most 600000 (ten minutes; 0 turns it off)",
+        ));
+    }
     if a.max_queued == 0 || a.max_queued > 1_000_000 {
         errors.push(err("admission.max_queued", "must be between 1 and 1000000"));
     }
     AdmissionConfig {
         enabled: a.enabled,
         max_prefilling: a.max_prefilling,
+        prefill_queue: Duration::from_millis(a.prefill_queue_ms.min(600_000)),
         max_wait: Duration::from_millis(a.max_wait_ms),
         max_queued: a.max_queued.clamp(1, 1_000_000),
         priority_header,

@@ -24,6 +24,20 @@ fn socket_closed(socket: Option<&pingora_core::protocols::SocketDigest>) -> bool
         .is_some_and(|info| info.tcpi_state != TCP_ESTABLISHED)
 }
 
+/// The prefill tokens `backend` may have sent and not answered beyond one
+/// request (0: no limit): `admission.prefill_queue_ms` at its learned cost a
+/// token, unless `max_prefilling` counts requests instead.
+fn prefill_budget(ctx: &RequestCtx, backend: &Backend) -> u64 {
+    let Some(adm) = ctx.routing.as_ref().map(|r| &r.config.admission) else {
+        return 0;
+    };
+    if adm.max_prefilling > 0 || adm.prefill_queue.is_zero() {
+        return 0;
+    }
+    let us = backend.stats.cost.prefill_us_per_token(PREFILL_PRIOR_US, 1);
+    ((adm.prefill_queue.as_micros() as f64 / us.max(0.01)) as u64).max(1)
+}
+
 /// How often a request waiting for a slot looks whether its client left.
 const CLIENT_LOOK: std::time::Duration = std::time::Duration::from_millis(100);
 
@@ -217,11 +231,13 @@ impl GatewayProxy {
                 ctx.excluded.push(backend.slot);
                 return Box::pin(self.choose_peer(session, ctx)).await;
             };
-            if routing.config.admission.max_prefilling > 0 && ctx.asks_stream != Some(true) {
+            let adm = &routing.config.admission;
+            let counts_prefills = adm.max_prefilling > 0 || !adm.prefill_queue.is_zero();
+            if counts_prefills && ctx.asks_stream != Some(true) {
                 // An answer that does not stream shows no end of its
                 // prefill: it counts as prefilling for twice what that
                 // should take (a body not read yet is looked at on its way).
-                // Only a backend with `max_prefilling` counts it at all.
+                // Only `max_prefilling` and `prefill_queue_ms` count it at all.
                 let us = backend.stats.cost.prefill_us_per_token(PREFILL_PRIOR_US, 1);
                 let ms = (prefill as f64 * us * 2.0 / 1000.0) as u64;
                 let within = std::time::Duration::from_millis(ms.clamp(50, 10_000));
@@ -283,7 +299,15 @@ impl GatewayProxy {
         let m = &self.gw.metrics;
         let class = ctx.who.class.as_str();
         let weight = ctx.who.client.as_ref().map_or(1, |c| c.weight);
-        let ticket = match adm.admit(backend.slot, ctx.who.class, ctx.who.tenant, weight, tokens) {
+        let budget = prefill_budget(ctx, backend);
+        let ticket = match adm.admit_within(
+            backend.slot,
+            ctx.who.class,
+            ctx.who.tenant,
+            weight,
+            tokens,
+            budget,
+        ) {
             Admit::Now(p) => {
                 tier.metrics.admitted_now[ctx.who.class.index()].inc();
                 return Ok(Some(p));
