@@ -945,6 +945,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_prefill_budget_holds_requests_back_while_the_work_sent_is_over_it() {
+        use futures_util::FutureExt;
+        let a = Admission::new(100);
+        a.set_limit(0, Limit::Fixed(8), 0);
+        // The first always goes, however large; the next waits while the
+        // prefill sent and not answered is over the budget.
+        let mut big = now(a.admit_within(0, Class::Normal, t("a"), 1, 5_000, 1_000));
+        let ticket = waits(a.admit_within(0, Class::Normal, t("b"), 1, 100, 1_000));
+        big.prefilled();
+        let small = ticket
+            .wait()
+            .now_or_never()
+            .expect("let in at the first byte");
+        // Under the budget, more go side by side.
+        let more = now(a.admit_within(0, Class::Normal, t("c"), 1, 100, 1_000));
+        // Without one (0), only the slots count.
+        let free = now(a.admit_within(0, Class::Normal, t("d"), 1, 50_000, 0));
+        drop((big, small, more, free));
+    }
+
+    #[tokio::test]
     async fn retry_after_grows_with_the_queue_and_the_slot_hold_time() {
         let a = Admission::new(100);
         a.set_limit(0, Limit::Fixed(2), 0);
