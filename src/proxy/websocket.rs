@@ -146,6 +146,17 @@ impl Frames {
     }
 }
 
+/// Whether message `m` is an event of type `name` (quoted): its `"type"`
+/// member says so, not some text that happens to hold the name.
+fn is_event(m: &[u8], name: &[u8]) -> bool {
+    memchr::memmem::find_iter(m, name).any(|at| {
+        let before = m[..at].trim_ascii_end();
+        before
+            .strip_suffix(b":")
+            .is_some_and(|b| b.trim_ascii_end().ends_with(b"\"type\""))
+    })
+}
+
 /// An upgraded request's socket, as far as the gateway follows it.
 #[derive(Default)]
 pub(super) struct WebSocket {
@@ -166,7 +177,7 @@ impl WebSocket {
         let usage = &mut self.usage;
         let mut message = |m: &[u8]| {
             let finder = |needle: &[u8]| memchr::memmem::find(m, needle).is_some();
-            if finder(b"\"response.created\"") {
+            if is_event(m, b"\"response.created\"") {
                 if let Some(id) = ResponseIdScanner::default().push(m) {
                     created(&id);
                 }
@@ -285,6 +296,21 @@ mod tests {
             ws.client_bytes(&frame(0, true, &[b'a'; 600], mask), 1000),
             Err(1200)
         );
+    }
+
+    #[test]
+    fn only_a_response_created_event_names_a_response() {
+        let mut ids = Vec::new();
+        // An item with a member whose value is the event's name (a tool
+        // call's argument, say).
+        let delta = br#"{"type":"response.output_item.done","item":{"id":"msg_1","event":"response.created"}}"#;
+        let created =
+            br#"{"type" : "response.created","sequence_number":0,"response":{"id":"resp_y"}}"#;
+        let mut ws = WebSocket::default();
+        for m in [&delta[..], &created[..]] {
+            ws.backend_bytes(&frame(1, true, m, None), &mut |id| ids.push(id.to_string()));
+        }
+        assert_eq!(ids, ["resp_y"]);
     }
 
     #[test]
