@@ -344,12 +344,19 @@ fn bench_prefix(c: &mut Criterion) {
                 criterion::BatchSize::PerIteration,
             )
         });
-        // What was timed is a continuation (checked outside the timing).
-        let mut e = prefix
+        // What was timed is a continuation (checked outside the timing, on
+        // an index of its own: the benches run before it, or filtered out,
+        // leave the shared one in any state).
+        let fresh = Prefix::new(
+            &PrefixConfig::default(),
+            h.prefix_seed(),
+            Duration::from_secs(1800),
+        );
+        let mut e = fresh
             .read("default", Some("qwen3-8b"), true, &earlier_probe)
             .unwrap();
-        e.routed(&prefix, 3, false);
-        let p = prefix
+        e.routed(&fresh, 3, false);
+        let p = fresh
             .read("default", Some("qwen3-8b"), true, &probe)
             .unwrap();
         assert_eq!(
