@@ -465,8 +465,8 @@ impl Admission {
         fill(&mut st, backend);
     }
 
-    /// A request of `tenant` (an id: fair-share `weight`, at least 1),
-    /// estimated at `tokens`, in `class`, for `backend`.
+    /// [`Admission::admit_within`] with no prefill budget (the tests' way in).
+    #[cfg(test)]
     pub fn admit(
         self: &Arc<Self>,
         backend: u32,
@@ -478,9 +478,10 @@ impl Admission {
         self.admit_within(backend, class, tenant, weight, tokens, 0)
     }
 
-    /// [`Admission::admit`], with the backend's prefill budget as of now
-    /// (`prefill_budget` tokens sent and not answered beyond one request;
-    /// 0: none).
+    /// A request of `tenant` (an id: fair-share `weight`, at least 1),
+    /// estimated at `tokens`, in `class`, for `backend`, whose prefill
+    /// budget is now `prefill_budget` tokens sent and not answered beyond
+    /// one request (0: none).
     pub fn admit_within(
         self: &Arc<Self>,
         backend: u32,

@@ -677,11 +677,10 @@ mod tests {
             assert_eq!(go(&a, &s, &c).backend, (elsewhere + 1) % 3, "{i}");
         }
         // A backend over its bound takes no fork: 9 sessions bound there.
+        let only_0: Vec<_> = c.iter().copied().filter(|c| c.slot == 0).collect();
         for i in 0..9 {
             let s = SessionRef::new(&h, KeyKind::Session, "t", &format!("s{i}"));
-            let mut pinned: Vec<_> = c.iter().copied().filter(|c| c.slot == 0).collect();
-            drop(go(&a, &s, &pinned[..]).lease);
-            pinned.clear();
+            drop(go(&a, &s, &only_0).lease);
         }
         let mut fork = SessionRef::conversation(99);
         fork.probation = true;

@@ -214,30 +214,35 @@ impl UsageScanner {
     /// counts its input in `message_start` and its output at the end, in
     /// `message_delta` (`output_tokens` alone): the later output count wins.
     pub fn usage(&self) -> Option<Usage> {
-        const NEEDLE: &[u8] = b"\"usage\"";
-        let mut end = self.tail.len();
-        let mut output_after = None;
-        while let Some(pos) = memchr::memmem::rfind(&self.tail[..end], NEEDLE) {
-            let rest = &self.tail[pos + NEEDLE.len()..];
-            let rest = trim_start(rest);
-            if let Some(after_colon) = rest.strip_prefix(b":") {
-                let mut it = serde_json::Deserializer::from_slice(trim_start(after_colon))
-                    .into_iter::<UsageJson>();
-                if let Some(json) = it.next().and_then(Result::ok) {
-                    let output = json.output_tokens;
-                    if let Some(mut usage) = json.usage() {
-                        if let Some(later) = output_after {
-                            usage.completion_tokens = later;
-                        }
-                        return Some(usage);
-                    }
-                    output_after = output_after.or(output);
-                }
-            }
-            end = pos;
-        }
-        None
+        usage_in(&self.tail)
     }
+}
+
+/// The last non-null `usage` object in `bytes` (see [`UsageScanner::usage`]).
+pub fn usage_in(bytes: &[u8]) -> Option<Usage> {
+    const NEEDLE: &[u8] = b"\"usage\"";
+    let mut end = bytes.len();
+    let mut output_after = None;
+    while let Some(pos) = memchr::memmem::rfind(&bytes[..end], NEEDLE) {
+        let rest = &bytes[pos + NEEDLE.len()..];
+        let rest = trim_start(rest);
+        if let Some(after_colon) = rest.strip_prefix(b":") {
+            let mut it = serde_json::Deserializer::from_slice(trim_start(after_colon))
+                .into_iter::<UsageJson>();
+            if let Some(json) = it.next().and_then(Result::ok) {
+                let output = json.output_tokens;
+                if let Some(mut usage) = json.usage() {
+                    if let Some(later) = output_after {
+                        usage.completion_tokens = later;
+                    }
+                    return Some(usage);
+                }
+                output_after = output_after.or(output);
+            }
+        }
+        end = pos;
+    }
+    None
 }
 
 /// Reads a Responses answer's id from its start: a JSON body's top-level

@@ -11,7 +11,7 @@
 //! - a `response.created` event's id is learned, as a JSON answer's is, so a
 //!   follow-up over HTTP finds the replica that stored it.
 
-use super::response::{ResponseIdScanner, Usage, UsageScanner};
+use super::response::{usage_in, ResponseIdScanner, Usage};
 
 /// A backend message larger than this is passed on unread.
 const READ_AT_MOST: usize = 1 << 20;
@@ -176,24 +176,19 @@ impl WebSocket {
     pub fn backend_bytes(&mut self, chunk: &[u8], created: &mut impl FnMut(&str)) {
         let usage = &mut self.usage;
         let mut message = |m: &[u8]| {
-            let finder = |needle: &[u8]| memchr::memmem::find(m, needle).is_some();
             if is_event(m, b"\"response.created\"") {
                 if let Some(id) = ResponseIdScanner::default().push(m) {
                     created(&id);
                 }
             }
-            if finder(b"\"usage\"") {
-                let mut scanner = UsageScanner::default();
-                scanner.push(m);
-                if let Some(u) = scanner.usage() {
-                    let sum = usage.get_or_insert_with(Usage::default);
-                    sum.prompt_tokens += u.prompt_tokens;
-                    sum.completion_tokens += u.completion_tokens;
-                    sum.cached_tokens = match (sum.cached_tokens, u.cached_tokens) {
-                        (None, None) => None,
-                        (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
-                    };
-                }
+            if let Some(u) = usage_in(m) {
+                let sum = usage.get_or_insert_with(Usage::default);
+                sum.prompt_tokens += u.prompt_tokens;
+                sum.completion_tokens += u.completion_tokens;
+                sum.cached_tokens = match (sum.cached_tokens, u.cached_tokens) {
+                    (None, None) => None,
+                    (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+                };
             }
         };
         // The backend's messages have no limit of the gateway's.
