@@ -290,22 +290,16 @@ async fn client_keys_give_401_and_429_per_limit_and_reload_with_sighup() {
         keys_file(&[("sk-alpha-secret", "alpha", "    max_in_flight: 1\n")]),
     )
     .unwrap();
-    let log = dir.path().join("gateway.log");
     let sims = [SimBackend::start("vllm-0", &[])];
-    let gw_dir = tempfile::tempdir().unwrap();
-    let (port, metrics_port) = (free_port(), free_port_pair());
-    let yaml = config_yaml(
-        port,
-        metrics_port,
-        gw_dir.path(),
+    let (gw, log) = Gateway::start_logging(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
         &format!(
             "{FAST_HEALTH}{}auth:\n  keys_file: \"{}\"\n  required: true\n  upstream_authorization: strip\n",
             affinity_yaml(600),
             keys.display()
         ),
-    );
-    let gw = Gateway::start_yaml_logging_to_file(gw_dir, port, metrics_port, &yaml, &log).await;
+    )
+    .await;
     let c = client();
     let body = chat_body("qwen3-8b", 0);
     // No key, a wrong key: 401.
@@ -1026,12 +1020,9 @@ async fn queued_for_the_first(
     impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>>,
     Vec<tokio::task::JoinHandle<(u16, String)>>,
 ) {
-    let sims: Vec<SimBackend> = (0..2)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
-    let gw = Gateway::start_with(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        |_| server_lines.to_string(),
+    let (sims, gw) = fleet_serving(
+        2,
+        server_lines,
         &format!(
             "{FAST_HEALTH}{}admission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: 60000\n{extra}",
             affinity_yaml(600)

@@ -170,13 +170,10 @@ impl Blackhole {
 
 #[tokio::test]
 async fn a_client_leaving_mid_wait_does_not_wedge_its_session() {
-    let mut sims: Vec<SimBackend> = (0..2)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
-    let gw = Gateway::start_with(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+    let (mut sims, gw) = fleet_serving(
+        2,
         // The first request stays stuck connecting until the test lets it fail.
-        |_| "  connect_timeout_ms: 30000\n".to_string(),
+        "  connect_timeout_ms: 30000\n",
         &format!(
             "health:\n  interval_ms: 3600000\n{}",
             affinity("  single_flight_wait_ms: 30000\n")

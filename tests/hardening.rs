@@ -29,21 +29,11 @@ async fn one_replica(server: &str) -> (SimBackend, Gateway) {
 
 /// A fleet of 3 with passive health set to eject after `failures`.
 async fn fleet_ejecting(failures: u32, server: &str) -> (Vec<SimBackend>, Gateway) {
-    let sims: Vec<SimBackend> = (0..3)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
     let extra = format!(
         "{FAST_HEALTH}{}outlier:\n  consecutive_failures: {failures}\n  base_ejection_ms: 600000\n  max_ejection_ms: 600000\n",
         affinity_yaml(1800)
     );
-    let server = server.to_string();
-    let gw = Gateway::start_with(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        move |_| server,
-        &extra,
-    )
-    .await;
-    (sims, gw)
+    fleet_serving(3, server, &extra).await
 }
 
 fn sim<'a>(sims: &'a [SimBackend], id: &str) -> &'a SimBackend {

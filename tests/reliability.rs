@@ -200,23 +200,10 @@ async fn a_fleet_failing_every_request_does_not_flood_the_log() {
     let mut sims: Vec<SimBackend> = (0..2)
         .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
         .collect();
-    let dir = tempfile::tempdir().unwrap();
-    let (port, mport) = (free_port(), free_port_pair());
     // Health checks that never notice: every request tries both backends.
-    let yaml = config_yaml(
-        port,
-        mport,
-        dir.path(),
+    let (mut gw, log_path) = Gateway::start_logging(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
         &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(1800)),
-    );
-    let log_path = dir.path().join("gateway.log");
-    let gw = Gateway::start_yaml_logging_to_file(
-        tempfile::tempdir().unwrap(),
-        port,
-        mport,
-        &yaml,
-        &log_path,
     )
     .await;
     for s in sims.iter_mut() {
@@ -236,7 +223,8 @@ async fn a_fleet_failing_every_request_does_not_flood_the_log() {
         assert_eq!(r.status, 502);
     }
     let elapsed = started.elapsed().as_secs_f64();
-    drop(gw);
+    // Stopped, its log complete (the log lives in its directory: not dropped).
+    gw.stop();
     let text = std::fs::read_to_string(&log_path).unwrap();
     let lines = text
         .lines()

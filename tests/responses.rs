@@ -437,12 +437,9 @@ async fn a_websocket_upgrade_is_pinned_like_a_turn_of_its_session() {
 /// `server.max_body_bytes` ends it, though the socket's turns together pass it.
 #[tokio::test]
 async fn a_keyless_socket_teaches_its_response_ids_and_idles_between_turns() {
-    let sims: Vec<SimBackend> = (0..3)
-        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
-        .collect();
-    let gw = Gateway::start_with(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        |_| "  body_idle_timeout_ms: 300\n  max_body_bytes: 2048\n".into(),
+    let (_sims, gw) = fleet_serving(
+        3,
+        "  body_idle_timeout_ms: 300\n  max_body_bytes: 2048\n",
         &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
     )
     .await;

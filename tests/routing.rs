@@ -515,23 +515,10 @@ async fn a_request_id_is_echoed_or_made_and_goes_upstream() {
 #[tokio::test]
 async fn pingoras_error_lines_name_the_request_id() {
     let mut sim = SimBackend::start("vllm-0", &[]);
-    let dir = tempfile::tempdir().unwrap();
-    let (port, mport) = (free_port(), free_port_pair());
     // Health checks that never notice: the request meets the dead backend.
-    let yaml = config_yaml(
-        port,
-        mport,
-        dir.path(),
+    let (gw, log_path) = Gateway::start_logging(
         &[tier("default", true, &[], &[&sim])],
         &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(600)),
-    );
-    let log_path = dir.path().join("gateway.log");
-    let gw = Gateway::start_yaml_logging_to_file(
-        tempfile::tempdir().unwrap(),
-        port,
-        mport,
-        &yaml,
-        &log_path,
     )
     .await;
     sim.kill();

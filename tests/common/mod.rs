@@ -272,6 +272,18 @@ impl Gateway {
         Self::start_yaml(dir, port, metrics_port, &yaml).await
     }
 
+    /// Like [`Gateway::start`], its log written to `gateway.log` in its own
+    /// directory (the path returned), for a test that reads what it logged.
+    pub async fn start_logging(tiers: &[TierSpec<'_>], extra: &str) -> (Gateway, PathBuf) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        let metrics_port = free_port_pair();
+        let yaml = config_yaml(port, metrics_port, dir.path(), tiers, extra);
+        let log = dir.path().join("gateway.log");
+        let gw = Self::start_yaml_logging_to_file(dir, port, metrics_port, &yaml, &log).await;
+        (gw, log)
+    }
+
     pub async fn start_yaml(
         dir: tempfile::TempDir,
         port: u16,
@@ -636,11 +648,18 @@ pub async fn fleet(n: usize, extra: &str) -> (Vec<SimBackend>, Gateway) {
 
 /// Like [`fleet`], with every YAML section after `tiers` given (no default health).
 pub async fn fleet_with(n: usize, sections: &str) -> (Vec<SimBackend>, Gateway) {
+    fleet_serving(n, "", sections).await
+}
+
+/// Like [`fleet_with`], with `server` (indented YAML) added to the `server` section.
+pub async fn fleet_serving(n: usize, server: &str, sections: &str) -> (Vec<SimBackend>, Gateway) {
     let sims: Vec<SimBackend> = (0..n)
         .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
         .collect();
-    let gw = Gateway::start(
+    let server = server.to_string();
+    let gw = Gateway::start_with(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        move |_| server,
         sections,
     )
     .await;
