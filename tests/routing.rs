@@ -516,7 +516,7 @@ async fn a_request_id_is_echoed_or_made_and_goes_upstream() {
 async fn pingoras_error_lines_name_the_request_id() {
     let mut sim = SimBackend::start("vllm-0", &[]);
     // Health checks that never notice: the request meets the dead backend.
-    let (gw, log_path) = Gateway::start_logging(
+    let (mut gw, log_path) = Gateway::start_logging(
         &[tier("default", true, &[], &[&sim])],
         &format!("health:\n  interval_ms: 3600000\n{}", affinity_yaml(600)),
     )
@@ -531,7 +531,8 @@ async fn pingoras_error_lines_name_the_request_id() {
     .await;
     assert_eq!(r.status, 502);
     assert_eq!(r.headers["x-request-id"], "req-in-the-log");
-    drop(gw);
+    // Stopped, its log complete (the log lives in its directory: not dropped).
+    gw.stop();
     let text = std::fs::read_to_string(&log_path).unwrap();
     assert!(
         text.lines()
