@@ -77,6 +77,8 @@ load: { interval_ms: 250 }
 auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
     learned) section="admission: { enabled: true }
 auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
+    learned-gated) section="admission: { enabled: true, max_prefilling: 1 }
+auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
     learned-budget) section="admission: { enabled: true, prefill_queue_ms: 250 }
 auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
   esac

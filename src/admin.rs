@@ -147,7 +147,12 @@ impl AdminApp {
                     // 0: none (or, learning, none learned yet).
                     "max_in_flight": s.limit,
                     "limit_source": s.source.as_str(),
+                    // In force (0: none), and where it comes from
+                    // (learned: 1 while the engine's answers show its
+                    // prefills queue behind each other; 2 during a probe).
                     "max_prefilling": s.max_prefilling,
+                    "prefill_source": s.prefill_source.as_str(),
+                    "prefill_votes": s.prefill_votes,
                     "prefilling": s.prefilling,
                     // Their estimated prefill, tokens.
                     "prefill_tokens": s.prefill_tokens,

@@ -20,7 +20,10 @@
 //! byte back yet): on an engine whose prefill is compute-bound and one at a
 //! time, a request let in behind three others' prefills waits for all three
 //! inside the engine, where no class or tenant counts; held here instead, it
-//! goes next in fair order.
+//! goes next in fair order. With no cap configured, admission learns
+//! whether it needs one: answers sent behind others' prefills that waited
+//! for them vote for one prefill at a time, answers that ran beside them
+//! against it (see [`Admission::vote_prefill`]).
 
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
@@ -73,7 +76,8 @@ const MAX_TENANTS: usize = 4096;
 type Place = (Class, u64, u64);
 
 struct Waiter {
-    wake: oneshot::Sender<()>,
+    /// Sent whether it starts as a probe.
+    wake: oneshot::Sender<bool>,
     /// Its virtual start tag.
     start: u64,
     /// Its estimated prefill, tokens.
@@ -87,8 +91,41 @@ struct Backend {
     /// Of `running`, those whose first byte has not come back (prefilling,
     /// or queued for it inside the engine).
     prefilling: u32,
-    /// How many may be prefilling at once (0: no limit).
+    /// How many may be prefilling at once (0: no limit, or learned).
     max_prefilling: u32,
+    /// With no `max_prefilling`: one at a time once the engine's answers
+    /// show its prefills queue behind each other.
+    learn_prefill: bool,
+    /// The answers' votes: each sent behind others' prefill that waited
+    /// for it +1, each that ran beside it -1, within ±[`VOTES_MAX`]. Before
+    /// the first, once the engine's gauges were read, prefills are taken to
+    /// queue (a GPU's prefill is compute-bound; a burst sent before any
+    /// answer came back would all queue inside the engine), and probes come
+    /// at every scrape until an answer votes.
+    prefill_votes: i8,
+    voted: bool,
+    /// The engine's gauges were read (the scraper runs for it) and no
+    /// vote came within [`TRUST_MS`] of the first reading: until then the
+    /// cap is one on trust.
+    trusted: bool,
+    /// When the gauges were first read (process clock, ms; 0: never).
+    gauged_ms: u64,
+    /// An answer taught what one prefill costs there: only a probe sent
+    /// since then can vote.
+    cost_known: bool,
+    /// The learned cap is one: one request may still start as a second
+    /// prefill, whose answer votes again (an engine that stopped queueing
+    /// prefills shows it). Set at most every [`PREFILL_PROBE_MS`].
+    prefill_probe: bool,
+    /// When the last probe was allowed (process clock, ms).
+    probed_ms: u64,
+    /// A probe started and has not ended: no other is allowed until it has
+    /// (and voted, if it could).
+    probe_out: bool,
+    /// Probes in a row sent behind too little work to tell: at
+    /// [`UNCLEAR_PROBES`], a vote that prefills run side by side (whatever
+    /// they do, ones this short gain little from a cap).
+    unclear: u8,
     /// The estimated prefill tokens of those prefilling.
     prefill_tokens: u64,
     waiting: BTreeMap<Place, Waiter>,
@@ -139,6 +176,36 @@ impl LimitSource {
     }
 }
 
+/// A backend's cap on requests prefilling at once, as the config sets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prefill {
+    /// No cap.
+    None,
+    Fixed(u32),
+    /// One at a time where the answers show prefills queue behind each
+    /// other, else none: see [`Admission::vote_prefill`].
+    Learn,
+}
+
+/// Net votes at which prefills are taken to queue behind each other, and
+/// the most they count up to either way (a change of engine undoes at most
+/// that many).
+const SERIAL_VOTES: i8 = 2;
+const VOTES_MAX: i8 = 4;
+
+/// How long a cap of one is kept on trust with no vote: an engine whose
+/// answers never teach what one prefill costs (prompts under 64 uncached
+/// tokens) or never wait behind enough work to tell is not capped for good.
+const TRUST_MS: u64 = 30_000;
+
+/// Probes in a row that could not tell before they count as one vote
+/// against a cap (see `Backend::unclear`).
+const UNCLEAR_PROBES: u8 = 3;
+
+/// A learned cap of one lets one request by as a second prefill at most
+/// this often, so that the engine keeps voting.
+const PREFILL_PROBE_MS: u64 = 10_000;
+
 /// A backend's limit as the config sets it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Limit {
@@ -148,6 +215,9 @@ pub enum Limit {
     /// Learned from the engine's gauges: see [`Admission::observe`].
     Learn,
 }
+
+/// Waiters counted ahead of a request at most ([`Admission::mark`]).
+const AHEAD_COUNTED: usize = 1024;
 
 /// A learned limit is raised by one (to find room an engine gained) after
 /// this long at the limit with requests waiting here and none inside it.
@@ -164,17 +234,49 @@ const HOLD_PRIOR_MS: f64 = 1_000.0;
 impl Backend {
     /// Whether one more request may start here now.
     fn has_room(&self) -> bool {
+        let max_prefilling = self.max_prefilling();
         (self.limit == 0 || self.running < self.limit)
-            && (self.max_prefilling == 0 || self.prefilling < self.max_prefilling)
+            && (max_prefilling == 0 || self.prefilling < max_prefilling)
             && (self.prefill_budget == 0
                 || self.prefilling == 0
                 || self.prefill_tokens < self.prefill_budget)
     }
 
-    fn start(&mut self, tokens: u64) {
+    /// The cap on requests prefilling at once in force (0: none):
+    /// configured, or learned (one, and a probe's second).
+    fn max_prefilling(&self) -> u32 {
+        match self.max_prefilling {
+            0 if self.prefills_queue() => 1 + self.prefill_probe as u32,
+            n => n,
+        }
+    }
+
+    /// Learning, and the engine's answers show its prefills queue (or,
+    /// none having voted yet, its gauges were read).
+    fn prefills_queue(&self) -> bool {
+        self.learn_prefill
+            && match self.voted {
+                true => self.prefill_votes >= SERIAL_VOTES,
+                false => self.trusted,
+            }
+    }
+
+    fn next_is_probe(&self) -> bool {
+        self.prefill_probe && self.prefills_queue() && self.prefilling >= 1
+    }
+
+    /// One more request starts: whether it is a probe, let by as a second
+    /// prefill under a learned cap of one (its answer votes even when the
+    /// work ahead of it was too little to tell).
+    fn start(&mut self, tokens: u64) -> bool {
+        let probe = self.next_is_probe();
+        if probe {
+            (self.prefill_probe, self.probe_out) = (false, true);
+        }
         self.running += 1;
         self.prefilling += 1;
         self.prefill_tokens += tokens;
+        probe
     }
 
     /// One request of `tokens` is no longer prefilling.
@@ -233,6 +335,9 @@ pub struct Permit {
     since: Instant,
     /// Its estimated prefill, tokens.
     tokens: u64,
+    /// Let by as a second prefill under a learned cap of one: its answer
+    /// votes even when the work ahead of it was too little to tell.
+    pub probe: bool,
     /// No longer prefilling: its first byte came back, or the time its
     /// prefill should take passed (see [`Permit::prefill_within`]): shared
     /// with that clock once it runs.
@@ -242,12 +347,13 @@ pub struct Permit {
 }
 
 impl Permit {
-    fn new(admission: &Arc<Admission>, backend: u32, tokens: u64) -> Permit {
+    fn new(admission: &Arc<Admission>, backend: u32, tokens: u64, probe: bool) -> Permit {
         Permit {
             admission: Arc::clone(admission),
             backend,
             since: Instant::now(),
             tokens,
+            probe,
             prefilled: None,
             done: false,
         }
@@ -305,6 +411,7 @@ impl Drop for Permit {
             self.backend,
             Some(held_ms),
             (!prefilled).then_some(self.tokens),
+            self.probe,
         );
     }
 }
@@ -316,7 +423,7 @@ pub struct Ticket {
     backend: u32,
     place: Place,
     tokens: u64,
-    woken: Option<oneshot::Receiver<()>>,
+    woken: Option<oneshot::Receiver<bool>>,
 }
 
 impl Ticket {
@@ -325,11 +432,12 @@ impl Ticket {
         // Awaited in place: if this wait is dropped (client gone, deadline
         // past), the ticket's drop still sees whether a slot came and
         // passes it on. The sender goes only after handing the slot over.
-        if let Some(woken) = self.woken.as_mut() {
-            let _ = woken.await;
-        }
+        let probe = match self.woken.as_mut() {
+            Some(woken) => woken.await.unwrap_or(false),
+            None => false,
+        };
         self.woken = None;
-        Permit::new(&self.admission, self.backend, self.tokens)
+        Permit::new(&self.admission, self.backend, self.tokens, probe)
     }
 }
 
@@ -344,11 +452,11 @@ impl Drop for Ticket {
                 .is_some();
             if left {
                 st.queued -= 1;
-            } else if woken.try_recv().is_ok() {
+            } else if let Ok(probe) = woken.try_recv() {
                 // Handed a slot, then gone before using it: pass it on.
                 drop(st);
                 self.admission
-                    .release(self.backend, None, Some(self.tokens));
+                    .release(self.backend, None, Some(self.tokens), probe);
             }
         }
     }
@@ -386,9 +494,9 @@ impl Admission {
     }
 
     /// Set how many requests `backend` runs at once, and how many of them
-    /// may be prefilling (0: no limit); raised limits take waiters in at
-    /// once. A limit being learned keeps what was learned.
-    pub fn set_limit(&self, backend: u32, limit: Limit, max_prefilling: u32) {
+    /// may be prefilling; raised limits take waiters in at once. A limit
+    /// being learned keeps what was learned; the prefill votes are kept.
+    pub fn set_limit(&self, backend: u32, limit: Limit, prefill: Prefill) {
         let mut st = self.state.lock();
         let b = st.backends.entry(backend);
         match limit {
@@ -399,8 +507,74 @@ impl Admission {
                 (b.limit, b.source, b.queued_at) = (0, LimitSource::Learned, 0);
             }
         }
-        b.max_prefilling = max_prefilling;
+        (b.max_prefilling, b.learn_prefill) = match prefill {
+            _ if limit == Limit::None => (0, false),
+            Prefill::None => (0, false),
+            Prefill::Fixed(n) => (n, false),
+            Prefill::Learn => (0, true),
+        };
         fill(&mut st, backend);
+    }
+
+    /// An answer from `backend` that was sent behind others' prefill work
+    /// (enough to tell from noise) waited for it (`Some(true)`) or ran
+    /// beside it (`Some(false)`); `None`: a probe sent behind too little
+    /// work to tell. Once waiting wins by [`SERIAL_VOTES`], a backend without a
+    /// configured cap prefills one request at a time: one sent behind three
+    /// prefills would wait for all three inside the engine, where no class
+    /// or tenant counts. Where prefills run side by side, the cap would
+    /// only hold back work the engine does at once, so it is never set
+    /// without this evidence.
+    /// The first answer that taught what one prefill costs at `backend`
+    /// came back: until then no probe could vote. A backend that has had
+    /// no vote yet is probed at once (not at its next scrape: a burst of
+    /// requests is waiting behind the cap it was given on trust).
+    pub fn prefill_cost_known(&self, backend: u32) {
+        let mut st = self.state.lock();
+        let Some(b) = st.backends.get_mut(&backend) else {
+            return;
+        };
+        b.cost_known = true;
+        if b.prefills_queue() && !b.voted && !b.prefill_probe && !b.probe_out {
+            (b.prefill_probe, b.probed_ms) = (true, crate::clock::now_ms());
+            fill(&mut st, backend);
+        }
+    }
+
+    /// Returns the cap's new state when the vote changed it (`true`: one
+    /// at a time).
+    pub fn vote_prefill(&self, backend: u32, vote: Option<bool>) -> Option<bool> {
+        let mut st = self.state.lock();
+        let Some(b) = st.backends.get_mut(&backend) else {
+            return None;
+        };
+        let queued = match vote {
+            Some(v) => {
+                b.unclear = 0;
+                v
+            }
+            None => {
+                b.unclear += 1;
+                if b.unclear < UNCLEAR_PROBES {
+                    return None;
+                }
+                b.unclear = 0;
+                false
+            }
+        };
+        let before = b.prefills_queue();
+        if !b.voted {
+            (b.voted, b.prefill_votes) = (true, SERIAL_VOTES);
+        }
+        b.prefill_votes = match queued {
+            true => (b.prefill_votes + 1).min(VOTES_MAX),
+            false => (b.prefill_votes - 1).max(-VOTES_MAX),
+        };
+        let after = b.prefills_queue();
+        if before && !after {
+            fill(&mut st, backend);
+        }
+        (before != after).then_some(after)
     }
 
     /// The engine behind `backend` reported `running` requests and
@@ -418,6 +592,27 @@ impl Admission {
     /// by one at most every `PROBE_MS`, on the same condition.
     pub fn observe(&self, backend: u32, running: u64, waiting: u64, now_ms: u64) {
         let mut st = self.state.lock();
+        let Some(b) = st.backends.get_mut(&backend) else {
+            return;
+        };
+        if b.gauged_ms == 0 {
+            b.gauged_ms = now_ms.max(1);
+        }
+        let trusting = now_ms < b.gauged_ms + TRUST_MS;
+        if b.trusted != trusting {
+            b.trusted = trusting;
+            fill(&mut st, backend);
+        }
+        let Some(b) = st.backends.get_mut(&backend) else {
+            return;
+        };
+        let period = if b.voted { PREFILL_PROBE_MS } else { 0 };
+        let due =
+            b.cost_known && !b.prefill_probe && !b.probe_out && now_ms >= b.probed_ms + period;
+        if b.prefills_queue() && due {
+            (b.prefill_probe, b.probed_ms) = (true, now_ms);
+            fill(&mut st, backend);
+        }
         let Some(b) = st.backends.get_mut(&backend) else {
             return;
         };
@@ -499,10 +694,10 @@ impl Admission {
         let start = last.max(b.vtime);
         let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
         if b.has_room() && b.waiting.is_empty() {
-            b.start(tokens);
+            let probe = b.start(tokens);
             b.vtime = b.vtime.max(start);
             remember(b, tenant, finish);
-            return Admit::Now(Permit::new(self, backend, tokens));
+            return Admit::Now(Permit::new(self, backend, tokens, probe));
         }
         if queued >= self.max_queued {
             return Admit::Full;
@@ -532,9 +727,10 @@ impl Admission {
     /// A slot of `backend` is free (after `held_ms` in use, when it was;
     /// `prefilling`: the tokens of a request whose prefill was not over):
     /// hand it on to the best waiters there is room for.
-    fn release(&self, backend: u32, held_ms: Option<f64>, prefilling: Option<u64>) {
+    fn release(&self, backend: u32, held_ms: Option<f64>, prefilling: Option<u64>, probe: bool) {
         let mut st = self.state.lock();
         if let Some(b) = st.backends.get_mut(&backend) {
+            b.probe_out &= !probe;
             if let Some(ms) = held_ms {
                 b.hold_ms = match b.hold_ms {
                     0.0 => ms,
@@ -567,14 +763,23 @@ impl Admission {
     }
 
     /// Mark the candidates whose slots are all taken (`full`: new
-    /// conversations go where there is room) and count the requests waiting
-    /// for each as in flight there (they will be).
-    pub fn mark(&self, candidates: &mut [crate::affinity::Candidate]) {
+    /// conversations go where there is room), count the requests waiting
+    /// for each as in flight there (they will be), and of those, the ones
+    /// a request of `class` from `tenant` would wait behind (`ahead`: those
+    /// of a higher class, or of its own whose finish tag is no later than
+    /// where its own would start; at most [`AHEAD_COUNTED`]).
+    pub fn mark(&self, candidates: &mut [crate::affinity::Candidate], class: Class, tenant: u64) {
         let st = self.state.lock();
         for c in candidates {
             if let Some(b) = st.backends.get(&c.slot) {
                 c.full = !b.has_room() || !b.waiting.is_empty();
                 c.in_flight += b.waiting.len() as u64;
+                let start = b.tenants.get(&tenant).copied().unwrap_or(0).max(b.vtime);
+                c.ahead = b
+                    .waiting
+                    .range(..(class, start + 1, 0))
+                    .take(AHEAD_COUNTED)
+                    .count() as u64;
             }
         }
     }
@@ -597,12 +802,28 @@ impl Admission {
                 running: b.running,
                 limit: b.limit,
                 source: b.source,
-                max_prefilling: b.max_prefilling,
+                max_prefilling: b.max_prefilling(),
+                prefill_source: match (b.max_prefilling, b.learn_prefill) {
+                    (0, true) => LimitSource::Learned,
+                    (0, false) => LimitSource::None,
+                    _ => LimitSource::Configured,
+                },
+                prefill_votes: b.prefill_votes,
                 prefilling: b.prefilling,
                 prefill_tokens: b.prefill_tokens,
                 prefill_budget: b.prefill_budget,
             })
             .collect()
+    }
+
+    /// Whether `backend` caps its requests prefilling now (configured, or
+    /// learned): an answer that does not stream then needs its prefill
+    /// clock ([`Permit::prefill_within`]).
+    pub fn caps_prefill(&self, backend: u32) -> bool {
+        let st = self.state.lock();
+        st.backends
+            .get(&backend)
+            .is_some_and(|b| b.max_prefilling() > 0 || b.prefill_budget > 0)
     }
 
     /// Requests waiting for `backend`, and running there.
@@ -623,7 +844,13 @@ pub struct Slots {
     /// 0: none (or none learned yet).
     pub limit: u32,
     pub source: LimitSource,
+    /// The cap on requests prefilling in force (0: none).
     pub max_prefilling: u32,
+    /// Where it comes from (learned: one while the answers' votes say the
+    /// engine's prefills queue, else none).
+    pub prefill_source: LimitSource,
+    /// Those votes: positive, prefills queued behind each other.
+    pub prefill_votes: i8,
     /// Requests prefilling, and their estimated tokens.
     pub prefilling: u32,
     pub prefill_tokens: u64,
@@ -647,7 +874,7 @@ fn fill(st: &mut State, backend: u32) {
             return;
         };
         st.queued -= 1;
-        if w.wake.send(()).is_ok() {
+        if w.wake.send(b.next_is_probe()).is_ok() {
             b.start(w.tokens);
             b.vtime = b.vtime.max(w.start);
         }
@@ -716,7 +943,7 @@ mod tests {
     #[tokio::test]
     async fn a_backend_runs_its_limit_and_hands_a_freed_slot_to_a_waiter() {
         let a = Admission::new(100);
-        a.set_limit(0, Limit::Fixed(2), 0);
+        a.set_limit(0, Limit::Fixed(2), Prefill::None);
         let p1 = now(a.admit(0, Class::Normal, t("t"), 1, 100));
         let _p2 = now(a.admit(0, Class::Normal, t("t"), 1, 100));
         let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 100));
@@ -731,7 +958,7 @@ mod tests {
     #[tokio::test]
     async fn interactive_turns_go_before_normal_and_batch_whenever_they_came() {
         let a = Admission::new(100);
-        a.set_limit(0, Limit::Fixed(1), 0);
+        a.set_limit(0, Limit::Fixed(1), Prefill::None);
         let first = now(a.admit(0, Class::Batch, t("t"), 1, 10));
         let tickets = vec![
             ("batch", waits(a.admit(0, Class::Batch, t("t"), 1, 10))),
@@ -750,7 +977,7 @@ mod tests {
     #[tokio::test]
     async fn one_tenants_long_prompts_do_not_starve_anothers_short_ones() {
         let a = Admission::new(100);
-        a.set_limit(0, Limit::Fixed(1), 0);
+        a.set_limit(0, Limit::Fixed(1), Prefill::None);
         let first = now(a.admit(0, Class::Normal, t("noisy"), 1, 8_000));
         // The noisy tenant queues four long prompts, then the quiet one two
         // short ones: the quiet tenant's come next, not after all of noisy's.
@@ -774,8 +1001,8 @@ mod tests {
     #[tokio::test]
     async fn a_backend_whose_queue_ran_ahead_does_not_push_back_anothers_newcomer() {
         let a = Admission::new(100);
-        a.set_limit(0, Limit::Fixed(1), 0);
-        a.set_limit(1, Limit::Fixed(1), 0);
+        a.set_limit(0, Limit::Fixed(1), Prefill::None);
+        a.set_limit(1, Limit::Fixed(1), Prefill::None);
         let first = now(a.admit(0, Class::Normal, t("noisy"), 1, 1_000));
         let busy = now(a.admit(1, Class::Normal, t("noisy"), 1, 1_000));
         let mut here = Vec::new();
@@ -803,7 +1030,7 @@ mod tests {
     #[tokio::test]
     async fn a_heavier_weight_gets_a_larger_share() {
         let a = Admission::new(100);
-        a.set_limit(0, Limit::Fixed(1), 0);
+        a.set_limit(0, Limit::Fixed(1), Prefill::None);
         let first = now(a.admit(0, Class::Normal, t("x"), 1, 1));
         let mut tickets = Vec::new();
         for _ in 0..4 {
@@ -824,7 +1051,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_that_leaves_the_queue_is_gone_at_once_and_skipped() {
         let a = Admission::new(2);
-        a.set_limit(0, Limit::Fixed(1), 0);
+        a.set_limit(0, Limit::Fixed(1), Prefill::None);
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let gone = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         let stays = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -842,7 +1069,7 @@ mod tests {
     #[tokio::test]
     async fn a_slot_handed_to_a_request_gone_meanwhile_is_passed_on() {
         let a = Admission::new(10);
-        a.set_limit(0, Limit::Fixed(1), 0);
+        a.set_limit(0, Limit::Fixed(1), Prefill::None);
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let gone = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -856,7 +1083,7 @@ mod tests {
     async fn a_wait_abandoned_after_its_slot_came_passes_the_slot_on() {
         use futures_util::FutureExt;
         let a = Admission::new(10);
-        a.set_limit(0, Limit::Fixed(1), 0);
+        a.set_limit(0, Limit::Fixed(1), Prefill::None);
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let mut waiting = Box::pin(waits(a.admit(0, Class::Normal, t("t"), 1, 10)).wait());
         let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -871,10 +1098,10 @@ mod tests {
     #[tokio::test]
     async fn a_raised_limit_takes_waiters_in_at_once() {
         let a = Admission::new(10);
-        a.set_limit(0, Limit::Fixed(1), 0);
+        a.set_limit(0, Limit::Fixed(1), Prefill::None);
         let _p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
-        a.set_limit(0, Limit::Fixed(2), 0);
+        a.set_limit(0, Limit::Fixed(2), Prefill::None);
         use futures_util::FutureExt;
         let in_now = ticket.wait().now_or_never();
         assert!(in_now.is_some());
@@ -890,7 +1117,7 @@ mod tests {
     async fn a_learned_limit_is_what_the_engine_runs_once_it_queues() {
         use futures_util::FutureExt;
         let a = Admission::new(100);
-        a.set_limit(0, Limit::Learn, 0);
+        a.set_limit(0, Limit::Learn, Prefill::None);
         // Nothing read from the engine yet: every request goes straight on.
         let mut running: Vec<Permit> = (0..3)
             .map(|_| now(a.admit(0, Class::Normal, t("t"), 1, 10)))
@@ -937,9 +1164,9 @@ mod tests {
         drop(running);
         // A reload that still learns keeps what was learned; a configured
         // limit is never touched by what the engine says.
-        a.set_limit(0, Limit::Learn, 0);
+        a.set_limit(0, Limit::Learn, Prefill::None);
         assert_eq!(limit_of(&a, 0), (7, LimitSource::Learned));
-        a.set_limit(0, Limit::Fixed(8), 0);
+        a.set_limit(0, Limit::Fixed(8), Prefill::None);
         a.observe(0, 2, 5, 10_000_000);
         a.observe(0, 2, 5, 10_001_000);
         assert_eq!(limit_of(&a, 0), (8, LimitSource::Configured));
@@ -949,7 +1176,7 @@ mod tests {
     async fn a_prefill_budget_holds_requests_back_while_the_work_sent_is_over_it() {
         use futures_util::FutureExt;
         let a = Admission::new(100);
-        a.set_limit(0, Limit::Fixed(8), 0);
+        a.set_limit(0, Limit::Fixed(8), Prefill::None);
         // The first always goes, however large; the next waits while the
         // prefill sent and not answered is over the budget.
         let mut big = now(a.admit_within(0, Class::Normal, t("a"), 1, 5_000, 1_000));
@@ -969,7 +1196,7 @@ mod tests {
     #[tokio::test]
     async fn retry_after_grows_with_the_queue_and_the_slot_hold_time() {
         let a = Admission::new(100);
-        a.set_limit(0, Limit::Fixed(2), 0);
+        a.set_limit(0, Limit::Fixed(2), Prefill::None);
         // Before any request has finished, a slot is taken to be held 1 s.
         let p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let _q = now(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -988,8 +1215,8 @@ mod tests {
     fn full_backends_are_marked_and_their_queues_count_as_load() {
         use crate::affinity::Candidate;
         let a = Admission::new(100);
-        a.set_limit(0, Limit::Fixed(1), 0);
-        a.set_limit(1, Limit::Fixed(1), 0);
+        a.set_limit(0, Limit::Fixed(1), Prefill::None);
+        a.set_limit(1, Limit::Fixed(1), Prefill::None);
         let _p = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         let _w = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         let mut c = [
@@ -1007,16 +1234,44 @@ mod tests {
                 ..Default::default()
             },
         ];
-        a.mark(&mut c);
+        a.mark(&mut c, Class::Normal, t("t"));
         assert!(c[0].full && !c[1].full && !c[2].full);
         assert_eq!(c[0].in_flight, 2);
+    }
+
+    #[test]
+    fn a_request_counts_ahead_only_the_waiters_served_before_it() {
+        use crate::affinity::Candidate;
+        let a = Admission::new(100);
+        let mut held = Vec::new();
+        let mut queued = Vec::new();
+        for b in 0..2 {
+            a.set_limit(b, Limit::Fixed(1), Prefill::None);
+            held.push(now(a.admit(b, Class::Normal, t("noisy"), 1, 1000)));
+            for _ in 0..5 {
+                queued.push(waits(a.admit(b, Class::Normal, t("noisy"), 1, 1000)));
+            }
+        }
+        // The quiet tenant's first new conversation waits on backend 0.
+        queued.push(waits(a.admit(0, Class::Normal, t("quiet"), 1, 1000)));
+        let mut c = [0, 1].map(|slot| Candidate {
+            slot,
+            ..Default::default()
+        });
+        a.mark(&mut c, Class::Normal, t("quiet"));
+        // Its second waits behind its first on 0, behind nobody on 1.
+        assert_eq!((c[0].ahead, c[1].ahead), (1, 0));
+        a.mark(&mut c, Class::Normal, t("noisy"));
+        assert_eq!((c[0].ahead, c[1].ahead), (6, 5));
+        a.mark(&mut c, Class::Interactive, t("noisy"));
+        assert_eq!((c[0].ahead, c[1].ahead), (0, 0));
     }
 
     #[tokio::test]
     async fn a_backend_prefills_at_most_its_max_prefilling_at_once() {
         use futures_util::FutureExt;
         let a = Admission::new(10);
-        a.set_limit(0, Limit::Fixed(4), 1);
+        a.set_limit(0, Limit::Fixed(4), Prefill::Fixed(1));
         let mut first = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         // Three slots are free, but one request is prefilling: the next waits.
         let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
@@ -1035,11 +1290,122 @@ mod tests {
             .expect("in once the second ended");
     }
 
+    #[tokio::test]
+    async fn prefills_are_capped_at_one_once_answers_show_they_queue_and_probed_again() {
+        use futures_util::FutureExt;
+        let a = Admission::new(10);
+        a.set_limit(0, Limit::Fixed(4), Prefill::Learn);
+        a.prefill_cost_known(0);
+        // No gauges read, no evidence yet: prefills go side by side.
+        let mut p1 = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let p2 = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        assert_eq!(a.snapshot()[0].max_prefilling, 0);
+        // The first vote starts from the trust a cap of one is given: one
+        // answer that waited for the work ahead caps it.
+        assert_eq!(a.vote_prefill(0, Some(true)), Some(true));
+        let s = a.snapshot()[0];
+        assert_eq!(
+            (s.max_prefilling, s.prefill_source),
+            (1, LimitSource::Learned)
+        );
+        drop(p2);
+        let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        p1.prefilled();
+        let mut p3 = next
+            .wait()
+            .now_or_never()
+            .expect("in once the first prefilled");
+        // A probe lets one more by as a second prefill, once.
+        let held = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        a.observe(0, 2, 0, PREFILL_PROBE_MS + 1);
+        let _probe = held
+            .wait()
+            .now_or_never()
+            .expect("the probe goes as a second prefill");
+        let after = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        a.observe(0, 3, 0, PREFILL_PROBE_MS + 2);
+        p3.prefilled();
+        let after = after.wait();
+        tokio::pin!(after);
+        assert!(
+            (&mut after).now_or_never().is_none(),
+            "one probe per period"
+        );
+        // Answers that ran beside the work ahead undo the cap.
+        for _ in 0..VOTES_MAX {
+            a.vote_prefill(0, Some(false));
+        }
+        assert_eq!(a.snapshot()[0].max_prefilling, 0);
+        let _in = after
+            .now_or_never()
+            .expect("no cap once prefills run side by side");
+    }
+
+    #[tokio::test]
+    async fn an_engine_whose_gauges_were_read_is_capped_until_a_probe_votes_otherwise() {
+        use futures_util::FutureExt;
+        let a = Admission::new(10);
+        a.set_limit(0, Limit::Fixed(4), Prefill::Learn);
+        a.observe(0, 0, 0, 1);
+        assert_eq!(a.snapshot()[0].max_prefilling, 1, "taken on trust");
+        let _first = now(a.admit(0, Class::Normal, t("t"), 1, 10));
+        let second = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        // No probe before an answer taught what one prefill costs...
+        a.observe(0, 1, 0, 2);
+        let second = second.wait();
+        tokio::pin!(second);
+        assert!((&mut second).now_or_never().is_none());
+        // ...and one at once after.
+        a.prefill_cost_known(0);
+        let probe = second.now_or_never().expect("a probe goes at once");
+        assert!(probe.probe);
+        // It ran beside the first: no cap.
+        assert_eq!(a.vote_prefill(0, Some(false)), Some(false));
+        assert_eq!(a.snapshot()[0].max_prefilling, 0);
+    }
+
+    #[test]
+    fn unclear_probes_count_against_a_cap_only_three_in_a_row() {
+        let a = Admission::new(10);
+        a.set_limit(0, Limit::Fixed(4), Prefill::Learn);
+        a.observe(0, 0, 0, 1);
+        assert_eq!(a.vote_prefill(0, Some(true)), None);
+        assert_eq!(a.vote_prefill(0, None), None);
+        assert_eq!(a.vote_prefill(0, None), None);
+        assert_eq!(a.vote_prefill(0, Some(true)), None);
+        for _ in 0..2 {
+            assert_eq!(a.vote_prefill(0, None), None);
+        }
+        assert_eq!(a.snapshot()[0].prefill_votes, 4);
+        a.vote_prefill(0, None);
+        assert_eq!(a.snapshot()[0].prefill_votes, 3);
+    }
+
+    #[test]
+    fn a_configured_cap_or_admission_off_learns_none() {
+        let a = Admission::new(10);
+        a.set_limit(0, Limit::Fixed(4), Prefill::Fixed(3));
+        a.set_limit(1, Limit::None, Prefill::Learn);
+        for _ in 0..VOTES_MAX {
+            a.vote_prefill(0, Some(true));
+            a.vote_prefill(1, Some(true));
+        }
+        let s = a.snapshot();
+        assert_eq!(
+            (s[0].max_prefilling, s[0].prefill_source),
+            (3, LimitSource::Configured)
+        );
+        assert_eq!(
+            (s[1].max_prefilling, s[1].prefill_source),
+            (0, LimitSource::None)
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn an_answer_that_does_not_stream_stops_counting_as_prefilling_by_the_clock() {
         use futures_util::FutureExt;
         let a = Admission::new(10);
-        a.set_limit(0, Limit::Fixed(4), 1);
+        a.set_limit(0, Limit::Fixed(4), Prefill::Fixed(1));
         let mut json = now(a.admit(0, Class::Normal, t("t"), 1, 10));
         json.prefill_within(std::time::Duration::from_millis(50));
         let next = waits(a.admit(0, Class::Normal, t("t"), 1, 10));

@@ -91,25 +91,25 @@ pub struct Gateway {
 /// Each backend's slots as `config` sets them: its `max_in_flight` with
 /// admission on, else none (every request goes straight on).
 fn configure_admission(admission: &crate::admission::Admission, routing: &Routing) {
-    let on = routing.config.admission.enabled;
+    use crate::admission::{Limit, Prefill};
+    let adm = &routing.config.admission;
+    // None configured: one at a time where the answers show the engine's
+    // prefills queue (a prefill budget counts work instead).
+    let prefill = match adm.max_prefilling {
+        0 if adm.prefill_queue.is_zero() => Prefill::Learn,
+        0 => Prefill::None,
+        n => Prefill::Fixed(n),
+    };
     for (tier, tc) in routing.tiers.iter().zip(&routing.config.tiers) {
         for bc in &tc.backends {
             if let Some(b) = tier.backend_by_id(&bc.id) {
-                use crate::admission::Limit;
-                match (on, bc.max_in_flight) {
-                    (false, _) => admission.set_limit(b.slot, Limit::None, 0),
+                let limit = match (adm.enabled, bc.max_in_flight) {
+                    (false, _) => Limit::None,
                     // None configured: learned from the engine's gauges.
-                    (true, 0) => admission.set_limit(
-                        b.slot,
-                        Limit::Learn,
-                        routing.config.admission.max_prefilling,
-                    ),
-                    (true, n) => admission.set_limit(
-                        b.slot,
-                        Limit::Fixed(n),
-                        routing.config.admission.max_prefilling,
-                    ),
-                }
+                    (true, 0) => Limit::Learn,
+                    (true, n) => Limit::Fixed(n),
+                };
+                admission.set_limit(b.slot, limit, prefill);
             }
         }
     }

@@ -1153,3 +1153,75 @@ async fn requests_queued_for_a_backend_that_hangs_are_served_by_another() {
     sims[0].set_faults(json!({})).await;
     sims[0].release_streams().await;
 }
+
+#[tokio::test]
+async fn turned_on_it_prefills_one_at_a_time_only_where_the_engine_queues_prefills() {
+    // Two engines that each take 100 ms to prefill a 1,000-token prompt:
+    // one prefills one prompt at a time, the other several side by side.
+    let prefill = [
+        "--prefill-us-per-token",
+        "100",
+        "--decode-us-per-token",
+        "100",
+    ];
+    let serial = SimBackend::start("serial", &[&prefill[..], &["--serial-prefill"]].concat());
+    let beside = SimBackend::start("beside", &prefill);
+    let gw = Gateway::start(
+        &[
+            tier("one-at-a-time", true, &["m-serial"], &[&serial]),
+            tier("side-by-side", false, &["m-beside"], &[&beside]),
+        ],
+        &format!(
+            "{FAST_HEALTH}{}admission:\n  enabled: true\n  max_wait_ms: 60000\nload:\n  interval_ms: 100\n",
+            affinity_yaml(600)
+        ),
+    )
+    .await;
+    let backend = |v: &Value, id: &str| {
+        v["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["id"] == id)
+            .cloned()
+            .unwrap()
+    };
+    // Rounds of four new conversations at once on each, their prompts
+    // distinct (nothing cached), until both engines have been told apart.
+    let mut round = 0;
+    let decided = loop {
+        let v = admission_view(&gw).await;
+        let (s, b) = (backend(&v, "serial"), backend(&v, "beside"));
+        let votes = |b: &Value| b["prefill_votes"].as_i64().unwrap();
+        if votes(&s) >= 3 && votes(&b) <= 0 || round == 20 {
+            break (s, b);
+        }
+        let sends: Vec<_> = ["m-serial", "m-beside"]
+            .into_iter()
+            .flat_map(|model| (0..4).map(move |i| (model, i)))
+            .map(|(model, i)| {
+                let mut body = chat_body(model, 0);
+                let doc: String = (0..500)
+                    .map(|w| format!("{model}-{round}-{i}-{w:03} "))
+                    .collect();
+                body["messages"][0]["content"] = json!(&doc[..4_000]);
+                body["stream"] = json!(true);
+                send_chat(
+                    &gw,
+                    &[("x-session-id", format!("{model}-{round}-{i}"))],
+                    &body,
+                )
+            })
+            .collect();
+        for s in sends {
+            assert_eq!(s.await.unwrap(), 200);
+        }
+        round += 1;
+    };
+    let (s, b) = decided;
+    // The engine that queues prefills gets one at a time; the other none.
+    assert_eq!(s["prefill_source"], "learned", "{s}");
+    assert_eq!(s["max_prefilling"], 1, "after {round} rounds: {s}");
+    assert_eq!(b["prefill_source"], "learned", "{b}");
+    assert_eq!(b["max_prefilling"], 0, "after {round} rounds: {b}");
+}

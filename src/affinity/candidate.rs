@@ -40,6 +40,10 @@ pub struct Candidate {
     /// Admission: it runs its `max_in_flight` already (or has requests
     /// waiting for it); new conversations go to a backend with room.
     pub full: bool,
+    /// Admission: the requests waiting there that would be served before
+    /// this one (by class and fair share). With no room anywhere, a new
+    /// conversation goes where the fewest are.
+    pub ahead: u64,
 }
 
 /// A queue's head is overdue — the backend has stalled or slowed several

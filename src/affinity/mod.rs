@@ -281,7 +281,16 @@ impl Affinity {
             };
             usable = match keep(true) {
                 with_room if !with_room.is_empty() => with_room,
-                _ => keep(false),
+                // No room anywhere: where the fewest requests would be
+                // served before it (a quiet tenant's two new conversations
+                // on one backend would wait for each other, while its turns
+                // go ahead of a noisy tenant's waiters on every backend).
+                _ => {
+                    let mut all = keep(false);
+                    let fewest = all.iter().map(|c| c.ahead).min().unwrap_or(0);
+                    all.retain(|c| c.ahead == fewest);
+                    all
+                }
             };
             if usable.is_empty() {
                 candidates
@@ -686,6 +695,24 @@ mod tests {
         fork.probation = true;
         fork.forked_at = Some(0);
         assert_ne!(go(&a, &fork, &c).backend, 0);
+    }
+
+    #[test]
+    fn with_no_room_anywhere_a_new_conversation_goes_where_fewest_wait_ahead_of_it() {
+        let h = HrwHasher::new("k");
+        let a = Affinity::new(1000, Some(Duration::from_secs(60)));
+        let mut c = fleet(&h, 3);
+        for (c, ahead) in c.iter_mut().zip([1, 0, 1]) {
+            (c.full, c.ahead) = (true, ahead);
+        }
+        for i in 0..12 {
+            let s = SessionRef::new(&h, KeyKind::Session, "t", &format!("s{i}"));
+            assert_eq!(go(&a, &s, &c).backend, 1, "{i}");
+        }
+        // One with room still wins over every full one.
+        c[2].full = false;
+        let s = SessionRef::new(&h, KeyKind::Session, "t", "late");
+        assert_eq!(go(&a, &s, &c).backend, 2);
     }
 
     #[test]

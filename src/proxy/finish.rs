@@ -176,12 +176,16 @@ impl GatewayProxy {
         // What the backend's answer teaches: its prefill cost and queueing,
         // and how much of this session it still had cached.
         let answer = usage.filter(|_| ctx.websocket.is_none());
+        // Its prefill part and uncached tokens, as its usage tells them.
+        let mut prefill_seen = None;
         if let (Some(u), Some(b), Some(fb), 200) = (answer, &ctx.backend, ctx.first_byte, status) {
             let (alone, behind) = ctx
                 .in_flight
                 .as_ref()
                 .map_or((false, None), |f| f.explains());
-            let ttfb = fb.duration_since(ctx.start);
+            // From when it was sent on: a wait for a slot here is not the
+            // backend's (the cost learned it as prefill before).
+            let ttfb = fb.duration_since(ctx.in_flight.as_ref().map_or(ctx.start, |f| f.sent));
             if ctx.streamed {
                 b.stats
                     .cost
@@ -201,6 +205,7 @@ impl GatewayProxy {
                 b.stats
                     .cost
                     .observe(prefill, u.prompt_tokens, cached, alone, behind);
+                prefill_seen = Some((prefill, u.prompt_tokens.saturating_sub(cached)));
             }
             if let (Some(Reason::FirstTurn), None, Some(reported)) =
                 (ctx.reason, &ctx.parent, u.cached_tokens)
@@ -212,6 +217,9 @@ impl GatewayProxy {
                     .affinity
                     .record_usage(sref.key, u.prompt_tokens, u.cached_tokens);
             }
+        }
+        if status == 200 {
+            self.vote_on_prefills(ctx, prefill_seen);
         }
         // The backend answered: it holds the prompt now, and what it
         // reports cached corrects the index.
@@ -318,6 +326,56 @@ impl GatewayProxy {
                     .map(|fb| fb.duration_since(ctx.start).as_secs_f64() * 1000.0),
                 total_ms: ctx.start.elapsed().as_secs_f64() * 1000.0,
             });
+        }
+    }
+}
+
+impl GatewayProxy {
+    /// What an answer says about whether its engine's prefills queue behind
+    /// each other: what admission learns its cap on prefills from
+    /// ([`crate::admission::Admission::vote_prefill`]). Its prefill part
+    /// and uncached tokens come from its usage (`seen`), or, for a stream
+    /// without usage (the SDKs' default), from its first byte and the
+    /// gateway's estimate.
+    fn vote_on_prefills(&self, ctx: &RequestCtx, seen: Option<(std::time::Duration, u64)>) {
+        let (Some(b), Some(fb), Some(f)) = (&ctx.backend, ctx.first_byte, ctx.in_flight.as_ref())
+        else {
+            return;
+        };
+        let Some((prefill, uncached)) = seen.or_else(|| {
+            (ctx.streamed && ctx.websocket.is_none()).then(|| (fb.duration_since(f.sent), f.tokens))
+        }) else {
+            return;
+        };
+        let cost = &b.stats.cost;
+        if f.on_its_own() && cost.observe_own(prefill, uncached) {
+            self.gw.admission.prefill_cost_known(b.slot);
+        }
+        let Some(permit) = ctx.who.permit.as_ref() else {
+            return;
+        };
+        let vote = f
+            .sent_behind()
+            .and_then(|ahead| cost.prefill_vote(prefill, uncached, ahead));
+        // A probe sent behind too little work to tell says so.
+        if vote.is_none() && !(permit.probe && cost.knows_own_cost()) {
+            return;
+        }
+        log::debug!(
+            "backend {}: prefill vote {vote:?} (sent behind {:?}, {uncached} tokens of its own, {prefill:?})",
+            b.id,
+            f.sent_behind()
+        );
+        match self.gw.admission.vote_prefill(b.slot, vote) {
+            Some(true) => log::info!(
+                "backend {}: prefills queue behind each other; one at a time",
+                b.id
+            ),
+            Some(false) => log::info!(
+                "backend {}: prefills run side by side; no cap on them",
+                b.id
+            ),
+            None => {}
         }
     }
 }

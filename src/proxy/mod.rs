@@ -121,6 +121,11 @@ struct InFlight {
     out_of_order: bool,
     /// The share of its prompt it was expected to find uncached there.
     uncached_share: f64,
+    /// When it was sent on (after any wait for a slot): its time to first
+    /// byte, as the backend's speed explains it, starts here.
+    sent: Instant,
+    /// Its estimated uncached tokens.
+    tokens: u64,
 }
 
 impl InFlight {
@@ -136,6 +141,8 @@ impl InFlight {
                 0 => 1.0,
                 p => (tokens as f64 / p as f64).min(1.0),
             },
+            sent: Instant::now(),
+            tokens,
         }
     }
 
@@ -145,6 +152,21 @@ impl InFlight {
         if ticket != 0 {
             self.out_of_order = !self.stats.cost.dequeue(ticket);
         }
+    }
+
+    /// The prefill work it was sent behind, if any and known, in whatever
+    /// order it was answered: what [`Admission::vote_prefill`] asks of it.
+    ///
+    /// [`Admission::vote_prefill`]: crate::admission::Admission::vote_prefill
+    fn sent_behind(&self) -> Option<std::time::Duration> {
+        let ns = self.queued.work_ahead_ns;
+        (self.queued.behind && ns > 0).then_some(std::time::Duration::from_nanos(ns))
+    }
+
+    /// Sent with no other prefill queued, and answered in order: its time to
+    /// first byte is its own prefill's.
+    fn on_its_own(&self) -> bool {
+        !self.queued.behind && !self.out_of_order
     }
 
     /// What its answer may teach about the backend's speed, as

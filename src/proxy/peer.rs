@@ -102,7 +102,9 @@ impl GatewayProxy {
         }
         let admission = routing.config.admission.enabled;
         if admission {
-            self.gw.admission.mark(&mut candidates);
+            self.gw
+                .admission
+                .mark(&mut candidates, ctx.who.class, ctx.who.tenant);
         }
         // New keyless conversations count as sessions, and what each
         // candidate holds of the prompt (`affinity.prefix`).
@@ -231,13 +233,12 @@ impl GatewayProxy {
                 ctx.excluded.push(backend.slot);
                 return Box::pin(self.choose_peer(session, ctx)).await;
             };
-            let adm = &routing.config.admission;
-            let counts_prefills = adm.max_prefilling > 0 || !adm.prefill_queue.is_zero();
-            if counts_prefills && ctx.asks_stream != Some(true) {
+            if ctx.asks_stream != Some(true) && self.gw.admission.caps_prefill(backend.slot) {
                 // An answer that does not stream shows no end of its
                 // prefill: it counts as prefilling for twice what that
                 // should take (a body not read yet is looked at on its way).
-                // Only `max_prefilling` and `prefill_queue_ms` count it at all.
+                // Only a cap on prefills (configured or learned) or
+                // `prefill_queue_ms` counts it at all.
                 let us = backend.stats.cost.prefill_us_per_token(PREFILL_PRIOR_US, 1);
                 let ms = (prefill as f64 * us * 2.0 / 1000.0) as u64;
                 let within = std::time::Duration::from_millis(ms.clamp(50, 10_000));

@@ -19,6 +19,10 @@ pub struct CostEstimate {
     /// The last explained sample when it was a step away from the average
     /// ([`STEP`]), ns per token; 0: it was not.
     stepped_ns: AtomicU64,
+    /// EWMA, nanoseconds per uncached token of answers sent with no other
+    /// prefill queued here: what a prefill costs on its own, whether or not
+    /// the engine runs prefills side by side (0: no sample yet).
+    own_ns_per_token: AtomicU64,
     /// EWMA, microseconds between request start and the start of its prefill.
     queue_us: AtomicU64,
     /// EWMA, nanoseconds per generated token, from streamed answers (first
@@ -70,6 +74,10 @@ pub struct Enqueued {
     /// Whether it went in behind requests still waiting for their first byte
     /// at all (the head among them, however far past its estimate).
     pub behind: bool,
+    /// That work ahead as time, ns: the queue less its head's progress, at
+    /// what one prefill costs on its own (0: that cost not known yet).
+    /// What [`CostEstimate::prefill_vote`] weighs its wait against.
+    pub work_ahead_ns: u64,
 }
 
 impl Enqueued {
@@ -100,6 +108,11 @@ pub const COST_MIN_SAMPLES: u64 = 5;
 /// heavy prefills thus teach its speed while the sessions behind them are
 /// still being placed.
 pub const COST_CONFIDENT_TOKENS: u64 = 4096;
+
+/// An answer votes on whether prefills queue here only when the work it was
+/// sent behind would take at least this long on its own: less is lost in a
+/// host's noise and the engine's fixed overheads.
+pub const VOTE_MIN_AHEAD: Duration = Duration::from_millis(20);
 
 /// Weight of a new sample in the moving averages.
 const EWMA_ALPHA: f64 = 0.3;
@@ -185,6 +198,45 @@ impl CostEstimate {
             ewma(&self.queue_us, queue_ns / 1000.0);
         }
         self.samples.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An answer sent with no other prefill queued here, in order: its
+    /// prefill part over its `uncached` tokens is what one prefill costs
+    /// on its own.
+    /// Returns whether it was the first to teach that cost.
+    pub fn observe_own(&self, prefill: Duration, uncached: u64) -> bool {
+        if uncached < 64 {
+            return false;
+        }
+        let first = self.own_ns_per_token.load(Ordering::Relaxed) == 0;
+        ewma(
+            &self.own_ns_per_token,
+            prefill.as_nanos() as f64 / uncached as f64,
+        );
+        first
+    }
+
+    /// Whether [`CostEstimate::observe_own`] taught what one prefill costs.
+    pub fn knows_own_cost(&self) -> bool {
+        self.own_ns_per_token.load(Ordering::Relaxed) > 0
+    }
+
+    /// Whether an answer sent behind `ahead` of others' prefill work (as
+    /// [`Enqueued::work_ahead_ns`] put it when it was sent), whose prefill
+    /// part took `prefill` for its own `uncached` tokens, waited for that
+    /// work (`Some(true)`: this engine's prefills queue behind each other)
+    /// or ran beside it (`Some(false)`): past its own prefill at the cost
+    /// one takes alone, it waited at least half the work ahead, or not.
+    /// `None` when that cost was not known when it was sent, or the work
+    /// ahead is too little to tell from noise ([`VOTE_MIN_AHEAD`]).
+    pub fn prefill_vote(&self, prefill: Duration, uncached: u64, ahead: Duration) -> Option<bool> {
+        let ns = self.own_ns_per_token.load(Ordering::Relaxed) as f64;
+        let ahead_ns = ahead.as_nanos() as f64;
+        if ns == 0.0 || ahead < VOTE_MIN_AHEAD {
+            return None;
+        }
+        let own_ns = uncached as f64 * ns;
+        Some(prefill.as_nanos() as f64 >= own_ns + ahead_ns / 2.0)
     }
 
     /// A streamed answer: `after_first_byte` from its first byte to its end,
@@ -312,6 +364,7 @@ impl CostEstimate {
                 ticket: 0,
                 ahead: self.ahead(ahead),
                 behind: ahead.tokens > 0,
+                work_ahead_ns: self.work_ahead_ns(ahead),
             };
         }
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed) + 1;
@@ -334,7 +387,18 @@ impl CostEstimate {
             ticket,
             ahead: self.ahead(before),
             behind,
+            work_ahead_ns: self.work_ahead_ns(before),
         }
+    }
+
+    fn work_ahead_ns(&self, q: QueueView) -> u64 {
+        let ns = self.own_ns_per_token.load(Ordering::Relaxed);
+        if ns == 0 {
+            return 0;
+        }
+        let tokens =
+            crate::affinity::queued_after(q.tokens, q.head_ms, q.head_tokens, ns as f64 / 1000.0);
+        tokens.saturating_mul(ns)
     }
 
     fn ahead(&self, q: QueueView) -> u64 {
@@ -711,5 +775,33 @@ mod tests {
         c.dequeue(second.ticket);
         c.dequeue(third.ticket);
         assert_eq!(c.queued_tokens(), 0);
+    }
+
+    #[test]
+    fn an_answer_votes_whether_it_waited_for_the_prefill_ahead_of_it() {
+        let c = CostEstimate::default();
+        let ms = Duration::from_millis;
+        // Nothing taught what one prefill costs on its own: no vote, and
+        // nothing sent now knows the work ahead of it.
+        assert_eq!(c.prefill_vote(ms(300), 1_000, ms(200)), None);
+        let head = c.enqueue(2_000);
+        assert_eq!(c.enqueue(1_000).work_ahead_ns, 0);
+        assert!(c.observe_own(ms(100), 1_000)); // 100 µs a token
+                                                // Now the 3,000 tokens queued are 300 ms ahead (less what the head did).
+        let behind = c.enqueue(1_000);
+        assert!(
+            (250_000_000..=300_000_000).contains(&behind.work_ahead_ns),
+            "{behind:?}"
+        );
+        c.dequeue(head.ticket);
+        // Behind 200 ms with 1,000 tokens (100 ms) of its own: 300 ms waited
+        // for them, 110 ms ran beside them.
+        assert_eq!(c.prefill_vote(ms(300), 1_000, ms(200)), Some(true));
+        assert_eq!(c.prefill_vote(ms(110), 1_000, ms(200)), Some(false));
+        // 10 ms of work ahead is noise.
+        assert_eq!(c.prefill_vote(ms(300), 1_000, ms(10)), None);
+        // A short prompt behind a long prefill tells the most.
+        assert_eq!(c.prefill_vote(ms(205), 50, ms(200)), Some(true));
+        assert_eq!(c.prefill_vote(ms(8), 50, ms(200)), Some(false));
     }
 }

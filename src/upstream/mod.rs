@@ -206,6 +206,7 @@ impl Backend {
             failing: self.stats.outlier.failing(),
             // Admission marks it (`Admission::mark`).
             full: false,
+            ahead: 0,
         }
     }
 
