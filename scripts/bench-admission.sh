@@ -33,11 +33,12 @@ fi
 HEAVY_TURNS="${HEAVY_TURNS:-10}"
 CONTEXT_BYTES="${CONTEXT_BYTES:-8000}"
 # off: admission off (the baseline); learned: admission on and nothing else (limits
-# learned from the engines' gauges); learned-budget: and prefill_queue_ms: 250 (at
+# learned from the engines' gauges, the cap on prefills from their answers);
+# learned-gated: and max_prefilling 1 configured; learned-budget: and prefill_queue_ms: 250 (at
 # most 250 ms of prefill sent to a backend and not answered, beyond one request);
 # learned-fast: learned, the gauges read every 250 ms;
 # on: max_in_flight 4; gated: and max_prefilling 1
-MODES="${MODES:-off on gated}"
+MODES="${MODES:-off learned on gated}"
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
