@@ -247,8 +247,8 @@ impl GatewayProxy {
                 counters.completion_tokens.inc_by(u.completion_tokens);
             }
             if let (Some(c), Some(tally)) = (&ctx.who.client, &ctx.who.tokens) {
-                let used = tally.used(usage.as_ref(), ctx.first_byte.is_some());
-                let settle = used as i64 - tally.charged as i64;
+                let used = usage.map(|u| u.prompt_tokens + u.completion_tokens);
+                let settle = tally.settle(used, ctx.first_byte.is_some());
                 let fleet = self.gw.store.as_ref().filter(|_| ctx.who.fleet_rates);
                 let settled = match fleet {
                     Some(store) => c.charge_fleet_tokens(store, settle).await.is_ok(),

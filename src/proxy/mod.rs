@@ -249,7 +249,7 @@ pub struct RequestCtx {
     /// The client connection's limits (HTTP/1 on a proxy listener).
     conn: Option<Arc<conn_guard::ConnState>>,
     /// Who sent it and how it is admitted: see [`Admittance`].
-    who: Admittance,
+    who: crate::admission::Admittance,
     /// A Responses request: the scope (tier and tenant) its answer's
     /// response id is kept under, for the follow-ups that name it.
     responses_scope: Option<String>,
@@ -264,71 +264,6 @@ pub struct RequestCtx {
     model: Option<Box<str>>,
     /// The backend switched protocols: the socket's frames, followed.
     websocket: Option<Box<websocket::WebSocket>>,
-}
-
-/// Who sent a request (`auth`) and how it waits for a slot (`admission`).
-struct Admittance {
-    /// What its client key grants, when it presented a known one.
-    client: Option<Arc<crate::auth::Client>>,
-    /// Its tenant for fair share: the key's tenant, else its key or
-    /// `Authorization` value (hashed), else 0 (everyone without one).
-    tenant: u64,
-    class: crate::admission::Class,
-    /// Its class came from its own header (else its parent's, its key's or
-    /// the default).
-    class_named: bool,
-    /// The highest class it may have: its key's (else the default) when it
-    /// presented one.
-    ceiling: Option<crate::admission::Class>,
-    /// The longest it waits for a slot.
-    max_wait: std::time::Duration,
-    /// Counted against its tenant's `max_in_flight` until it ends.
-    _tenant_slot: Option<crate::auth::TenantSlot>,
-    /// Its slot at its backend until it ends.
-    permit: Option<crate::admission::Permit>,
-    /// It waited in the queue for that slot, this long.
-    waited: bool,
-    queue_wait: std::time::Duration,
-    /// Its tokens, when its key's tenant counts them.
-    tokens: Option<TokenTally>,
-    /// Its tenant's per-minute limits are the fleet's (kept in the store).
-    fleet_rates: bool,
-}
-
-/// A request's tokens against its tenant's `tokens_per_minute`: charged an
-/// estimate when admitted, settled by its `usage` when it ends, or, for an
-/// answer without one (a stream without `stream_options.include_usage`,
-/// the SDKs' default), by what came back: an SSE event a token, else 4
-/// bytes a token.
-#[derive(Default)]
-struct TokenTally {
-    /// What the tenant was charged up front: the prompt and `max_tokens`.
-    charged: u64,
-    /// The prompt's estimate.
-    prompt: u64,
-    /// What came back.
-    events: u64,
-    bytes: u64,
-}
-
-impl TokenTally {
-    fn saw(&mut self, chunk: &[u8], streamed: bool) {
-        self.bytes += chunk.len() as u64;
-        if streamed {
-            self.events += memchr::memmem::find_iter(chunk, b"data:").count() as u64;
-        }
-    }
-
-    /// What it used: its `usage`, else an estimate from what came back
-    /// (nothing, when nothing did: the engine computed nothing to bill).
-    fn used(&self, usage: Option<&response::Usage>, answered: bool) -> u64 {
-        match usage {
-            Some(u) => u.prompt_tokens + u.completion_tokens,
-            None if !answered => 0,
-            None if self.events > 0 => self.prompt + self.events,
-            None => self.prompt + self.bytes / peer::BODY_BYTES_PER_TOKEN,
-        }
-    }
 }
 
 impl RequestCtx {
@@ -433,20 +368,7 @@ impl ProxyHttp for GatewayProxy {
             asks_stream: None,
             prefill_clock: None,
             conn: None,
-            who: Admittance {
-                client: None,
-                tenant: 0,
-                class: crate::admission::Class::Normal,
-                class_named: false,
-                ceiling: None,
-                max_wait: std::time::Duration::ZERO,
-                _tenant_slot: None,
-                permit: None,
-                waited: false,
-                queue_wait: std::time::Duration::ZERO,
-                tokens: None,
-                fleet_rates: false,
-            },
+            who: Default::default(),
             responses_scope: None,
             stored_at: None,
             response_id: None,

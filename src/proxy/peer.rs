@@ -38,9 +38,6 @@ fn prefill_budget(ctx: &RequestCtx, backend: &Backend) -> u64 {
     ((adm.prefill_queue.as_micros() as f64 / us.max(0.01)) as u64).max(1)
 }
 
-/// How often a request waiting for a slot looks whether its client left.
-const CLIENT_LOOK: std::time::Duration = std::time::Duration::from_millis(100);
-
 /// Bytes of a request body per prompt token, for estimating a prefill before
 /// the backend has said how many tokens it was (about 4 for English text).
 pub(super) const BODY_BYTES_PER_TOKEN: u64 = 4;
@@ -218,7 +215,7 @@ impl GatewayProxy {
                 if ctx.who.class_named {
                     adm.name_class(sref.key, ctx.who.class);
                 } else if let Some(c) = sref.parent.and_then(|p| adm.named_class(p)) {
-                    ctx.who.class = ctx.who.ceiling.map_or(c, |ceiling| c.max(ceiling));
+                    ctx.who.inherit_class(c);
                 }
             }
             let prefill = new_tokens.unwrap_or(body_tokens);
@@ -295,7 +292,7 @@ impl GatewayProxy {
         backend: &Backend,
         tokens: u64,
     ) -> Result<Option<crate::admission::Permit>> {
-        use crate::admission::Admit;
+        use crate::admission::{Admit, Waited};
         let adm = &self.gw.admission;
         let m = &self.gw.metrics;
         let class = ctx.who.class.as_str();
@@ -336,38 +333,23 @@ impl GatewayProxy {
         let queued = m.admission_queued.with_label_values(&[&tier.name, class]);
         queued.inc();
         let since = Instant::now();
-        let wait = ticket.wait();
-        tokio::pin!(wait);
-        let deadline = tokio::time::sleep(ctx.who.max_wait);
-        tokio::pin!(deadline);
-        // A client that leaves leaves the queue (dropping the wait drops its
-        // ticket): an HTTP/2 stream says so itself when it is reset or its
-        // connection goes (other streams of the connection may wait on); an
-        // HTTP/1 client's socket is looked at now and then.
-        // Its backend is looked at as often: one that turns unhealthy, is
-        // ejected or leaves the configuration sends its waiters elsewhere.
-        let mut look = tokio::time::interval(CLIENT_LOOK);
+        // An HTTP/2 stream says itself when it is reset or its connection
+        // goes (other streams of the connection may wait on); an HTTP/1
+        // client's socket is looked at now and then.
         let socket = session
             .as_downstream()
             .digest()
             .and_then(|d| d.socket_digest.clone());
-        let mut stream_closed = session.as_downstream_mut().watch_h2_stream_close();
-        let got = loop {
-            let h2_closed = futures_util::future::OptionFuture::from(stream_closed.as_mut());
-            tokio::select! {
-                p = &mut wait => break Ok(p),
-                _ = &mut deadline => break Err("deadline"),
-                Some(_) = h2_closed => break Err("client_gone"),
-                _ = look.tick() => {
-                    if stream_closed.is_none() && socket_closed(socket.as_deref()) {
-                        break Err("client_gone");
-                    }
-                    if self.backend_gone(tier, backend) {
-                        break Err("backend_gone");
-                    }
-                }
-            }
-        };
+        let h2_closed = session.as_downstream_mut().watch_h2_stream_close();
+        let h1 = h2_closed.is_none();
+        let got = ticket
+            .wait_until(
+                ctx.who.max_wait,
+                h2_closed,
+                || h1 && socket_closed(socket.as_deref()),
+                || self.backend_gone(tier, backend),
+            )
+            .await;
         queued.dec();
         ctx.who.queue_wait = since.elapsed();
         m.admission_wait
@@ -376,8 +358,8 @@ impl GatewayProxy {
         match got {
             // Handed a slot freed by a request that failed there: the
             // backend may have been found sick meanwhile.
-            Ok(_) if self.backend_gone(tier, backend) => Ok(None),
-            Ok(p) => {
+            Waited::Admitted(_) if self.backend_gone(tier, backend) => Ok(None),
+            Waited::Admitted(p) => {
                 m.admission_admitted
                     .with_label_values(&[&tier.name, class, "queued"])
                     .inc();
@@ -385,18 +367,21 @@ impl GatewayProxy {
                 Ok(Some(p))
             }
             // Placed again, as a turn arriving now would be.
-            Err("backend_gone") => Ok(None),
-            Err(reason) => {
+            Waited::BackendGone => Ok(None),
+            Waited::ClientGone => {
                 m.admission_rejected
-                    .with_label_values(&[&tier.name, class, reason])
+                    .with_label_values(&[&tier.name, class, got.reason()])
                     .inc();
-                if reason == "client_gone" {
-                    return Err(pingora_core::Error::explain(
-                        ErrorType::ConnectionClosed,
-                        "client left while waiting for a slot",
-                    )
-                    .into_down());
-                }
+                Err(pingora_core::Error::explain(
+                    ErrorType::ConnectionClosed,
+                    "client left while waiting for a slot",
+                )
+                .into_down())
+            }
+            Waited::Deadline => {
+                m.admission_rejected
+                    .with_label_values(&[&tier.name, class, got.reason()])
+                    .inc();
                 let e = GatewayError::overloaded(
                     "queue_timeout",
                     format!(

@@ -163,7 +163,6 @@ impl GatewayProxy {
         headers: &http::HeaderMap,
         ctx: &mut RequestCtx,
     ) -> std::result::Result<(), GatewayError> {
-        use crate::admission::Class;
         let key = crate::auth::presented_key(headers);
         let client = match (&cfg.auth.keys_file, key) {
             (Some(_), Some(k)) => self.gw.auth.keys().look_up(k),
@@ -179,7 +178,7 @@ impl GatewayProxy {
         let adm = &cfg.admission;
         if let Some(c) = &client {
             let slot = c.take_slot().map_err(|e| self.over_limit(c, e))?;
-            ctx.who._tenant_slot = Some(slot);
+            ctx.who.tenant_slot = Some(slot);
             if c.has_rates() {
                 // A fleet's gateways draw from one bucket in the store
                 // (once the body is read: see `charge`); without the store,
@@ -195,49 +194,27 @@ impl GatewayProxy {
                 }
             }
         }
-        if adm.enabled {
-            let class = match headers.get(&adm.priority_header) {
-                Some(v) => Some(
-                    v.to_str()
-                        .ok()
-                        .and_then(Class::parse)
-                        .ok_or_else(|| GatewayError::bad_priority(adm.priority_header.as_str()))?,
-                ),
-                None => None,
-            };
-            ctx.who.class_named = class.is_some();
-            // A key's class (else the default) is its ceiling: a header may
-            // lower it, never raise it, or a batch key could starve everyone
-            // by calling itself interactive. Without keys nobody is known and
-            // the header is taken as sent.
-            ctx.who.ceiling = client
-                .as_ref()
-                .map(|c| c.class.unwrap_or(adm.default_priority));
-            ctx.who.class = match (class, ctx.who.ceiling) {
-                (Some(asked), Some(ceiling)) => asked.max(ceiling),
-                (Some(asked), None) => asked,
-                (None, ceiling) => ceiling.unwrap_or(adm.default_priority),
-            };
-            ctx.who.max_wait = headers
-                .get(&adm.max_wait_header)
-                .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
-                .map_or(adm.max_wait, |ms| {
-                    adm.max_wait.min(std::time::Duration::from_millis(ms))
-                });
-            ctx.who.tenant = match (&client, key) {
-                (Some(c), _) => c.tenant.id,
-                (None, Some(k)) => xxhash_rust::xxh3::xxh3_64(k) & !1,
-                (None, None) => headers
-                    .get(http::header::AUTHORIZATION)
-                    .map_or(0, |v| xxhash_rust::xxh3::xxh3_64(v.as_bytes()) & !1),
-            };
-        }
         ctx.who.client = client;
+        if adm.enabled {
+            let rules = crate::admission::who::Rules {
+                priority_header: &adm.priority_header,
+                max_wait_header: &adm.max_wait_header,
+                default_priority: adm.default_priority,
+                max_wait: adm.max_wait,
+            };
+            ctx.who
+                .classify(&rules, headers, key)
+                .map_err(|_| GatewayError::bad_priority(adm.priority_header.as_str()))?;
+        }
         Ok(())
     }
 
     /// A tenant over one of its limits: counted, and the 429 that says so.
-    fn over_limit(&self, c: &crate::auth::Client, e: crate::auth::OverLimit) -> GatewayError {
+    fn over_limit(
+        &self,
+        c: &crate::admission::Client,
+        e: crate::admission::OverLimit,
+    ) -> GatewayError {
         self.gw
             .metrics
             .client_rejected
@@ -282,11 +259,7 @@ impl GatewayProxy {
             c.charge_tokens(charged.min(i64::MAX as u64) as i64);
         }
         if c.counts_tokens() {
-            ctx.who.tokens = Some(TokenTally {
-                charged,
-                prompt,
-                ..Default::default()
-            });
+            ctx.who.tokens = Some(crate::admission::TokenTally::new(charged, prompt));
         }
         Ok(())
     }

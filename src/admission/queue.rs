@@ -1,69 +1,14 @@
-//! Admission when backends are saturated (`admission`): each backend runs at most its limit of requests at once, and the
-//! rest wait here, in the gateway, instead of in the engine's own queue,
-//! where they could only be served in arrival order.
-//!
-//! Order among the waiters of one backend: strictly by [`Class`] (a person
-//! waits on an interactive turn; a batch is told to back off by its
-//! deadline), and within a class by weighted fair queueing on estimated
-//! tokens: each tenant's requests get virtual finish tags `start + tokens /
-//! weight`, with `start` no earlier than the tenant's last finish nor than the
-//! virtual time (the start tag of the request admitted last), and wait in
-//! finish-tag order; so one tenant's long prompts cannot starve another's
-//! short ones, and a tenant that was idle does not bank credit. Each backend
-//! keeps its own tags and virtual time: a session waits for its own backend,
-//! and the share that counts is of the backend it waits for (with one clock
-//! for all, a backend whose queue ran ahead pushed a quiet tenant's next
-//! request behind every waiter of another backend). A released slot goes
-//! straight to the best waiter of that backend (no herd racing for it).
-//!
-//! A backend may also cap the requests prefilling at once (sent, no first
-//! byte back yet): on an engine whose prefill is compute-bound and one at a
-//! time, a request let in behind three others' prefills waits for all three
-//! inside the engine, where no class or tenant counts; held here instead, it
-//! goes next in fair order. With no cap configured, admission learns
-//! whether it needs one: answers sent behind others' prefills that waited
-//! for them vote for one prefill at a time, answers that ran beside them
-//! against it (see [`Admission::vote_prefill`]).
+//! The queue of one gateway's requests for its backends' slots: each
+//! backend runs at most its limit (configured, or learned from the engine's
+//! gauges) and caps its requests prefilling (configured, or learned from
+//! the answers); the rest wait here, ordered by class and fair share.
 
+use super::Class;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
-
-/// A request's priority class (`x-agent-serve-priority`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Class {
-    Interactive,
-    Normal,
-    Batch,
-}
-
-impl Class {
-    pub const ALL: [Class; 3] = [Class::Interactive, Class::Normal, Class::Batch];
-
-    /// Its place in [`Class::ALL`].
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Class::Interactive => "interactive",
-            Class::Normal => "normal",
-            Class::Batch => "batch",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Class> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "interactive" => Some(Class::Interactive),
-            "normal" => Some(Class::Normal),
-            "batch" => Some(Class::Batch),
-            _ => None,
-        }
-    }
-}
 
 /// Virtual-time units per token at weight 1.
 const TAG_SCALE: u64 = 1 << 10;
@@ -545,9 +490,7 @@ impl Admission {
     /// at a time).
     pub fn vote_prefill(&self, backend: u32, vote: Option<bool>) -> Option<bool> {
         let mut st = self.state.lock();
-        let Some(b) = st.backends.get_mut(&backend) else {
-            return None;
-        };
+        let b = st.backends.get_mut(&backend)?;
         let queued = match vote {
             Some(v) => {
                 b.unclear = 0;
@@ -1420,18 +1363,5 @@ mod tests {
         drop(json);
         let s = a.snapshot()[0];
         assert_eq!((s.running, a.state.lock().backends.0[0].prefilling), (1, 1));
-    }
-
-    #[test]
-    fn class_labels_are_the_classes_in_order() {
-        assert_eq!(Class::ALL.map(Class::as_str), crate::metrics::CLASS_LABELS);
-        assert!(Class::ALL.iter().enumerate().all(|(i, c)| c.index() == i));
-    }
-
-    #[test]
-    fn classes_parse_from_the_header() {
-        assert_eq!(Class::parse(" Interactive"), Some(Class::Interactive));
-        assert_eq!(Class::parse("batch"), Some(Class::Batch));
-        assert_eq!(Class::parse("urgent"), None);
     }
 }
