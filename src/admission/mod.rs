@@ -40,7 +40,9 @@ pub mod wait;
 pub mod who;
 
 pub use class::Class;
-pub use queue::{Admission, Admit, Limit, LimitSource, Permit, Prefill, Slots, Ticket};
+pub use queue::{
+    Admission, Admit, Limit, LimitSource, Permit, Prefill, PrefillRoom, Slots, Ticket,
+};
 pub use tenant::{Client, Limits, OverLimit, Tenant, TenantSlot};
 pub use wait::Waited;
 pub use who::{Admittance, TokenTally};

@@ -7,7 +7,6 @@ use super::Class;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::Instant;
 use tokio::sync::oneshot;
 
 /// Virtual-time units per token at weight 1.
@@ -21,12 +20,14 @@ const MAX_TENANTS: usize = 4096;
 type Place = (Class, u64, u64);
 
 struct Waiter {
-    /// Sent whether it starts as a probe.
-    wake: oneshot::Sender<bool>,
+    /// Sent how it starts.
+    wake: oneshot::Sender<Start>,
     /// Its virtual start tag.
     start: u64,
     /// Its estimated prefill, tokens.
     tokens: u64,
+    /// Its answer is known not to stream.
+    json: bool,
 }
 
 #[derive(Default)]
@@ -97,6 +98,12 @@ struct Backend {
     /// one request (0: no limit): `admission.prefill_queue_ms` at this
     /// backend's learned cost, as of the last request admitted.
     prefill_budget: u64,
+    /// Under a learned cap of one, prefill tokens that may be prefilling
+    /// beyond it all the same: what waits behind less than
+    /// [`crate::upstream::cost::VOTE_MIN_AHEAD`] of work loses nothing to
+    /// the engine's order (short prompts are not held back), as of the
+    /// last request admitted.
+    prefill_slack: u64,
 }
 
 /// Where a backend's limit comes from.
@@ -119,6 +126,35 @@ impl LimitSource {
             LimitSource::Learned => "learned",
         }
     }
+}
+
+/// How a request starts at its backend.
+#[derive(Clone, Copy, Debug, Default)]
+struct Start {
+    /// Let by as a second prefill under a learned cap of one (its answer
+    /// votes even when the work ahead of it was too little to tell).
+    probe: bool,
+    /// It counts as prefilling until its first byte.
+    counted: bool,
+    /// A cap is in force that it could hold others back from: an answer
+    /// that does not stream needs its prefill clock
+    /// ([`Permit::prefill_within`]).
+    clock: bool,
+    /// Under a learned cap, its prefill is shorter than the slack.
+    short: bool,
+}
+
+/// A backend's room for prefills as of a request ([`Admission::admit_within`]),
+/// in tokens at its learned cost.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PrefillRoom {
+    /// `admission.prefill_queue_ms`: prefill that may be sent and not
+    /// answered beyond one request (0: no limit).
+    pub budget: u64,
+    /// Under a learned cap of one, prefill that may be prefilling beyond it.
+    pub slack: u64,
+    /// The request's answer is known not to stream.
+    pub json: bool,
 }
 
 /// A backend's cap on requests prefilling at once, as the config sets it.
@@ -177,11 +213,21 @@ const HOLD_ALPHA: f64 = 0.1;
 const HOLD_PRIOR_MS: f64 = 1_000.0;
 
 impl Backend {
-    /// Whether one more request may start here now.
-    fn has_room(&self) -> bool {
-        let max_prefilling = self.max_prefilling();
+    /// Whether one more request, of `tokens` prefill, may start here now.
+    /// Under a learned cap of one, a short one may go beside what is
+    /// prefilling while the two together stay within the slack (a long one
+    /// let in beside a short one would hold up whatever comes next).
+    fn has_room(&self, tokens: u64) -> bool {
+        let prefill_room = match self.max_prefilling {
+            0 if self.prefills_queue() => {
+                self.prefilling < 1 + self.prefill_probe as u32
+                    || self.prefill_tokens + tokens < self.prefill_slack
+            }
+            0 => true,
+            n => self.prefilling < n,
+        };
         (self.limit == 0 || self.running < self.limit)
-            && (max_prefilling == 0 || self.prefilling < max_prefilling)
+            && prefill_room
             && (self.prefill_budget == 0
                 || self.prefilling == 0
                 || self.prefill_tokens < self.prefill_budget)
@@ -210,18 +256,32 @@ impl Backend {
         self.prefill_probe && self.prefills_queue() && self.prefilling >= 1
     }
 
-    /// One more request starts: whether it is a probe, let by as a second
-    /// prefill under a learned cap of one (its answer votes even when the
-    /// work ahead of it was too little to tell).
-    fn start(&mut self, tokens: u64) -> bool {
-        let probe = self.next_is_probe();
-        if probe {
+    /// How a request of `tokens` would start now (`json`: its answer is
+    /// known not to stream). Under a learned cap, an answer that does not
+    /// stream and whose prefill is shorter than the slack does not count as
+    /// prefilling at all: nothing is worth holding back behind it, nor a
+    /// clock to count it off by (a stream counts until its first token, so
+    /// that what was let in after it does not overtake it in the engine).
+    fn next_start(&self, tokens: u64, json: bool) -> Start {
+        let short = self.learn_prefill && self.max_prefilling == 0 && tokens < self.prefill_slack;
+        let counted = !(json && short);
+        Start {
+            probe: counted && self.next_is_probe(),
+            counted,
+            clock: counted && (self.max_prefilling() > 0 || self.prefill_budget > 0),
+            short,
+        }
+    }
+
+    fn start(&mut self, tokens: u64, s: Start) {
+        if s.probe {
             (self.prefill_probe, self.probe_out) = (false, true);
         }
         self.running += 1;
-        self.prefilling += 1;
-        self.prefill_tokens += tokens;
-        probe
+        if s.counted {
+            self.prefilling += 1;
+            self.prefill_tokens += tokens;
+        }
     }
 
     /// One request of `tokens` is no longer prefilling.
@@ -277,12 +337,21 @@ pub struct Admission {
 pub struct Permit {
     admission: Arc<Admission>,
     backend: u32,
-    since: Instant,
+    /// When it started (`clock::now_ms`: the coarse clock, fine enough
+    /// for the hold times `Retry-After` is estimated from, and cheaper
+    /// than `Instant` twice a request).
+    since_ms: u64,
     /// Its estimated prefill, tokens.
     tokens: u64,
     /// Let by as a second prefill under a learned cap of one: its answer
     /// votes even when the work ahead of it was too little to tell.
     pub probe: bool,
+    /// A cap on prefills was in force when it started, which it counted
+    /// against: an answer that does not stream needs its prefill clock.
+    pub needs_clock: bool,
+    /// Under a learned cap, its prefill is shorter than the slack: an
+    /// answer found not to stream counts off at once, with no clock.
+    short: bool,
     /// No longer prefilling: its first byte came back, or the time its
     /// prefill should take passed (see [`Permit::prefill_within`]): shared
     /// with that clock once it runs.
@@ -292,15 +361,17 @@ pub struct Permit {
 }
 
 impl Permit {
-    fn new(admission: &Arc<Admission>, backend: u32, tokens: u64, probe: bool) -> Permit {
+    fn new(admission: &Arc<Admission>, backend: u32, tokens: u64, s: Start) -> Permit {
         Permit {
             admission: Arc::clone(admission),
             backend,
-            since: Instant::now(),
+            since_ms: crate::clock::now_ms(),
             tokens,
-            probe,
+            probe: s.probe,
+            needs_clock: s.clock,
+            short: s.short,
             prefilled: None,
-            done: false,
+            done: !s.counted,
         }
     }
 
@@ -322,6 +393,9 @@ impl Permit {
     pub fn prefill_within(&mut self, within: std::time::Duration) {
         if self.done || self.prefilled.is_some() {
             return;
+        }
+        if self.short {
+            return self.prefilled();
         }
         let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
         self.prefilled = Some(Arc::clone(&flag));
@@ -347,7 +421,7 @@ fn prefill_over(admission: &Admission, backend: u32, tokens: u64) {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        let held_ms = self.since.elapsed().as_secs_f64() * 1000.0;
+        let held_ms = crate::clock::now_ms().saturating_sub(self.since_ms) as f64;
         let prefilled = match &self.prefilled {
             Some(flag) => flag.swap(true, std::sync::atomic::Ordering::AcqRel),
             None => self.done,
@@ -368,7 +442,7 @@ pub struct Ticket {
     backend: u32,
     place: Place,
     tokens: u64,
-    woken: Option<oneshot::Receiver<bool>>,
+    woken: Option<oneshot::Receiver<Start>>,
 }
 
 impl Ticket {
@@ -377,12 +451,12 @@ impl Ticket {
         // Awaited in place: if this wait is dropped (client gone, deadline
         // past), the ticket's drop still sees whether a slot came and
         // passes it on. The sender goes only after handing the slot over.
-        let probe = match self.woken.as_mut() {
-            Some(woken) => woken.await.unwrap_or(false),
-            None => false,
+        let start = match self.woken.as_mut() {
+            Some(woken) => woken.await.unwrap_or_default(),
+            None => Start::default(),
         };
         self.woken = None;
-        Permit::new(&self.admission, self.backend, self.tokens, probe)
+        Permit::new(&self.admission, self.backend, self.tokens, start)
     }
 }
 
@@ -397,11 +471,12 @@ impl Drop for Ticket {
                 .is_some();
             if left {
                 st.queued -= 1;
-            } else if let Ok(probe) = woken.try_recv() {
+            } else if let Ok(start) = woken.try_recv() {
                 // Handed a slot, then gone before using it: pass it on.
                 drop(st);
+                let counted = start.counted.then_some(self.tokens);
                 self.admission
-                    .release(self.backend, None, Some(self.tokens), probe);
+                    .release(self.backend, None, counted, start.probe);
             }
         }
     }
@@ -613,13 +688,19 @@ impl Admission {
         weight: u32,
         tokens: u64,
     ) -> Admit {
-        self.admit_within(backend, class, tenant, weight, tokens, 0)
+        self.admit_within(
+            backend,
+            class,
+            tenant,
+            weight,
+            tokens,
+            PrefillRoom::default(),
+        )
     }
 
     /// A request of `tenant` (an id: fair-share `weight`, at least 1),
-    /// estimated at `tokens`, in `class`, for `backend`, whose prefill
-    /// budget is now `prefill_budget` tokens sent and not answered beyond
-    /// one request (0: none).
+    /// estimated at `tokens`, in `class`, for `backend`, whose room for
+    /// prefills is now `room`.
     pub fn admit_within(
         self: &Arc<Self>,
         backend: u32,
@@ -627,20 +708,21 @@ impl Admission {
         tenant: u64,
         weight: u32,
         tokens: u64,
-        prefill_budget: u64,
+        room: PrefillRoom,
     ) -> Admit {
         let mut st = self.state.lock();
         let queued = st.queued;
         let b = st.backends.entry(backend);
-        b.prefill_budget = prefill_budget;
+        (b.prefill_budget, b.prefill_slack) = (room.budget, room.slack);
         let last = b.tenants.get(&tenant).copied().unwrap_or(0);
         let start = last.max(b.vtime);
         let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
-        if b.has_room() && b.waiting.is_empty() {
-            let probe = b.start(tokens);
+        if b.has_room(tokens) && b.waiting.is_empty() {
+            let s = b.next_start(tokens, room.json);
+            b.start(tokens, s);
             b.vtime = b.vtime.max(start);
             remember(b, tenant, finish);
-            return Admit::Now(Permit::new(self, backend, tokens, probe));
+            return Admit::Now(Permit::new(self, backend, tokens, s));
         }
         if queued >= self.max_queued {
             return Admit::Full;
@@ -655,6 +737,7 @@ impl Admission {
                 wake,
                 start,
                 tokens,
+                json: room.json,
             },
         );
         st.queued += 1;
@@ -715,14 +798,14 @@ impl Admission {
         let st = self.state.lock();
         for c in candidates {
             if let Some(b) = st.backends.get(&c.slot) {
-                c.full = !b.has_room() || !b.waiting.is_empty();
+                c.full = !b.has_room(0) || !b.waiting.is_empty();
                 c.in_flight += b.waiting.len() as u64;
-                let start = b.tenants.get(&tenant).copied().unwrap_or(0).max(b.vtime);
-                c.ahead = b
-                    .waiting
-                    .range(..(class, start + 1, 0))
-                    .take(AHEAD_COUNTED)
-                    .count() as u64;
+                // Only read when no candidate has room.
+                if c.full {
+                    let start = b.tenants.get(&tenant).copied().unwrap_or(0).max(b.vtime);
+                    let ahead = b.waiting.range(..(class, start + 1, 0));
+                    c.ahead = ahead.take(AHEAD_COUNTED).count() as u64;
+                }
             }
         }
     }
@@ -757,16 +840,6 @@ impl Admission {
                 prefill_budget: b.prefill_budget,
             })
             .collect()
-    }
-
-    /// Whether `backend` caps its requests prefilling now (configured, or
-    /// learned): an answer that does not stream then needs its prefill
-    /// clock ([`Permit::prefill_within`]).
-    pub fn caps_prefill(&self, backend: u32) -> bool {
-        let st = self.state.lock();
-        st.backends
-            .get(&backend)
-            .is_some_and(|b| b.max_prefilling() > 0 || b.prefill_budget > 0)
     }
 
     /// Requests waiting for `backend`, and running there.
@@ -810,15 +883,17 @@ fn fill(st: &mut State, backend: u32) {
         let Some(b) = st.backends.get_mut(&backend) else {
             return;
         };
-        if !b.has_room() {
-            return;
+        match b.waiting.first_key_value() {
+            Some((_, w)) if b.has_room(w.tokens) => {}
+            _ => return,
         }
         let Some((_, w)) = b.waiting.pop_first() else {
             return;
         };
         st.queued -= 1;
-        if w.wake.send(b.next_is_probe()).is_ok() {
-            b.start(w.tokens);
+        let s = b.next_start(w.tokens, w.json);
+        if w.wake.send(s).is_ok() {
+            b.start(w.tokens, s);
             b.vtime = b.vtime.max(w.start);
         }
     }
@@ -1117,22 +1192,26 @@ mod tests {
 
     #[tokio::test]
     async fn a_prefill_budget_holds_requests_back_while_the_work_sent_is_over_it() {
+        let budget = |budget| PrefillRoom {
+            budget,
+            ..Default::default()
+        };
         use futures_util::FutureExt;
         let a = Admission::new(100);
         a.set_limit(0, Limit::Fixed(8), Prefill::None);
         // The first always goes, however large; the next waits while the
         // prefill sent and not answered is over the budget.
-        let mut big = now(a.admit_within(0, Class::Normal, t("a"), 1, 5_000, 1_000));
-        let ticket = waits(a.admit_within(0, Class::Normal, t("b"), 1, 100, 1_000));
+        let mut big = now(a.admit_within(0, Class::Normal, t("a"), 1, 5_000, budget(1_000)));
+        let ticket = waits(a.admit_within(0, Class::Normal, t("b"), 1, 100, budget(1_000)));
         big.prefilled();
         let small = ticket
             .wait()
             .now_or_never()
             .expect("let in at the first byte");
         // Under the budget, more go side by side.
-        let more = now(a.admit_within(0, Class::Normal, t("c"), 1, 100, 1_000));
+        let more = now(a.admit_within(0, Class::Normal, t("c"), 1, 100, budget(1_000)));
         // Without one (0), only the slots count.
-        let free = now(a.admit_within(0, Class::Normal, t("d"), 1, 50_000, 0));
+        let free = now(a.admit_within(0, Class::Normal, t("d"), 1, 50_000, budget(0)));
         drop((big, small, more, free));
     }
 
@@ -1305,6 +1384,22 @@ mod tests {
         // It ran beside the first: no cap.
         assert_eq!(a.vote_prefill(0, Some(false)), Some(false));
         assert_eq!(a.snapshot()[0].max_prefilling, 0);
+    }
+
+    #[test]
+    fn under_a_learned_cap_only_short_prefills_go_beside_one_another() {
+        let a = Admission::new(10);
+        a.set_limit(0, Limit::Fixed(8), Prefill::Learn);
+        a.observe(0, 0, 0, 1);
+        let room = PrefillRoom {
+            slack: 200,
+            ..Default::default()
+        };
+        let admit = |tokens| a.admit_within(0, Class::Normal, t("t"), 1, tokens, room);
+        let _short = now(admit(50));
+        let _beside = now(admit(100));
+        // A long one would hold up whatever comes next: it waits.
+        let _long = waits(admit(2_000));
     }
 
     #[test]

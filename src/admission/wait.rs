@@ -77,10 +77,10 @@ mod tests {
 
     fn queued(a: &std::sync::Arc<Admission>) -> (Permit, Ticket) {
         a.set_limit(0, Limit::Fixed(1), Prefill::None);
-        let Admit::Now(p) = a.admit_within(0, Class::Normal, 1, 1, 10, 0) else {
+        let Admit::Now(p) = a.admit_within(0, Class::Normal, 1, 1, 10, Default::default()) else {
             panic!("the first runs at once")
         };
-        let Admit::Wait(t) = a.admit_within(0, Class::Normal, 1, 1, 10, 0) else {
+        let Admit::Wait(t) = a.admit_within(0, Class::Normal, 1, 1, 10, Default::default()) else {
             panic!("the second waits")
         };
         (p, t)
@@ -108,7 +108,8 @@ mod tests {
             .await;
         assert_eq!(w.reason(), "client_gone");
         let (_p2, t) = (0, {
-            let Admit::Wait(t) = a.admit_within(0, Class::Normal, 1, 1, 10, 0) else {
+            let Admit::Wait(t) = a.admit_within(0, Class::Normal, 1, 1, 10, Default::default())
+            else {
                 panic!("waits")
             };
             t

@@ -6,6 +6,9 @@ use super::response::ResponseIdScanner;
 use super::*;
 use crate::affinity::responses::{response_key, stored_value, ResponseRoute};
 
+/// Anthropic's client key header, stripped upstream with `Authorization`.
+const X_API_KEY: http::HeaderName = http::HeaderName::from_static("x-api-key");
+
 impl GatewayProxy {
     pub(super) async fn modify_upstream_request(
         &self,
@@ -36,13 +39,15 @@ impl GatewayProxy {
             use crate::config::UpstreamAuthorization as Up;
             match &tier.upstream_authorization {
                 Up::Pass => {}
+                // By their constant names: a name given as text is parsed
+                // each time (a tenth of what keys cost a request).
                 Up::Strip => {
-                    upstream_request.remove_header("authorization");
-                    upstream_request.remove_header("x-api-key");
+                    upstream_request.remove_header(&http::header::AUTHORIZATION);
+                    upstream_request.remove_header(&X_API_KEY);
                 }
                 Up::Set(v) => {
-                    upstream_request.remove_header("x-api-key");
-                    upstream_request.insert_header("authorization", v.clone())?;
+                    upstream_request.remove_header(&X_API_KEY);
+                    upstream_request.insert_header(http::header::AUTHORIZATION, v.clone())?;
                 }
             }
         }

@@ -24,18 +24,29 @@ fn socket_closed(socket: Option<&pingora_core::protocols::SocketDigest>) -> bool
         .is_some_and(|info| info.tcpi_state != TCP_ESTABLISHED)
 }
 
-/// The prefill tokens `backend` may have sent and not answered beyond one
-/// request (0: no limit): `admission.prefill_queue_ms` at its learned cost a
-/// token, unless `max_prefilling` counts requests instead.
-fn prefill_budget(ctx: &RequestCtx, backend: &Backend) -> u64 {
+/// The room for prefills at `backend` as of this request, in tokens at its
+/// learned cost: `admission.prefill_queue_ms` of work sent and not answered
+/// beyond one request (unless `max_prefilling` counts requests instead),
+/// and, under a learned cap of one, what may prefill beyond it all the
+/// same (work too short to wait for).
+fn prefill_room(ctx: &RequestCtx, backend: &Backend) -> crate::admission::PrefillRoom {
     let Some(adm) = ctx.routing.as_ref().map(|r| &r.config.admission) else {
-        return 0;
+        return Default::default();
     };
-    if adm.max_prefilling > 0 || adm.prefill_queue.is_zero() {
-        return 0;
+    let us = backend
+        .stats
+        .cost
+        .prefill_us_per_token(PREFILL_PRIOR_US, 1)
+        .max(0.01);
+    let tokens = |d: std::time::Duration| ((d.as_micros() as f64 / us) as u64).max(1);
+    crate::admission::PrefillRoom {
+        budget: match adm.max_prefilling > 0 || adm.prefill_queue.is_zero() {
+            true => 0,
+            false => tokens(adm.prefill_queue),
+        },
+        slack: tokens(crate::upstream::cost::VOTE_MIN_AHEAD),
+        json: ctx.asks_stream == Some(false),
     }
-    let us = backend.stats.cost.prefill_us_per_token(PREFILL_PRIOR_US, 1);
-    ((adm.prefill_queue.as_micros() as f64 / us.max(0.01)) as u64).max(1)
 }
 
 /// Bytes of a request body per prompt token, for estimating a prefill before
@@ -230,7 +241,7 @@ impl GatewayProxy {
                 ctx.excluded.push(backend.slot);
                 return Box::pin(self.choose_peer(session, ctx)).await;
             };
-            if ctx.asks_stream != Some(true) && self.gw.admission.caps_prefill(backend.slot) {
+            if ctx.asks_stream != Some(true) && permit.needs_clock {
                 // An answer that does not stream shows no end of its
                 // prefill: it counts as prefilling for twice what that
                 // should take (a body not read yet is looked at on its way).
@@ -297,14 +308,14 @@ impl GatewayProxy {
         let m = &self.gw.metrics;
         let class = ctx.who.class.as_str();
         let weight = ctx.who.client.as_ref().map_or(1, |c| c.weight);
-        let budget = prefill_budget(ctx, backend);
+        let room = prefill_room(ctx, backend);
         let ticket = match adm.admit_within(
             backend.slot,
             ctx.who.class,
             ctx.who.tenant,
             weight,
             tokens,
-            budget,
+            room,
         ) {
             Admit::Now(p) => {
                 tier.metrics.admitted_now[ctx.who.class.index()].inc();
