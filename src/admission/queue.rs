@@ -218,14 +218,11 @@ impl Backend {
     /// prefilling while the two together stay within the slack (a long one
     /// let in beside a short one would hold up whatever comes next).
     fn has_room(&self, tokens: u64) -> bool {
-        let prefill_room = match self.max_prefilling {
-            0 if self.prefills_queue() => {
-                self.prefilling < 1 + self.prefill_probe as u32
-                    || self.prefill_tokens + tokens < self.prefill_slack
-            }
-            0 => true,
-            n => self.prefilling < n,
-        };
+        let cap = self.max_prefilling();
+        let learned = self.max_prefilling == 0;
+        let prefill_room = cap == 0
+            || self.prefilling < cap
+            || (learned && self.prefill_tokens + tokens < self.prefill_slack);
         (self.limit == 0 || self.running < self.limit)
             && prefill_room
             && (self.prefill_budget == 0
@@ -250,6 +247,31 @@ impl Backend {
                 true => self.prefill_votes >= SERIAL_VOTES,
                 false => self.trusted,
             }
+    }
+
+    /// Where a request of `tenant` would start in virtual time here: no
+    /// earlier than the tenant's last finish nor than the virtual time.
+    fn start_tag(&self, tenant: u64) -> u64 {
+        self.tenants
+            .get(&tenant)
+            .copied()
+            .unwrap_or(0)
+            .max(self.vtime)
+    }
+
+    /// Allow a probe now if one is due (the cap of one learned or trusted,
+    /// the cost known, none out, the last `period` ms ago or more):
+    /// whether it was (room changed).
+    fn arm_probe(&mut self, now_ms: u64, period: u64) -> bool {
+        let due = self.cost_known
+            && !self.prefill_probe
+            && !self.probe_out
+            && now_ms >= self.probed_ms + period;
+        if due && self.prefills_queue() {
+            (self.prefill_probe, self.probed_ms) = (true, now_ms);
+            return true;
+        }
+        false
     }
 
     fn next_is_probe(&self) -> bool {
@@ -536,15 +558,6 @@ impl Admission {
         fill(&mut st, backend);
     }
 
-    /// An answer from `backend` that was sent behind others' prefill work
-    /// (enough to tell from noise) waited for it (`Some(true)`) or ran
-    /// beside it (`Some(false)`); `None`: a probe sent behind too little
-    /// work to tell. Once waiting wins by [`SERIAL_VOTES`], a backend without a
-    /// configured cap prefills one request at a time: one sent behind three
-    /// prefills would wait for all three inside the engine, where no class
-    /// or tenant counts. Where prefills run side by side, the cap would
-    /// only hold back work the engine does at once, so it is never set
-    /// without this evidence.
     /// The first answer that taught what one prefill costs at `backend`
     /// came back: until then no probe could vote. A backend that has had
     /// no vote yet is probed at once (not at its next scrape: a burst of
@@ -555,14 +568,21 @@ impl Admission {
             return;
         };
         b.cost_known = true;
-        if b.prefills_queue() && !b.voted && !b.prefill_probe && !b.probe_out {
-            (b.prefill_probe, b.probed_ms) = (true, crate::clock::now_ms());
+        if !b.voted && b.arm_probe(crate::clock::now_ms(), 0) {
             fill(&mut st, backend);
         }
     }
 
-    /// Returns the cap's new state when the vote changed it (`true`: one
-    /// at a time).
+    /// An answer from `backend` that was sent behind others' prefill work
+    /// (enough to tell from noise) waited for it (`Some(true)`) or ran
+    /// beside it (`Some(false)`); `None`: a probe sent behind too little
+    /// work to tell. Once waiting wins by [`SERIAL_VOTES`], a backend without a
+    /// configured cap prefills one request at a time: one sent behind three
+    /// prefills would wait for all three inside the engine, where no class
+    /// or tenant counts. Where prefills run side by side, the cap would
+    /// only hold back work the engine does at once, so it is never set
+    /// without this evidence. Returns the cap's new state when the vote
+    /// changed it (`true`: one at a time).
     pub fn vote_prefill(&self, backend: u32, vote: Option<bool>) -> Option<bool> {
         let mut st = self.state.lock();
         let b = st.backends.get_mut(&backend)?;
@@ -617,18 +637,9 @@ impl Admission {
             b.gauged_ms = now_ms.max(1);
         }
         let trusting = now_ms < b.gauged_ms + TRUST_MS;
-        if b.trusted != trusting {
-            b.trusted = trusting;
-            fill(&mut st, backend);
-        }
-        let Some(b) = st.backends.get_mut(&backend) else {
-            return;
-        };
+        let trust_changed = std::mem::replace(&mut b.trusted, trusting) != trusting;
         let period = if b.voted { PREFILL_PROBE_MS } else { 0 };
-        let due =
-            b.cost_known && !b.prefill_probe && !b.probe_out && now_ms >= b.probed_ms + period;
-        if b.prefills_queue() && due {
-            (b.prefill_probe, b.probed_ms) = (true, now_ms);
+        if b.arm_probe(now_ms, period) || trust_changed {
             fill(&mut st, backend);
         }
         let Some(b) = st.backends.get_mut(&backend) else {
@@ -714,8 +725,7 @@ impl Admission {
         let queued = st.queued;
         let b = st.backends.entry(backend);
         (b.prefill_budget, b.prefill_slack) = (room.budget, room.slack);
-        let last = b.tenants.get(&tenant).copied().unwrap_or(0);
-        let start = last.max(b.vtime);
+        let start = b.start_tag(tenant);
         let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
         if b.has_room(tokens) && b.waiting.is_empty() {
             let s = b.next_start(tokens, room.json);
@@ -802,8 +812,7 @@ impl Admission {
                 c.in_flight += b.waiting.len() as u64;
                 // Only read when no candidate has room.
                 if c.full {
-                    let start = b.tenants.get(&tenant).copied().unwrap_or(0).max(b.vtime);
-                    let ahead = b.waiting.range(..(class, start + 1, 0));
+                    let ahead = b.waiting.range(..(class, b.start_tag(tenant) + 1, 0));
                     c.ahead = ahead.take(AHEAD_COUNTED).count() as u64;
                 }
             }

@@ -80,10 +80,15 @@ mod tests {
         let Admit::Now(p) = a.admit_within(0, Class::Normal, 1, 1, 10, Default::default()) else {
             panic!("the first runs at once")
         };
+        (p, another(a))
+    }
+
+    /// One more request for the backend `queued` filled: it waits.
+    fn another(a: &std::sync::Arc<Admission>) -> Ticket {
         let Admit::Wait(t) = a.admit_within(0, Class::Normal, 1, 1, 10, Default::default()) else {
-            panic!("the second waits")
+            panic!("it waits")
         };
-        (p, t)
+        t
     }
 
     #[tokio::test(start_paused = true)]
@@ -107,13 +112,7 @@ mod tests {
             .wait_until(Duration::from_secs(5), closed, || false, || false)
             .await;
         assert_eq!(w.reason(), "client_gone");
-        let (_p2, t) = (0, {
-            let Admit::Wait(t) = a.admit_within(0, Class::Normal, 1, 1, 10, Default::default())
-            else {
-                panic!("waits")
-            };
-            t
-        });
+        let t = another(&a);
         let none: Option<std::future::Pending<()>> = None;
         let w = t
             .wait_until(Duration::from_secs(5), none, || false, || true)

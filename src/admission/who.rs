@@ -125,10 +125,6 @@ pub struct TokenTally {
     bytes: u64,
 }
 
-/// Bytes of an answer per token, for an answer that is not an event
-/// stream and says nothing of its usage.
-const BYTES_PER_TOKEN: u64 = 4;
-
 impl TokenTally {
     /// `charged` up front for a prompt estimated at `prompt` tokens.
     pub fn new(charged: u64, prompt: u64) -> TokenTally {
@@ -158,7 +154,8 @@ impl TokenTally {
             Some(tokens) => tokens,
             None if !answered => 0,
             None if self.events > 0 => self.prompt + self.events,
-            None => self.prompt + self.bytes / BYTES_PER_TOKEN,
+            // Not an event stream, and no usage: its bytes.
+            None => self.prompt + self.bytes / crate::affinity::prefix::prompt::BYTES_PER_TOKEN,
         }
     }
 

@@ -49,10 +49,6 @@ fn prefill_room(ctx: &RequestCtx, backend: &Backend) -> crate::admission::Prefil
     }
 }
 
-/// Bytes of a request body per prompt token, for estimating a prefill before
-/// the backend has said how many tokens it was (about 4 for English text).
-pub(super) const BODY_BYTES_PER_TOKEN: u64 = 4;
-
 /// What a token of prefill is taken to cost before a backend's answers
 /// taught it, µs.
 const PREFILL_PRIOR_US: f64 = 100.0;
@@ -72,7 +68,7 @@ pub(super) fn body_tokens(ctx: &RequestCtx) -> u64 {
         Some(body) => body.len() as u64,
         None => ctx.declared_len.unwrap_or(0),
     };
-    bytes / BODY_BYTES_PER_TOKEN
+    bytes / crate::affinity::prefix::prompt::BYTES_PER_TOKEN
 }
 
 impl GatewayProxy {

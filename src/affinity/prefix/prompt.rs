@@ -29,8 +29,11 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 /// Separates the parts of the canonical prompt.
 const SEPARATOR: u8 = 0x1e;
 
-/// Bytes of a prompt per token, for text (about 4 for English).
-pub const TEXT_BYTES_PER_TOKEN: f64 = 4.0;
+/// Bytes of text per token (about 4 for English), for estimates before an
+/// engine has said how many tokens something was: a prompt, a request body,
+/// an answer that reports no usage.
+pub const BYTES_PER_TOKEN: u64 = 4;
+pub const TEXT_BYTES_PER_TOKEN: f64 = BYTES_PER_TOKEN as f64;
 
 /// The request's prompt as routing reads it.
 #[derive(Clone, Debug, Default)]
