@@ -68,6 +68,10 @@ struct Backend {
     /// A probe started and has not ended: no other is allowed until it has
     /// (and voted, if it could).
     probe_out: bool,
+    /// The engine's last scrape found requests waiting in its own queue
+    /// (for a place in its batch, not for prefill): an answer's wait then
+    /// says nothing of how its prefills share, and does not vote.
+    engine_queues: bool,
     /// Probes in a row sent behind too little work to tell: at
     /// [`UNCLEAR_PROBES`], a vote that prefills run side by side (whatever
     /// they do, ones this short gain little from a cap).
@@ -581,11 +585,17 @@ impl Admission {
     /// prefills would wait for all three inside the engine, where no class
     /// or tenant counts. Where prefills run side by side, the cap would
     /// only hold back work the engine does at once, so it is never set
-    /// without this evidence. Returns the cap's new state when the vote
-    /// changed it (`true`: one at a time).
+    /// without this evidence. While the engine's last scrape found requests
+    /// waiting in its own queue, no answer votes: what they waited for there
+    /// was a place in its batch (a limit configured above it), which a cap
+    /// on prefills would not give back. Returns the cap's new state when the
+    /// vote changed it (`true`: one at a time).
     pub fn vote_prefill(&self, backend: u32, vote: Option<bool>) -> Option<bool> {
         let mut st = self.state.lock();
         let b = st.backends.get_mut(&backend)?;
+        if b.engine_queues {
+            return None;
+        }
         let queued = match vote {
             Some(v) => {
                 b.unclear = 0;
@@ -636,6 +646,7 @@ impl Admission {
         if b.gauged_ms == 0 {
             b.gauged_ms = now_ms.max(1);
         }
+        b.engine_queues = waiting > 0;
         let trusting = now_ms < b.gauged_ms + TRUST_MS;
         let trust_changed = std::mem::replace(&mut b.trusted, trusting) != trusting;
         let period = if b.voted { PREFILL_PROBE_MS } else { 0 };
@@ -1393,6 +1404,23 @@ mod tests {
         // It ran beside the first: no cap.
         assert_eq!(a.vote_prefill(0, Some(false)), Some(false));
         assert_eq!(a.snapshot()[0].max_prefilling, 0);
+    }
+
+    #[test]
+    fn answers_that_waited_in_the_engines_own_queue_do_not_vote() {
+        // A limit configured above the engine's batch: it queues requests
+        // itself, and each one sent waits there whatever its prefill does.
+        let a = Admission::new(10);
+        a.set_limit(0, Limit::Fixed(16), Prefill::Learn);
+        a.observe(0, 4, 12, 1);
+        for _ in 0..VOTES_MAX {
+            assert_eq!(a.vote_prefill(0, Some(true)), None);
+        }
+        assert_eq!(a.snapshot()[0].prefill_votes, 0, "none counted");
+        // Its queue drained, answers vote again.
+        a.observe(0, 4, 0, 2);
+        a.vote_prefill(0, Some(false));
+        assert_eq!(a.snapshot()[0].prefill_votes, SERIAL_VOTES - 1);
     }
 
     #[test]
