@@ -43,7 +43,11 @@ fn scope_of<'a>(tier: &'a str, tenant_suffix: &str) -> std::borrow::Cow<'a, str>
     if tenant_suffix.is_empty() {
         std::borrow::Cow::Borrowed(tier)
     } else {
-        std::borrow::Cow::Owned(format!("{tier}{tenant_suffix}"))
+        // Not `format!`: this runs for every keyed request.
+        let mut scope = String::with_capacity(tier.len() + tenant_suffix.len());
+        scope.push_str(tier);
+        scope.push_str(tenant_suffix);
+        std::borrow::Cow::Owned(scope)
     }
 }
 
@@ -298,10 +302,11 @@ impl GatewayProxy {
             ctx.explicit_target = Some(String::from_utf8_lossy(target.as_bytes()).into_owned());
         }
         self.identify(cfg, &req.headers, ctx)?;
-        let scope_suffix = match &ctx.who.client {
+        let client = ctx.who.client.clone();
+        let scope_suffix = match &client {
             // A key's tenant scopes bindings: a header cannot claim another's.
-            Some(c) => c.tenant.scope.clone(),
-            None => tenant_scope(cfg, headers, &routing.hasher)?,
+            Some(c) => std::borrow::Cow::Borrowed(c.tenant.scope.as_str()),
+            None => std::borrow::Cow::Owned(tenant_scope(cfg, headers, &routing.hasher)?),
         };
         let declared = request_body::content_length(session)?;
         let limit = cfg.server.max_body_bytes;
