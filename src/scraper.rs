@@ -2,6 +2,7 @@
 //! `/metrics` on `load.interval_ms` (vLLM, SGLang and llama.cpp gauges, see
 //! `upstream/load.rs`) and refreshes the per-backend load gauges.
 
+use crate::admission::LEARN_SCRAPE_MS;
 use crate::upstream::load::EngineGauges;
 
 /// Scrapes every backend's `/metrics` on `load.interval_ms` and refreshes the
@@ -26,9 +27,29 @@ impl pingora_core::services::background::BackgroundService for LoadScraper {
                 futures_util::future::join_all(scrapes).await;
             }
             self.export();
-            tokio::select! {
-                _ = shutdown.changed() => return,
-                _ = tokio::time::sleep(cfg.interval) => {}
+            // Until the next round, a backend whose learned limit is being
+            // tried is read again sooner: a request its engine cannot run
+            // yet waits inside it meanwhile.
+            let next = tokio::time::Instant::now() + cfg.interval;
+            let quick = std::time::Duration::from_millis(LEARN_SCRAPE_MS).min(cfg.interval);
+            let learns = cfg.scrape && routing.config.admission.enabled;
+            loop {
+                let pause = match learns {
+                    true => quick.min(next.saturating_duration_since(tokio::time::Instant::now())),
+                    false => next.saturating_duration_since(tokio::time::Instant::now()),
+                };
+                tokio::select! {
+                    _ = shutdown.changed() => return,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                if tokio::time::Instant::now() >= next {
+                    break;
+                }
+                let scrapes = routing
+                    .all_backends()
+                    .filter(|(_, b)| b.tls.is_none() && self.0.admission.learning(b.slot))
+                    .map(|(tier, b)| self.scrape(&client, &cfg, tier, b));
+                futures_util::future::join_all(scrapes).await;
             }
         }
     }

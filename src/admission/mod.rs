@@ -42,6 +42,7 @@ pub mod who;
 pub use class::Class;
 pub use queue::{
     Admission, Admit, Limit, LimitSource, Permit, Prefill, PrefillRoom, Slots, Ticket,
+    LEARN_SCRAPE_MS,
 };
 pub use tenant::{Client, Limits, OverLimit, Tenant, TenantSlot};
 pub use wait::Waited;

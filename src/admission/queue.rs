@@ -95,8 +95,8 @@ struct Backend {
     changed_ms: u64,
     /// Learning, the engine not seen queueing yet: the limit doubles.
     slow_start: bool,
-    /// In slow start, one request over the limit is being tried: an engine
-    /// that runs it has room to double into.
+    /// One request over the limit is being tried (in slow start, an engine
+    /// that runs it has room to double into).
     probing: bool,
     /// Prefill tokens that may be sent here and not yet answered, beyond
     /// one request (0: no limit): `admission.prefill_queue_ms` at this
@@ -210,6 +210,10 @@ const PROBE_MS: u64 = 30_000;
 
 /// A learned limit starts here once the engine's gauges are first read.
 const SLOW_START: u32 = 4;
+
+/// How soon a backend whose learned limit is being tried is scraped again
+/// (at most; `load.interval_ms` if shorter): see [`Admission::learning`].
+pub const LEARN_SCRAPE_MS: u64 = 100;
 
 /// The weight of the newest slot-hold time in the moving average.
 const HOLD_ALPHA: f64 = 0.1;
@@ -681,6 +685,11 @@ impl Admission {
             return;
         }
         let reached = waiting == 0 && b.running >= b.limit && !b.waiting.is_empty();
+        if reached && b.slow_start && b.probing && running < b.limit {
+            // The one over is not running inside the engine yet (on its way,
+            // or not scheduled): no evidence either way.
+            return;
+        }
         if reached && b.slow_start {
             // One more first: an engine that runs it too has room, and the
             // limit doubles; one that queues it is at its limit (above)
@@ -692,8 +701,13 @@ impl Admission {
             };
             b.probing = !b.probing;
         } else if reached && now_ms >= b.changed_ms + PROBE_MS {
-            b.limit += 1;
+            (b.limit, b.probing) = (b.limit + 1, true);
         } else {
+            // Past slow start, a raised limit the engine ran without
+            // queueing is kept (or, not reached again, was never tried).
+            if !b.slow_start {
+                b.probing = false;
+            }
             return;
         }
         b.changed_ms = now_ms;
@@ -860,6 +874,23 @@ impl Admission {
                 prefill_budget: b.prefill_budget,
             })
             .collect()
+    }
+
+    /// Whether `backend`'s learned limit is being tried: raised by one to
+    /// see whether the engine runs the request, or a scrape found the
+    /// engine queueing below the limit and the next one is to confirm it
+    /// (an engine that queues at the limit, other clients' requests
+    /// beside this gateway's, changes nothing and is not read sooner). Until the next
+    /// scrape, a request the engine cannot run yet waits inside it, ahead
+    /// of whatever this gateway would send first: the scraper reads such a
+    /// backend again sooner ([`LEARN_SCRAPE_MS`]).
+    pub fn learning(&self, backend: u32) -> bool {
+        let st = self.state.lock();
+        st.backends.get(&backend).is_some_and(|b| {
+            b.source == LimitSource::Learned
+                && ((b.probing && b.running >= b.limit)
+                    || (b.queued_at > 0 && b.queued_at < b.limit))
+        })
     }
 
     /// Requests waiting for `backend`, and running there.
@@ -1171,10 +1202,15 @@ mod tests {
         a.observe(0, 4, 0, 2_000);
         assert_eq!(limit_of(&a, 0).0, SLOW_START + 1);
         running.push(ticket.wait().now_or_never().expect("let in"));
+        assert!(a.learning(0), "tried: read again soon");
         let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        // Not running inside the engine yet (on its way): no evidence.
+        a.observe(0, 4, 0, 2_100);
+        assert_eq!(limit_of(&a, 0).0, SLOW_START + 1);
         // The engine runs it too: room to double into.
         a.observe(0, 5, 0, 2_500);
         assert_eq!(limit_of(&a, 0).0, 2 * SLOW_START);
+        assert!(!a.learning(0));
         running.push(ticket.wait().now_or_never().expect("let in"));
         running.extend((0..2).map(|_| now(a.admit(0, Class::Normal, t("t"), 1, 10))));
         // In slow start, at the limit, one scrape that finds requests
@@ -1198,7 +1234,30 @@ mod tests {
         assert_eq!(limit_of(&a, 0).0, 6);
         a.observe(0, 6, 0, 6_000 + PROBE_MS);
         assert_eq!(limit_of(&a, 0).0, 7);
-        assert!(ticket.wait().now_or_never().is_some());
+        running.push(ticket.wait().now_or_never().expect("let in"));
+        assert!(a.learning(0), "tried: read again soon");
+        // The engine queues it: the next reading confirms, and the limit
+        // is what it runs again.
+        a.observe(0, 6, 1, 6_100 + PROBE_MS);
+        assert!(a.learning(0), "to be confirmed soon");
+        a.observe(0, 6, 1, 6_200 + PROBE_MS);
+        assert_eq!(limit_of(&a, 0).0, 6);
+        assert!(!a.learning(0), "decided");
+        // Queueing at its limit (another client's requests beside these)
+        // changes nothing and is not read sooner.
+        a.observe(0, 6, 3, 6_300 + PROBE_MS);
+        assert!(!a.learning(0));
+        // Raised again later, the engine runs the one more: kept.
+        running.truncate(5);
+        a.observe(0, 6, 0, 6_400 + PROBE_MS);
+        running.push(now(a.admit(0, Class::Normal, t("t"), 1, 10)));
+        let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
+        a.observe(0, 6, 0, 7_000 + 2 * PROBE_MS);
+        assert_eq!(limit_of(&a, 0).0, 7);
+        running.push(ticket.wait().now_or_never().expect("let in"));
+        a.observe(0, 7, 0, 7_100 + 2 * PROBE_MS);
+        assert_eq!(limit_of(&a, 0).0, 7);
+        assert!(!a.learning(0), "kept");
         drop(running);
         // A reload that still learns keeps what was learned; a configured
         // limit is never touched by what the engine says.
