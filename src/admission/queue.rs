@@ -685,9 +685,15 @@ impl Admission {
             return;
         }
         let reached = waiting == 0 && b.running >= b.limit && !b.waiting.is_empty();
-        if reached && b.slow_start && b.probing && running < b.limit {
+        if reached
+            && b.slow_start
+            && b.probing
+            && running < b.limit
+            && now_ms < b.changed_ms + 1_000
+        {
             // The one over is not running inside the engine yet (on its way,
-            // or not scheduled): no evidence either way.
+            // or not scheduled): no evidence either way, for a second at
+            // most (an engine whose gauge never shows it is read as before).
             return;
         }
         if reached && b.slow_start {
@@ -879,11 +885,11 @@ impl Admission {
     /// Whether `backend`'s learned limit is being tried: raised by one to
     /// see whether the engine runs the request, or a scrape found the
     /// engine queueing below the limit and the next one is to confirm it
-    /// (an engine that queues at the limit, other clients' requests
-    /// beside this gateway's, changes nothing and is not read sooner). Until the next
-    /// scrape, a request the engine cannot run yet waits inside it, ahead
-    /// of whatever this gateway would send first: the scraper reads such a
-    /// backend again sooner ([`LEARN_SCRAPE_MS`]).
+    /// (an engine that queues at the limit, other clients' requests beside
+    /// this gateway's, changes nothing and is not read sooner). Until the
+    /// next scrape, a request the engine cannot run yet waits inside it,
+    /// ahead of whatever this gateway would send first: the scraper reads
+    /// such a backend again sooner ([`LEARN_SCRAPE_MS`]).
     pub fn learning(&self, backend: u32) -> bool {
         let st = self.state.lock();
         st.backends.get(&backend).is_some_and(|b| {
@@ -1207,6 +1213,7 @@ mod tests {
         // Not running inside the engine yet (on its way): no evidence.
         a.observe(0, 4, 0, 2_100);
         assert_eq!(limit_of(&a, 0).0, SLOW_START + 1);
+        assert!(a.learning(0), "still tried");
         // The engine runs it too: room to double into.
         a.observe(0, 5, 0, 2_500);
         assert_eq!(limit_of(&a, 0).0, 2 * SLOW_START);
