@@ -178,7 +178,8 @@ for mode in [m for m in res if m != "off"]:
 PY
 }
 
-echo "admission bench: 3 replicas x 4 running (serial prefill), light 4x6 turns at 2, heavy 60x$HEAVY_TURNS turns at 60"
+flags="${SIM_FLAGS---serial-prefill}"
+echo "admission bench: 3 replicas x 4 running (sim-backend ${flags:-with no flags: prefill side by side}), light 4x6 turns at 2, heavy 60x$HEAVY_TURNS turns at 60"
 # SCENARIOS: which to run (tenants, classes; both by default)
 for s in ${SCENARIOS:-tenants classes}; do
   case "$s" in
