@@ -18,13 +18,9 @@ impl pingora_core::services::background::BackgroundService for LoadScraper {
             .expect("an HTTP client without TLS builds");
         loop {
             let routing = self.0.routing();
-            let cfg = routing.config.load.clone();
+            let cfg = &routing.config.load;
             if cfg.scrape {
-                let scrapes = routing
-                    .all_backends()
-                    .filter(|(_, b)| b.tls.is_none())
-                    .map(|(tier, b)| self.scrape(&client, &cfg, tier, b));
-                futures_util::future::join_all(scrapes).await;
+                self.scrape_where(&client, &routing, |_| true).await;
             }
             self.export();
             // Until the next round, a backend whose learned limit is being
@@ -34,10 +30,8 @@ impl pingora_core::services::background::BackgroundService for LoadScraper {
             let quick = std::time::Duration::from_millis(LEARN_SCRAPE_MS).min(cfg.interval);
             let learns = cfg.scrape && routing.config.admission.enabled;
             loop {
-                let pause = match learns {
-                    true => quick.min(next.saturating_duration_since(tokio::time::Instant::now())),
-                    false => next.saturating_duration_since(tokio::time::Instant::now()),
-                };
+                let left = next.saturating_duration_since(tokio::time::Instant::now());
+                let pause = if learns { quick.min(left) } else { left };
                 tokio::select! {
                     _ = shutdown.changed() => return,
                     _ = tokio::time::sleep(pause) => {}
@@ -45,17 +39,30 @@ impl pingora_core::services::background::BackgroundService for LoadScraper {
                 if tokio::time::Instant::now() >= next {
                     break;
                 }
-                let scrapes = routing
-                    .all_backends()
-                    .filter(|(_, b)| b.tls.is_none() && self.0.admission.learning(b.slot))
-                    .map(|(tier, b)| self.scrape(&client, &cfg, tier, b));
-                futures_util::future::join_all(scrapes).await;
+                let admission = &self.0.admission;
+                self.scrape_where(&client, &routing, |b| admission.learning(b.slot))
+                    .await;
             }
         }
     }
 }
 
 impl LoadScraper {
+    /// Scrape, at once, every backend `pick` takes (none over TLS).
+    async fn scrape_where(
+        &self,
+        client: &reqwest::Client,
+        routing: &crate::upstream::Routing,
+        pick: impl Fn(&crate::upstream::Backend) -> bool,
+    ) {
+        let cfg = &routing.config.load;
+        let scrapes = routing
+            .all_backends()
+            .filter(|(_, b)| b.tls.is_none() && pick(b))
+            .map(|(tier, b)| self.scrape(client, cfg, tier, b));
+        futures_util::future::join_all(scrapes).await;
+    }
+
     async fn scrape(
         &self,
         client: &reqwest::Client,
