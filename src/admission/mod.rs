@@ -30,11 +30,14 @@
 //! [`class`] (priority classes), [`tenant`] (a client key's tenant and its
 //! limits: in flight, requests and tokens a minute, locally or across the
 //! fleet), [`who`] (who a request is and how it waits: tenant, class and its
-//! ceiling, deadline, the tokens it is charged) and [`wait`] (the wait for a
-//! slot: deadline, a client or backend that goes).
+//! ceiling, deadline), [`reserve`] (its claim on its tenant's limits:
+//! reserved up front, settled from usage, in the fleet's store or this
+//! gateway's own) and [`wait`] (the wait for a slot: deadline, a client or
+//! backend that goes, the 429s that end it).
 
 pub mod class;
 pub mod queue;
+pub mod reserve;
 pub mod tenant;
 pub mod wait;
 pub mod who;
@@ -44,6 +47,7 @@ pub use queue::{
     Admission, Admit, Limit, LimitSource, Permit, Prefill, PrefillRoom, Slots, Ticket,
     LEARN_SCRAPE_MS,
 };
+pub use reserve::{Reservation, TokenTally};
 pub use tenant::{Client, Limits, OverLimit, Tenant, TenantSlot};
-pub use wait::Waited;
-pub use who::{Admittance, TokenTally};
+pub use wait::{Ask, Waited, Watch};
+pub use who::Admittance;

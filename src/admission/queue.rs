@@ -3,7 +3,7 @@
 //! gauges) and caps its requests prefilling (configured, or learned from
 //! the answers); the rest wait here, ordered by class and fair share.
 
-use super::Class;
+use super::class::Class;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! its clock). The keys file says who is who ([`crate::auth`]); this is
 //! what each tenant may do.
 
-use super::Class;
+use super::class::Class;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;

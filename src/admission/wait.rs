@@ -4,9 +4,13 @@
 //! and then), or its backend can no longer take it (unhealthy, ejected,
 //! gone from the configuration: its waiters are placed again elsewhere).
 
-use super::{Permit, Ticket};
+use super::queue::{Admission, Admit, Permit, PrefillRoom, Ticket};
+use super::who::Admittance;
+use crate::errors::{GatewayError, Refusal};
+use crate::metrics::{Metrics, TierMetrics};
 use std::future::Future;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// How often a waiting request looks whether its client or backend went.
 pub const LOOK_EVERY: Duration = Duration::from_millis(100);
@@ -70,9 +74,204 @@ impl Ticket {
     }
 }
 
+/// What a request asks of admission: a slot at one backend of its tier.
+pub struct Ask<'a> {
+    pub tier: &'a str,
+    pub tier_metrics: &'a TierMetrics,
+    pub backend: u32,
+    pub backend_id: &'a str,
+    /// Its prefill there, in tokens (estimated).
+    pub tokens: u64,
+    pub room: PrefillRoom,
+}
+
+/// How the wait for a slot watches the request's client and backend.
+pub struct Watch<F, C, B> {
+    /// Ends when the client has gone (an HTTP/2 stream's close).
+    pub closed: Option<F>,
+    /// Whether the client has gone (an HTTP/1 socket, looked at).
+    pub client_gone: C,
+    /// Whether the backend can no longer take the request.
+    pub backend_gone: B,
+}
+
+impl Admittance {
+    /// A slot at `ask.backend` for this request: at once, or after waiting
+    /// in the gateway's queue, in order of class and fair share; else the
+    /// 429 that says when to come back (its deadline passed, or the queue
+    /// is full), before any byte of it has gone upstream. `Ok(false)`: its
+    /// backend went while it waited, and it is to be placed again.
+    /// `queued` runs when it starts to wait.
+    pub async fn wait_for_slot<F, C, B>(
+        &mut self,
+        adm: &Arc<Admission>,
+        m: &Metrics,
+        ask: Ask<'_>,
+        queued: impl FnOnce(),
+        mut watch: Watch<F, C, B>,
+    ) -> Result<bool, Refusal>
+    where
+        F: Future + Unpin,
+        C: FnMut() -> bool,
+        B: FnMut() -> bool,
+    {
+        let class = self.class.as_str();
+        let weight = self.client.as_ref().map_or(1, |c| c.weight);
+        let ticket = match adm.admit_within(
+            ask.backend,
+            self.class,
+            self.tenant,
+            weight,
+            ask.tokens,
+            ask.room,
+        ) {
+            Admit::Now(p) => {
+                ask.tier_metrics.admitted_now[self.class.index()].inc();
+                self.permit = Some(p);
+                return Ok(true);
+            }
+            Admit::Full => {
+                m.admission_rejected
+                    .with_label_values(&[ask.tier, class, "queue_full"])
+                    .inc();
+                return Err(GatewayError::overloaded(
+                    "queue_full",
+                    format!("tier `{}` is saturated and its queue is full", ask.tier),
+                    adm.retry_after_s(ask.backend),
+                )
+                .into());
+            }
+            Admit::Wait(t) => t,
+        };
+        queued();
+        let waiting = m.admission_queued.with_label_values(&[ask.tier, class]);
+        waiting.inc();
+        let since = Instant::now();
+        let got = ticket
+            .wait_until(
+                self.max_wait,
+                watch.closed,
+                watch.client_gone,
+                &mut watch.backend_gone,
+            )
+            .await;
+        waiting.dec();
+        self.queue_wait = since.elapsed();
+        m.admission_wait
+            .with_label_values(&[ask.tier, class])
+            .observe(self.queue_wait.as_secs_f64());
+        let refused = |why: &str| {
+            m.admission_rejected
+                .with_label_values(&[ask.tier, class, why])
+                .inc();
+        };
+        match got {
+            // Handed a slot freed by a request that failed there: the
+            // backend may have been found sick meanwhile.
+            Waited::Admitted(_) if (watch.backend_gone)() => Ok(false),
+            Waited::Admitted(p) => {
+                m.admission_admitted
+                    .with_label_values(&[ask.tier, class, "queued"])
+                    .inc();
+                self.waited = true;
+                self.permit = Some(p);
+                Ok(true)
+            }
+            // Placed again, as a turn arriving now would be.
+            Waited::BackendGone => Ok(false),
+            Waited::ClientGone => {
+                refused(got.reason());
+                Err(Refusal::ClientGone("client left while waiting for a slot"))
+            }
+            Waited::Deadline => {
+                refused(got.reason());
+                Err(GatewayError::overloaded(
+                    "queue_timeout",
+                    format!(
+                        "no slot at backend {} within {} ms",
+                        ask.backend_id,
+                        self.max_wait.as_millis()
+                    ),
+                    adm.retry_after_s(ask.backend),
+                )
+                .into())
+            }
+        }
+    }
+
+    /// An answer that does not stream shows no end of its prefill: it
+    /// counts as prefilling for twice what that should take (`tokens` at
+    /// `us_per_token`); a body not read yet is looked at on its way
+    /// ([`Admittance::body_seen`]). Only a cap on prefills (configured or
+    /// learned) or `prefill_queue_ms` counts it at all. `asks_stream`:
+    /// whether its body asked for a stream, when it was read.
+    pub fn clock_prefill(
+        &mut self,
+        asks_stream: Option<bool>,
+        tokens: u64,
+        us_per_token: impl FnOnce() -> f64,
+    ) {
+        let Some(permit) = self.permit.as_mut().filter(|p| p.needs_clock) else {
+            return;
+        };
+        if asks_stream == Some(true) {
+            return;
+        }
+        let ms = (tokens as f64 * us_per_token() * 2.0 / 1000.0) as u64;
+        let within = Duration::from_millis(ms.clamp(50, 10_000));
+        match asks_stream {
+            Some(_) => permit.prefill_within(within),
+            None => self.prefill_clock = Some((within, false)),
+        }
+    }
+
+    /// A piece of a body not read before admission went by (`chunk`);
+    /// `end`: the body ended.
+    pub fn body_seen(&mut self, chunk: Option<&[u8]>, end: bool) {
+        if let (Some((_, streams)), Some(chunk)) = (self.prefill_clock.as_mut(), chunk) {
+            *streams |= asks_stream(chunk);
+        }
+        if end {
+            if let (Some((within, false)), Some(p)) =
+                (self.prefill_clock.take(), self.permit.as_mut())
+            {
+                p.prefill_within(within);
+            }
+        }
+    }
+}
+
+/// Whether a piece of a request body holds `"stream": true` (a member split
+/// between two pieces is missed: the request is then timed as one that does
+/// not stream, which only ends its count as prefilling early).
+fn asks_stream(chunk: &[u8]) -> bool {
+    // Built once: a searcher built per call cost more than the search.
+    static STREAM: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"stream\""));
+    STREAM.find_iter(chunk).any(|at| {
+        let rest = chunk[at + 8..].trim_ascii_start();
+        rest.strip_prefix(b":")
+            .is_some_and(|v| v.trim_ascii_start().starts_with(b"true"))
+    })
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::{Admission, Admit, Class, Limit, Prefill};
+    #[test]
+    fn a_body_asks_for_a_stream_by_its_member_only() {
+        use super::asks_stream;
+        assert!(asks_stream(br#"{"messages":[],"stream" : true}"#));
+        assert!(asks_stream(br#"{"stream":true,"messages":[]}"#));
+        assert!(!asks_stream(br#"{"stream":false}"#));
+        assert!(!asks_stream(
+            br#"{"stream_options":{"include_usage":true}}"#
+        ));
+        assert!(!asks_stream(br#"{"content":"stream"}"#));
+        assert!(!asks_stream(br#"{"stream""#));
+    }
+
+    use super::super::class::Class;
+    use super::super::queue::{Admission, Admit, Limit, Prefill};
     use super::*;
 
     fn queued(a: &std::sync::Arc<Admission>) -> (Permit, Ticket) {

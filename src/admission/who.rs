@@ -3,7 +3,10 @@
 //! the default; a key's class is a ceiling), its deadline, its fair-share
 //! tenant, its slot, and the tokens its tenant is charged for it.
 
-use super::{Class, Client, Permit, TenantSlot};
+use super::class::Class;
+use super::queue::Permit;
+use super::reserve::Reservation;
+use super::tenant::Client;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,17 +27,16 @@ pub struct Admittance {
     pub ceiling: Option<Class>,
     /// The longest it waits for a slot.
     pub max_wait: Duration,
-    /// Counted against its tenant's `max_in_flight` until it ends.
-    pub tenant_slot: Option<TenantSlot>,
+    /// Its claim on its tenant's limits, when it presented a known key.
+    pub reservation: Option<Reservation>,
     /// Its slot at its backend until it ends.
     pub permit: Option<Permit>,
     /// It waited in the queue for that slot, this long.
     pub waited: bool,
     pub queue_wait: Duration,
-    /// Its tokens, when its key's tenant counts them.
-    pub tokens: Option<TokenTally>,
-    /// Its tenant's per-minute limits are the fleet's (kept in the store).
-    pub fleet_rates: bool,
+    /// A body not read before it was admitted: how long its prefill should
+    /// take, and whether it was seen to ask for a stream on its way.
+    pub prefill_clock: Option<(Duration, bool)>,
 }
 
 /// What the config says of classes and deadlines (`admission.*`).
@@ -109,62 +111,6 @@ impl Admittance {
     }
 }
 
-/// A request's tokens against its tenant's `tokens_per_minute`: charged an
-/// estimate when admitted, settled by its `usage` when it ends, or, for an
-/// answer without one (a stream without `stream_options.include_usage`,
-/// the SDKs' default), by what came back: an SSE event a token, else 4
-/// bytes a token.
-#[derive(Default)]
-pub struct TokenTally {
-    /// What the tenant was charged up front: the prompt and `max_tokens`.
-    pub charged: u64,
-    /// The prompt's estimate.
-    pub prompt: u64,
-    /// What came back.
-    events: u64,
-    bytes: u64,
-}
-
-impl TokenTally {
-    /// `charged` up front for a prompt estimated at `prompt` tokens.
-    pub fn new(charged: u64, prompt: u64) -> TokenTally {
-        TokenTally {
-            charged,
-            prompt,
-            ..Default::default()
-        }
-    }
-
-    /// A chunk of the answer came back.
-    pub fn saw(&mut self, chunk: &[u8], streamed: bool) {
-        self.bytes += chunk.len() as u64;
-        if streamed {
-            // Built once: a searcher built per chunk cost more than the search.
-            static DATA: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-                std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"data:"));
-            self.events += DATA.find_iter(chunk).count() as u64;
-        }
-    }
-
-    /// What it used: its usage (`prompt + completion` tokens), else an
-    /// estimate from what came back (nothing, when nothing did: the engine
-    /// computed nothing to bill).
-    pub fn used(&self, usage: Option<u64>, answered: bool) -> u64 {
-        match usage {
-            Some(tokens) => tokens,
-            None if !answered => 0,
-            None if self.events > 0 => self.prompt + self.events,
-            // Not an event stream, and no usage: its bytes.
-            None => self.prompt + self.bytes / crate::affinity::prefix::prompt::BYTES_PER_TOKEN,
-        }
-    }
-
-    /// What settles the charge: what it used less what was charged.
-    pub fn settle(&self, usage: Option<u64>, answered: bool) -> i64 {
-        self.used(usage, answered) as i64 - self.charged as i64
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,7 +136,7 @@ mod tests {
         let mut who = Admittance {
             client: client.map(|class| {
                 Arc::new(Client {
-                    tenant: Arc::new(super::super::Tenant::new("t")),
+                    tenant: Arc::new(super::super::tenant::Tenant::new("t")),
                     class: Some(class),
                     weight: 1,
                     limits: Default::default(),
@@ -226,19 +172,5 @@ mod tests {
         let wait = |ms: &str| classify(None, &[("x-agent-serve-max-wait-ms", ms)]).max_wait;
         assert_eq!(wait("500"), Duration::from_millis(500));
         assert_eq!(wait("90000"), Duration::from_secs(30));
-    }
-
-    #[test]
-    fn a_stream_without_usage_is_settled_by_its_events() {
-        let mut t = TokenTally::new(1_000, 300);
-        t.saw(b"data: {}\n\ndata: {}\n\n", true);
-        assert_eq!(t.used(None, true), 302);
-        assert_eq!(t.settle(None, true), 302 - 1_000);
-        assert_eq!(t.settle(Some(1_200), true), 200);
-        assert_eq!(
-            t.settle(None, false),
-            -1_000,
-            "nothing came back: nothing billed"
-        );
     }
 }

@@ -2,7 +2,7 @@
 //! section, with each key's default. Unknown keys are errors. Nothing here is
 //! trusted: [`super::validate`] turns it into [`super::Config`].
 
-use super::{OutlierConfig, TlsCertConfig, PLACEHOLDER_HASH_KEY};
+use super::types::{OutlierConfig, TlsCertConfig, PLACEHOLDER_HASH_KEY};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 

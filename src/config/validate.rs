@@ -4,7 +4,10 @@
 //! refuses; [`validate`] puts the sections together.
 
 use super::file::*;
-use super::*;
+use super::types::*;
+use std::collections::{BTreeMap, HashSet};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
 
 pub(super) fn parse_addr(
     key: &str,

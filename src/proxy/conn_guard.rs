@@ -436,3 +436,20 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for GuardedApp<A> {
         self.inner.cleanup().await
     }
 }
+/// The 408 for a client that was too slow (its body stalled, or crawled
+/// below `body_min_rate_bytes_per_s`: the connection's own cut, counted
+/// there), counted by kind; `None` when `e` is not that.
+pub fn client_timeout(
+    conn: Option<&ConnState>,
+    e: &pingora_core::Error,
+    metrics: &crate::metrics::Metrics,
+) -> Option<crate::errors::GatewayError> {
+    use crate::errors::GatewayError;
+    let kind = match conn.and_then(|c| c.cut()) {
+        Some(cut) => return Some(GatewayError::request_timeout(cut.as_str())),
+        None if e.etype() == &pingora_core::ErrorType::ReadTimedout => "body_idle",
+        None => return None,
+    };
+    metrics.timeouts.with_label_values(&[kind]).inc();
+    Some(GatewayError::request_timeout(kind))
+}

@@ -1,381 +1,406 @@
 //! The end of a request: the answer to a failure (SPEC §8 JSON errors),
-//! then metrics, passive health, usage and the trace record.
+//! then what its end teaches and records: metrics, passive health, the
+//! backend's costs, the route's binding and index, the tenant's tokens,
+//! the trace.
 
-use super::*;
+use super::answer::Answer;
+use super::conn_guard;
+use super::ctx::RequestCtx;
+use super::peer::settle_outcome;
+use super::response::Usage;
+use crate::affinity::Reason;
+use crate::errors::GatewayError;
+use crate::gateway::Gateway;
+use pingora_core::{Error, ErrorSource, ErrorType};
+use pingora_proxy::{FailToProxy, Session};
+use std::sync::Arc;
 
-impl GatewayProxy {
-    pub(super) async fn answer_failure(
-        &self,
-        session: &mut Session,
-        e: &Error,
-        ctx: &mut RequestCtx,
-    ) -> FailToProxy {
-        let downstream = e.esource() == &ErrorSource::Downstream;
-        let too_slow = match ctx.error {
-            None if downstream => self.client_timeout(ctx, e),
-            _ => None,
-        };
-        if downstream && e.etype() == &ErrorType::WriteTimedout {
-            self.gw
-                .metrics
-                .timeouts
-                .with_label_values(&["client_write"])
-                .inc();
-        }
-        let malformed = downstream
-            && ctx.error.is_none()
-            && matches!(e.etype().as_str(), "InvalidChunk" | "InvalidTrailerEnd");
-        if malformed {
-            // Bad input never leaves a binding behind: drop the one this
-            // request made (a binding that existed before stays), here and
-            // in the fleet's store, which it was written to when placed.
-            if let (Some(sref), Some(true)) =
-                (&ctx.session_ref, ctx.reason.map(Reason::new_binding))
-            {
-                self.gw.affinity.forget(sref.key);
-            }
-        }
-        let gateway_error = match (&ctx.error, e.etype()) {
-            (Some(g), _) => Some(g.clone()),
-            (None, _) if too_slow.is_some() => too_slow,
-            (None, _) if malformed => Some(GatewayError::bad_body(format!(
-                "malformed request body: {}",
-                e.etype().as_str()
-            ))),
-            (None, ErrorType::HTTPStatus(code)) => Some(GatewayError {
-                status: *code,
-                kind: "gateway_error",
-                code: "gateway_error",
-                message: e.to_string(),
-                retry_after: None,
-            }),
-            (None, ErrorType::ReadTimedout) if e.esource() == &ErrorSource::Upstream => {
-                self.gw
-                    .metrics
-                    .timeouts
-                    .with_label_values(&["upstream_read"])
-                    .inc();
-                Some(GatewayError::upstream_timeout(format!(
-                    "backend {} sent nothing for {} ms",
-                    ctx.backend.as_ref().map_or("?", |b| &*b.id),
-                    ctx.routing
-                        .as_ref()
-                        .and_then(|r| r.config.server.read_timeout)
-                        .map_or(0, |t| t.as_millis())
-                )))
-            }
-            (None, _) => match e.esource() {
-                ErrorSource::Upstream => Some(GatewayError::upstream_failed(format!(
-                    "backend {} failed: {}",
-                    ctx.backend.as_ref().map_or("?", |b| &*b.id),
-                    e.etype().as_str()
-                ))),
-                ErrorSource::Downstream => None,
-                _ => Some(GatewayError {
-                    status: 500,
-                    kind: "internal_error",
-                    code: "internal_error",
-                    message: "internal gateway error".into(),
-                    retry_after: None,
-                }),
-            },
-        };
-        let code = match gateway_error {
-            // A response already started cannot be replaced: just end it.
-            // (A forwarded `100 Continue` is no answer: the final one can
-            // follow. A `101` is: the connection speaks another protocol.)
-            Some(g)
-                if session.response_written().is_none_or(|r| {
-                    r.status.is_informational() && r.status != http::StatusCode::SWITCHING_PROTOCOLS
-                }) =>
-            {
-                // The connection closes after this answer (below): say so,
-                // or a client reusing it races the close.
-                session.set_keepalive(None);
-                // The backend's failure counts before the client hears of it:
-                // its next request must already see an ejection this causes.
-                ctx.error = Some(g.clone());
-                self.settle_outcome(session, Some(e), ctx);
-                let tier = ctx.tier_name().map(str::to_string);
-                let status = g.status;
-                let backend = ctx.backend.as_ref().map(|b| Arc::clone(&b.id));
-                let id = ctx.request_id.clone();
-                if let Err(we) = g
-                    .write(session, tier.as_deref(), backend.as_deref(), id.as_ref())
-                    .await
-                {
-                    log::debug!("writing error response failed: {we}");
-                }
-                status
-            }
-            _ => 0,
-        };
-        FailToProxy {
-            error_code: code,
-            can_reuse_downstream: false,
-        }
-    }
-
-    pub(super) async fn finish(
-        &self,
-        session: &mut Session,
-        e: Option<&Error>,
-        ctx: &mut RequestCtx,
-    ) {
-        if let Some(conn) = &ctx.conn {
-            conn.request_done();
-        }
-        self.settle_outcome(session, e, ctx);
-        let tier_name = ctx.tier_name().unwrap_or("none");
-        let status = session
-            .response_written()
-            .map(|r| r.status.as_u16())
-            .or(ctx.error.as_ref().map(|g| g.status))
-            .unwrap_or(0);
-        let m = &self.gw.metrics;
-        if let Some(g) = &ctx.error {
-            m.gateway_errors
-                .with_label_values(&[tier_name, &g.status.to_string()])
-                .inc();
-        }
-        if let Some(tier) = &ctx.tier {
-            tier.metrics
-                .duration
-                .observe(ctx.start.elapsed().as_secs_f64());
-            if let Some(fb) = ctx.first_byte {
-                tier.metrics
-                    .ttfb
-                    .observe(fb.duration_since(ctx.start).as_secs_f64());
-            }
-            if ctx.backend.is_some() && ctx.session_ref.is_some() {
-                if ctx.affinity_hit {
-                    tier.metrics.hits.inc();
-                } else {
-                    tier.metrics.misses.inc();
-                }
-            }
-        }
-        if ctx.session_final {
-            if let Some(sref) = &ctx.session_ref {
-                self.gw.affinity.forget(sref.key);
-            }
-        }
-        let backend_id = ctx.backend.as_ref().map_or("none", |b| &*b.id);
-        match &ctx.backend {
-            Some(b) if status == 200 => b.counters.ok_requests(m, tier_name, backend_id).inc(),
-            _ => m
-                .requests
-                .with_label_values(&[tier_name, backend_id, &status.to_string()])
-                .inc(),
-        }
-        // A socket's usage is its turns' added up; they teach no one cost.
-        let usage = match &ctx.websocket {
-            Some(ws) => ws.usage,
-            None => ctx.usage.as_ref().and_then(UsageScanner::usage),
-        };
-        // What the backend's answer teaches: its prefill cost and queueing,
-        // and how much of this session it still had cached.
-        let answer = usage.filter(|_| ctx.websocket.is_none());
-        // Its prefill part and uncached tokens, as its usage tells them.
-        let mut prefill_seen = None;
-        if let (Some(u), Some(b), Some(fb), 200) = (answer, &ctx.backend, ctx.first_byte, status) {
-            let (alone, behind) = ctx
-                .in_flight
-                .as_ref()
-                .map_or((false, None), |f| f.explains());
-            // From when it was sent on: a wait for a slot here is not the
-            // backend's (the cost learned it as prefill before).
-            let ttfb = fb.duration_since(ctx.in_flight.as_ref().map_or(ctx.start, |f| f.sent));
-            if ctx.streamed {
-                b.stats
-                    .cost
-                    .observe_decode(fb.elapsed(), u.completion_tokens);
-            }
-            // An engine that does not report its cache: what the gateway
-            // expected to be cached there stands in for it.
-            let cached = u.cached_tokens.unwrap_or_else(|| {
-                let uncached = ctx.in_flight.as_ref().map_or(1.0, |f| f.uncached_share);
-                (u.prompt_tokens as f64 * (1.0 - uncached)) as u64
-            });
-            if let Some(prefill) =
-                b.stats
-                    .cost
-                    .prefill_part(ttfb, u.completion_tokens, ctx.streamed)
-            {
-                b.stats
-                    .cost
-                    .observe(prefill, u.prompt_tokens, cached, alone, behind);
-                prefill_seen = Some((prefill, u.prompt_tokens.saturating_sub(cached)));
-            }
-            if let (Some(Reason::FirstTurn), None, Some(reported)) =
-                (ctx.reason, &ctx.parent, u.cached_tokens)
-            {
-                b.stats.cost.observe_first_prompt(reported);
-            }
-            if let Some(sref) = ctx.session_ref.as_ref().filter(|_| !ctx.session_final) {
-                self.gw
-                    .affinity
-                    .record_usage(sref.key, u.prompt_tokens, u.cached_tokens);
-            }
-        }
-        if status == 200 {
-            self.vote_on_prefills(ctx, prefill_seen);
-        }
-        // The backend answered: it holds the prompt now, and what it
-        // reports cached corrects the index.
-        if let Some(route) = ctx.prefix.as_deref() {
-            let reported = usage.map(|u| (u.prompt_tokens, u.cached_tokens));
-            if route.settle(&self.gw.prefix, status == 200, reported) {
-                m.prefix_index_corrections
-                    .with_label_values(&[tier_name, backend_id])
-                    .inc();
-            }
-        }
-        if ctx
-            .routing
-            .as_ref()
-            .is_some_and(|r| r.config.auth.keys_file.is_some())
+/// `fail_to_proxy`: the answer to a request that failed, unless one has
+/// started already (it can only be ended).
+pub(super) async fn answer_failure(
+    gw: &Gateway,
+    session: &mut Session,
+    e: &Error,
+    ctx: &mut RequestCtx,
+) -> FailToProxy {
+    let code = match failure(gw, e, ctx) {
+        // A response already started cannot be replaced: just end it.
+        // (A forwarded `100 Continue` is no answer: the final one can
+        // follow. A `101` is: the connection speaks another protocol.)
+        Some(g)
+            if session.response_written().is_none_or(|r| {
+                r.status.is_informational() && r.status != http::StatusCode::SWITCHING_PROTOCOLS
+            }) =>
         {
-            // By tenant (the keys file's names; everyone else is `other`).
-            let counters = match &ctx.who.client {
-                Some(c) => c.tenant.counters.get_or_init(|| m.tenant(&c.tenant.name)),
-                None => self.gw.other_tenant.get_or_init(|| m.tenant("other")),
-            };
-            counters.requests.inc();
-            if let Some(u) = usage {
-                counters.prompt_tokens.inc_by(u.prompt_tokens);
-                counters.completion_tokens.inc_by(u.completion_tokens);
+            // The connection closes after this answer (below): say so, or
+            // a client reusing it races the close.
+            session.set_keepalive(None);
+            // The backend's failure counts before the client hears of it:
+            // its next request must already see an ejection this causes.
+            ctx.record.error = Some(g.clone());
+            settle_outcome(gw, session, Some(e), ctx);
+            let tier = ctx.tier_name().map(str::to_string);
+            let backend = ctx.backend().map(|b| Arc::clone(&b.id));
+            let id = ctx.record.request_id.clone();
+            if let Err(we) = g
+                .write(session, tier.as_deref(), backend.as_deref(), id.as_ref())
+                .await
+            {
+                log::debug!("writing error response failed: {we}");
             }
-            if let (Some(c), Some(tally)) = (&ctx.who.client, &ctx.who.tokens) {
-                let used = usage.map(|u| u.prompt_tokens + u.completion_tokens);
-                let settle = tally.settle(used, ctx.first_byte.is_some());
-                let fleet = self.gw.store.as_ref().filter(|_| ctx.who.fleet_rates);
-                let settled = match fleet {
-                    Some(store) => c.charge_fleet_tokens(store, settle).await.is_ok(),
-                    None => false,
-                };
-                if !settled {
-                    c.charge_tokens(settle);
-                }
-            }
+            g.status
         }
-        if let (Some(u), Some(b)) = (usage, &ctx.backend) {
-            b.counters
-                .prompt_tokens(m, tier_name, backend_id)
-                .inc_by(u.prompt_tokens);
-            if let Some(cached) = u.cached_tokens {
-                b.counters
-                    .cached_prompt_tokens(m, tier_name, backend_id)
-                    .inc_by(cached);
-            }
-        }
-        if let (Some(t), Some(span)) = (&self.gw.telemetry, &ctx.span) {
-            let req = session.req_header();
-            t.end(
-                span,
-                &req.headers,
-                &crate::telemetry::Finished {
-                    method: req.method.as_str(),
-                    path: req.uri.path(),
-                    model: ctx.model.as_deref(),
-                    status,
-                    error_code: ctx.error.as_ref().map(|g| g.code),
-                    request_id: ctx
-                        .request_id
-                        .as_ref()
-                        .map_or("", |v| v.to_str().unwrap_or_default()),
-                    tier: ctx.tier_name(),
-                    backend: ctx.backend.as_ref().map(|b| (&*b.id, b.addr)),
-                    affinity_hit: ctx.affinity_hit,
-                    reason: ctx.reason.map(Reason::as_str),
-                    session: ctx.session.as_ref().map(|s| s.id.as_str()),
-                    queue_wait: ctx.who.queue_wait,
-                    usage: usage.map(|u| (u.prompt_tokens, u.completion_tokens, u.cached_tokens)),
-                },
-            );
-        }
-        if let Some(trace) = &self.gw.trace {
-            let req = session.req_header();
-            trace.record(&crate::trace::TraceRecord {
-                // Wall-clock start: now, less what the request took.
-                time_ms: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| {
-                        d.saturating_sub(ctx.start.elapsed()).as_millis() as u64
-                    }),
-                request_id: ctx
-                    .request_id
-                    .as_ref()
-                    .map_or("", |v| v.to_str().unwrap_or_default()),
-                trace_id: ctx.span.as_ref().map(|s| s.trace_id()),
-                method: req.method.as_str(),
-                path: req.uri.path(),
-                tier: ctx.tier_name(),
-                session: ctx.session.as_ref().map(|s| s.id.as_str()),
-                parent: ctx.parent.as_deref(),
-                backend: ctx.backend.as_ref().map(|b| &*b.id),
-                affinity_hit: ctx.affinity_hit,
-                reason: ctx.reason.map(Reason::as_str),
-                moved_because: ctx.moved.map(|m| m.as_str()),
-                prefix_tokens: ctx.prefix_tokens(),
-                status,
-                prompt_tokens: usage.map(|u| u.prompt_tokens),
-                cached_tokens: usage.and_then(|u| u.cached_tokens),
-                ttfb_ms: ctx
-                    .first_byte
-                    .map(|fb| fb.duration_since(ctx.start).as_secs_f64() * 1000.0),
-                total_ms: ctx.start.elapsed().as_secs_f64() * 1000.0,
-            });
-        }
+        _ => 0,
+    };
+    FailToProxy {
+        error_code: code,
+        can_reuse_downstream: false,
     }
 }
 
-impl GatewayProxy {
-    /// What an answer says about whether its engine's prefills queue behind
-    /// each other: what admission learns its cap on prefills from
-    /// ([`crate::admission::Admission::vote_prefill`]). Its prefill part
-    /// and uncached tokens come from its usage (`seen`), or, for a stream
-    /// without usage (the SDKs' default), from its first byte and the
-    /// gateway's estimate.
-    fn vote_on_prefills(&self, ctx: &RequestCtx, seen: Option<(std::time::Duration, u64)>) {
-        let (Some(b), Some(fb), Some(f)) = (&ctx.backend, ctx.first_byte, ctx.in_flight.as_ref())
-        else {
-            return;
-        };
-        let Some((prefill, uncached)) = seen.or_else(|| {
-            (ctx.streamed && ctx.websocket.is_none()).then(|| (fb.duration_since(f.sent), f.tokens))
-        }) else {
-            return;
-        };
-        let cost = &b.stats.cost;
-        if f.on_its_own() && cost.observe_own(prefill, uncached) {
-            self.gw.admission.prefill_cost_known(b.slot);
+/// What a failure `e` is answered with: the error a hook recorded, a slow
+/// or malformed client's, the backend's; `None` for a client that left.
+fn failure(gw: &Gateway, e: &Error, ctx: &RequestCtx) -> Option<GatewayError> {
+    let downstream = e.esource() == &ErrorSource::Downstream;
+    if downstream && e.etype() == &ErrorType::WriteTimedout {
+        gw.metrics
+            .timeouts
+            .with_label_values(&["client_write"])
+            .inc();
+    }
+    if let Some(g) = &ctx.record.error {
+        return Some(g.clone());
+    }
+    if downstream {
+        let slow = conn_guard::client_timeout(ctx.body.conn.as_deref(), e, &gw.metrics);
+        let malformed = matches!(e.etype().as_str(), "InvalidChunk" | "InvalidTrailerEnd");
+        if malformed {
+            if let Some(route) = &ctx.route {
+                route.forget_new_binding(gw);
+            }
         }
-        let Some(permit) = ctx.who.permit.as_ref() else {
-            return;
-        };
-        let vote = f
-            .sent_behind()
-            .and_then(|ahead| cost.prefill_vote(prefill, uncached, ahead));
-        // A probe sent behind too little work to tell says so.
-        if vote.is_none() && !(permit.probe && cost.knows_own_cost()) {
-            return;
+        if slow.is_some() {
+            return slow;
         }
-        log::debug!(
-            "backend {}: prefill vote {vote:?} (sent behind {:?}, {uncached} tokens of its own, {prefill:?})",
-            b.id,
-            f.sent_behind()
+        if malformed {
+            return Some(GatewayError::bad_body(format!(
+                "malformed request body: {}",
+                e.etype().as_str()
+            )));
+        }
+    }
+    let backend = ctx.backend().map_or("?", |b| &*b.id);
+    match (e.etype(), e.esource()) {
+        (ErrorType::HTTPStatus(code), _) => Some(GatewayError {
+            status: *code,
+            kind: "gateway_error",
+            code: "gateway_error",
+            message: e.to_string(),
+            retry_after: None,
+        }),
+        (ErrorType::ReadTimedout, ErrorSource::Upstream) => {
+            gw.metrics
+                .timeouts
+                .with_label_values(&["upstream_read"])
+                .inc();
+            let timeout = ctx
+                .route
+                .as_ref()
+                .and_then(|r| r.request().routing().config.server.read_timeout);
+            Some(GatewayError::upstream_timeout(format!(
+                "backend {backend} sent nothing for {} ms",
+                timeout.map_or(0, |t| t.as_millis())
+            )))
+        }
+        (_, ErrorSource::Upstream) => Some(GatewayError::upstream_failed(format!(
+            "backend {backend} failed: {}",
+            e.etype().as_str()
+        ))),
+        (_, ErrorSource::Downstream) => None,
+        _ => Some(GatewayError {
+            status: 500,
+            kind: "internal_error",
+            code: "internal_error",
+            message: "internal gateway error".into(),
+            retry_after: None,
+        }),
+    }
+}
+
+/// `logging`: the request ended (answered, failed or abandoned).
+pub(super) async fn finish(
+    gw: &Gateway,
+    session: &mut Session,
+    e: Option<&Error>,
+    ctx: &mut RequestCtx,
+) {
+    if let Some(conn) = &ctx.body.conn {
+        conn.request_done();
+    }
+    settle_outcome(gw, session, e, ctx);
+    let status = session
+        .response_written()
+        .map(|r| r.status.as_u16())
+        .or(ctx.record.error.as_ref().map(|g| g.status))
+        .unwrap_or(0);
+    count(gw, ctx, status);
+    let usage = ctx.answer.usage();
+    // A socket's usage is its turns' added up; they teach no one cost.
+    let answer = usage.filter(|_| ctx.answer.websocket.is_none());
+    let answered = status == 200 && ctx.backend().is_some() && ctx.answer.first_byte.is_some();
+    let prefill_seen = match (answer, answered) {
+        (Some(u), true) => learn_cost(ctx, u),
+        _ => None,
+    };
+    if status == 200 {
+        vote_on_prefills(gw, ctx, prefill_seen);
+    }
+    if let Some(route) = &ctx.route {
+        let reported = usage.map(|u| (u.prompt_tokens, u.cached_tokens));
+        let answered = answered && answer.is_some();
+        if route.end(gw, status, reported, answered) {
+            let backend = ctx.backend().map_or("none", |b| &*b.id);
+            gw.metrics
+                .prefix_index_corrections
+                .with_label_values(&[ctx.tier_name().unwrap_or("none"), backend])
+                .inc();
+        }
+    }
+    tenant(gw, ctx, usage).await;
+    tokens(gw, ctx, usage);
+    trace(gw, session, ctx, status, usage);
+}
+
+/// The request's metrics: errors, durations, hits and misses, requests by
+/// status.
+fn count(gw: &Gateway, ctx: &RequestCtx, status: u16) {
+    let m = &gw.metrics;
+    let tier_name = ctx.tier_name().unwrap_or("none");
+    if let Some(g) = &ctx.record.error {
+        m.gateway_errors
+            .with_label_values(&[tier_name, &g.status.to_string()])
+            .inc();
+    }
+    if let Some(route) = &ctx.route {
+        let tier = route.tier();
+        tier.metrics
+            .duration
+            .observe(ctx.record.start.elapsed().as_secs_f64());
+        if let Some(fb) = ctx.answer.first_byte {
+            tier.metrics
+                .ttfb
+                .observe(fb.duration_since(ctx.record.start).as_secs_f64());
+        }
+        if let (Some(d), true) = (route.decision(), route.request().bound()) {
+            match d.affinity_hit {
+                true => tier.metrics.hits.inc(),
+                false => tier.metrics.misses.inc(),
+            }
+        }
+    }
+    let backend_id = ctx.backend().map_or("none", |b| &*b.id);
+    match ctx.backend() {
+        Some(b) if status == 200 => b.counters.ok_requests(m, tier_name, backend_id).inc(),
+        _ => m
+            .requests
+            .with_label_values(&[tier_name, backend_id, &status.to_string()])
+            .inc(),
+    }
+}
+
+/// What a 200's usage `u` teaches of its backend: its prefill cost and
+/// queueing, and what a first prompt finds cached there. Returns its
+/// prefill part and uncached tokens, as its usage tells them.
+fn learn_cost(ctx: &RequestCtx, u: Usage) -> Option<(std::time::Duration, u64)> {
+    let (route, b, fb) = (ctx.route.as_ref()?, ctx.backend()?, ctx.answer.first_byte?);
+    let in_flight = ctx.answer.in_flight.as_ref();
+    let (alone, behind) = in_flight.map_or((false, None), |f| f.explains());
+    // From when it was sent on: a wait for a slot here is not the
+    // backend's (the cost learned it as prefill before).
+    let ttfb = fb.duration_since(in_flight.map_or(ctx.record.start, |f| f.sent));
+    let cost = &b.stats.cost;
+    if ctx.answer.streamed {
+        cost.observe_decode(fb.elapsed(), u.completion_tokens);
+    }
+    // An engine that does not report its cache: what the gateway
+    // expected to be cached there stands in for it.
+    let cached = u.cached_tokens.unwrap_or_else(|| {
+        let uncached = in_flight.map_or(1.0, |f| f.uncached_share);
+        (u.prompt_tokens as f64 * (1.0 - uncached)) as u64
+    });
+    let prefill = cost.prefill_part(ttfb, u.completion_tokens, ctx.answer.streamed);
+    if let Some(prefill) = prefill {
+        cost.observe(prefill, u.prompt_tokens, cached, alone, behind);
+    }
+    let first_turn = route
+        .decision()
+        .is_some_and(|d| d.reason == Reason::FirstTurn);
+    if let (true, None, Some(reported)) = (first_turn, route.request().parent(), u.cached_tokens) {
+        cost.observe_first_prompt(reported);
+    }
+    Some((prefill?, u.prompt_tokens.saturating_sub(cached)))
+}
+
+/// What an answer says about whether its engine's prefills queue behind
+/// each other: what admission learns its cap on prefills from
+/// ([`crate::admission::Admission::vote_prefill`]). Its prefill part and
+/// uncached tokens come from its usage (`seen`), or, for a stream without
+/// usage (the SDKs' default), from its first byte and the gateway's
+/// estimate.
+fn vote_on_prefills(gw: &Gateway, ctx: &RequestCtx, seen: Option<(std::time::Duration, u64)>) {
+    let Answer {
+        in_flight: Some(f),
+        first_byte: Some(fb),
+        streamed,
+        websocket,
+        ..
+    } = &ctx.answer
+    else {
+        return;
+    };
+    let Some(b) = ctx.backend() else {
+        return;
+    };
+    let Some((prefill, uncached)) = seen.or_else(|| {
+        (*streamed && websocket.is_none()).then(|| (fb.duration_since(f.sent), f.tokens))
+    }) else {
+        return;
+    };
+    let cost = &b.stats.cost;
+    if f.on_its_own() && cost.observe_own(prefill, uncached) {
+        gw.admission.prefill_cost_known(b.slot);
+    }
+    let Some(permit) = ctx.who.permit.as_ref() else {
+        return;
+    };
+    let vote = f
+        .sent_behind()
+        .and_then(|ahead| cost.prefill_vote(prefill, uncached, ahead));
+    // A probe sent behind too little work to tell says so.
+    if vote.is_none() && !(permit.probe && cost.knows_own_cost()) {
+        return;
+    }
+    log::debug!(
+        "backend {}: prefill vote {vote:?} (sent behind {:?}, {uncached} tokens of its own, {prefill:?})",
+        b.id,
+        f.sent_behind()
+    );
+    match gw.admission.vote_prefill(b.slot, vote) {
+        Some(true) => log::info!(
+            "backend {}: prefills queue behind each other; one at a time",
+            b.id
+        ),
+        Some(false) => log::info!(
+            "backend {}: prefills run side by side; no cap on them",
+            b.id
+        ),
+        None => {}
+    }
+}
+
+/// With client keys: the request and its tokens by tenant (the keys
+/// file's names; everyone else is `other`), and its tenant's tokens
+/// settled by what it used.
+async fn tenant(gw: &Gateway, ctx: &RequestCtx, usage: Option<Usage>) {
+    let keys = ctx
+        .route
+        .as_ref()
+        .map(|r| r.request().routing())
+        .is_some_and(|r| r.config.auth.keys_file.is_some());
+    if !keys {
+        return;
+    }
+    let m = &gw.metrics;
+    let counters = match &ctx.who.client {
+        Some(c) => c.tenant.counters.get_or_init(|| m.tenant(&c.tenant.name)),
+        None => gw.other_tenant.get_or_init(|| m.tenant("other")),
+    };
+    counters.requests.inc();
+    if let Some(u) = usage {
+        counters.prompt_tokens.inc_by(u.prompt_tokens);
+        counters.completion_tokens.inc_by(u.completion_tokens);
+    }
+    if let Some(r) = &ctx.who.reservation {
+        let used = usage.map(|u| u.prompt_tokens + u.completion_tokens);
+        r.settle(used, ctx.answer.first_byte.is_some()).await;
+    }
+}
+
+/// The backend's prompt and cached prompt tokens, from the answer's usage.
+fn tokens(gw: &Gateway, ctx: &RequestCtx, usage: Option<Usage>) {
+    let (Some(u), Some(b)) = (usage, ctx.backend()) else {
+        return;
+    };
+    let m = &gw.metrics;
+    let tier_name = ctx.tier_name().unwrap_or("none");
+    b.counters
+        .prompt_tokens(m, tier_name, &b.id)
+        .inc_by(u.prompt_tokens);
+    if let Some(cached) = u.cached_tokens {
+        b.counters
+            .cached_prompt_tokens(m, tier_name, &b.id)
+            .inc_by(cached);
+    }
+}
+
+/// The request's span (`telemetry`) and its line in the trace log.
+fn trace(gw: &Gateway, session: &Session, ctx: &RequestCtx, status: u16, usage: Option<Usage>) {
+    let req = session.req_header();
+    let route = ctx.route.as_ref();
+    let decision = route.and_then(|r| r.decision());
+    let session_id = route
+        .and_then(|r| r.request().session())
+        .map(|s| s.id.as_str());
+    let reason = decision.map(|d| d.reason.as_str());
+    let hit = decision.is_some_and(|d| d.affinity_hit);
+    if let (Some(t), Some(span)) = (&gw.telemetry, &ctx.record.span) {
+        t.end(
+            span,
+            &req.headers,
+            &crate::telemetry::Finished {
+                method: req.method.as_str(),
+                path: req.uri.path(),
+                model: ctx.record.model.as_deref(),
+                status,
+                error_code: ctx.record.error.as_ref().map(|g| g.code),
+                request_id: ctx.record.request_id(),
+                tier: ctx.tier_name(),
+                backend: ctx.backend().map(|b| (&*b.id, b.addr)),
+                affinity_hit: hit,
+                reason,
+                session: session_id,
+                queue_wait: ctx.who.queue_wait,
+                usage: usage.map(|u| (u.prompt_tokens, u.completion_tokens, u.cached_tokens)),
+            },
         );
-        match self.gw.admission.vote_prefill(b.slot, vote) {
-            Some(true) => log::info!(
-                "backend {}: prefills queue behind each other; one at a time",
-                b.id
-            ),
-            Some(false) => log::info!(
-                "backend {}: prefills run side by side; no cap on them",
-                b.id
-            ),
-            None => {}
-        }
+    }
+    if let Some(trace) = &gw.trace {
+        let start = ctx.record.start;
+        trace.record(&crate::trace::TraceRecord {
+            // Wall-clock start: now, less what the request took.
+            time_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.saturating_sub(start.elapsed()).as_millis() as u64),
+            request_id: ctx.record.request_id(),
+            trace_id: ctx.record.span.as_ref().map(|s| s.trace_id()),
+            method: req.method.as_str(),
+            path: req.uri.path(),
+            tier: ctx.tier_name(),
+            session: session_id,
+            parent: route.and_then(|r| r.request().parent()),
+            backend: ctx.backend().map(|b| &*b.id),
+            affinity_hit: hit,
+            reason,
+            moved_because: decision.and_then(|d| d.moved).map(|m| m.as_str()),
+            prefix_tokens: route.and_then(|r| r.request().prefix_tokens()),
+            status,
+            prompt_tokens: usage.map(|u| u.prompt_tokens),
+            cached_tokens: usage.and_then(|u| u.cached_tokens),
+            ttfb_ms: ctx
+                .answer
+                .first_byte
+                .map(|fb| fb.duration_since(start).as_secs_f64() * 1000.0),
+            total_ms: start.elapsed().as_secs_f64() * 1000.0,
+        });
     }
 }

@@ -1,250 +1,282 @@
 //! Request and response modifiers: headers to the backend, response
-//! metadata (headers and the `x_agent_serve` member), usage read on the way.
+//! metadata (headers and the `x_agent_serve` member), usage and a stored
+//! response's id read on the way.
 
+use super::ctx::RequestCtx;
 use super::request::fields_bytes;
-use super::response::ResponseIdScanner;
-use super::*;
-use crate::affinity::responses::{response_key, stored_value, ResponseRoute};
+use super::response::{JsonAppender, ResponseIdScanner, UsageScanner};
+use super::upstream_conn;
+use crate::errors::GatewayError;
+use crate::gateway::Gateway;
+use crate::headers;
+use crate::routing::Route;
+use bytes::Bytes;
+use pingora_core::Result;
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::Session;
+use std::time::Instant;
 
 /// Anthropic's client key header, stripped upstream with `Authorization`.
 const X_API_KEY: http::HeaderName = http::HeaderName::from_static("x-api-key");
 
-impl GatewayProxy {
-    pub(super) async fn modify_upstream_request(
-        &self,
-        session: &mut Session,
-        upstream_request: &mut RequestHeader,
-        ctx: &mut RequestCtx,
-    ) -> Result<()> {
-        if ctx.body.is_some() {
-            // The gateway already answered the client's 100-continue.
-            upstream_request.remove_header("expect");
-        }
-        if let Some(id) = &ctx.request_id {
-            upstream_request.insert_header(REQUEST_ID_HEADER, id.clone())?;
-        }
-        if let Some(span) = &ctx.span {
-            // The engine's spans nest under the gateway's.
-            upstream_request.insert_header("traceparent", span.traceparent())?;
-        }
-        if ctx
-            .backend
-            .as_ref()
-            .is_some_and(|b| upstream_conn::avoid_reuse(&b.stats))
-            && !session.is_upgrade_req()
-        {
-            upstream_request.insert_header("connection", "close")?;
-        }
-        if let Some(tier) = &ctx.tier {
-            use crate::config::UpstreamAuthorization as Up;
-            match &tier.upstream_authorization {
-                Up::Pass => {}
-                // By their constant names: a name given as text is parsed
-                // each time (a tenth of what keys cost a request).
-                Up::Strip => {
-                    upstream_request.remove_header(&http::header::AUTHORIZATION);
-                    upstream_request.remove_header(&X_API_KEY);
-                }
-                Up::Set(v) => {
-                    upstream_request.remove_header(&X_API_KEY);
-                    upstream_request.insert_header(http::header::AUTHORIZATION, v.clone())?;
-                }
+/// `upstream_request_filter`: the request id and trace upstream, keys
+/// stripped or set (`upstream_authorization`).
+pub(super) fn upstream_request(
+    session: &Session,
+    upstream_request: &mut RequestHeader,
+    ctx: &RequestCtx,
+) -> Result<()> {
+    if ctx.body.whole.is_some() {
+        // The gateway already answered the client's 100-continue.
+        upstream_request.remove_header("expect");
+    }
+    if let Some(id) = &ctx.record.request_id {
+        upstream_request.insert_header(headers::REQUEST_ID, id.clone())?;
+    }
+    if let Some(span) = &ctx.record.span {
+        // The engine's spans nest under the gateway's.
+        upstream_request.insert_header("traceparent", span.traceparent())?;
+    }
+    if ctx
+        .backend()
+        .is_some_and(|b| upstream_conn::avoid_reuse(&b.stats))
+        && !session.is_upgrade_req()
+    {
+        upstream_request.insert_header("connection", "close")?;
+    }
+    if let Some(tier) = ctx.tier() {
+        use crate::config::UpstreamAuthorization as Up;
+        match &tier.upstream_authorization {
+            Up::Pass => {}
+            // By their constant names: a name given as text is parsed
+            // each time (a tenth of what keys cost a request).
+            Up::Strip => {
+                upstream_request.remove_header(&http::header::AUTHORIZATION);
+                upstream_request.remove_header(&X_API_KEY);
+            }
+            Up::Set(v) => {
+                upstream_request.remove_header(&X_API_KEY);
+                upstream_request.insert_header(http::header::AUTHORIZATION, v.clone())?;
             }
         }
-        Ok(())
     }
+    Ok(())
+}
 
-    pub(super) async fn modify_response(
-        &self,
-        session: &mut Session,
-        resp: &mut ResponseHeader,
-        ctx: &mut RequestCtx,
-    ) -> Result<()> {
-        let (Some(backend), Some(tier)) = (ctx.backend.clone(), ctx.tier.clone()) else {
-            return Ok(());
-        };
-        let limit = ctx
-            .routing
-            .as_ref()
-            .map_or(usize::MAX, |r| r.config.server.client.max_header_bytes);
-        if fields_bytes(&resp.headers, 0) > limit {
-            let e = GatewayError::upstream_failed(format!(
-                "backend {} sent response headers over the gateway's limit of {limit} bytes",
-                backend.id
-            ));
-            return Err(self.fail(ctx, e));
-        }
-        resp.insert_header(BACKEND_HEADER, backend.id_header.clone())?;
-        if let Some(id) = &ctx.request_id {
-            resp.insert_header(REQUEST_ID_HEADER, id.clone())?;
-        }
-        // Static values: a `&str` is checked and copied into a new value.
-        static TRUE: http::HeaderValue = http::HeaderValue::from_static("true");
-        static FALSE: http::HeaderValue = http::HeaderValue::from_static("false");
-        let hit = if ctx.affinity_hit { &TRUE } else { &FALSE };
-        resp.insert_header(HIT_HEADER, hit.clone())?;
-        resp.insert_header(TIER_HEADER, tier.name_header.clone())?;
-        if session.is_upgrade(resp) == Some(true) {
-            self.upgraded(session, ctx);
-            return Ok(());
-        }
+/// `response_filter`: the answer's metadata headers; what its body will
+/// be read for.
+pub(super) fn response(
+    gw: &Gateway,
+    session: &mut Session,
+    resp: &mut ResponseHeader,
+    ctx: &mut RequestCtx,
+) -> Result<()> {
+    let Some((route, decision)) = ctx.route.as_ref().and_then(|r| Some((r, r.decision()?))) else {
+        return Ok(());
+    };
+    let backend = &decision.backend;
+    let limit = route
+        .request()
+        .routing()
+        .config
+        .server
+        .client
+        .max_header_bytes;
+    if fields_bytes(&resp.headers, 0) > limit {
+        let e = GatewayError::upstream_failed(format!(
+            "backend {} sent response headers over the gateway's limit of {limit} bytes",
+            backend.id
+        ));
+        return Err(super::peer::fail(ctx, e));
+    }
+    resp.insert_header(headers::BACKEND, backend.id_header.clone())?;
+    if let Some(id) = &ctx.record.request_id {
+        resp.insert_header(headers::REQUEST_ID, id.clone())?;
+    }
+    // Static values: a `&str` is checked and copied into a new value.
+    static TRUE: http::HeaderValue = http::HeaderValue::from_static("true");
+    static FALSE: http::HeaderValue = http::HeaderValue::from_static("false");
+    let hit = if decision.affinity_hit { &TRUE } else { &FALSE };
+    resp.insert_header(headers::HIT, hit.clone())?;
+    resp.insert_header(headers::TIER, route.tier().name_header.clone())?;
+    if session.is_upgrade(resp) == Some(true) {
+        upgraded(gw, session, ctx);
+        return Ok(());
+    }
+    read_for(session, resp, ctx)
+}
 
-        let content_type = resp
+/// What the answer's body is read for: its usage (JSON or an event
+/// stream), a stored response's id, and the metadata merged into a JSON
+/// body (its `Content-Length` made to fit).
+fn read_for(session: &Session, resp: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
+    let content_type = resp
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .map_or(&b""[..], |v| v.as_bytes());
+    let is_type = |t: &[u8]| {
+        content_type
+            .get(..t.len())
+            .is_some_and(|p| p.eq_ignore_ascii_case(t))
+    };
+    let is_json = is_type(b"application/json");
+    let is_sse = is_type(b"text/event-stream");
+    let encoded = resp.headers.get(http::header::CONTENT_ENCODING).is_some();
+    let answer = &mut ctx.answer;
+    if (is_json || is_sse) && !encoded {
+        answer.usage = Some(UsageScanner::default());
+    }
+    answer.streamed = is_sse;
+    let Some(route) = ctx.route.as_ref() else {
+        return Ok(());
+    };
+    if route.request().keeps_responses() && resp.status.as_u16() == 200 && !encoded {
+        answer.response_id = Some(ResponseIdScanner::default());
+    }
+    let bodyless = session.req_header().method == http::Method::HEAD
+        || resp.status.as_u16() == 204
+        || resp.status.as_u16() == 304;
+    if is_json && !encoded && !bodyless {
+        let appender = JsonAppender::new(metadata_member(route));
+        let declared = resp
             .headers
-            .get(http::header::CONTENT_TYPE)
-            .map_or(&b""[..], |v| v.as_bytes());
-        let is_type = |t: &[u8]| {
-            content_type
-                .get(..t.len())
-                .is_some_and(|p| p.eq_ignore_ascii_case(t))
-        };
-        let is_json = is_type(b"application/json");
-        let is_sse = is_type(b"text/event-stream");
-        let encoded = resp.headers.get(http::header::CONTENT_ENCODING).is_some();
-        if (is_json || is_sse) && !encoded {
-            ctx.usage = Some(UsageScanner::default());
-        }
-        ctx.streamed = is_sse;
-        if ctx.responses_scope.is_some() && resp.status.as_u16() == 200 && !encoded {
-            ctx.response_id = Some(ResponseIdScanner::default());
-        }
-        let bodyless = session.req_header().method == http::Method::HEAD
-            || resp.status.as_u16() == 204
-            || resp.status.as_u16() == 304;
-        if is_json && !encoded && !bodyless {
-            let appender = JsonAppender::new(ctx.metadata_member(&backend, &tier));
-            let declared = resp
-                .headers
-                .get(http::header::CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<usize>().ok());
-            match declared.map(|len| (len, len.checked_add(appender.extra_len()))) {
-                // A length no body can have: pass the response on untouched.
-                Some((_, None)) => return Ok(()),
-                Some((len, Some(total))) => {
-                    resp.insert_header(
-                        http::header::CONTENT_LENGTH,
-                        http::HeaderValue::from(total),
-                    )?;
-                    ctx.upstream_body_len = Some(len);
-                }
-                None => {}
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok());
+        match declared.map(|len| (len, len.checked_add(appender.extra_len()))) {
+            // A length no body can have: pass the response on untouched.
+            Some((_, None)) => return Ok(()),
+            Some((len, Some(total))) => {
+                resp.insert_header(http::header::CONTENT_LENGTH, http::HeaderValue::from(total))?;
+                answer.upstream_body_len = Some(len);
             }
-            ctx.appender = Some(appender);
+            None => {}
         }
-        Ok(())
+        answer.appender = Some(appender);
     }
+    Ok(())
+}
 
-    pub(super) fn modify_response_body(
-        &self,
-        _session: &mut Session,
-        body: &mut Option<Bytes>,
-        end_of_stream: bool,
-        ctx: &mut RequestCtx,
-    ) -> Result<Option<std::time::Duration>> {
-        if let Some(chunk) = body.as_ref() {
-            if ctx.first_byte.is_none() && !chunk.is_empty() {
-                ctx.first_byte = Some(Instant::now());
-                if let Some(f) = ctx.in_flight.as_mut() {
-                    f.prefilled();
-                }
-                if let Some(p) = ctx.who.permit.as_mut() {
-                    p.prefilled();
-                }
+/// `response_body_filter`: the first byte, usage, the tenant's tokens, a
+/// stored response's id and a socket's frames read on the way; the
+/// metadata merged into the end of a JSON body.
+pub(super) fn response_body(
+    gw: &Gateway,
+    body: &mut Option<Bytes>,
+    end_of_stream: bool,
+    ctx: &mut RequestCtx,
+) {
+    if let Some(chunk) = body.as_ref() {
+        read_chunk(gw, chunk, ctx);
+    }
+    let answer = &mut ctx.answer;
+    if let Some(appender) = answer.appender.as_mut() {
+        let mut out = match body.take() {
+            Some(chunk) => {
+                answer.upstream_body_seen += chunk.len();
+                appender.push(chunk)
             }
-            if let Some(mut ws) = ctx.websocket.take() {
-                let mut created = Vec::new();
-                ws.backend_bytes(chunk, &mut |id| created.push(id.to_string()));
-                ctx.websocket = Some(ws);
-                for id in created {
-                    self.learn_response(ctx, &id);
-                }
-            }
-            if let Some(scanner) = ctx.usage.as_mut() {
-                scanner.push(chunk);
-            }
-            if let Some(tally) = ctx.who.tokens.as_mut() {
-                tally.saw(chunk, ctx.streamed);
-            }
-            if let Some(id) = ctx.response_id.as_mut().and_then(|s| s.push(chunk)) {
-                self.learn_response(ctx, &id);
-            }
-        }
-        if let Some(appender) = ctx.appender.as_mut() {
-            let mut out = match body.take() {
-                Some(chunk) => {
-                    ctx.upstream_body_seen += chunk.len();
-                    appender.push(chunk)
-                }
-                None => Bytes::new(),
+            None => Bytes::new(),
+        };
+        let complete = answer
+            .upstream_body_len
+            .is_some_and(|len| answer.upstream_body_seen >= len);
+        if end_of_stream || complete {
+            let tail = appender.finish();
+            out = if out.is_empty() {
+                tail
+            } else {
+                let mut joined = Vec::with_capacity(out.len() + tail.len());
+                joined.extend_from_slice(&out);
+                joined.extend_from_slice(&tail);
+                Bytes::from(joined)
             };
-            let complete = ctx
-                .upstream_body_len
-                .is_some_and(|len| ctx.upstream_body_seen >= len);
-            if end_of_stream || complete {
-                let tail = appender.finish();
-                out = if out.is_empty() {
-                    tail
-                } else {
-                    let mut joined = Vec::with_capacity(out.len() + tail.len());
-                    joined.extend_from_slice(&out);
-                    joined.extend_from_slice(&tail);
-                    Bytes::from(joined)
-                };
+        }
+        *body = (!out.is_empty()).then_some(out);
+    }
+}
+
+/// What one chunk of the answer tells, before it goes on.
+fn read_chunk(gw: &Gateway, chunk: &Bytes, ctx: &mut RequestCtx) {
+    let answer = &mut ctx.answer;
+    if answer.first_byte.is_none() && !chunk.is_empty() {
+        answer.first_byte = Some(Instant::now());
+        if let Some(f) = answer.in_flight.as_mut() {
+            f.prefilled();
+        }
+        if let Some(p) = ctx.who.permit.as_mut() {
+            p.prefilled();
+        }
+    }
+    let route = ctx.route.as_ref();
+    if let Some(ws) = answer.websocket.as_mut() {
+        ws.backend_bytes(chunk, &mut |id| {
+            if let Some(route) = route {
+                route.learn_response(gw, id);
             }
-            *body = (!out.is_empty()).then_some(out);
-        }
-        Ok(None)
-    }
-
-    /// The backend switched protocols (a WebSocket): from here on the
-    /// connection is a socket that lives across turns. It holds no
-    /// admission slot and counts as no request in flight (an idle socket
-    /// is no load), no body clock runs on what the client sends, and it may
-    /// idle as long as the backend's `read_timeout` allows.
-    fn upgraded(&self, session: &mut Session, ctx: &mut RequestCtx) {
-        ctx.websocket = Some(Box::default());
-        ctx.who.permit = None;
-        ctx.in_flight = None;
-        if let Some(conn) = &ctx.conn {
-            conn.body_done();
-        }
-        session.set_read_timeout(None);
-        self.gw.metrics.websockets.inc();
-    }
-
-    /// The backend that answered stored the response `id`: its follow-ups
-    /// go there, as turns of this request's session (a request without one
-    /// starts a session named by its response).
-    fn learn_response(&self, ctx: &RequestCtx, id: &str) {
-        let (Some(scope), Some(backend), Some(routing)) =
-            (&ctx.responses_scope, &ctx.backend, &ctx.routing)
-        else {
-            return;
-        };
-        let session = ctx.session_ref.clone().unwrap_or_else(|| {
-            SessionRef::new(
-                &routing.hasher,
-                KeyKind::Session,
-                scope,
-                &format!("response\u{1f}{id}"),
-            )
         });
-        let key = response_key(&routing.hasher, scope, id);
-        let route = ResponseRoute {
-            slot: backend.slot,
-            key: session.key,
-            hash: session.hash,
-        };
-        self.gw.responses.learn(key, route, crate::clock::now_ms());
-        if let Some(store) = self.gw.store.clone().filter(|s| s.healthy()) {
-            // The fleet's other gateways route its follow-ups too. Not
-            // awaited: the answer streams on meanwhile.
-            let value = stored_value(&backend.id, &route);
-            let ttl_ms = self.gw.responses.ttl_ms();
-            tokio::spawn(async move {
-                let _ = store.put_response(key, value, ttl_ms).await;
-            });
-        }
     }
+    if let Some(scanner) = answer.usage.as_mut() {
+        scanner.push(chunk);
+    }
+    if let Some(r) = ctx.who.reservation.as_mut() {
+        r.saw(chunk, answer.streamed);
+    }
+    if let (Some(id), Some(route)) = (
+        answer.response_id.as_mut().and_then(|s| s.push(chunk)),
+        route,
+    ) {
+        route.learn_response(gw, &id);
+    }
+}
+
+/// The backend switched protocols (a WebSocket): from here on the
+/// connection is a socket that lives across turns. It holds no admission
+/// slot and counts as no request in flight (an idle socket is no load), no
+/// body clock runs on what the client sends, and it may idle as long as
+/// the backend's `read_timeout` allows.
+fn upgraded(gw: &Gateway, session: &mut Session, ctx: &mut RequestCtx) {
+    ctx.answer.websocket = Some(Box::default());
+    ctx.who.permit = None;
+    ctx.answer.in_flight = None;
+    if let Some(conn) = &ctx.body.conn {
+        conn.body_done();
+    }
+    session.set_read_timeout(None);
+    gw.metrics.websockets.inc();
+}
+
+/// The `x_agent_serve` member merged into JSON responses, written directly
+/// (this runs once per response; a `serde_json::Value` would allocate a map).
+fn metadata_member(route: &Route) -> Vec<u8> {
+    fn string(out: &mut Vec<u8>, s: &str) {
+        // serde_json escapes exactly as JSON requires; writing to a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, s);
+    }
+    let req = route.request();
+    let mut out = Vec::with_capacity(160);
+    out.extend_from_slice(b"\"x_agent_serve\":{\"backend\":");
+    let decision = route.decision();
+    string(&mut out, decision.map_or("", |d| &*d.backend.id));
+    out.extend_from_slice(b",\"affinity_hit\":");
+    let hit = decision.is_some_and(|d| d.affinity_hit);
+    out.extend_from_slice(if hit { b"true" } else { b"false" });
+    out.extend_from_slice(b",\"tier\":");
+    string(&mut out, &req.tier().name);
+    out.extend_from_slice(b",\"session\":");
+    match req.session() {
+        Some(s) => string(&mut out, &s.id),
+        None => out.extend_from_slice(b"null"),
+    }
+    out.extend_from_slice(b",\"reason\":");
+    match decision {
+        Some(d) => string(&mut out, d.reason.as_str()),
+        None => out.extend_from_slice(b"null"),
+    }
+    if let Some(tokens) = req.prefix_tokens() {
+        out.extend_from_slice(b",\"prefix_tokens\":");
+        out.extend_from_slice(tokens.to_string().as_bytes());
+    }
+    out.push(b'}');
+    out
 }

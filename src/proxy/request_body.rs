@@ -12,9 +12,28 @@
 //! A body of unknown length that outgrows the buffer cannot be forwarded and
 //! is refused with 411 instead of being truncated.
 
-use super::errors::GatewayError;
+use super::conn_guard::ConnState;
+use crate::errors::GatewayError;
 use bytes::{Bytes, BytesMut};
 use pingora_proxy::Session;
+use std::sync::Arc;
+
+/// The client's side of a request: its connection's limits and its body.
+#[derive(Default)]
+pub struct ClientBody {
+    /// The client connection's limits (HTTP/1 on a proxy listener).
+    pub conn: Option<Arc<ConnState>>,
+    /// The whole body, when it was read before routing or kept for a replay.
+    pub whole: Option<Bytes>,
+    /// `whole` counted against the gateway's body budget.
+    pub hold: Option<BodyHold>,
+    /// What has been forwarded of it (all of it, when read before routing).
+    pub bytes: u64,
+    /// Its Content-Length, as `request_filter` read and checked it.
+    pub declared: Option<u64>,
+    /// Whether it asked for a stream (`None`: it was not read).
+    pub asks_stream: Option<bool>,
+}
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core, h1 and h2).
 pub const RETRY_BUFFER_BYTES: u64 = 64 * 1024;

@@ -9,6 +9,9 @@ pub mod cost;
 pub mod health;
 pub mod load;
 pub mod outlier;
+pub mod stats;
+
+pub use stats::{BackendStats, InFlight, REUSES_ON_PROBATION};
 
 use crate::affinity::hrw::HrwHasher;
 use crate::affinity::table::MAX_TIERS;
@@ -21,57 +24,8 @@ use pingora_load_balancing::discovery::Static;
 use pingora_load_balancing::{Backend as LbBackend, Backends, HealthRegistry};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-
-/// Reuses of a backend's pooled connections peeked at before the backend
-/// counts as one that keeps its keep-alive promise (`proxy/upstream_conn.rs`).
-pub const REUSES_ON_PROBATION: u32 = 1000;
-
-/// Live, per-backend state that outlives any one config snapshot.
-#[derive(Debug)]
-pub struct BackendStats {
-    pub id: String,
-    pub in_flight: AtomicU64,
-    /// Set by the admin API or config: no new bindings go here.
-    pub draining: AtomicBool,
-    /// With `draining`: the backend's sessions move on their next turn.
-    pub move_on_drain: AtomicBool,
-    /// False for a backend added by a reload until a health check passes.
-    pub admitted: AtomicBool,
-    /// Until then (ms on the gateway's clock), requests to this backend ask
-    /// for a fresh connection: it closed a reused one under a request.
-    pub fresh_connections_until_ms: AtomicU64,
-    /// Reuses of its pooled connections still peeked at before use, and
-    /// whether it has closed one under the gateway (then all are, for good):
-    /// see `proxy/upstream_conn.rs`.
-    pub reuse_probation: AtomicU32,
-    pub closes_pooled: AtomicBool,
-    /// What the engine last reported about its own load (see load.rs).
-    pub engine: load::EngineLoad,
-    /// Prefill cost and queueing learned from its responses.
-    pub cost: cost::CostEstimate,
-    /// Passive health: ejected after consecutive failed requests.
-    pub outlier: outlier::OutlierState,
-}
-
-impl BackendStats {
-    pub fn new(id: &str) -> BackendStats {
-        BackendStats {
-            id: id.to_string(),
-            in_flight: AtomicU64::new(0),
-            draining: AtomicBool::new(false),
-            move_on_drain: AtomicBool::new(false),
-            admitted: AtomicBool::new(true),
-            fresh_connections_until_ms: AtomicU64::new(0),
-            reuse_probation: AtomicU32::new(REUSES_ON_PROBATION),
-            closes_pooled: AtomicBool::new(false),
-            engine: Default::default(),
-            cost: Default::default(),
-            outlier: Default::default(),
-        }
-    }
-}
 
 /// Backend id → slot, and slot → live state.
 #[derive(Default)]

@@ -1,4 +1,6 @@
 //! The gateway's own error responses: JSON in the OpenAI shape (SPEC §8).
+//! Any layer that refuses a request (routing, admission, the proxy's
+//! checks) says why with a [`GatewayError`]; the proxy writes it.
 
 use bytes::Bytes;
 use pingora_core::{Error, ErrorType, Result};
@@ -7,6 +9,22 @@ use pingora_proxy::Session;
 
 /// How long a refused request's remaining body is read and discarded.
 const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Why a request goes no further.
+#[derive(Debug)]
+pub enum Refusal {
+    /// The answer that says so.
+    Answer(GatewayError),
+    /// Its client left while it waited (for its session's placement, for a
+    /// slot): there is no one to answer.
+    ClientGone(&'static str),
+}
+
+impl From<GatewayError> for Refusal {
+    fn from(e: GatewayError) -> Self {
+        Refusal::Answer(e)
+    }
+}
 
 /// An error the gateway answers itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -259,15 +277,15 @@ impl GatewayError {
         let body = self.body();
         let mut resp = ResponseHeader::build(self.status, Some(5))?;
         if let Some(id) = request_id {
-            resp.insert_header(super::REQUEST_ID_HEADER, id.clone())?;
+            resp.insert_header(crate::headers::REQUEST_ID, id.clone())?;
         }
         resp.insert_header("content-type", "application/json")?;
         resp.insert_header("content-length", body.len().to_string())?;
         if let Some(t) = tier {
-            resp.insert_header("x-agent-serve-tier", t)?;
+            resp.insert_header(crate::headers::TIER, t)?;
         }
         if let Some(b) = backend {
-            resp.insert_header("x-agent-serve-backend", b)?;
+            resp.insert_header(crate::headers::BACKEND, b)?;
         }
         if let Some(s) = self.retry_after.or((self.status == 503).then_some(1)) {
             resp.insert_header("retry-after", s.to_string())?;

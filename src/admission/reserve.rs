@@ -1,0 +1,211 @@
+//! A request's claim on its tenant's limits ([`Reservation`]), where
+//! whether they are the fleet's or this gateway's own is decided once: at
+//! [`Reservation::open`], by whether the fleet's store answers. Its slot
+//! counts against `max_in_flight` until it drops; its request and its
+//! estimated tokens are reserved up front ([`Reservation::reserve`]); what
+//! it used settles the estimate when it ends ([`Reservation::settle`]),
+//! which gives all of it back when nothing was answered.
+
+use super::tenant::{Client, OverLimit, TenantSlot};
+use crate::affinity::store::SharedStore;
+use crate::errors::GatewayError;
+use crate::metrics::Metrics;
+use std::sync::Arc;
+
+/// Where a tenant's per-minute limits are kept for one request.
+enum Book {
+    /// No per-minute limits.
+    None,
+    /// This gateway's own buckets.
+    Local,
+    /// The fleet's, in its store: every gateway draws from one bucket.
+    Fleet(Arc<SharedStore>),
+}
+
+/// One request's claim on its tenant's limits.
+pub struct Reservation {
+    client: Arc<Client>,
+    book: Book,
+    _slot: TenantSlot,
+    /// Its tokens, when its tenant counts them.
+    tally: Option<TokenTally>,
+}
+
+impl OverLimit {
+    /// The 429 that says which limit, counted by tenant.
+    pub fn answer(&self, client: &Client, metrics: &Metrics) -> GatewayError {
+        metrics
+            .client_rejected
+            .with_label_values(&[&client.tenant.name, self.limit])
+            .inc();
+        GatewayError::over_limit(self.limit, &client.tenant.name, self.retry_after_s)
+    }
+}
+
+impl Reservation {
+    /// Count a request of `client` against its tenant's `max_in_flight`,
+    /// and against its per-minute limits: in the fleet's `store` while it
+    /// answers (once the request's tokens are known: see
+    /// [`Reservation::reserve`]), else in this gateway's own buckets now.
+    pub fn open(
+        client: Arc<Client>,
+        store: Option<&Arc<SharedStore>>,
+        metrics: &Metrics,
+    ) -> Result<Reservation, GatewayError> {
+        let refuse = |e: OverLimit| e.answer(&client, metrics);
+        let slot = client.take_slot().map_err(refuse)?;
+        let book = match store {
+            _ if !client.has_rates() => Book::None,
+            Some(store) if store.healthy() => Book::Fleet(Arc::clone(store)),
+            store => {
+                if store.is_some() {
+                    metrics.tenant_limits_local.inc();
+                }
+                client.take_rates().map_err(refuse)?;
+                Book::Local
+            }
+        };
+        Ok(Reservation {
+            client,
+            book,
+            _slot: slot,
+            tally: None,
+        })
+    }
+
+    /// Reserve the request's tokens as estimated now: its `prompt` and the
+    /// output it may ask for (`max_output`). In the fleet's store, the
+    /// request itself too; when the store went away meanwhile, this
+    /// gateway's own buckets take both from here on.
+    pub async fn reserve(
+        &mut self,
+        prompt: u64,
+        max_output: Option<u64>,
+        metrics: &Metrics,
+    ) -> Result<(), GatewayError> {
+        let c = Arc::clone(&self.client);
+        let charged = match c.counts_tokens() {
+            true => prompt.saturating_add(max_output.unwrap_or(0)),
+            false => 0,
+        };
+        let refuse = |e: OverLimit| e.answer(&c, metrics);
+        match &self.book {
+            Book::None => return Ok(()),
+            Book::Fleet(store) => match c.take_fleet_rates(store, charged).await {
+                Ok(taken) => taken.map_err(refuse)?,
+                Err(_) => {
+                    metrics.tenant_limits_local.inc();
+                    self.book = Book::Local;
+                    c.take_rates().map_err(refuse)?;
+                    c.charge_tokens(charged.min(i64::MAX as u64) as i64);
+                }
+            },
+            Book::Local => c.charge_tokens(charged.min(i64::MAX as u64) as i64),
+        }
+        if c.counts_tokens() {
+            self.tally = Some(TokenTally::new(charged, prompt));
+        }
+        Ok(())
+    }
+
+    /// A chunk of the answer came back (its tokens, for an answer without
+    /// usage).
+    pub fn saw(&mut self, chunk: &[u8], streamed: bool) {
+        if let Some(tally) = self.tally.as_mut() {
+            tally.saw(chunk, streamed);
+        }
+    }
+
+    /// Settle the reserved tokens by what the request used: its `usage`
+    /// (prompt and completion tokens), else what came back; nothing when
+    /// nothing was `answered`. Where it was reserved (the fleet's store
+    /// while it answers, else here).
+    pub async fn settle(&self, usage: Option<u64>, answered: bool) {
+        let Some(tally) = &self.tally else {
+            return;
+        };
+        let settle = tally.settle(usage, answered);
+        let settled = match &self.book {
+            Book::Fleet(store) => self.client.charge_fleet_tokens(store, settle).await.is_ok(),
+            _ => false,
+        };
+        if !settled {
+            self.client.charge_tokens(settle);
+        }
+    }
+}
+
+/// A request's tokens against its tenant's `tokens_per_minute`: charged an
+/// estimate when admitted, settled by its `usage` when it ends, or, for an
+/// answer without one (a stream without `stream_options.include_usage`,
+/// the SDKs' default), by what came back: an SSE event a token, else 4
+/// bytes a token.
+#[derive(Default)]
+pub struct TokenTally {
+    /// What the tenant was charged up front: the prompt and `max_tokens`.
+    pub charged: u64,
+    /// The prompt's estimate.
+    pub prompt: u64,
+    /// What came back.
+    events: u64,
+    bytes: u64,
+}
+
+impl TokenTally {
+    /// `charged` up front for a prompt estimated at `prompt` tokens.
+    pub fn new(charged: u64, prompt: u64) -> TokenTally {
+        TokenTally {
+            charged,
+            prompt,
+            ..Default::default()
+        }
+    }
+
+    /// A chunk of the answer came back.
+    pub fn saw(&mut self, chunk: &[u8], streamed: bool) {
+        self.bytes += chunk.len() as u64;
+        if streamed {
+            // Built once: a searcher built per chunk cost more than the search.
+            static DATA: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+                std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"data:"));
+            self.events += DATA.find_iter(chunk).count() as u64;
+        }
+    }
+
+    /// What it used: its usage (`prompt + completion` tokens), else an
+    /// estimate from what came back (nothing, when nothing did: the engine
+    /// computed nothing to bill).
+    pub fn used(&self, usage: Option<u64>, answered: bool) -> u64 {
+        match usage {
+            Some(tokens) => tokens,
+            None if !answered => 0,
+            None if self.events > 0 => self.prompt + self.events,
+            // Not an event stream, and no usage: its bytes.
+            None => self.prompt + self.bytes / crate::affinity::prefix::prompt::BYTES_PER_TOKEN,
+        }
+    }
+
+    /// What settles the charge: what it used less what was charged.
+    pub fn settle(&self, usage: Option<u64>, answered: bool) -> i64 {
+        self.used(usage, answered) as i64 - self.charged as i64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stream_without_usage_is_settled_by_its_events() {
+        let mut t = TokenTally::new(1_000, 300);
+        t.saw(b"data: {}\n\ndata: {}\n\n", true);
+        assert_eq!(t.used(None, true), 302);
+        assert_eq!(t.settle(None, true), 302 - 1_000);
+        assert_eq!(t.settle(Some(1_200), true), 200);
+        assert_eq!(
+            t.settle(None, false),
+            -1_000,
+            "nothing came back: nothing billed"
+        );
+    }
+}

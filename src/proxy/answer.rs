@@ -1,0 +1,43 @@
+//! What the gateway follows of a backend's answer ([`Answer`]): the
+//! request's place in the backend's load while it is out, its first byte,
+//! its usage, the metadata merged into a JSON body, a stored response's id,
+//! an upgraded socket's frames.
+
+use super::response::{JsonAppender, ResponseIdScanner, Usage, UsageScanner};
+use super::websocket::WebSocket;
+use crate::upstream::InFlight;
+use std::time::Instant;
+
+#[derive(Default)]
+pub struct Answer {
+    /// Counted against its backend while it is out.
+    pub(super) in_flight: Option<InFlight>,
+    /// Its passive-health outcome is recorded (once).
+    pub(super) outcome_settled: bool,
+    pub(super) appender: Option<JsonAppender>,
+    /// The backend's declared body length and what has arrived of it, so the
+    /// metadata is merged into the last chunk rather than sent on its own.
+    pub(super) upstream_body_len: Option<usize>,
+    pub(super) upstream_body_seen: usize,
+    pub(super) usage: Option<UsageScanner>,
+    pub(super) first_byte: Option<Instant>,
+    /// The answer is a server-sent-event stream: its first byte came when
+    /// its prefill was done. A JSON answer's first byte comes after its
+    /// whole decode.
+    pub(super) streamed: bool,
+    /// The answer's start, read for its response id.
+    pub(super) response_id: Option<ResponseIdScanner>,
+    /// The backend switched protocols: the socket's frames, followed.
+    pub(super) websocket: Option<Box<WebSocket>>,
+}
+
+impl Answer {
+    /// What the answer reported using: a socket's turns added up, else the
+    /// answer's own `usage`.
+    pub(super) fn usage(&self) -> Option<Usage> {
+        match &self.websocket {
+            Some(ws) => ws.usage,
+            None => self.usage.as_ref().and_then(UsageScanner::usage),
+        }
+    }
+}

@@ -1,0 +1,428 @@
+//! What a request says about its route, read once: its headers first
+//! ([`Intake::read`]), then its body when routing needs it
+//! ([`Intake::body_need`], [`Intake::read_body`]), then the
+//! [`RouteRequest`] it makes ([`Intake::finish`]).
+
+use super::request::{RouteRequest, StoredRef};
+use super::stored;
+use crate::affinity::hrw::{HrwHasher, KeyKind};
+use crate::affinity::prefix::conversation::Conversation;
+use crate::affinity::prefix::PromptRoute;
+use crate::affinity::responses::response_key;
+use crate::affinity::session::{self, BodyProbe, RequestHeaders, SessionId};
+use crate::affinity::SessionRef;
+use crate::config::Config;
+use crate::errors::GatewayError;
+use crate::gateway::Gateway;
+use crate::upstream::{Routing, Tier};
+use std::borrow::Cow;
+use std::sync::Arc;
+
+/// What the headers said, and then the body.
+pub struct Intake {
+    routing: Arc<Routing>,
+    /// The tier the header named, or the body's model picked.
+    tier: Option<Arc<Tier>>,
+    session: Option<SessionId>,
+    parent: Option<SessionId>,
+    parent_agent: Option<SessionId>,
+    /// The tenant part of a binding's scope (empty without tenants).
+    tenant_scope: String,
+    target: Option<String>,
+    final_turn: bool,
+    /// A keyed request's binding key, when its tier is known before its
+    /// body (kept unless the body changes either).
+    early: Option<(Arc<Tier>, SessionRef)>,
+    /// A path whose prompt an engine's prefix cache serves.
+    prompt_path: bool,
+    /// A Responses request (`/responses`).
+    responses_api: bool,
+    upgrade: bool,
+    /// What its body said, once read for routing.
+    prompt: Option<Box<PromptRoute>>,
+    stored: Option<StoredRef>,
+    responses_scope: Option<String>,
+    /// The prompt is worth reading (`affinity.prefix`): set by `body_need`.
+    read_prompt: bool,
+}
+
+/// Whether routing reads the body before choosing a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyNeed {
+    /// Streams through unread.
+    None,
+    /// Routing cannot do without it (the tier or the session key may be
+    /// in it; a Responses request may follow a stored response).
+    Must,
+    /// Its prompt places the request better, when the body can be read
+    /// whole within the budget; else it routes unread.
+    Worth,
+}
+
+/// What the body said besides the route: what the proxy and admission
+/// keep of it.
+#[derive(Default)]
+pub struct BodyFacts {
+    pub max_output: Option<u64>,
+    pub asks_stream: Option<bool>,
+    pub model: Option<String>,
+}
+
+/// Whether a request's path is one whose prompt an engine's prefix cache
+/// serves: chat and text completions, Responses, Anthropic Messages (under
+/// any prefix: `/v1/...`, or a proxy's `/openai/v1/...`). Embeddings,
+/// rerank, scoring and tokenizing calls hold no KV cache to return to: they
+/// are routed to the least busy backend and nothing of them is kept.
+fn prompt_path(path: &str) -> bool {
+    [
+        "/chat/completions",
+        "/completions",
+        "/responses",
+        "/messages",
+    ]
+    .iter()
+    .any(|p| path.ends_with(p))
+}
+
+/// The tenant part of a binding's scope, from `affinity.tenant`: empty when
+/// tenants are not configured.
+fn tenant_scope(
+    cfg: &Config,
+    headers: &RequestHeaders<'_>,
+    hasher: &HrwHasher,
+) -> Result<String, GatewayError> {
+    use crate::config::TenantSource;
+    let value = match &cfg.affinity.tenant {
+        TenantSource::None => return Ok(String::new()),
+        TenantSource::Header(h) => headers.get(h),
+        TenantSource::Authorization => headers.get(&http::header::AUTHORIZATION),
+    };
+    let Some(v) = value else {
+        return Ok("\u{0}-".to_string());
+    };
+    if v.len() > 4096 {
+        return Err(GatewayError::bad_session_header(
+            "tenant header is longer than 4096 bytes".into(),
+        ));
+    }
+    // Keyed, so credentials never appear in the table, logs or hashes' inputs as is.
+    let id = hasher.fingerprint(
+        KeyKind::Session,
+        "tenant",
+        &String::from_utf8_lossy(v.as_bytes()),
+    );
+    Ok(format!("\u{0}{id:032x}"))
+}
+
+/// Bindings are scoped by tier (and tenant, when configured).
+fn scope_of<'a>(tier: &'a str, tenant_suffix: &str) -> Cow<'a, str> {
+    if tenant_suffix.is_empty() {
+        Cow::Borrowed(tier)
+    } else {
+        // Not `format!`: this runs for every keyed request.
+        let mut scope = String::with_capacity(tier.len() + tenant_suffix.len());
+        scope.push_str(tier);
+        scope.push_str(tenant_suffix);
+        Cow::Owned(scope)
+    }
+}
+
+/// What the binding table is keyed with: a subagent's group, the session's
+/// own key, or the conversation `implicit` names (no key from the client).
+fn session_ref(
+    h: &HrwHasher,
+    scope: &str,
+    parent: &Option<SessionId>,
+    parent_agent: &Option<SessionId>,
+    session_id: &Option<SessionId>,
+    implicit: Option<&Conversation>,
+) -> Option<SessionRef> {
+    match (parent, parent_agent, session_id) {
+        // A subagent (Dynamo style): the group of the parent session.
+        (Some(p), _, _) => {
+            let mut group = SessionRef::new(h, KeyKind::Group, scope, &p.id);
+            group.parent = Some(h.fingerprint(KeyKind::Session, scope, &p.id));
+            Some(group)
+        }
+        // A subagent (Claude Code style): the group of a parent agent within
+        // this session; the session's own binding is the parent to follow.
+        (None, Some(agent), Some(s)) => {
+            let id = format!("{}\u{1f}{}", s.id, agent.id);
+            let mut group = SessionRef::new(h, KeyKind::Group, scope, &id);
+            group.parent = Some(h.fingerprint(KeyKind::Session, scope, &s.id));
+            Some(group)
+        }
+        (None, _, Some(_)) if implicit.is_some() => implicit.map(|c| {
+            let mut s = SessionRef::conversation(c.id);
+            s.continued_at = c.continues.map(|at| at.slot);
+            s.probation = c.continues.is_none();
+            s.forked_at = c.forked_at;
+            s
+        }),
+        (None, _, Some(s)) => Some(SessionRef::new(h, KeyKind::Session, scope, &s.id)),
+        (None, _, None) => None,
+    }
+}
+
+fn session_header(
+    headers: &RequestHeaders<'_>,
+    names: &[http::HeaderName],
+) -> Result<Option<SessionId>, GatewayError> {
+    session::from_headers(headers, names)
+        .map_err(|e| GatewayError::bad_session_header(e.to_string()))
+}
+
+impl Intake {
+    /// What the request's headers say of its session: its session and
+    /// parent keys, an explicit backend, a last turn; `upgrade`: it asks
+    /// to switch protocols (a WebSocket). Its tenant's scope and its tier
+    /// follow ([`Intake::scope`], [`Intake::tier`]), in the order the
+    /// gateway refuses what is wrong with a request.
+    pub fn read(
+        routing: Arc<Routing>,
+        headers: &RequestHeaders<'_>,
+        path: &str,
+        upgrade: bool,
+    ) -> Result<Intake, GatewayError> {
+        let cfg = &routing.config;
+        let session = session_header(headers, &cfg.affinity.session_headers)?;
+        let parent = session_header(headers, &cfg.affinity.parent_session_headers)?;
+        let parent_agent = session_header(headers, &cfg.affinity.parent_agent_headers)?;
+        let final_turn = cfg.affinity.session_final_headers.iter().any(|h| {
+            headers
+                .get(h)
+                .is_some_and(|v| matches!(v.as_bytes(), b"true" | b"1" | b"TRUE" | b"True"))
+        });
+        let target = match headers.get(&crate::headers::TARGET) {
+            Some(_) if !cfg.affinity.allow_explicit_target => {
+                return Err(GatewayError::explicit_target_forbidden())
+            }
+            Some(t) => Some(String::from_utf8_lossy(t.as_bytes()).into_owned()),
+            None => None,
+        };
+        Ok(Intake {
+            prompt_path: prompt_path(path),
+            responses_api: path.ends_with("/responses"),
+            upgrade,
+            routing,
+            tier: None,
+            session,
+            parent,
+            parent_agent,
+            tenant_scope: String::new(),
+            target,
+            final_turn,
+            early: None,
+            prompt: None,
+            stored: None,
+            responses_scope: None,
+            read_prompt: false,
+        })
+    }
+
+    /// The tenant's part of its bindings' scope: its client key's tenant
+    /// (`of_key`: a header cannot claim another's), else what
+    /// `affinity.tenant` reads from the headers.
+    pub fn scope(
+        &mut self,
+        of_key: Option<&str>,
+        headers: &RequestHeaders<'_>,
+    ) -> Result<(), GatewayError> {
+        self.tenant_scope = match of_key {
+            Some(scope) => scope.to_string(),
+            None => tenant_scope(&self.routing.config, headers, &self.routing.hasher)?,
+        };
+        Ok(())
+    }
+
+    /// The tier its header names (404 for one that is unknown); with it,
+    /// or with only the default tier, a keyed request's binding key.
+    pub fn tier(&mut self, headers: &RequestHeaders<'_>) -> Result<(), GatewayError> {
+        let routing = &self.routing;
+        if let Some(v) = headers.get(&crate::headers::TIER) {
+            let name = v
+                .to_str()
+                .map_err(|_| GatewayError::unknown_tier("invalid tier header".into()))?;
+            self.tier = Some(Arc::clone(routing.tier_by_name(name).ok_or_else(|| {
+                GatewayError::unknown_tier(format!("unknown tier `{name}`"))
+            })?));
+        }
+        let tier_now = match &self.tier {
+            Some(t) => Some(t),
+            None if !routing.routes_by_model() => Some(routing.default_tier()),
+            None => None,
+        };
+        self.early = tier_now.and_then(|t| {
+            let scope = scope_of(&t.name, &self.tenant_scope);
+            session_ref(
+                &routing.hasher,
+                &scope,
+                &self.parent,
+                &self.parent_agent,
+                &self.session,
+                None,
+            )
+            .map(|s| (Arc::clone(t), s))
+        });
+        Ok(())
+    }
+
+    /// Whether routing reads the body (`has_body`: the method carries one
+    /// and it is not declared empty; `declared`: its Content-Length).
+    ///
+    /// The prompt is read to name a keyless conversation, to place a new
+    /// binding where its prefix lives, and in soft mode to weigh a move by
+    /// what each backend holds of it. A keyed turn of a live binding (hard
+    /// mode) needs none of that and streams through unread.
+    pub fn body_need(&mut self, gw: &Gateway, has_body: bool, declared: Option<u64>) -> BodyNeed {
+        let cfg = &self.routing.config;
+        self.read_prompt = gw.prefix.enabled()
+            && self.prompt_path
+            && (self.session.is_none()
+                || cfg.affinity.mode == crate::affinity::policy::Mode::Soft
+                || !self
+                    .early
+                    .as_ref()
+                    .is_some_and(|(_, s)| gw.affinity.is_live(s.key)));
+        let responses_api = has_body && self.responses_api;
+        let must = has_body
+            && ((self.tier.is_none() && self.routing.routes_by_model())
+                || (self.session.is_none() && !cfg.affinity.body_session_fields.is_empty())
+                || responses_api);
+        if must {
+            BodyNeed::Must
+        } else if has_body && self.read_prompt && declared.is_some() {
+            BodyNeed::Worth
+        } else {
+            BodyNeed::None
+        }
+    }
+
+    /// Read what the `body` says of the route: the tier its model picks, a
+    /// session key in its fields, the stored response it follows, its
+    /// prompt (`affinity.prefix`).
+    pub async fn read_body(&mut self, gw: &Gateway, body: &[u8]) -> BodyFacts {
+        let Some(probe) = BodyProbe::parse(body) else {
+            return BodyFacts::default();
+        };
+        let routing = Arc::clone(&self.routing);
+        let cfg = &routing.config;
+        let model = probe.model();
+        if self.tier.is_none() {
+            if let Some(model) = &model {
+                self.tier = routing.tier_by_model(model).cloned();
+            }
+        }
+        let responses_api = self.responses_api;
+        if self.session.is_none() {
+            // The Conversations API's id (a Responses field) first.
+            self.session = responses_api
+                .then(|| probe.conversation())
+                .flatten()
+                .or_else(|| probe.session(&cfg.affinity.body_session_fields));
+        }
+        let routed_in = Arc::clone(self.tier.as_ref().unwrap_or_else(|| routing.default_tier()));
+        if responses_api {
+            // Response ids are kept under the tier and tenant too.
+            let scope = scope_of(&routed_in.name, &self.tenant_scope);
+            if let Some(id) = probe.previous_response_id() {
+                let key = response_key(&routing.hasher, &scope, &id);
+                if let Some(route) = stored::find(gw, key, &routed_in).await {
+                    self.stored = Some(StoredRef { route, id });
+                }
+            }
+            self.responses_scope = Some(scope.into_owned());
+        }
+        // A follow-up of a stored response sends only its new input: it is
+        // a turn of the session that made the response, at the backend
+        // that holds it, and its prompt is not the engine's.
+        if self.read_prompt && self.stored.is_none() {
+            // Cached under its tier and tenant: one tenant's prompts never
+            // find another's holdings.
+            let keyless = self.session.is_none() && self.parent.is_none();
+            self.prompt = gw
+                .prefix
+                .read(
+                    &scope_of(&routed_in.name, &self.tenant_scope),
+                    model.as_deref(),
+                    keyless,
+                    &probe,
+                )
+                .map(Box::new);
+        }
+        BodyFacts {
+            max_output: probe.max_output_tokens(),
+            asks_stream: Some(probe.is_stream()),
+            model,
+        }
+    }
+
+    /// The request, as routing will follow it. `body_len`: the body's bytes
+    /// when read, else its Content-Length (0 when neither is known).
+    pub fn finish(self, body_len: u64) -> RouteRequest {
+        let routing = self.routing;
+        let tier = self
+            .tier
+            .unwrap_or_else(|| Arc::clone(routing.default_tier()));
+        let mut session = self.session;
+        // No key from the client: the conversation its prompt belongs to.
+        let implicit = match (&session, self.prompt.as_deref()) {
+            (None, Some(route)) => route.conversation().copied(),
+            _ => None,
+        };
+        if let Some(c) = &implicit {
+            session = Some(SessionId {
+                id: format!("prompt-{:016x}", (c.id >> 64) as u64),
+                source: session::Source::Prompt,
+            });
+        }
+        let prompt_tokens = match self.prompt.as_deref() {
+            Some(route) => route.tokens(),
+            None => body_len / crate::affinity::prefix::prompt::BYTES_PER_TOKEN,
+        };
+        let mut req = RouteRequest {
+            tier,
+            session,
+            parent: None,
+            key: None,
+            prompt: self.prompt,
+            stored: self.stored,
+            responses_scope: self.responses_scope,
+            target: self.target,
+            final_turn: self.final_turn,
+            prompt_tokens,
+            routing,
+        };
+        // A follow-up of a stored response without a key of its own: the
+        // session of the response it follows.
+        if let (Some(s), None, None, None) =
+            (&req.stored, &req.session, &self.parent, &self.parent_agent)
+        {
+            let route = s.route;
+            req.key = Some(SessionRef::resumed(route.key, route.hash, route.slot));
+            req.session = Some(SessionId {
+                id: format!("response-chain-{:016x}", route.hash),
+                source: session::Source::StoredResponse,
+            });
+            return req;
+        }
+        if self.upgrade && self.responses_api {
+            // Responses over WebSocket: the ids its events announce are kept too.
+            req.responses_scope = Some(scope_of(&req.tier.name, &self.tenant_scope).into_owned());
+        }
+        req.key = match self.early {
+            // Nothing the body said changed the tier or the key.
+            Some((t, sref)) if Arc::ptr_eq(&t, &req.tier) && implicit.is_none() => Some(sref),
+            _ => session_ref(
+                &req.routing.hasher,
+                &scope_of(&req.tier.name, &self.tenant_scope),
+                &self.parent,
+                &self.parent_agent,
+                &req.session,
+                implicit.as_ref(),
+            ),
+        };
+        req.parent = self.parent.or(self.parent_agent).map(|p| p.id);
+        req
+    }
+}

@@ -1,0 +1,392 @@
+//! One request, one decision (SPEC §3). The route of a request, read from
+//! the top down:
+//!
+//! 1. [`Intake`] reads what the request says of its route, once: its tier,
+//!    session and parent keys, its tenant's scope from the headers; then,
+//!    when routing needs it, the body's model, session field, stored
+//!    response and prompt. It makes the [`RouteRequest`].
+//! 2. [`Route::decide`] returns the [`Decision`] (backend, reason, lease):
+//!    the tier's candidates, narrowed to the holder of a stored response,
+//!    marked by admission and by what each holds of the prompt; then an
+//!    explicit target, the session's binding ([`Affinity::route`]), or the
+//!    least busy backend for a request without a session. A retry (a
+//!    refused connection, a backend gone while the request waited) asks
+//!    the same call again, with the failed backend excluded.
+//! 3. [`Route::learn_response`] keeps the id of a response the backend
+//!    stored; [`Route::end`] settles the binding and the prefix index by
+//!    what the answer said.
+//!
+//! The proxy's phases read the request and write the answer; the session
+//! key, once read, is followed here alone.
+//!
+//! [`Affinity::route`]: crate::affinity::Affinity::route
+
+mod intake;
+mod request;
+mod stored;
+
+pub use intake::{BodyFacts, BodyNeed, Intake};
+pub use request::{RouteRequest, StoredRef};
+
+use crate::admission::Class;
+use crate::affinity::policy::MoveReason;
+use crate::affinity::{Candidate, Lease, Reason, WaitEnd};
+use crate::errors::{GatewayError, Refusal};
+use crate::gateway::Gateway;
+use crate::upstream::{Backend, Tier};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Where a request goes, and why.
+pub struct Decision {
+    pub backend: Arc<Backend>,
+    pub affinity_hit: bool,
+    pub reason: Reason,
+    /// Set when `reason` is [`Reason::Moved`].
+    pub moved: Option<MoveReason>,
+    /// The session's binding, held while the request is in flight.
+    lease: Option<Lease>,
+    /// Its prefill there in tokens, when routing knows it: its prompt less
+    /// what the prefix index says is held, else a kept binding's estimate.
+    pub prefill: Option<u64>,
+}
+
+/// A request's route: what it is, and where it went.
+pub struct Route {
+    req: RouteRequest,
+    /// Backends that failed it before any byte reached them.
+    excluded: Vec<u32>,
+    decision: Option<Decision>,
+    /// It is re-sent on a fresh connection: it reports its first attempt's
+    /// hit and reason (its replay finds the binding that attempt made).
+    pub replayed: bool,
+}
+
+/// Rotates ties among equally loaded backends for session-less requests.
+static TIEBREAK: AtomicUsize = AtomicUsize::new(0);
+
+impl Route {
+    pub fn new(req: RouteRequest) -> Route {
+        Route {
+            req,
+            excluded: Vec::new(),
+            decision: None,
+            replayed: false,
+        }
+    }
+
+    pub fn request(&self) -> &RouteRequest {
+        &self.req
+    }
+
+    pub fn tier(&self) -> &Arc<Tier> {
+        &self.req.tier
+    }
+
+    /// The last decision, once made.
+    pub fn decision(&self) -> Option<&Decision> {
+        self.decision.as_ref()
+    }
+
+    pub fn backend(&self) -> Option<&Arc<Backend>> {
+        self.decision.as_ref().map(|d| &d.backend)
+    }
+
+    /// `slot` cannot take this request (it refused the connection, or went
+    /// while the request waited): the next decision leaves it out.
+    pub fn exclude(&mut self, slot: u32) {
+        self.excluded.push(slot);
+    }
+
+    /// The request reached its backend (or is queued for it): the other
+    /// requests of a session it is placing may follow it there now.
+    pub fn confirm(&mut self) {
+        if let Some(lease) = self.decision.as_mut().and_then(|d| d.lease.as_mut()) {
+            lease.confirm();
+        }
+    }
+
+    /// Decide where the request goes, and lease its session's binding.
+    /// `who`: its class and fair-share tenant, when admission marks the
+    /// backends that have no room; `client_gone`: whether its client left
+    /// (looked at while it waits for another request of its session).
+    pub async fn decide(
+        &mut self,
+        gw: &Gateway,
+        who: Option<(Class, u64)>,
+        client_gone: impl Fn() -> bool,
+    ) -> Result<&Decision, Refusal> {
+        let mut decision = self
+            .next(gw, who, client_gone)
+            .await
+            // The failed attempt's backend stays on record (its answer
+            // names it); its lease ends now.
+            .inspect_err(|_| self.end_lease())?;
+        if let Some(previous) = self.decision.take() {
+            if let Some(old) = previous.lease {
+                old.hand_over();
+            }
+            // A replay finds the binding its own first attempt made: the
+            // request is still what that attempt said it was.
+            if self.replayed && decision.affinity_hit {
+                decision.affinity_hit = previous.affinity_hit;
+                decision.reason = previous.reason;
+                decision.moved = previous.moved;
+            }
+        }
+        self.routed(gw, &mut decision);
+        Ok(self.decision.insert(decision))
+    }
+
+    /// The next decision, before it replaces the last one.
+    async fn next(
+        &mut self,
+        gw: &Gateway,
+        who: Option<(Class, u64)>,
+        client_gone: impl Fn() -> bool,
+    ) -> Result<Decision, Refusal> {
+        let candidates = self.candidates(gw, who)?;
+        let owner = self
+            .decision
+            .as_ref()
+            .and_then(|d| d.lease.as_ref())
+            .is_some_and(|l| l.owns_pending());
+        match self.req.target.as_deref() {
+            Some(target) => Ok(targeted(&self.req.tier, &candidates, target)?),
+            None => self.choose(gw, &candidates, owner, client_gone).await,
+        }
+    }
+
+    fn end_lease(&mut self) {
+        if let Some(d) = self.decision.as_mut() {
+            d.lease = None;
+        }
+    }
+
+    /// The backends this request may go to: the tier's healthy ones less
+    /// those excluded; only the holder of the stored response it follows;
+    /// with admission's room and what each holds of the prompt.
+    fn candidates(
+        &mut self,
+        gw: &Gateway,
+        who: Option<(Class, u64)>,
+    ) -> Result<Vec<Candidate>, GatewayError> {
+        let tier = &self.req.tier;
+        let mut candidates = tier.candidates(&self.excluded);
+        if let Some(stored) = &self.req.stored {
+            // Only the backend that stored the response it follows has it.
+            let slot = stored.route.slot;
+            candidates.retain(|c| c.slot == slot);
+            if candidates.is_empty() {
+                let why = match tier.backend_by_slot(slot) {
+                    None => "the backend that stored it left the configuration".to_string(),
+                    Some(b) if self.excluded.contains(&slot) => {
+                        format!(
+                            "backend `{}`, which stored it, refused the connection",
+                            b.id
+                        )
+                    }
+                    Some(b) => format!("backend `{}`, which stored it, is not healthy", b.id),
+                };
+                return Err(GatewayError::previous_response_not_found(&stored.id, &why));
+            }
+        }
+        if let Some((class, tenant)) = who {
+            gw.admission.mark(&mut candidates, class, tenant);
+        }
+        // New keyless conversations count as sessions, and what each
+        // candidate holds of the prompt (`affinity.prefix`).
+        gw.prefix.fill_probation(&mut candidates);
+        if let Some(prompt) = self.req.prompt.as_mut() {
+            prompt.look_up(&gw.prefix, &mut candidates);
+        }
+        Ok(candidates)
+    }
+
+    /// A session's request goes where its binding says (or is placed and
+    /// bound); one without a session to the least busy backend.
+    async fn choose(
+        &self,
+        gw: &Gateway,
+        candidates: &[Candidate],
+        owner: bool,
+        client_gone: impl Fn() -> bool,
+    ) -> Result<Decision, Refusal> {
+        let tier = &self.req.tier;
+        if candidates.is_empty() {
+            return Err(match self.excluded.is_empty() {
+                true => GatewayError::no_healthy_backend(&tier.name),
+                false => GatewayError::all_candidates_failed(&tier.name),
+            }
+            .into());
+        }
+        let backend = |index: usize| {
+            Arc::clone(
+                tier.backend_by_slot(candidates[index].slot)
+                    .expect("candidates come from this tier"),
+            )
+        };
+        let Some(mut session) = self.req.key.clone() else {
+            return Ok(Decision {
+                backend: backend(least_in_flight(tier, candidates)),
+                affinity_hit: false,
+                reason: Reason::NoSession,
+                moved: None,
+                lease: None,
+                prefill: None,
+            });
+        };
+        session.prompt_tokens = self.req.prompt_tokens;
+        session.indexed = self.req.prompt.is_some();
+        let wait = self.req.routing.config.affinity.single_flight_wait;
+        let sel = gw
+            .affinity
+            .route(&session, &**tier, candidates, owner, wait, client_gone)
+            .await
+            .map_err(|e| match e {
+                // Only for empty candidates, which are ruled out above.
+                WaitEnd::NoCandidate => GatewayError::no_healthy_backend(&tier.name).into(),
+                WaitEnd::ClientGone => {
+                    Refusal::ClientGone("client left while waiting for its session's placement")
+                }
+            })?;
+        match sel.reason {
+            Reason::Broken => tier.metrics.broken.inc(),
+            Reason::Moved => {
+                let why = sel.moved.map_or("policy", |m| m.as_str());
+                gw.metrics
+                    .affinity_moves
+                    .with_label_values(&[&tier.name, why])
+                    .inc();
+            }
+            _ => {}
+        }
+        Ok(Decision {
+            backend: backend(sel.index),
+            affinity_hit: sel.affinity_hit,
+            reason: sel.reason,
+            moved: sel.moved,
+            lease: sel.lease,
+            prefill: sel.new_tokens,
+        })
+    }
+
+    /// The prompt went to `decision.backend`: the index learns it, and its
+    /// prefill there is the prompt less what the index says is held
+    /// (better than the session's last turn, which under KV pressure found
+    /// its transcript evicted yet counts only its growth, or the body less
+    /// the backend's usual shared prefix).
+    fn routed(&mut self, gw: &Gateway, decision: &mut Decision) {
+        let Some(prompt) = self.req.prompt.as_mut() else {
+            return;
+        };
+        let bound = decision.lease.is_some();
+        let held = prompt.routed(&gw.prefix, decision.backend.slot, bound);
+        let tier = &self.req.tier;
+        match prompt.matched() {
+            true => tier.metrics.prefix_matched.inc(),
+            false => tier.metrics.prefix_none.inc(),
+        }
+        decision.prefill = Some(self.req.prompt_tokens.saturating_sub(held));
+    }
+
+    /// A subagent that names no class takes its parent session's; one that
+    /// names its own is remembered for its own subagents. `named`: the
+    /// class its request named, if it did.
+    pub fn class_of_session(&self, gw: &Gateway, named: Option<Class>) -> Option<Class> {
+        let session = self.req.key.as_ref()?;
+        let adm = &gw.admission;
+        match named {
+            Some(class) => {
+                adm.name_class(session.key, class);
+                None
+            }
+            None => session.parent.and_then(|p| adm.named_class(p)),
+        }
+    }
+
+    /// The backend stored the response `id`: its follow-ups go there.
+    pub fn learn_response(&self, gw: &Gateway, id: &str) {
+        if let Some(d) = &self.decision {
+            stored::learn(gw, &self.req, &d.backend, id);
+        }
+    }
+
+    /// Bad input never leaves a binding behind: drop the one this request
+    /// made (a binding that existed before stays), here and in the fleet's
+    /// store, which it was written to when placed.
+    pub fn forget_new_binding(&self, gw: &Gateway) {
+        if let (Some(session), Some(true)) = (
+            &self.req.key,
+            self.decision.as_ref().map(|d| d.reason.new_binding()),
+        ) {
+            gw.affinity.forget(session.key);
+        }
+    }
+
+    /// The request ended with `status`, its answer's `usage` (prompt and
+    /// cached tokens) when it had one, `answered`: a 200 whose first byte
+    /// came back. A last turn closes its binding; what the backend reports
+    /// cached is remembered for the session (the soft policy's p_hit) and
+    /// corrects the prefix index. Returns whether it did correct it.
+    pub fn end(
+        &self,
+        gw: &Gateway,
+        status: u16,
+        usage: Option<(u64, Option<u64>)>,
+        answered: bool,
+    ) -> bool {
+        if let Some(session) = &self.req.key {
+            if self.req.final_turn {
+                gw.affinity.forget(session.key);
+            } else if let (Some((prompt, cached)), true) = (usage, answered) {
+                gw.affinity.record_usage(session.key, prompt, cached);
+            }
+        }
+        // The backend answered: it holds the prompt now, and what it
+        // reports cached corrects the index.
+        self.req
+            .prompt
+            .as_deref()
+            .is_some_and(|p| p.settle(&gw.prefix, status == 200, usage))
+    }
+}
+
+/// `x-agent-serve-backend-id` named the backend: it, if it may take the
+/// request now.
+fn targeted(tier: &Tier, candidates: &[Candidate], target: &str) -> Result<Decision, GatewayError> {
+    let Some(b) = tier.backend_by_id(target) else {
+        return Err(GatewayError::unknown_backend(target, &tier.name));
+    };
+    if !candidates.iter().any(|c| c.slot == b.slot) {
+        return Err(GatewayError::backend_unavailable(target));
+    }
+    Ok(Decision {
+        backend: Arc::clone(b),
+        affinity_hit: false,
+        reason: Reason::ExplicitTarget,
+        moved: None,
+        lease: None,
+        prefill: None,
+    })
+}
+
+/// The candidate with the fewest requests in flight (full ones, for
+/// admission, last); ties in turn.
+fn least_in_flight(tier: &Tier, candidates: &[Candidate]) -> usize {
+    // One snapshot: in-flight counts move while we look, and deciding on
+    // two different readings can leave no candidate at the minimum.
+    let loads: Vec<u64> = candidates
+        .iter()
+        .map(|c| {
+            let full = if c.full { u64::MAX / 2 } else { 0 };
+            tier.backend_by_slot(c.slot)
+                .map_or(u64::MAX, |b| b.in_flight().max(c.in_flight) + full)
+        })
+        .collect();
+    let min = loads.iter().copied().min().unwrap_or(0);
+    let tied: Vec<usize> = (0..loads.len()).filter(|&i| loads[i] == min).collect();
+    let pick = TIEBREAK.fetch_add(1, Ordering::Relaxed);
+    // Never empty for the non-empty candidates the caller passes.
+    tied.get(pick % tied.len().max(1)).copied().unwrap_or(0)
+}

@@ -1,0 +1,67 @@
+//! Stored responses (`previous_response_id`): where each response this
+//! fleet answered is kept, so that a follow-up goes to the backend that
+//! holds it (SPEC §3.7).
+
+use super::request::RouteRequest;
+use crate::affinity::hrw::KeyKind;
+use crate::affinity::responses::{parse_stored, response_key, stored_value, ResponseRoute};
+use crate::affinity::SessionRef;
+use crate::gateway::Gateway;
+use crate::upstream::{Backend, Tier};
+
+/// Where the response kept under `key` lives: this gateway's own routes,
+/// else the fleet's store (another gateway saw it answered). A backend the
+/// store names that is not in `tier` here gets a slot no candidate has:
+/// the follow-up is told its backend is gone.
+pub(super) async fn find(gw: &Gateway, key: u64, tier: &Tier) -> Option<ResponseRoute> {
+    let now = crate::clock::now_ms();
+    if let Some(route) = gw.responses.find(key, now) {
+        return Some(route);
+    }
+    let store = gw.store.as_ref().filter(|s| s.healthy())?;
+    let value = store.get_response(key).await.ok()??;
+    let (backend, session, hash) = parse_stored(&value)?;
+    let route = ResponseRoute {
+        slot: tier.backend_by_id(backend).map_or(u32::MAX, |b| b.slot),
+        key: session,
+        hash,
+    };
+    if route.slot != u32::MAX {
+        gw.responses.learn(key, route, now);
+    }
+    Some(route)
+}
+
+/// `backend` answered `req` and stored the response `id`: its follow-ups
+/// go there, as turns of this request's session (a request without one
+/// starts a session named by its response).
+pub(super) fn learn(gw: &Gateway, req: &RouteRequest, backend: &Backend, id: &str) {
+    let Some(scope) = &req.responses_scope else {
+        return;
+    };
+    let hasher = &req.routing.hasher;
+    let session = req.key.clone().unwrap_or_else(|| {
+        SessionRef::new(
+            hasher,
+            KeyKind::Session,
+            scope,
+            &format!("response\u{1f}{id}"),
+        )
+    });
+    let key = response_key(hasher, scope, id);
+    let route = ResponseRoute {
+        slot: backend.slot,
+        key: session.key,
+        hash: session.hash,
+    };
+    gw.responses.learn(key, route, crate::clock::now_ms());
+    if let Some(store) = gw.store.clone().filter(|s| s.healthy()) {
+        // The fleet's other gateways route its follow-ups too. Not
+        // awaited: the answer streams on meanwhile.
+        let value = stored_value(&backend.id, &route);
+        let ttl_ms = gw.responses.ttl_ms();
+        tokio::spawn(async move {
+            let _ = store.put_response(key, value, ttl_ms).await;
+        });
+    }
+}
