@@ -45,7 +45,7 @@ use route::prefix_chose;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use table::{Acquired, Binding, BindingTable, Decision};
+use table::{Acquired, Binding, BindingTable, Current, Decision};
 
 /// How sessions without a live binding are placed.
 pub struct Placement {
@@ -267,79 +267,14 @@ impl Affinity {
         if candidates.is_empty() {
             return None;
         }
-        // New bindings avoid draining backends and failing ones, unless
-        // nothing else is left, and then full ones (admission), unless every
-        // other is. (No allocation in the common case.)
-        let usable: Vec<Candidate>;
-        let open: &[Candidate] = if candidates.iter().any(|c| c.draining || c.failing || c.full) {
-            let keep = |skip_full: bool| -> Vec<Candidate> {
-                candidates
-                    .iter()
-                    .copied()
-                    .filter(|c| !(c.draining || c.failing || (skip_full && c.full)))
-                    .collect()
-            };
-            usable = match keep(true) {
-                with_room if !with_room.is_empty() => with_room,
-                // No room anywhere: where the fewest requests would be
-                // served before it (a quiet tenant's two new conversations
-                // on one backend would wait for each other, while its turns
-                // go ahead of a noisy tenant's waiters on every backend).
-                _ => {
-                    let mut all = keep(false);
-                    let fewest = all.iter().map(|c| c.ahead).min().unwrap_or(0);
-                    all.retain(|c| c.ahead == fewest);
-                    all
-                }
-            };
-            if usable.is_empty() {
-                candidates
-            } else {
-                &usable
-            }
-        } else {
-            candidates
-        };
-        let ttl_ms = self.ttl_ms.load(Ordering::Relaxed);
-        if ttl_ms == 0 {
-            let slot = self.place(session.hash, open, None)?;
-            return Some(Choice::Go(Selection {
-                index: candidates.iter().position(|c| c.slot == slot)?,
-                backend: slot,
-                affinity_hit: false,
-                reason: Reason::Disabled,
-                version: 0,
-                moved: None,
-                new_tokens: None,
-                lease: None,
-            }));
-        }
-        if session.probation {
-            // A new keyless conversation: placed, not bound (its second
-            // turn binds it where this one goes). A fork (a subagent that
-            // starts from its parent's transcript, a retried or branched
-            // turn) prefers where it came from, as a subagent naming its
-            // parent does, unless that backend is over its bound.
-            let came_from = session
-                .forked_at
-                .filter(|&slot| open.iter().any(|c| c.slot == slot));
-            let slot = self.place(session.hash, open, came_from)?;
-            return Some(Choice::Go(Selection {
-                index: candidates.iter().position(|c| c.slot == slot)?,
-                backend: slot,
-                affinity_hit: false,
-                reason: match prefix_chose(slot, open) {
-                    true => Reason::Prefix,
-                    false => Reason::FirstTurn,
-                },
-                version: 0,
-                moved: None,
-                new_tokens: None,
-                lease: None,
-            }));
+        let usable = open_to_new(candidates);
+        let open = usable.as_deref().unwrap_or(candidates);
+        if self.ttl_ms.load(Ordering::Relaxed) == 0 || session.probation {
+            return self
+                .place_unbound(session, candidates, open)
+                .map(Choice::Go);
         }
         let now = self.now_ms();
-        let position = |slot: u32| candidates.iter().position(|c| c.slot == slot);
         // Read the parent's binding before locking our own shard: two shard
         // locks are never held at once. A keyless conversation's turn
         // prefers where its last turn went.
@@ -350,73 +285,22 @@ impl Affinity {
             .or(session.continued_at)
             .or(session.forked_at)
             .filter(|&slot| open.iter().any(|c| c.slot == slot));
-        let fresh = |exclude: Option<u32>| -> Option<u32> {
-            match exclude {
-                None => self.place(session.hash, open, preferred),
-                Some(x) => {
-                    let pool: Vec<Candidate> =
-                        open.iter().copied().filter(|c| c.slot != x).collect();
-                    self.place(session.hash, &pool, preferred)
-                }
-            }
+        let mut review = Review {
+            affinity: self,
+            session,
+            candidates,
+            open,
+            preferred,
+            now,
+            policy: self.policy.load(),
+            moved: None,
+            new_tokens: None,
         };
-        let policy = self.policy.load();
-        let mut moved = None;
-        let mut broken_elsewhere = false;
-        let mut new_tokens = None;
-        let acquired =
-            self.table.acquire(
-                session.key,
-                tier,
-                now,
-                join_pending,
-                |current| match current.and_then(|c| Some((position(c.backend)?, c.turns))) {
-                    // Its backend fails its requests but may not be ejected
-                    // (the cap): rebind where requests work, as if broken.
-                    Some((i, _)) if candidates[i].failing && open.iter().any(|c| !c.failing) => {
-                        match fresh(Some(candidates[i].slot)) {
-                            Some(slot) => Decision::Bind(slot),
-                            None => Decision::Keep,
-                        }
-                    }
-                    Some((i, turns)) => {
-                        let new = turns.next_uncached(session.prompt_tokens);
-                        new_tokens = (turns.prompt > 0).then_some(new);
-                        let turn = ThisTurn {
-                            new,
-                            indexed_prompt: session.indexed.then_some(session.prompt_tokens),
-                        };
-                        match policy.review(&candidates[i], candidates, &turns, &turn, now) {
-                            None => Decision::Keep,
-                            Some(MoveReason::Cost) if !self.claim_move_off(&candidates[i], now) => {
-                                Decision::Keep
-                            }
-                            Some(reason) => match policy
-                                .destination(reason, &candidates[i], open, &turns, &turn)
-                                .or_else(|| fresh(Some(candidates[i].slot)))
-                            {
-                                Some(slot) => {
-                                    moved = Some(reason);
-                                    Decision::Bind(slot)
-                                }
-                                None => Decision::Keep,
-                            },
-                        }
-                    }
-                    None => match fresh(None) {
-                        Some(slot) => Decision::Bind(slot),
-                        None => Decision::Skip,
-                    },
-                },
-            );
-        let lease = |generation, pending_owner| {
-            Some(Lease {
-                holder: Arc::clone(self) as Arc<dyn lease::Holder>,
-                key: session.key,
-                generation,
-                pending_owner,
-            })
-        };
+        let acquired = self
+            .table
+            .acquire(session.key, tier, now, join_pending, |current| {
+                review.decide(current)
+            });
         let (backend, affinity_hit, reason, version, lease) = match acquired {
             Acquired::Kept {
                 backend,
@@ -427,7 +311,7 @@ impl Affinity {
                 true,
                 Reason::Hit,
                 version,
-                lease(generation, false),
+                self.lease(session, generation, false),
             ),
             Acquired::Bound {
                 backend,
@@ -436,39 +320,12 @@ impl Affinity {
                 previous,
                 expired,
             } => {
-                // A keyless conversation's turn placed where its last one
-                // went continues it there; placed elsewhere, it left it for
-                // load, or because that backend is gone.
-                let continued = match session.continued_at {
-                    Some(at) if previous.is_none() && at == backend => Some(true),
-                    Some(at) if previous.is_none() && open.iter().any(|c| c.slot == at) => {
-                        moved = Some(MoveReason::Overloaded);
-                        Some(false)
-                    }
-                    Some(_) if previous.is_none() => {
-                        broken_elsewhere = true;
-                        Some(false)
-                    }
-                    _ => None,
-                };
-                let reason = if continued == Some(true) {
-                    Reason::Hit
-                } else if moved.is_some() {
-                    Reason::Moved
-                } else if previous.is_some() || broken_elsewhere {
-                    Reason::Broken
-                } else if prefix_chose(backend, open) {
-                    Reason::Prefix
-                } else if expired {
-                    Reason::Expired
-                } else {
-                    Reason::FirstTurn
-                };
+                let reason = review.bound_reason(backend, previous.is_some(), expired);
                 // Only brand-new bindings are pending (a rebind of a pending
                 // one can only come from its own first request, joining).
                 let owner = previous.is_none() || join_pending;
-                let hit = reason == Reason::Hit;
-                (backend, hit, reason, version, lease(generation, owner))
+                let lease = self.lease(session, generation, owner);
+                (backend, reason == Reason::Hit, reason, version, lease)
             }
             Acquired::Full { backend } => (backend, false, Reason::TableFull, 0, None),
             // The first request is still on its way to a backend that can
@@ -483,15 +340,66 @@ impl Affinity {
             Acquired::Skipped => return None,
         };
         Some(Choice::Go(Selection {
-            index: position(backend)?,
+            index: candidates.iter().position(|c| c.slot == backend)?,
             backend,
             affinity_hit,
             reason,
             version,
-            moved,
-            new_tokens: new_tokens.filter(|_| affinity_hit),
+            moved: review.moved,
+            new_tokens: review.new_tokens.filter(|_| affinity_hit),
             lease,
         }))
+    }
+
+    /// A lease on `session`'s binding of `generation`.
+    fn lease(
+        self: &Arc<Self>,
+        session: &SessionRef,
+        generation: u32,
+        owner: bool,
+    ) -> Option<Lease> {
+        Some(Lease {
+            holder: Arc::clone(self) as Arc<dyn lease::Holder>,
+            key: session.key,
+            generation,
+            pending_owner: owner,
+        })
+    }
+
+    /// A session that binds nothing: affinity is off (TTL 0; hashed, not
+    /// stored), or a new keyless conversation on probation (placed, not
+    /// bound: its second turn binds it where this one goes). A fork (a
+    /// subagent that starts from its parent's transcript, a retried or
+    /// branched turn) prefers where it came from, as a subagent naming its
+    /// parent does, unless that backend is over its bound.
+    fn place_unbound(
+        &self,
+        session: &SessionRef,
+        candidates: &[Candidate],
+        open: &[Candidate],
+    ) -> Option<Selection> {
+        let disabled = self.ttl_ms.load(Ordering::Relaxed) == 0;
+        let came_from = session
+            .forked_at
+            .filter(|&slot| !disabled && open.iter().any(|c| c.slot == slot));
+        let slot = self.place(session.hash, open, came_from)?;
+        let reason = if disabled {
+            Reason::Disabled
+        } else if prefix_chose(slot, open) {
+            Reason::Prefix
+        } else {
+            Reason::FirstTurn
+        };
+        Some(Selection {
+            index: candidates.iter().position(|c| c.slot == slot)?,
+            backend: slot,
+            affinity_hit: false,
+            reason,
+            version: 0,
+            moved: None,
+            new_tokens: None,
+            lease: None,
+        })
     }
 
     /// Whether `key`'s binding is still waiting for its first request.
@@ -588,6 +496,146 @@ impl Affinity {
     /// Remove expired bindings; returns how many.
     pub fn sweep(&self) -> usize {
         self.table.sweep(self.now_ms(), 4096)
+    }
+}
+
+/// New bindings avoid draining backends and failing ones, unless nothing
+/// else is left, and then full ones (admission), unless every other is:
+/// the candidates open to a new binding, when that leaves any out (`None`:
+/// all of them, with no allocation in the common case).
+fn open_to_new(candidates: &[Candidate]) -> Option<Vec<Candidate>> {
+    if !candidates.iter().any(|c| c.draining || c.failing || c.full) {
+        return None;
+    }
+    let keep = |skip_full: bool| -> Vec<Candidate> {
+        candidates
+            .iter()
+            .copied()
+            .filter(|c| !(c.draining || c.failing || (skip_full && c.full)))
+            .collect()
+    };
+    let usable = match keep(true) {
+        with_room if !with_room.is_empty() => with_room,
+        // No room anywhere: where the fewest requests would be served
+        // before it (a quiet tenant's two new conversations on one backend
+        // would wait for each other, while its turns go ahead of a noisy
+        // tenant's waiters on every backend).
+        _ => {
+            let mut all = keep(false);
+            let fewest = all.iter().map(|c| c.ahead).min().unwrap_or(0);
+            all.retain(|c| c.ahead == fewest);
+            all
+        }
+    };
+    (!usable.is_empty()).then_some(usable)
+}
+
+/// One session's binding reviewed under its shard's lock: kept, moved, or
+/// (re)bound; and why.
+struct Review<'a> {
+    affinity: &'a Affinity,
+    session: &'a SessionRef,
+    candidates: &'a [Candidate],
+    /// The candidates open to a new binding.
+    open: &'a [Candidate],
+    /// Where a new binding goes while it is within the balance bound: the
+    /// parent's backend, the conversation's last one, the one it forked from.
+    preferred: Option<u32>,
+    now: u64,
+    policy: arc_swap::Guard<Arc<DefaultPolicy>>,
+    moved: Option<MoveReason>,
+    /// For a kept binding: this turn's prefill there, as its turns say.
+    new_tokens: Option<u64>,
+}
+
+impl Review<'_> {
+    /// First placement among the open candidates, less `exclude`.
+    fn place(&self, exclude: Option<u32>) -> Option<u32> {
+        let a = self.affinity;
+        match exclude {
+            None => a.place(self.session.hash, self.open, self.preferred),
+            Some(x) => {
+                let pool: Vec<Candidate> =
+                    self.open.iter().copied().filter(|c| c.slot != x).collect();
+                a.place(self.session.hash, &pool, self.preferred)
+            }
+        }
+    }
+
+    /// What becomes of the binding `current` (none: place one).
+    fn decide(&mut self, current: Option<Current>) -> Decision {
+        let position = |slot: u32| self.candidates.iter().position(|c| c.slot == slot);
+        let Some((i, turns)) = current.and_then(|c| Some((position(c.backend)?, c.turns))) else {
+            return match self.place(None) {
+                Some(slot) => Decision::Bind(slot),
+                None => Decision::Skip,
+            };
+        };
+        let bound = &self.candidates[i];
+        // Its backend fails its requests but may not be ejected (the cap):
+        // rebind where requests work, as if broken.
+        if bound.failing && self.open.iter().any(|c| !c.failing) {
+            return match self.place(Some(bound.slot)) {
+                Some(slot) => Decision::Bind(slot),
+                None => Decision::Keep,
+            };
+        }
+        let session = self.session;
+        let new = turns.next_uncached(session.prompt_tokens);
+        self.new_tokens = (turns.prompt > 0).then_some(new);
+        let turn = ThisTurn {
+            new,
+            indexed_prompt: session.indexed.then_some(session.prompt_tokens),
+        };
+        let reason = match self
+            .policy
+            .review(bound, self.candidates, &turns, &turn, self.now)
+        {
+            None => return Decision::Keep,
+            Some(MoveReason::Cost) if !self.affinity.claim_move_off(bound, self.now) => {
+                return Decision::Keep
+            }
+            Some(reason) => reason,
+        };
+        match self
+            .policy
+            .destination(reason, bound, self.open, &turns, &turn)
+            .or_else(|| self.place(Some(bound.slot)))
+        {
+            Some(slot) => {
+                self.moved = Some(reason);
+                Decision::Bind(slot)
+            }
+            None => Decision::Keep,
+        }
+    }
+
+    /// Why a binding made for this request (at `backend`; `rebound`: it
+    /// replaced one; `expired`: the one before had expired) went there.
+    /// A keyless conversation's turn placed where its last one went
+    /// continues it there (a hit); placed elsewhere, it left it for load,
+    /// or because that backend is gone.
+    fn bound_reason(&mut self, backend: u32, rebound: bool, expired: bool) -> Reason {
+        let mut broken_elsewhere = false;
+        match self.session.continued_at {
+            Some(at) if !rebound && at == backend => return Reason::Hit,
+            Some(at) if !rebound && self.open.iter().any(|c| c.slot == at) => {
+                self.moved = Some(MoveReason::Overloaded)
+            }
+            Some(_) if !rebound => broken_elsewhere = true,
+            _ => {}
+        }
+        if self.moved.is_some() {
+            Reason::Moved
+        } else if rebound || broken_elsewhere {
+            Reason::Broken
+        } else if prefix_chose(backend, self.open) {
+            Reason::Prefix
+        } else if expired {
+            Reason::Expired
+        } else {
+            Reason::FirstTurn
+        }
     }
 }
 

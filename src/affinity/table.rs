@@ -408,97 +408,116 @@ impl BindingTable {
                 turns: e.turns,
             }
         });
-        match policy(current) {
-            Decision::Skip => Acquired::Skipped,
-            Decision::Keep => match idx {
-                Some(i) => {
-                    let e = shard.entries[i as usize];
-                    if e.in_flight == 0 {
-                        shard.unlink(i);
-                    }
-                    shard.entries[i as usize].in_flight += 1;
-                    Acquired::Kept {
-                        backend: e.backend,
-                        version: e.version,
-                        generation: e.generation,
-                    }
+        match (policy(current), idx) {
+            (Decision::Skip, _) | (Decision::Keep, None) => Acquired::Skipped,
+            (Decision::Keep, Some(i)) => {
+                let e = shard.entries[i as usize];
+                if e.in_flight == 0 {
+                    shard.unlink(i);
                 }
-                None => Acquired::Skipped,
-            },
-            Decision::Bind(backend) => {
-                if let Some(i) = idx {
-                    // Rebinding a binding whose first request never arrived
-                    // (its backend went away): a new owner, so that request
-                    // ending cannot remove this one; the leases it had
-                    // (requests that joined it) still count until they end,
-                    // so it cannot expire under them.
-                    let e = &mut shard.entries[i as usize];
-                    let was_idle = e.in_flight == 0;
-                    if e.pending {
-                        e.generation = next_owner(e.generation);
-                    }
-                    let previous = e.backend;
-                    let tier = e.tier;
-                    e.backend = backend;
-                    // The new backend has cached nothing of this session yet.
-                    e.turns = Turns {
-                        prompt: 0,
-                        cached: 0,
-                        expected: 0,
-                        moves: e.turns.moves.saturating_add(1),
-                        moved_s: (now_ms / 1000) as u32,
-                    };
-                    e.version = e.version.wrapping_add(1);
-                    let version = e.version;
-                    let generation = e.generation;
-                    e.in_flight += 1;
-                    if was_idle {
-                        shard.unlink(i);
-                    }
-                    self.count(tier, previous, -1);
-                    self.count(tier, backend, 1);
-                    return Acquired::Bound {
-                        backend,
-                        version,
-                        generation,
-                        previous: Some(previous),
-                        expired,
-                    };
-                }
-                if shard.map.len() >= shard.cap {
-                    let victim = shard.tail;
-                    if victim == NIL {
-                        return Acquired::Full { backend };
-                    }
-                    let e = shard.remove(victim);
-                    self.count(e.tier, e.backend, -1);
-                    self.evictions[e.tier as usize].fetch_add(1, Ordering::Relaxed);
-                }
-                let generation = shard.next_generation();
-                let i = shard.alloc(Entry {
-                    key,
-                    generation,
-                    synced_ms: 0,
-                    deadline_ms: 0,
-                    backend,
-                    version: 1,
-                    in_flight: 1,
-                    prev: NIL,
-                    next: NIL,
-                    tier,
-                    pending: true,
-                    turns: Turns::default(),
-                });
-                shard.map.insert(key, i);
-                self.count(tier, backend, 1);
-                Acquired::Bound {
-                    backend,
-                    version: 1,
-                    generation,
-                    previous: None,
-                    expired,
+                shard.entries[i as usize].in_flight += 1;
+                Acquired::Kept {
+                    backend: e.backend,
+                    version: e.version,
+                    generation: e.generation,
                 }
             }
+            (Decision::Bind(backend), Some(i)) => {
+                self.rebind(&mut shard, i, backend, now_ms, expired)
+            }
+            (Decision::Bind(backend), None) => self.insert(&mut shard, key, tier, backend, expired),
+        }
+    }
+
+    /// Bind the entry at `i` to `backend` instead.
+    fn rebind(
+        &self,
+        shard: &mut Shard,
+        i: u32,
+        backend: u32,
+        now_ms: u64,
+        expired: bool,
+    ) -> Acquired {
+        // Rebinding a binding whose first request never arrived (its
+        // backend went away): a new owner, so that request ending cannot
+        // remove this one; the leases it had (requests that joined it)
+        // still count until they end, so it cannot expire under them.
+        let e = &mut shard.entries[i as usize];
+        let was_idle = e.in_flight == 0;
+        if e.pending {
+            e.generation = next_owner(e.generation);
+        }
+        let previous = e.backend;
+        let tier = e.tier;
+        e.backend = backend;
+        // The new backend has cached nothing of this session yet.
+        e.turns = Turns {
+            prompt: 0,
+            cached: 0,
+            expected: 0,
+            moves: e.turns.moves.saturating_add(1),
+            moved_s: (now_ms / 1000) as u32,
+        };
+        e.version = e.version.wrapping_add(1);
+        let version = e.version;
+        let generation = e.generation;
+        e.in_flight += 1;
+        if was_idle {
+            shard.unlink(i);
+        }
+        self.count(tier, previous, -1);
+        self.count(tier, backend, 1);
+        Acquired::Bound {
+            backend,
+            version,
+            generation,
+            previous: Some(previous),
+            expired,
+        }
+    }
+
+    /// A new binding of `key` to `backend`, pending its first request; the
+    /// least recently used idle one makes room when the shard is full.
+    fn insert(
+        &self,
+        shard: &mut Shard,
+        key: BindingKey,
+        tier: u16,
+        backend: u32,
+        expired: bool,
+    ) -> Acquired {
+        if shard.map.len() >= shard.cap {
+            let victim = shard.tail;
+            if victim == NIL {
+                return Acquired::Full { backend };
+            }
+            let e = shard.remove(victim);
+            self.count(e.tier, e.backend, -1);
+            self.evictions[e.tier as usize].fetch_add(1, Ordering::Relaxed);
+        }
+        let generation = shard.next_generation();
+        let i = shard.alloc(Entry {
+            key,
+            generation,
+            synced_ms: 0,
+            deadline_ms: 0,
+            backend,
+            version: 1,
+            in_flight: 1,
+            prev: NIL,
+            next: NIL,
+            tier,
+            pending: true,
+            turns: Turns::default(),
+        });
+        shard.map.insert(key, i);
+        self.count(tier, backend, 1);
+        Acquired::Bound {
+            backend,
+            version: 1,
+            generation,
+            previous: None,
+            expired,
         }
     }
 

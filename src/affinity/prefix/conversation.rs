@@ -213,6 +213,199 @@ type Rank = (bool, bool, std::cmp::Reverse<u64>);
 /// Ends a lookup remembers meeting, to tell them what they share.
 const MET: usize = 32;
 
+/// A prompt as [`Conversations::identify`] reads it: where its blocks
+/// and messages end, and where it ends exactly.
+struct Reading<'a> {
+    p: &'a Prompt,
+    canon: &'a Canon<'a>,
+    block: usize,
+    /// Its full blocks.
+    n: usize,
+    /// It has messages (a chat), whose ends it is matched at.
+    messages: bool,
+    /// Past its last full block: its length and (without messages) hash.
+    tail_len: usize,
+    tail_hash: u64,
+    /// Its length up to its last message's end (else all of it).
+    q_len: u32,
+    /// Where it ends exactly: the key of its last message's end, or the
+    /// boundary after its last full block (its tail checked there).
+    exact: Option<u64>,
+}
+
+impl<'a> Reading<'a> {
+    fn new(p: &'a Prompt, canon: &'a Canon<'a>, block: usize) -> Self {
+        let n = p.blocks.len();
+        let marker = |k: usize| if k == 0 { p.root } else { p.blocks[k - 1] };
+        let messages = !canon.message_ends.is_empty();
+        let tail_from = n * block;
+        let tail_hash = match messages {
+            true => 0,
+            false => canon
+                .hash(tail_from, canon.len(), marker(n))
+                .unwrap_or_default(),
+        };
+        Reading {
+            p,
+            canon,
+            block,
+            n,
+            messages,
+            tail_len: canon.len().saturating_sub(tail_from),
+            tail_hash,
+            q_len: clamp32(match canon.message_ends.last() {
+                Some(&at) => at,
+                None => p.full_bytes,
+            }),
+            exact: match canon.message_ends.last() {
+                Some(&at) => exact_key(p, canon, block, at),
+                None => Some(marker(n)),
+            },
+        }
+    }
+
+    /// The chain hash at the boundary after block `k` (the root at 0).
+    fn marker(&self, k: usize) -> u64 {
+        if k == 0 {
+            self.p.root
+        } else {
+            self.p.blocks[k - 1]
+        }
+    }
+
+    /// An earlier prompt with messages that ends where one of this one's
+    /// messages does: the deepest that it may continue.
+    fn continues_messages(&self, inner: &Inner, walk: &mut Walk) -> Option<u32> {
+        let (p, canon, block) = (self.p, self.canon, self.block);
+        let last = canon.message_ends.len().wrapping_sub(1);
+        for (j, &at) in canon.message_ends.iter().enumerate().rev() {
+            if j != last
+                && !inner
+                    .exact_blocks
+                    .contains_key(&self.marker(at / block.max(1)))
+            {
+                continue;
+            }
+            let key = match j == last {
+                true => self.exact,
+                false => exact_key(p, canon, block, at),
+            };
+            let Some(key) = key else {
+                continue;
+            };
+            let found = walk.depth(inner, key, true, |e| {
+                (e.messages && e.len as usize == at).then_some(e.len)
+            });
+            if found.is_some() {
+                return found;
+            }
+        }
+        None
+    }
+
+    /// A prompt without messages: the one whose own blocks it agrees with
+    /// deepest, all of them but the last few, or exactly.
+    fn continues_blocks(&self, inner: &Inner, walk: &mut Walk) -> Option<u32> {
+        if self.messages {
+            return None;
+        }
+        let (canon, block) = (self.canon, self.block);
+        for k in (0..=self.n).rev() {
+            let found = walk.depth(inner, self.marker(k), false, |e| {
+                let exact = !e.messages
+                    && e.tail_exact
+                    && k == e.n_blocks as usize
+                    && canon.hash(k * block, k * block + e.tail_len as usize, self.marker(k))
+                        == Some(e.tail_hash);
+                match (exact, k) {
+                    (true, _) => Some(e.len),
+                    (false, 0) => None,
+                    (false, _) => {
+                        (k + TOLERANCE_BLOCKS > e.n_blocks as usize).then(|| clamp32(k * block))
+                    }
+                }
+            });
+            if found.is_some() {
+                return found;
+            }
+        }
+        None
+    }
+
+    /// A new conversation's name, from its prompt: gateways that see the
+    /// same first turn name it alike. The same prompt again is another
+    /// conversation (a sampled rollout, a retry): `duplicates` makes
+    /// another name.
+    fn name(&self, duplicates: u32) -> u128 {
+        let mut material = [0u8; 28];
+        material[..8].copy_from_slice(&self.marker(self.n).to_le_bytes());
+        let own = match self.messages {
+            true => self.exact.unwrap_or_default(),
+            false => self.tail_hash,
+        };
+        material[8..16].copy_from_slice(&own.to_le_bytes());
+        material[16..24].copy_from_slice(&(self.q_len as u64).to_le_bytes());
+        material[24..].copy_from_slice(&duplicates.to_le_bytes());
+        xxh3_128_with_seed(&material, self.p.root)
+    }
+
+    /// Its own end, of conversation `id`: markers at its own blocks (past
+    /// the `shared` bytes; a block other conversations also have names
+    /// none), and where it ends exactly.
+    fn own_end(&self, id: u128, shared: u32, now_ms: u64) -> End {
+        let (n, block) = (self.n, self.block);
+        let own_from = shared as usize / block.max(1) + 1;
+        let first = n.saturating_sub(TOLERANCE_BLOCKS - 1).max(own_from);
+        let mut links = [NO_LINK; TOLERANCE_BLOCKS + 1];
+        let mut n_links = 0;
+        for k in first..=n {
+            if !self.messages {
+                links[n_links] = Link {
+                    marker: self.marker(k),
+                    next: NIL,
+                    depth: k as u32,
+                };
+                n_links += 1;
+            }
+        }
+        if let Some(key) = self
+            .exact
+            .filter(|k| !links[..n_links].iter().any(|l| l.marker == *k))
+        {
+            links[n_links] = Link {
+                marker: key,
+                next: NIL,
+                depth: EXACT,
+            };
+            n_links += 1;
+        }
+        End {
+            gen: 0,
+            live: true,
+            conversation: id,
+            links,
+            n_links: n_links as u8,
+            n_blocks: n as u32,
+            len: self.q_len,
+            tail_len: self.tail_len as u32,
+            tail_hash: self.tail_hash,
+            tail_exact: self.p.full_bytes == self.canon.len(),
+            messages: self.messages,
+            exact_block: self
+                .canon
+                .message_ends
+                .last()
+                .map_or(0, |&at| self.marker(at / block.max(1))),
+            shared,
+            slot: UNPLACED,
+            bound: false,
+            counted: false,
+            taken: false,
+            filed_ms: now_ms,
+        }
+    }
+}
+
 /// A prompt's look-up, depth by depth.
 struct Walk {
     /// Where the prompt ends.
@@ -340,80 +533,18 @@ impl Conversations {
     /// at once: a second prompt agreeing with the same end is a conversation
     /// of its own, and the same prompt again is another conversation.
     pub fn identify(&self, p: &Prompt, canon: &Canon, block: usize, now_ms: u64) -> Conversation {
-        let n = p.blocks.len();
-        let marker = |k: usize| if k == 0 { p.root } else { p.blocks[k - 1] };
-        let messages = !canon.message_ends.is_empty();
-        let tail_from = n * block;
-        let tail_len = canon.len().saturating_sub(tail_from);
-        let tail_hash = match messages {
-            true => 0,
-            false => canon
-                .hash(tail_from, canon.len(), marker(n))
-                .unwrap_or_default(),
-        };
-        let q_len = clamp32(match canon.message_ends.last() {
-            Some(&at) => at,
-            None => p.full_bytes,
-        });
-        // Where it ends exactly: the key of its last message's end, or the
-        // boundary after its last full block (its tail checked there).
-        let exact = match canon.message_ends.last() {
-            Some(&at) => exact_key(p, canon, block, at),
-            None => Some(marker(n)),
-        };
+        let r = Reading::new(p, canon, block);
         let mut inner = self.inner.lock();
         let mut walk = Walk {
-            q_len,
+            q_len: r.q_len,
             met: [None; MET],
             n_met: 0,
             duplicates: 0,
             forked: None,
         };
-        // An earlier prompt with messages ends where one of this one's
-        // messages does: the deepest that it may continue.
-        let mut found = None;
-        let last = canon.message_ends.len().wrapping_sub(1);
-        for (j, &at) in canon.message_ends.iter().enumerate().rev() {
-            if j != last && !inner.exact_blocks.contains_key(&marker(at / block.max(1))) {
-                continue;
-            }
-            let key = match j == last {
-                true => exact,
-                false => exact_key(p, canon, block, at),
-            };
-            let Some(key) = key else {
-                continue;
-            };
-            found = walk.depth(&inner, key, true, |e| {
-                (e.messages && e.len as usize == at).then_some(e.len)
-            });
-            if found.is_some() {
-                break;
-            }
-        }
-        // A prompt without messages: the one whose own blocks it agrees with
-        // deepest, all of them but the last few, or exactly.
-        if found.is_none() && !messages {
-            for k in (0..=n).rev() {
-                found = walk.depth(&inner, marker(k), false, |e| {
-                    let exact = !e.messages
-                        && e.tail_exact
-                        && k == e.n_blocks as usize
-                        && canon.hash(k * block, k * block + e.tail_len as usize, marker(k))
-                            == Some(e.tail_hash);
-                    match (exact, k) {
-                        (true, _) => Some(e.len),
-                        (false, 0) => None,
-                        (false, _) => {
-                            (k + TOLERANCE_BLOCKS > e.n_blocks as usize).then(|| clamp32(k * block))
-                        }
-                    }
-                });
-                if found.is_some() {
-                    break;
-                }
-            }
-        }
+        let found = r
+            .continues_messages(&inner, &mut walk)
+            .or_else(|| r.continues_blocks(&inner, &mut walk));
         // What it shares with the others it met, they share with it.
         let mut shared = 0;
         for m in walk.met[..walk.n_met].iter().flatten() {
@@ -433,71 +564,9 @@ impl Conversations {
                 });
                 (e.conversation, continued)
             }
-            None => {
-                // Named by its prompt: gateways that see the same first
-                // turn name it alike. The same prompt again is another
-                // conversation (a sampled rollout, a retry): another name.
-                let mut material = [0u8; 28];
-                material[..8].copy_from_slice(&marker(n).to_le_bytes());
-                let own = match messages {
-                    true => exact.unwrap_or_default(),
-                    false => tail_hash,
-                };
-                material[8..16].copy_from_slice(&own.to_le_bytes());
-                material[16..24].copy_from_slice(&(q_len as u64).to_le_bytes());
-                material[24..].copy_from_slice(&walk.duplicates.to_le_bytes());
-                (xxh3_128_with_seed(&material, p.root), None)
-            }
+            None => (r.name(walk.duplicates), None),
         };
-        // Its own end: markers at its own blocks (past what it shares; a
-        // block other conversations also have names none), and where it
-        // ends exactly.
-        let own_from = shared as usize / block.max(1) + 1;
-        let first = n.saturating_sub(TOLERANCE_BLOCKS - 1).max(own_from);
-        let mut links = [NO_LINK; TOLERANCE_BLOCKS + 1];
-        let mut n_links = 0;
-        for k in first..=n {
-            if !messages {
-                links[n_links] = Link {
-                    marker: marker(k),
-                    next: NIL,
-                    depth: k as u32,
-                };
-                n_links += 1;
-            }
-        }
-        if let Some(key) = exact.filter(|k| !links[..n_links].iter().any(|l| l.marker == *k)) {
-            links[n_links] = Link {
-                marker: key,
-                next: NIL,
-                depth: EXACT,
-            };
-            n_links += 1;
-        }
-        let end = End {
-            gen: 0,
-            live: true,
-            conversation: id,
-            links,
-            n_links: n_links as u8,
-            n_blocks: n as u32,
-            len: q_len,
-            tail_len: tail_len as u32,
-            tail_hash,
-            tail_exact: p.full_bytes == canon.len(),
-            messages,
-            exact_block: canon
-                .message_ends
-                .last()
-                .map_or(0, |&at| marker(at / block.max(1))),
-            shared,
-            slot: UNPLACED,
-            bound: false,
-            counted: false,
-            taken: false,
-            filed_ms: now_ms,
-        };
-        let end = self.file(&mut inner, end);
+        let end = self.file(&mut inner, r.own_end(id, shared, now_ms));
         let forked_at = found.is_none().then_some(walk.forked).flatten();
         Conversation {
             id,
