@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# The whole test suite: formatting, lints, unit tests, integration tests
-# (real gateway and simulated-replica processes on 127.0.0.1).
+# The whole test suite: formatting, lints, unit and integration tests
+# (real gateway, simulated-replica, llama.cpp and Redis processes on 127.0.0.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo fmt --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+cat >&2 <<'NOTE'
+Running the tests. They kill, hang and fault backends, Redis and clients on purpose:
+the ERROR and WARN lines the gateways under test log are those faults, expected.
+A test that fails says FAILED, and the run ends with the failures listed.
+NOTE
 cargo test --workspace --locked --no-fail-fast
