@@ -7,7 +7,8 @@
 //!   ejection, load signals of each backend) over 8 and 1,024 backends, with
 //!   the per-backend read of Pingora's health registry it made before the
 //!   verdicts were cached rebuilt beside it as the baseline,
-//! - binding-table insert into, and sweep of, a table holding 1M bindings,
+//! - binding-table insert into, and a sweep pass of, a table holding 1M
+//!   bindings, through the router,
 //! - table memory per binding (printed),
 //! - prefix-aware routing (`affinity.prefix`): a keyless chat request's
 //!   decision — canonical prompt and its block hashes, the conversation's
@@ -19,7 +20,6 @@
 //! Run: `cargo bench --bench affinity`
 
 use agent_gateway::affinity::hrw::{self, HrwHasher, KeyKind};
-use agent_gateway::affinity::table::{BindingTable, Decision};
 use agent_gateway::affinity::{Affinity, Candidate, Choice, SessionRef};
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use std::time::Duration;
@@ -198,47 +198,50 @@ fn bench_candidates(c: &mut Criterion) {
     g.finish();
 }
 
-/// The generation a lease on what `acquire` returned would carry.
-fn generation(a: agent_gateway::affinity::table::Acquired) -> u32 {
-    use agent_gateway::affinity::table::Acquired;
-    match a {
-        Acquired::Kept { generation, .. } | Acquired::Bound { generation, .. } => generation,
-        _ => 0,
-    }
-}
-
+/// The binding table, reached as the proxy reaches it: through the router
+/// (`Affinity::select_backend` with one candidate, so that placement is
+/// trivial; the lease confirmed and dropped, as a request's end does).
 fn bench_table(c: &mut Criterion) {
     const N: usize = 1_000_000;
-    let t = BindingTable::new(N);
+    let h = HrwHasher::new("bench");
+    let one = fleet(&h, 1, false);
     let key = |i: u64| (i as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
+    let bind = |a: &std::sync::Arc<Affinity>, i: u64| {
+        if let Some(Choice::Go(mut sel)) =
+            a.select_backend(&SessionRef::conversation(key(i)), 0, &one, true)
+        {
+            if let Some(l) = sel.lease.as_mut() {
+                l.confirm();
+            }
+        }
+    };
+    let a = Affinity::new(N, Some(Duration::from_secs(1800)));
     for i in 0..N as u64 {
-        let g = generation(t.acquire(key(i), 0, 0, true, |_| Decision::Bind(1)));
-        t.release(key(i), g, i, 1_000_000_000);
+        bind(&a, i);
     }
+    let live = a.bindings().len();
     println!(
-        "binding table: {} bindings, ~{} heap bytes per binding",
-        t.len(),
-        t.heap_bytes() / t.len()
+        "binding table: {live} bindings, ~{} heap bytes per binding",
+        a.table_heap_bytes() / live.max(1)
     );
     let mut i = N as u64;
     c.bench_function("table/insert into a full 1M table (evicts LRU)", |b| {
         b.iter(|| {
             i += 1;
-            let g = generation(t.acquire(key(i), 0, i, true, |_| Decision::Bind(2)));
-            t.release(key(i), g, i, 1_000_000_000);
+            bind(&a, i);
         })
     });
-    c.bench_function("table/sweep 4096 expired of 1M", |b| {
+    c.bench_function("table/sweep one pass of 1M expired", |b| {
         b.iter_batched(
             || {
-                let t = BindingTable::new(N);
+                let a = Affinity::new(N, Some(Duration::from_millis(1)));
                 for i in 0..N as u64 {
-                    let g = generation(t.acquire(key(i), 0, 0, true, |_| Decision::Bind(1)));
-                    t.release(key(i), g, 0, 10);
+                    bind(&a, i);
                 }
-                t
+                std::thread::sleep(Duration::from_millis(5));
+                a
             },
-            |t| black_box(t.sweep(100, 4096 / 64)),
+            |a| black_box(a.sweep()),
             criterion::BatchSize::PerIteration,
         )
     });

@@ -158,6 +158,27 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
     Ok((server, gw))
 }
 
+/// Where the gateway serves, for its start-up log.
+fn listening(config: &crate::config::Config) -> String {
+    let mut proxy: Vec<String> = config
+        .server
+        .listen
+        .iter()
+        .map(|a| format!("http://{a}"))
+        .collect();
+    if let Some(t) = &config.server.tls {
+        proxy.extend(t.listen.iter().map(|a| format!("https://{a}")));
+    }
+    let backends: usize = config.tiers.iter().map(|t| t.backends.len()).sum();
+    format!(
+        "listening: proxy {}, metrics http://{}/metrics, admin http://{}/admin/backends; {} tier(s), {backends} backend(s)",
+        proxy.join(" "),
+        config.metrics.listen,
+        config.admin.listen,
+        config.tiers.len(),
+    )
+}
+
 /// Wait (at most 10 s) until every configured listener accepts a connection.
 async fn wait_listening(config: &crate::config::Config) {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -234,6 +255,7 @@ impl BackgroundService for Lifecycle {
         // Pingora marks a listening service ready when it starts, before its
         // sockets are bound: READY waits until each listener accepts.
         wait_listening(&gw.routing().config).await;
+        log::info!("{}", listening(&gw.routing().config));
         if self.upgraded {
             // The unit's main process is draining away: this one is main now
             // (the unit needs NotifyAccess=all to accept it from here).

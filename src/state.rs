@@ -9,7 +9,7 @@
 //! it had left (a binding in flight at save time gets a full TTL).
 
 use crate::affinity::hrw::KeyKind;
-use crate::affinity::table::Binding;
+use crate::affinity::Binding;
 use crate::gateway::Gateway;
 use serde::{Deserialize, Serialize};
 use std::io::Write;

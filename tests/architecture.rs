@@ -449,6 +449,100 @@ fn no_module_imports_from_a_module_that_holds_it() {
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
+/// The functions of `code` with a body: name, first line (from `line0`)
+/// and length in lines.
+fn functions(code: &str, line0: usize) -> Vec<(String, usize, usize)> {
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices("fn ") {
+        if at > 0 && code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+            continue;
+        }
+        let name: String = code[at + 3..]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let rest = &code[at..];
+        let (Some(open), semi) = (rest.find('{'), rest.find(';')) else {
+            continue;
+        };
+        if name.is_empty() || semi.is_some_and(|s| s < open) {
+            continue; // a declaration without a body
+        }
+        let mut depth = 0;
+        let mut end = rest.len();
+        for (j, c) in rest[open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = open + j;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let first = line0 + code[..at].matches('\n').count();
+        out.push((name, first, rest[..end].matches('\n').count() + 1));
+    }
+    out
+}
+
+/// The request's path — its phases, its route, admission and the session
+/// router — reads from one function down: no function of it (tests aside)
+/// is longer than about a hundred lines.
+#[test]
+fn no_function_on_the_requests_path_is_longer_than_about_a_hundred_lines() {
+    const MOST: usize = 110;
+    let mut files = Vec::new();
+    for folder in ["proxy", "routing", "admission", "affinity"] {
+        walk(&src().join(folder), &mut files);
+    }
+    let mut long = Vec::new();
+    let mut seen = 0;
+    for f in &files {
+        let rel = f.strip_prefix(src()).unwrap().to_string_lossy().to_string();
+        if rel.contains("/tests/") {
+            continue;
+        }
+        let module = module_of(&rel);
+        let mut regions_of = Vec::new();
+        regions(
+            &module,
+            &lex(&std::fs::read_to_string(f).unwrap()),
+            &module,
+            &mut regions_of,
+        );
+        for r in regions_of.iter().filter(|r| r.owner == r.module) {
+            for (name, line, len) in functions(&r.code, 1) {
+                seen += 1;
+                if len > MOST {
+                    long.push(format!(
+                        "{rel}: fn {name} (around line {line}) is {len} lines"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(seen > 300, "the functions are read ({seen})");
+    assert!(
+        long.is_empty(),
+        "split by what each part decides:\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn functions_are_measured_from_their_name_to_their_closing_brace() {
+    let code = lex("fn a() {\n    let s = \"}\";\n}\ntrait T { fn decl(&self); }\nfn b() -> X { Y { z: 1 } }\n");
+    let found: Vec<(String, usize)> = functions(&code, 1)
+        .into_iter()
+        .map(|(n, _, l)| (n, l))
+        .collect();
+    assert_eq!(found, vec![("a".to_string(), 3), ("b".to_string(), 1)]);
+}
+
 #[test]
 fn the_cycle_finder_finds_cycles() {
     let mut g = Arrows::new();

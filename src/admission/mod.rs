@@ -36,6 +36,8 @@
 //! backend that goes, the 429s that end it).
 
 pub mod class;
+mod fair;
+pub mod learn;
 pub mod queue;
 pub mod reserve;
 pub mod tenant;
@@ -43,10 +45,8 @@ pub mod wait;
 pub mod who;
 
 pub use class::Class;
-pub use queue::{
-    Admission, Admit, Limit, LimitSource, Permit, Prefill, PrefillRoom, Slots, Ticket,
-    LEARN_SCRAPE_MS,
-};
+pub use learn::{Limit, LimitSource, Prefill, LEARN_SCRAPE_MS};
+pub use queue::{Admission, Admit, Permit, PrefillRoom, Slots, Ticket};
 pub use reserve::{Reservation, TokenTally};
 pub use tenant::{Client, Limits, OverLimit, Tenant, TenantSlot};
 pub use wait::{Ask, Waited, Watch};

@@ -1,20 +1,16 @@
 //! The queue of one gateway's requests for its backends' slots: each
-//! backend runs at most its limit (configured, or learned from the engine's
-//! gauges) and caps its requests prefilling (configured, or learned from
-//! the answers); the rest wait here, ordered by class and fair share.
+//! backend runs at most its limit and caps its requests prefilling (both
+//! configured, or learned: [`super::learn`]); the rest wait here, ordered by
+//! class and then fair share ([`super::fair`]), and a freed slot goes
+//! straight to the best waiter.
 
 use super::class::Class;
+use super::fair::Fair;
+use super::learn::{Here, Learned, Limit, LimitSource, Prefill};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use tokio::sync::oneshot;
-
-/// Virtual-time units per token at weight 1.
-const TAG_SCALE: u64 = 1 << 10;
-
-/// Tenants remembered for fair share at most; idle ones (whose last finish
-/// the virtual time has passed) are forgotten first.
-const MAX_TENANTS: usize = 4096;
 
 /// Where a waiting request stands in its backend's queue.
 type Place = (Class, u64, u64);
@@ -33,71 +29,19 @@ struct Waiter {
 #[derive(Default)]
 struct Backend {
     running: u32,
-    limit: u32,
     /// Of `running`, those whose first byte has not come back (prefilling,
     /// or queued for it inside the engine).
     prefilling: u32,
-    /// How many may be prefilling at once (0: no limit, or learned).
-    max_prefilling: u32,
-    /// With no `max_prefilling`: one at a time once the engine's answers
-    /// show its prefills queue behind each other.
-    learn_prefill: bool,
-    /// The answers' votes: each sent behind others' prefill that waited
-    /// for it +1, each that ran beside it -1, within ±[`VOTES_MAX`]. Before
-    /// the first, once the engine's gauges were read, prefills are taken to
-    /// queue (a GPU's prefill is compute-bound; a burst sent before any
-    /// answer came back would all queue inside the engine), and probes come
-    /// at every scrape until an answer votes.
-    prefill_votes: i8,
-    voted: bool,
-    /// The engine's gauges were read (the scraper runs for it) and no
-    /// vote came within [`TRUST_MS`] of the first reading: until then the
-    /// cap is one on trust.
-    trusted: bool,
-    /// When the gauges were first read (process clock, ms; 0: never).
-    gauged_ms: u64,
-    /// An answer taught what one prefill costs there: only a probe sent
-    /// since then can vote.
-    cost_known: bool,
-    /// The learned cap is one: one request may still start as a second
-    /// prefill, whose answer votes again (an engine that stopped queueing
-    /// prefills shows it). Set at most every [`PREFILL_PROBE_MS`].
-    prefill_probe: bool,
-    /// When the last probe was allowed (process clock, ms).
-    probed_ms: u64,
-    /// A probe started and has not ended: no other is allowed until it has
-    /// (and voted, if it could).
-    probe_out: bool,
-    /// The engine's last scrape found requests waiting in its own queue
-    /// (for a place in its batch, not for prefill): an answer's wait then
-    /// says nothing of how its prefills share, and does not vote.
-    engine_queues: bool,
-    /// Probes in a row sent behind too little work to tell: at
-    /// [`UNCLEAR_PROBES`], a vote that prefills run side by side (whatever
-    /// they do, ones this short gain little from a cap).
-    unclear: u8,
     /// The estimated prefill tokens of those prefilling.
     prefill_tokens: u64,
+    /// Its limits, configured or learned.
+    learned: Learned,
     waiting: BTreeMap<Place, Waiter>,
-    /// Each tenant's last virtual finish tag here.
-    tenants: crate::affinity::hrw::UniformMap<u64, u64>,
-    /// The start tag of the request admitted here last.
-    vtime: u64,
+    /// Fair share among the tenants of its requests.
+    fair: Fair,
     /// How long its requests have held a slot, ms (a moving average; 0:
     /// none has finished yet).
     hold_ms: f64,
-    /// Where `limit` comes from.
-    source: LimitSource,
-    /// Learning: the engine's running count at the last scrape that found
-    /// requests waiting inside it (0: the last scrape found none).
-    queued_at: u32,
-    /// When the learned limit last changed (process clock, ms).
-    changed_ms: u64,
-    /// Learning, the engine not seen queueing yet: the limit doubles.
-    slow_start: bool,
-    /// One request over the limit is being tried (in slow start, an engine
-    /// that runs it has room to double into).
-    probing: bool,
     /// Prefill tokens that may be sent here and not yet answered, beyond
     /// one request (0: no limit): `admission.prefill_queue_ms` at this
     /// backend's learned cost, as of the last request admitted.
@@ -108,28 +52,6 @@ struct Backend {
     /// the engine's order (short prompts are not held back), as of the
     /// last request admitted.
     prefill_slack: u64,
-}
-
-/// Where a backend's limit comes from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum LimitSource {
-    /// None: every request goes straight on.
-    #[default]
-    None,
-    /// `max_in_flight` in the config.
-    Configured,
-    /// Learned from the engine's own gauges (0 until it first queues).
-    Learned,
-}
-
-impl LimitSource {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LimitSource::None => "none",
-            LimitSource::Configured => "configured",
-            LimitSource::Learned => "learned",
-        }
-    }
 }
 
 /// How a request starts at its backend.
@@ -161,59 +83,8 @@ pub struct PrefillRoom {
     pub json: bool,
 }
 
-/// A backend's cap on requests prefilling at once, as the config sets it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Prefill {
-    /// No cap.
-    None,
-    Fixed(u32),
-    /// One at a time where the answers show prefills queue behind each
-    /// other, else none: see [`Admission::vote_prefill`].
-    Learn,
-}
-
-/// Net votes at which prefills are taken to queue behind each other, and
-/// the most they count up to either way (a change of engine undoes at most
-/// that many).
-const SERIAL_VOTES: i8 = 2;
-const VOTES_MAX: i8 = 4;
-
-/// How long a cap of one is kept on trust with no vote: an engine whose
-/// answers never teach what one prefill costs (prompts under 64 uncached
-/// tokens) or never wait behind enough work to tell is not capped for good.
-const TRUST_MS: u64 = 30_000;
-
-/// Probes in a row that could not tell before they count as one vote
-/// against a cap (see `Backend::unclear`).
-const UNCLEAR_PROBES: u8 = 3;
-
-/// A learned cap of one lets one request by as a second prefill at most
-/// this often, so that the engine keeps voting.
-const PREFILL_PROBE_MS: u64 = 10_000;
-
-/// A backend's limit as the config sets it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Limit {
-    /// No limit (admission off).
-    None,
-    Fixed(u32),
-    /// Learned from the engine's gauges: see [`Admission::observe`].
-    Learn,
-}
-
 /// Waiters counted ahead of a request at most ([`Admission::mark`]).
 const AHEAD_COUNTED: usize = 1024;
-
-/// A learned limit is raised by one (to find room an engine gained) after
-/// this long at the limit with requests waiting here and none inside it.
-const PROBE_MS: u64 = 30_000;
-
-/// A learned limit starts here once the engine's gauges are first read.
-const SLOW_START: u32 = 4;
-
-/// How soon a backend whose learned limit is being tried is scraped again
-/// (at most; `load.interval_ms` if shorter): see [`Admission::learning`].
-pub const LEARN_SCRAPE_MS: u64 = 100;
 
 /// The weight of the newest slot-hold time in the moving average.
 const HOLD_ALPHA: f64 = 0.1;
@@ -226,64 +97,17 @@ impl Backend {
     /// prefilling while the two together stay within the slack (a long one
     /// let in beside a short one would hold up whatever comes next).
     fn has_room(&self, tokens: u64) -> bool {
-        let cap = self.max_prefilling();
-        let learned = self.max_prefilling == 0;
+        let l = &self.learned;
+        let cap = l.max_prefilling();
+        let learned = l.max_prefilling == 0;
         let prefill_room = cap == 0
             || self.prefilling < cap
             || (learned && self.prefill_tokens + tokens < self.prefill_slack);
-        (self.limit == 0 || self.running < self.limit)
+        (l.limit == 0 || self.running < l.limit)
             && prefill_room
             && (self.prefill_budget == 0
                 || self.prefilling == 0
                 || self.prefill_tokens < self.prefill_budget)
-    }
-
-    /// The cap on requests prefilling at once in force (0: none):
-    /// configured, or learned (one, and a probe's second).
-    fn max_prefilling(&self) -> u32 {
-        match self.max_prefilling {
-            0 if self.prefills_queue() => 1 + self.prefill_probe as u32,
-            n => n,
-        }
-    }
-
-    /// Learning, and the engine's answers show its prefills queue (or,
-    /// none having voted yet, its gauges were read).
-    fn prefills_queue(&self) -> bool {
-        self.learn_prefill
-            && match self.voted {
-                true => self.prefill_votes >= SERIAL_VOTES,
-                false => self.trusted,
-            }
-    }
-
-    /// Where a request of `tenant` would start in virtual time here: no
-    /// earlier than the tenant's last finish nor than the virtual time.
-    fn start_tag(&self, tenant: u64) -> u64 {
-        self.tenants
-            .get(&tenant)
-            .copied()
-            .unwrap_or(0)
-            .max(self.vtime)
-    }
-
-    /// Allow a probe now if one is due (the cap of one learned or trusted,
-    /// the cost known, none out, the last `period` ms ago or more):
-    /// whether it was (room changed).
-    fn arm_probe(&mut self, now_ms: u64, period: u64) -> bool {
-        let due = self.cost_known
-            && !self.prefill_probe
-            && !self.probe_out
-            && now_ms >= self.probed_ms + period;
-        if due && self.prefills_queue() {
-            (self.prefill_probe, self.probed_ms) = (true, now_ms);
-            return true;
-        }
-        false
-    }
-
-    fn next_is_probe(&self) -> bool {
-        self.prefill_probe && self.prefills_queue() && self.prefilling >= 1
     }
 
     /// How a request of `tokens` would start now (`json`: its answer is
@@ -293,19 +117,19 @@ impl Backend {
     /// clock to count it off by (a stream counts until its first token, so
     /// that what was let in after it does not overtake it in the engine).
     fn next_start(&self, tokens: u64, json: bool) -> Start {
-        let short = self.learn_prefill && self.max_prefilling == 0 && tokens < self.prefill_slack;
+        let short = self.learned.prefill_learned() && tokens < self.prefill_slack;
         let counted = !(json && short);
         Start {
-            probe: counted && self.next_is_probe(),
+            probe: counted && self.learned.next_is_probe(self.prefilling),
             counted,
-            clock: counted && (self.max_prefilling() > 0 || self.prefill_budget > 0),
+            clock: counted && (self.learned.max_prefilling() > 0 || self.prefill_budget > 0),
             short,
         }
     }
 
     fn start(&mut self, tokens: u64, s: Start) {
         if s.probe {
-            (self.prefill_probe, self.probe_out) = (false, true);
+            self.learned.probe_started();
         }
         self.running += 1;
         if s.counted {
@@ -548,21 +372,7 @@ impl Admission {
     /// being learned keeps what was learned; the prefill votes are kept.
     pub fn set_limit(&self, backend: u32, limit: Limit, prefill: Prefill) {
         let mut st = self.state.lock();
-        let b = st.backends.entry(backend);
-        match limit {
-            Limit::None => (b.limit, b.source) = (0, LimitSource::None),
-            Limit::Fixed(n) => (b.limit, b.source) = (n, LimitSource::Configured),
-            Limit::Learn if b.source == LimitSource::Learned => {}
-            Limit::Learn => {
-                (b.limit, b.source, b.queued_at) = (0, LimitSource::Learned, 0);
-            }
-        }
-        (b.max_prefilling, b.learn_prefill) = match prefill {
-            _ if limit == Limit::None => (0, false),
-            Prefill::None => (0, false),
-            Prefill::Fixed(n) => (n, false),
-            Prefill::Learn => (0, true),
-        };
+        st.backends.entry(backend).learned.configure(limit, prefill);
         fill(&mut st, backend);
     }
 
@@ -575,8 +385,7 @@ impl Admission {
         let Some(b) = st.backends.get_mut(&backend) else {
             return;
         };
-        b.cost_known = true;
-        if !b.voted && b.arm_probe(crate::clock::now_ms(), 0) {
+        if b.learned.cost_learned(crate::clock::now_ms()) {
             fill(&mut st, backend);
         }
     }
@@ -584,7 +393,7 @@ impl Admission {
     /// An answer from `backend` that was sent behind others' prefill work
     /// (enough to tell from noise) waited for it (`Some(true)`) or ran
     /// beside it (`Some(false)`); `None`: a probe sent behind too little
-    /// work to tell. Once waiting wins by [`SERIAL_VOTES`], a backend without a
+    /// work to tell. Once waiting wins by two votes, a backend without a
     /// configured cap prefills one request at a time: one sent behind three
     /// prefills would wait for all three inside the engine, where no class
     /// or tenant counts. Where prefills run side by side, the cap would
@@ -596,33 +405,7 @@ impl Admission {
     /// vote changed it (`true`: one at a time).
     pub fn vote_prefill(&self, backend: u32, vote: Option<bool>) -> Option<bool> {
         let mut st = self.state.lock();
-        let b = st.backends.get_mut(&backend)?;
-        if b.engine_queues {
-            return None;
-        }
-        let queued = match vote {
-            Some(v) => {
-                b.unclear = 0;
-                v
-            }
-            None => {
-                b.unclear += 1;
-                if b.unclear < UNCLEAR_PROBES {
-                    return None;
-                }
-                b.unclear = 0;
-                false
-            }
-        };
-        let before = b.prefills_queue();
-        if !b.voted {
-            (b.voted, b.prefill_votes) = (true, SERIAL_VOTES);
-        }
-        b.prefill_votes = match queued {
-            true => (b.prefill_votes + 1).min(VOTES_MAX),
-            false => (b.prefill_votes - 1).max(-VOTES_MAX),
-        };
-        let after = b.prefills_queue();
+        let (before, after) = st.backends.get_mut(&backend)?.learned.vote(vote)?;
         if before && !after {
             fill(&mut st, backend);
         }
@@ -647,77 +430,19 @@ impl Admission {
         let Some(b) = st.backends.get_mut(&backend) else {
             return;
         };
-        if b.gauged_ms == 0 {
-            b.gauged_ms = now_ms.max(1);
-        }
-        b.engine_queues = waiting > 0;
-        let trusting = now_ms < b.gauged_ms + TRUST_MS;
-        let trust_changed = std::mem::replace(&mut b.trusted, trusting) != trusting;
-        let period = if b.voted { PREFILL_PROBE_MS } else { 0 };
-        if b.arm_probe(now_ms, period) || trust_changed {
+        if b.learned.gauged(waiting, now_ms) {
             fill(&mut st, backend);
         }
         let Some(b) = st.backends.get_mut(&backend) else {
             return;
         };
-        if b.source != LimitSource::Learned {
-            return;
+        let here = Here {
+            running: b.running,
+            waiting: !b.waiting.is_empty(),
+        };
+        if b.learned.limit_gauged(running, waiting, now_ms, here) {
+            fill(&mut st, backend);
         }
-        let running = running.min(u32::MAX as u64) as u32;
-        if waiting > 0 && running > 0 {
-            // In slow start the gateway has just sent more than before and
-            // is at its limit: one scrape is evidence enough, and each one
-            // waited for leaves more requests queued inside the engine.
-            if b.queued_at > 0 || (b.slow_start && b.running >= b.limit) {
-                let seen = b.queued_at.max(running);
-                if b.limit == 0 || seen < b.limit {
-                    b.limit = seen;
-                }
-                b.changed_ms = now_ms;
-                (b.slow_start, b.probing) = (false, false);
-            }
-            b.queued_at = running;
-            return;
-        }
-        b.queued_at = 0;
-        if b.limit == 0 {
-            (b.limit, b.slow_start, b.changed_ms) = (SLOW_START, true, now_ms);
-            return;
-        }
-        let reached = waiting == 0 && b.running >= b.limit && !b.waiting.is_empty();
-        if reached
-            && b.slow_start
-            && b.probing
-            && running < b.limit
-            && now_ms < b.changed_ms + 1_000
-        {
-            // The one over is not running inside the engine yet (on its way,
-            // or not scheduled): no evidence either way, for a second at
-            // most (an engine whose gauge never shows it is read as before).
-            return;
-        }
-        if reached && b.slow_start {
-            // One more first: an engine that runs it too has room, and the
-            // limit doubles; one that queues it is at its limit (above)
-            // with one request waiting inside it, not a doubling's worth,
-            // ahead of whatever this gateway would send first.
-            b.limit = match b.probing {
-                true => (b.limit - 1).saturating_mul(2),
-                false => b.limit + 1,
-            };
-            b.probing = !b.probing;
-        } else if reached && now_ms >= b.changed_ms + PROBE_MS {
-            (b.limit, b.probing) = (b.limit + 1, true);
-        } else {
-            // Past slow start, a raised limit the engine ran without
-            // queueing is kept (or, not reached again, was never tried).
-            if !b.slow_start {
-                b.probing = false;
-            }
-            return;
-        }
-        b.changed_ms = now_ms;
-        fill(&mut st, backend);
     }
 
     /// [`Admission::admit_within`] with no prefill budget (the tests' way in).
@@ -756,19 +481,19 @@ impl Admission {
         let queued = st.queued;
         let b = st.backends.entry(backend);
         (b.prefill_budget, b.prefill_slack) = (room.budget, room.slack);
-        let start = b.start_tag(tenant);
-        let finish = start + tokens.max(1) * TAG_SCALE / weight.max(1) as u64;
+        let start = b.fair.start_tag(tenant);
+        let finish = Fair::finish_tag(start, tokens, weight);
         if b.has_room(tokens) && b.waiting.is_empty() {
             let s = b.next_start(tokens, room.json);
             b.start(tokens, s);
-            b.vtime = b.vtime.max(start);
-            remember(b, tenant, finish);
+            b.fair.admitted(start);
+            b.fair.remember(tenant, finish);
             return Admit::Now(Permit::new(self, backend, tokens, s));
         }
         if queued >= self.max_queued {
             return Admit::Full;
         }
-        remember(b, tenant, finish);
+        b.fair.remember(tenant, finish);
         st.seq += 1;
         let place = (class, finish, st.seq);
         let (wake, woken) = oneshot::channel();
@@ -797,7 +522,7 @@ impl Admission {
     fn release(&self, backend: u32, held_ms: Option<f64>, prefilling: Option<u64>, probe: bool) {
         let mut st = self.state.lock();
         if let Some(b) = st.backends.get_mut(&backend) {
-            b.probe_out &= !probe;
+            b.learned.ended(probe);
             if let Some(ms) = held_ms {
                 b.hold_ms = match b.hold_ms {
                     0.0 => ms,
@@ -825,7 +550,7 @@ impl Admission {
         } else {
             HOLD_PRIOR_MS
         };
-        let rounds = (b.waiting.len() + 1) as f64 / b.limit.max(1) as f64;
+        let rounds = (b.waiting.len() + 1) as f64 / b.learned.limit.max(1) as f64;
         ((rounds * hold / 1000.0).ceil() as u64).clamp(1, 3600)
     }
 
@@ -843,7 +568,7 @@ impl Admission {
                 c.in_flight += b.waiting.len() as u64;
                 // Only read when no candidate has room.
                 if c.full {
-                    let ahead = b.waiting.range(..(class, b.start_tag(tenant) + 1, 0));
+                    let ahead = b.waiting.range(..(class, b.fair.start_tag(tenant) + 1, 0));
                     c.ahead = ahead.take(AHEAD_COUNTED).count() as u64;
                 }
             }
@@ -866,15 +591,11 @@ impl Admission {
                 slot: slot as u32,
                 waiting: b.waiting.len(),
                 running: b.running,
-                limit: b.limit,
-                source: b.source,
-                max_prefilling: b.max_prefilling(),
-                prefill_source: match (b.max_prefilling, b.learn_prefill) {
-                    (0, true) => LimitSource::Learned,
-                    (0, false) => LimitSource::None,
-                    _ => LimitSource::Configured,
-                },
-                prefill_votes: b.prefill_votes,
+                limit: b.learned.limit,
+                source: b.learned.source,
+                max_prefilling: b.learned.max_prefilling(),
+                prefill_source: b.learned.prefill_source(),
+                prefill_votes: b.learned.prefill_votes,
                 prefilling: b.prefilling,
                 prefill_tokens: b.prefill_tokens,
                 prefill_budget: b.prefill_budget,
@@ -882,21 +603,13 @@ impl Admission {
             .collect()
     }
 
-    /// Whether `backend`'s learned limit is being tried: raised by one to
-    /// see whether the engine runs the request, or a scrape found the
-    /// engine queueing below the limit and the next one is to confirm it
-    /// (an engine that queues at the limit, other clients' requests beside
-    /// this gateway's, changes nothing and is not read sooner). Until the
-    /// next scrape, a request the engine cannot run yet waits inside it,
-    /// ahead of whatever this gateway would send first: the scraper reads
-    /// such a backend again sooner ([`LEARN_SCRAPE_MS`]).
+    /// Whether `backend`'s learned limit is being tried (see
+    /// [`Learned::learning`]): the scraper reads it again sooner.
     pub fn learning(&self, backend: u32) -> bool {
         let st = self.state.lock();
-        st.backends.get(&backend).is_some_and(|b| {
-            b.source == LimitSource::Learned
-                && ((b.probing && b.running >= b.limit)
-                    || (b.queued_at > 0 && b.queued_at < b.limit))
-        })
+        st.backends
+            .get(&backend)
+            .is_some_and(|b| b.learned.learning(b.running))
     }
 
     /// Requests waiting for `backend`, and running there.
@@ -951,24 +664,14 @@ fn fill(st: &mut State, backend: u32) {
         let s = b.next_start(w.tokens, w.json);
         if w.wake.send(s).is_ok() {
             b.start(w.tokens, s);
-            b.vtime = b.vtime.max(w.start);
+            b.fair.admitted(w.start);
         }
     }
-}
-
-fn remember(b: &mut Backend, tenant: u64, finish: u64) {
-    if b.tenants.len() >= MAX_TENANTS && !b.tenants.contains_key(&tenant) {
-        let vtime = b.vtime;
-        b.tenants.retain(|_, last| *last > vtime);
-        if b.tenants.len() >= MAX_TENANTS {
-            return; // every one busy: this tenant starts from the virtual time
-        }
-    }
-    b.tenants.insert(tenant, finish);
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::learn::*;
     use super::*;
 
     /// A tenant's id, from a name.

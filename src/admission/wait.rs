@@ -271,7 +271,8 @@ mod tests {
     }
 
     use super::super::class::Class;
-    use super::super::queue::{Admission, Admit, Limit, Prefill};
+    use super::super::learn::{Limit, Prefill};
+    use super::super::queue::{Admission, Admit};
     use super::*;
 
     fn queued(a: &std::sync::Arc<Admission>) -> (Permit, Ticket) {

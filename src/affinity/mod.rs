@@ -27,13 +27,13 @@ pub mod route;
 pub mod scan;
 pub mod session;
 pub mod store;
-pub mod table;
+mod table;
 
 pub use candidate::{queued_after, unlearned_cost, Candidate};
 pub use flight::WaitEnd;
 pub use lease::Lease;
 pub use route::{Choice, Reason, Selection, SessionRef};
-pub use table::BindingKey;
+pub use table::{Binding, BindingKey, MAX_BACKENDS, MAX_TIERS};
 
 use arc_swap::ArcSwap;
 use fleet::{Alone, BindingStore, LocalBindings, TierBackends};
@@ -45,7 +45,7 @@ use route::prefix_chose;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use table::{Acquired, Binding, BindingTable, Current, Decision};
+use table::{Acquired, BindingTable, Current, Decision};
 
 /// How sessions without a live binding are placed.
 pub struct Placement {
@@ -491,6 +491,11 @@ impl Affinity {
     /// Forget a session's binding in this table only (the store said so).
     fn forget_here(&self, key: BindingKey) -> bool {
         self.table.remove(key).is_some()
+    }
+
+    /// Heap bytes the binding table takes.
+    pub fn table_heap_bytes(&self) -> usize {
+        self.table.heap_bytes()
     }
 
     /// Remove expired bindings; returns how many.

@@ -314,7 +314,6 @@ pub enum Acquired {
 #[derive(Clone, Copy, Debug)]
 pub struct Current {
     pub backend: u32,
-    pub version: u32,
     pub turns: Turns,
 }
 
@@ -404,7 +403,6 @@ impl BindingTable {
             let e = &shard.entries[i as usize];
             Current {
                 backend: e.backend,
-                version: e.version,
                 turns: e.turns,
             }
         });
@@ -649,10 +647,12 @@ impl BindingTable {
         self.evictions[tier as usize].load(Ordering::Relaxed)
     }
 
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.shards.iter().map(|s| s.lock().map.len()).sum()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

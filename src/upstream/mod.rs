@@ -14,8 +14,8 @@ pub mod stats;
 pub use stats::{BackendStats, InFlight, REUSES_ON_PROBATION};
 
 use crate::affinity::hrw::HrwHasher;
-use crate::affinity::table::MAX_TIERS;
 use crate::affinity::Candidate;
+use crate::affinity::MAX_TIERS;
 use crate::config::{BackendConfig, Config};
 use crate::metrics::{Metrics, TierMetrics};
 use futures_util::FutureExt;
@@ -381,7 +381,7 @@ fn make_backend(b: &BackendConfig, slots: &Slots, hasher: &HrwHasher) -> Backend
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::affinity::table::MAX_BACKENDS;
+    use crate::affinity::MAX_BACKENDS;
 
     #[test]
     fn backends_that_come_and_go_over_reloads_never_run_out_of_slots() {

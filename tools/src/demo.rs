@@ -528,6 +528,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     println!("Long study ({} sessions × {} turns, c=6, 3 KB system prompt + 12 KB document per session):\n", long.sessions, long.turns);
     println!("{}", report::comparison_table(&long_reports));
     print_turns(&long_reports[..3]);
+    println!("{}", report::COLUMNS);
     println!("chart: {}", args.svg.display());
     println!("finished in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())

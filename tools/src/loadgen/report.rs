@@ -276,6 +276,18 @@ impl Report {
 }
 
 /// Side-by-side comparison of runs.
+/// What the columns of [`comparison_table`] mean.
+pub const COLUMNS: &str = "\
+Columns: affinity hit = turns sent to the backend their session was bound to (from the gateway's
+x-agent-serve-affinity-hit); same backend as last turn = turns served where the conversation's
+previous turn was; replicas per conversation = distinct replicas that served one conversation
+(1.00: never moved); prefix-cache hit = share of prompt tokens the replicas found cached (the
+engines' own count: what affinity saves); TTFT / E2E = time to first token / to the whole answer,
+median and 99th percentile; req/s = throughput; balance = busiest replica's requests / the mean
+(1.00: even). \"ideal\" is one replica whose cache never evicts: the hit rate affinity approaches;
+its latency and throughput are one replica's compute, not three, so it is slower.
+";
+
 pub fn comparison_table(reports: &[Report]) -> String {
     let mut s = String::new();
     let _ = writeln!(

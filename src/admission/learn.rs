@@ -1,0 +1,370 @@
+//! What admission knows of each backend's engine ([`Learned`]): how many
+//! requests it runs at once and how many may prefill at once, as the
+//! config sets them ([`Limit`], [`Prefill`]) or as they are learned — the
+//! first from the engine's own gauges (slow start, then where the engine
+//! starts to queue), the second from the answers' votes on whether the
+//! engine's prefills queue behind each other, kept honest by probes.
+
+/// Where a backend's limit comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LimitSource {
+    /// None: every request goes straight on.
+    #[default]
+    None,
+    /// `max_in_flight` in the config.
+    Configured,
+    /// Learned from the engine's own gauges (0 until it first queues).
+    Learned,
+}
+
+impl LimitSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitSource::None => "none",
+            LimitSource::Configured => "configured",
+            LimitSource::Learned => "learned",
+        }
+    }
+}
+
+/// A backend's cap on requests prefilling at once, as the config sets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prefill {
+    /// No cap.
+    None,
+    Fixed(u32),
+    /// One at a time where the answers show prefills queue behind each
+    /// other, else none: see [`super::queue::Admission::vote_prefill`].
+    Learn,
+}
+
+/// A backend's limit as the config sets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Limit {
+    /// No limit (admission off).
+    None,
+    Fixed(u32),
+    /// Learned from the engine's gauges: see
+    /// [`super::queue::Admission::observe`].
+    Learn,
+}
+
+/// Net votes at which prefills are taken to queue behind each other, and
+/// the most they count up to either way (a change of engine undoes at most
+/// that many).
+pub(super) const SERIAL_VOTES: i8 = 2;
+pub(super) const VOTES_MAX: i8 = 4;
+
+/// How long a cap of one is kept on trust with no vote: an engine whose
+/// answers never teach what one prefill costs (prompts under 64 uncached
+/// tokens) or never wait behind enough work to tell is not capped for good.
+pub(super) const TRUST_MS: u64 = 30_000;
+
+/// Probes in a row that could not tell before they count as one vote
+/// against a cap (see `Learned::unclear`).
+pub(super) const UNCLEAR_PROBES: u8 = 3;
+
+/// A learned cap of one lets one request by as a second prefill at most
+/// this often, so that the engine keeps voting.
+pub(super) const PREFILL_PROBE_MS: u64 = 10_000;
+
+/// A learned limit is raised by one (to find room an engine gained) after
+/// this long at the limit with requests waiting here and none inside it.
+pub(super) const PROBE_MS: u64 = 30_000;
+
+/// A learned limit starts here once the engine's gauges are first read.
+pub(super) const SLOW_START: u32 = 4;
+
+/// How soon a backend whose learned limit is being tried is scraped again
+/// (at most; `load.interval_ms` if shorter): see [`Learned::learning`].
+pub const LEARN_SCRAPE_MS: u64 = 100;
+
+/// One backend's limits, configured or as learned so far.
+#[derive(Default)]
+pub(super) struct Learned {
+    /// Requests it runs at once (0: no limit, or none learned yet).
+    pub(super) limit: u32,
+    /// Where `limit` comes from.
+    pub(super) source: LimitSource,
+    /// How many may be prefilling at once (0: no limit, or learned).
+    pub(super) max_prefilling: u32,
+    /// With no `max_prefilling`: one at a time once the engine's answers
+    /// show its prefills queue behind each other.
+    pub(super) learn_prefill: bool,
+    /// The answers' votes: each sent behind others' prefill that waited
+    /// for it +1, each that ran beside it -1, within ±[`VOTES_MAX`]. Before
+    /// the first, once the engine's gauges were read, prefills are taken to
+    /// queue (a GPU's prefill is compute-bound; a burst sent before any
+    /// answer came back would all queue inside the engine), and probes come
+    /// at every scrape until an answer votes.
+    pub(super) prefill_votes: i8,
+    voted: bool,
+    /// The engine's gauges were read (the scraper runs for it) and no
+    /// vote came within [`TRUST_MS`] of the first reading: until then the
+    /// cap is one on trust.
+    trusted: bool,
+    /// When the gauges were first read (process clock, ms; 0: never).
+    gauged_ms: u64,
+    /// An answer taught what one prefill costs there: only a probe sent
+    /// since then can vote.
+    cost_known: bool,
+    /// The learned cap is one: one request may still start as a second
+    /// prefill, whose answer votes again (an engine that stopped queueing
+    /// prefills shows it). Set at most every [`PREFILL_PROBE_MS`].
+    prefill_probe: bool,
+    /// When the last probe was allowed (process clock, ms).
+    probed_ms: u64,
+    /// A probe started and has not ended: no other is allowed until it has
+    /// (and voted, if it could).
+    probe_out: bool,
+    /// The engine's last scrape found requests waiting in its own queue
+    /// (for a place in its batch, not for prefill): an answer's wait then
+    /// says nothing of how its prefills share, and does not vote.
+    engine_queues: bool,
+    /// Probes in a row sent behind too little work to tell: at
+    /// [`UNCLEAR_PROBES`], a vote that prefills run side by side (whatever
+    /// they do, ones this short gain little from a cap).
+    unclear: u8,
+    /// Learning: the engine's running count at the last scrape that found
+    /// requests waiting inside it (0: the last scrape found none).
+    queued_at: u32,
+    /// When the learned limit last changed (process clock, ms).
+    changed_ms: u64,
+    /// Learning, the engine not seen queueing yet: the limit doubles.
+    slow_start: bool,
+    /// One request over the limit is being tried (in slow start, an engine
+    /// that runs it has room to double into).
+    probing: bool,
+}
+
+/// What this gateway runs at a backend and keeps waiting for it, as the
+/// learning of its limit reads them.
+pub(super) struct Here {
+    pub(super) running: u32,
+    pub(super) waiting: bool,
+}
+
+impl Learned {
+    /// The config's `limit` and `prefill`. A limit being learned keeps
+    /// what was learned; the prefill votes are kept.
+    pub(super) fn configure(&mut self, limit: Limit, prefill: Prefill) {
+        match limit {
+            Limit::None => (self.limit, self.source) = (0, LimitSource::None),
+            Limit::Fixed(n) => (self.limit, self.source) = (n, LimitSource::Configured),
+            Limit::Learn if self.source == LimitSource::Learned => {}
+            Limit::Learn => {
+                (self.limit, self.source, self.queued_at) = (0, LimitSource::Learned, 0);
+            }
+        }
+        (self.max_prefilling, self.learn_prefill) = match prefill {
+            _ if limit == Limit::None => (0, false),
+            Prefill::None => (0, false),
+            Prefill::Fixed(n) => (n, false),
+            Prefill::Learn => (0, true),
+        };
+    }
+
+    /// The cap on requests prefilling at once in force (0: none):
+    /// configured, or learned (one, and a probe's second).
+    pub(super) fn max_prefilling(&self) -> u32 {
+        match self.max_prefilling {
+            0 if self.prefills_queue() => 1 + self.prefill_probe as u32,
+            n => n,
+        }
+    }
+
+    /// The cap on prefills is learned (none is configured).
+    pub(super) fn prefill_learned(&self) -> bool {
+        self.learn_prefill && self.max_prefilling == 0
+    }
+
+    /// Where the cap on prefills comes from.
+    pub(super) fn prefill_source(&self) -> LimitSource {
+        match (self.max_prefilling, self.learn_prefill) {
+            (0, true) => LimitSource::Learned,
+            (0, false) => LimitSource::None,
+            _ => LimitSource::Configured,
+        }
+    }
+
+    /// Learning, and the engine's answers show its prefills queue (or,
+    /// none having voted yet, its gauges were read).
+    fn prefills_queue(&self) -> bool {
+        self.learn_prefill
+            && match self.voted {
+                true => self.prefill_votes >= SERIAL_VOTES,
+                false => self.trusted,
+            }
+    }
+
+    /// Allow a probe now if one is due (the cap of one learned or trusted,
+    /// the cost known, none out, the last `period` ms ago or more):
+    /// whether it was (room changed).
+    fn arm_probe(&mut self, now_ms: u64, period: u64) -> bool {
+        let due = self.cost_known
+            && !self.prefill_probe
+            && !self.probe_out
+            && now_ms >= self.probed_ms + period;
+        if due && self.prefills_queue() {
+            (self.prefill_probe, self.probed_ms) = (true, now_ms);
+            return true;
+        }
+        false
+    }
+
+    /// The next request to start, with `prefilling` already prefilling,
+    /// goes as the probe.
+    pub(super) fn next_is_probe(&self, prefilling: u32) -> bool {
+        self.prefill_probe && self.prefills_queue() && prefilling >= 1
+    }
+
+    /// A probe started.
+    pub(super) fn probe_started(&mut self) {
+        (self.prefill_probe, self.probe_out) = (false, true);
+    }
+
+    /// A request ended (`probe`: the probe).
+    pub(super) fn ended(&mut self, probe: bool) {
+        self.probe_out &= !probe;
+    }
+
+    /// The first answer taught what one prefill costs: until then no probe
+    /// could vote. One that has had no vote yet is probed at once (not at
+    /// its next scrape: a burst of requests is waiting behind the cap it
+    /// was given on trust). Whether room changed.
+    pub(super) fn cost_learned(&mut self, now_ms: u64) -> bool {
+        self.cost_known = true;
+        !self.voted && self.arm_probe(now_ms, 0)
+    }
+
+    /// An answer's vote ([`super::queue::Admission::vote_prefill`]): the
+    /// cap's state before and after, when the vote counted.
+    pub(super) fn vote(&mut self, vote: Option<bool>) -> Option<(bool, bool)> {
+        if self.engine_queues {
+            return None;
+        }
+        let queued = match vote {
+            Some(v) => {
+                self.unclear = 0;
+                v
+            }
+            None => {
+                self.unclear += 1;
+                if self.unclear < UNCLEAR_PROBES {
+                    return None;
+                }
+                self.unclear = 0;
+                false
+            }
+        };
+        let before = self.prefills_queue();
+        if !self.voted {
+            (self.voted, self.prefill_votes) = (true, SERIAL_VOTES);
+        }
+        self.prefill_votes = match queued {
+            true => (self.prefill_votes + 1).min(VOTES_MAX),
+            false => (self.prefill_votes - 1).max(-VOTES_MAX),
+        };
+        Some((before, self.prefills_queue()))
+    }
+
+    /// The engine's gauges were read at `now_ms`, `waiting` requests in its
+    /// own queue: trust and probes for the cap on prefills. Whether room
+    /// changed.
+    pub(super) fn gauged(&mut self, waiting: u64, now_ms: u64) -> bool {
+        if self.gauged_ms == 0 {
+            self.gauged_ms = now_ms.max(1);
+        }
+        self.engine_queues = waiting > 0;
+        let trusting = now_ms < self.gauged_ms + TRUST_MS;
+        let trust_changed = std::mem::replace(&mut self.trusted, trusting) != trusting;
+        let period = if self.voted { PREFILL_PROBE_MS } else { 0 };
+        self.arm_probe(now_ms, period) || trust_changed
+    }
+
+    /// The engine reported `running` requests and `waiting` ones in its own
+    /// queue at `now_ms`, this gateway running and keeping what `here` says:
+    /// the learned limit follows (see
+    /// [`super::queue::Admission::observe`]). Whether it was raised.
+    pub(super) fn limit_gauged(
+        &mut self,
+        running: u64,
+        waiting: u64,
+        now_ms: u64,
+        here: Here,
+    ) -> bool {
+        if self.source != LimitSource::Learned {
+            return false;
+        }
+        let running = running.min(u32::MAX as u64) as u32;
+        if waiting > 0 && running > 0 {
+            // In slow start the gateway has just sent more than before and
+            // is at its limit: one scrape is evidence enough, and each one
+            // waited for leaves more requests queued inside the engine.
+            if self.queued_at > 0 || (self.slow_start && here.running >= self.limit) {
+                let seen = self.queued_at.max(running);
+                if self.limit == 0 || seen < self.limit {
+                    self.limit = seen;
+                }
+                self.changed_ms = now_ms;
+                (self.slow_start, self.probing) = (false, false);
+            }
+            self.queued_at = running;
+            return false;
+        }
+        self.queued_at = 0;
+        if self.limit == 0 {
+            (self.limit, self.slow_start, self.changed_ms) = (SLOW_START, true, now_ms);
+            return false;
+        }
+        let reached = waiting == 0 && here.running >= self.limit && here.waiting;
+        if reached
+            && self.slow_start
+            && self.probing
+            && running < self.limit
+            && now_ms < self.changed_ms + 1_000
+        {
+            // The one over is not running inside the engine yet (on its way,
+            // or not scheduled): no evidence either way, for a second at
+            // most (an engine whose gauge never shows it is read as before).
+            return false;
+        }
+        if reached && self.slow_start {
+            // One more first: an engine that runs it too has room, and the
+            // limit doubles; one that queues it is at its limit (above)
+            // with one request waiting inside it, not a doubling's worth,
+            // ahead of whatever this gateway would send first.
+            self.limit = match self.probing {
+                true => (self.limit - 1).saturating_mul(2),
+                false => self.limit + 1,
+            };
+            self.probing = !self.probing;
+        } else if reached && now_ms >= self.changed_ms + PROBE_MS {
+            (self.limit, self.probing) = (self.limit + 1, true);
+        } else {
+            // Past slow start, a raised limit the engine ran without
+            // queueing is kept (or, not reached again, was never tried).
+            if !self.slow_start {
+                self.probing = false;
+            }
+            return false;
+        }
+        self.changed_ms = now_ms;
+        true
+    }
+
+    /// Whether the learned limit is being tried, this gateway running
+    /// `running` there: raised by one to see whether the engine runs the
+    /// request, or a scrape found the engine queueing below the limit and
+    /// the next one is to confirm it (an engine that queues at the limit,
+    /// other clients' requests beside this gateway's, changes nothing and
+    /// is not read sooner). Until the next scrape, a request the engine
+    /// cannot run yet waits inside it, ahead of whatever this gateway would
+    /// send first: the scraper reads such a backend again sooner
+    /// ([`LEARN_SCRAPE_MS`]).
+    pub(super) fn learning(&self, running: u32) -> bool {
+        self.source == LimitSource::Learned
+            && ((self.probing && running >= self.limit)
+                || (self.queued_at > 0 && self.queued_at < self.limit))
+    }
+}
