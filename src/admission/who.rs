@@ -27,8 +27,9 @@ pub struct Admittance {
     pub ceiling: Option<Class>,
     /// The longest it waits for a slot.
     pub max_wait: Duration,
-    /// Its claim on its tenant's limits, when it presented a known key.
-    pub reservation: Option<Reservation>,
+    /// Its claim on its tenant's limits, when it presented a known key
+    /// (boxed: without keys the context stays small).
+    pub reservation: Option<Box<Reservation>>,
     /// Its slot at its backend until it ends.
     pub permit: Option<Permit>,
     /// It waited in the queue for that slot, this long.

@@ -166,7 +166,12 @@ pub(super) async fn finish(
                 .inc();
         }
     }
-    tenant(gw, ctx, usage).await;
+    tenant(gw, ctx, usage);
+    if let Some(r) = &ctx.who.reservation {
+        // Its tenant's tokens, settled by what it used.
+        let used = usage.map(|u| u.prompt_tokens + u.completion_tokens);
+        r.settle(used, ctx.answer.first_byte.is_some()).await;
+    }
     tokens(gw, ctx, usage);
     trace(gw, session, ctx, status, usage);
 }
@@ -299,9 +304,8 @@ fn vote_on_prefills(gw: &Gateway, ctx: &RequestCtx, seen: Option<(std::time::Dur
 }
 
 /// With client keys: the request and its tokens by tenant (the keys
-/// file's names; everyone else is `other`), and its tenant's tokens
-/// settled by what it used.
-async fn tenant(gw: &Gateway, ctx: &RequestCtx, usage: Option<Usage>) {
+/// file's names; everyone else is `other`).
+fn tenant(gw: &Gateway, ctx: &RequestCtx, usage: Option<Usage>) {
     let keys = ctx
         .route
         .as_ref()
@@ -319,10 +323,6 @@ async fn tenant(gw: &Gateway, ctx: &RequestCtx, usage: Option<Usage>) {
     if let Some(u) = usage {
         counters.prompt_tokens.inc_by(u.prompt_tokens);
         counters.completion_tokens.inc_by(u.completion_tokens);
-    }
-    if let Some(r) = &ctx.who.reservation {
-        let used = usage.map(|u| u.prompt_tokens + u.completion_tokens);
-        r.settle(used, ctx.answer.first_byte.is_some()).await;
     }
 }
 

@@ -51,15 +51,16 @@ pub(super) async fn choose(
     let routing = Arc::clone(route.request().routing());
     let admission = routing.config.admission.enabled;
     let prompt = route.request().prompt_tokens();
-    let (backend, prefill) = loop {
+    let prefill = loop {
         let who = admission.then_some((ctx.who.class, ctx.who.tenant));
         let route = ctx.route.as_mut().expect("routed in request_filter");
         let decided = match route.decide(gw, who, || client_gone(session)).await {
+            Ok(d) if !admission => break d.prefill,
             Ok(d) => (Arc::clone(&d.backend), d.prefill),
             Err(r) => return Err(refuse(ctx, r)),
         };
-        if !admission || admit(gw, &routing.config, session, ctx, &decided).await? {
-            break decided;
+        if admit(gw, &routing.config, session, ctx, &decided).await? {
+            break decided.1;
         }
         // Its backend went while it waited: it is placed again without
         // it, its session rebound like any turn's whose backend is down.
@@ -69,12 +70,14 @@ pub(super) async fn choose(
         );
         ctx.route.as_mut().expect("routed").exclude(decided.0.slot);
     };
+    let route = ctx.route.as_ref().expect("routed in request_filter");
+    let backend = route.backend().expect("decided");
     ctx.answer.in_flight = Some(InFlight::new(
         &backend.stats,
         prefill.unwrap_or_else(|| backend.stats.cost.body_estimate(prompt)),
         prompt,
     ));
-    let replayed = ctx.route.as_ref().is_some_and(|r| r.replayed);
+    let peer = peer(backend, &routing.config, route.replayed);
     if ctx.body.whole.is_none() {
         // A retry streams the body again from Pingora's retry buffer.
         ctx.body.bytes = 0;
@@ -83,7 +86,7 @@ pub(super) async fn choose(
     if let Some(conn) = &ctx.body.conn {
         conn.body_clock_restart();
     }
-    Ok(Box::new(peer(&backend, &routing.config, replayed)))
+    Ok(Box::new(peer))
 }
 
 /// How the gateway connects to `backend`.

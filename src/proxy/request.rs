@@ -91,13 +91,12 @@ async fn read(
         Some(body) => body.len() as u64,
         None => declared.unwrap_or(0),
     };
-    let route = Route::new(intake.finish(body_len));
+    let route = ctx.route.insert(Route::new(intake.finish(body_len)));
     // Its tenant's per-minute limits, its tokens as estimated now.
     if let Some(r) = ctx.who.reservation.as_mut() {
         let prompt = route.request().prompt_tokens();
         r.reserve(prompt, max_output, &gw.metrics).await?;
     }
-    ctx.route = Some(route);
     Ok(())
 }
 
@@ -137,7 +136,7 @@ fn identify(
     }
     if let Some(c) = &client {
         let r = Reservation::open(Arc::clone(c), gw.store.as_ref(), &gw.metrics)?;
-        ctx.who.reservation = Some(r);
+        ctx.who.reservation = Some(Box::new(r));
     }
     ctx.who.client = client;
     let adm = &cfg.admission;

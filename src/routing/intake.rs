@@ -40,7 +40,7 @@ pub struct Intake {
     upgrade: bool,
     /// What its body said, once read for routing.
     prompt: Option<Box<PromptRoute>>,
-    stored: Option<StoredRef>,
+    stored: Option<Box<StoredRef>>,
     responses_scope: Option<String>,
     /// The prompt is worth reading (`affinity.prefix`): set by `body_need`.
     read_prompt: bool,
@@ -328,7 +328,7 @@ impl Intake {
             if let Some(id) = probe.previous_response_id() {
                 let key = response_key(&routing.hasher, &scope, &id);
                 if let Some(route) = stored::find(gw, key, &routed_in).await {
-                    self.stored = Some(StoredRef { route, id });
+                    self.stored = Some(Box::new(StoredRef { route, id }));
                 }
             }
             self.responses_scope = Some(scope.into_owned());

@@ -30,7 +30,7 @@ pub use request::{RouteRequest, StoredRef};
 
 use crate::admission::Class;
 use crate::affinity::policy::MoveReason;
-use crate::affinity::{Candidate, Lease, Reason, WaitEnd};
+use crate::affinity::{Candidate, Lease, Reason, Selection, SessionRef, WaitEnd};
 use crate::errors::{GatewayError, Refusal};
 use crate::gateway::Gateway;
 use crate::upstream::{Backend, Tier};
@@ -116,12 +116,27 @@ impl Route {
         who: Option<(Class, u64)>,
         client_gone: impl Fn() -> bool,
     ) -> Result<&Decision, Refusal> {
-        let mut decision = self
-            .next(gw, who, client_gone)
-            .await
-            // The failed attempt's backend stays on record (its answer
-            // names it); its lease ends now.
-            .inspect_err(|_| self.end_lease())?;
+        // One await (the session router's) and the rest plain calls: this
+        // runs for every request.
+        let next = match self.candidates(gw, who) {
+            Err(e) => Err(e.into()),
+            Ok(candidates) => match self.unbound(&candidates) {
+                Some(decided) => decided.map_err(Refusal::from),
+                None => {
+                    let (session, owner) = self.session();
+                    let tier = &self.req.tier;
+                    let wait = self.req.routing.config.affinity.single_flight_wait;
+                    let sel = gw
+                        .affinity
+                        .route(&session, &**tier, &candidates, owner, wait, client_gone)
+                        .await;
+                    self.bound(gw, &candidates, sel)
+                }
+            },
+        };
+        // The failed attempt's backend stays on record (its answer names
+        // it); its lease ends now.
+        let mut decision = next.inspect_err(|_| self.end_lease())?;
         if let Some(previous) = self.decision.take() {
             if let Some(old) = previous.lease {
                 old.hand_over();
@@ -136,25 +151,6 @@ impl Route {
         }
         self.routed(gw, &mut decision);
         Ok(self.decision.insert(decision))
-    }
-
-    /// The next decision, before it replaces the last one.
-    async fn next(
-        &mut self,
-        gw: &Gateway,
-        who: Option<(Class, u64)>,
-        client_gone: impl Fn() -> bool,
-    ) -> Result<Decision, Refusal> {
-        let candidates = self.candidates(gw, who)?;
-        let owner = self
-            .decision
-            .as_ref()
-            .and_then(|d| d.lease.as_ref())
-            .is_some_and(|l| l.owns_pending());
-        match self.req.target.as_deref() {
-            Some(target) => Ok(targeted(&self.req.tier, &candidates, target)?),
-            None => self.choose(gw, &candidates, owner, client_gone).await,
-        }
     }
 
     fn end_lease(&mut self) {
@@ -203,53 +199,64 @@ impl Route {
         Ok(candidates)
     }
 
-    /// A session's request goes where its binding says (or is placed and
-    /// bound); one without a session to the least busy backend.
-    async fn choose(
-        &self,
-        gw: &Gateway,
-        candidates: &[Candidate],
-        owner: bool,
-        client_gone: impl Fn() -> bool,
-    ) -> Result<Decision, Refusal> {
+    /// The decision for a request that no binding routes: none when
+    /// `candidates` is empty, the backend `x-agent-serve-backend-id` names,
+    /// or for a request without a session the least busy backend. `None`:
+    /// its session's binding routes it.
+    fn unbound(&self, candidates: &[Candidate]) -> Option<Result<Decision, GatewayError>> {
         let tier = &self.req.tier;
+        if let Some(target) = self.req.target.as_deref() {
+            return Some(targeted(tier, candidates, target));
+        }
         if candidates.is_empty() {
-            return Err(match self.excluded.is_empty() {
+            return Some(Err(match self.excluded.is_empty() {
                 true => GatewayError::no_healthy_backend(&tier.name),
                 false => GatewayError::all_candidates_failed(&tier.name),
-            }
-            .into());
+            }));
         }
-        let backend = |index: usize| {
-            Arc::clone(
-                tier.backend_by_slot(candidates[index].slot)
-                    .expect("candidates come from this tier"),
-            )
-        };
-        let Some(mut session) = self.req.key.clone() else {
-            return Ok(Decision {
-                backend: backend(least_in_flight(tier, candidates)),
+        self.req.key.is_none().then(|| {
+            let index = least_in_flight(tier, candidates);
+            Ok(Decision {
+                backend: backend_of(tier, candidates, index),
                 affinity_hit: false,
                 reason: Reason::NoSession,
                 moved: None,
                 lease: None,
                 prefill: None,
-            });
-        };
+            })
+        })
+    }
+
+    /// The session to route, as the router weighs it (its prompt's tokens,
+    /// and whether the prefix index was read for them), and whether this
+    /// request owns its pending placement (a retry of its first request).
+    fn session(&self) -> (SessionRef, bool) {
+        let mut session = self.req.key.clone().expect("a session key");
         session.prompt_tokens = self.req.prompt_tokens;
         session.indexed = self.req.prompt.is_some();
-        let wait = self.req.routing.config.affinity.single_flight_wait;
-        let sel = gw
-            .affinity
-            .route(&session, &**tier, candidates, owner, wait, client_gone)
-            .await
-            .map_err(|e| match e {
-                // Only for empty candidates, which are ruled out above.
-                WaitEnd::NoCandidate => GatewayError::no_healthy_backend(&tier.name).into(),
-                WaitEnd::ClientGone => {
-                    Refusal::ClientGone("client left while waiting for its session's placement")
-                }
-            })?;
+        let owner = self
+            .decision
+            .as_ref()
+            .and_then(|d| d.lease.as_ref())
+            .is_some_and(|l| l.owns_pending());
+        (session, owner)
+    }
+
+    /// The session router's answer `sel` among `candidates`, counted.
+    fn bound(
+        &self,
+        gw: &Gateway,
+        candidates: &[Candidate],
+        sel: Result<Selection, WaitEnd>,
+    ) -> Result<Decision, Refusal> {
+        let tier = &self.req.tier;
+        let sel = sel.map_err(|e| match e {
+            // Only for empty candidates, which are ruled out before.
+            WaitEnd::NoCandidate => GatewayError::no_healthy_backend(&tier.name).into(),
+            WaitEnd::ClientGone => {
+                Refusal::ClientGone("client left while waiting for its session's placement")
+            }
+        })?;
         match sel.reason {
             Reason::Broken => tier.metrics.broken.inc(),
             Reason::Moved => {
@@ -262,7 +269,7 @@ impl Route {
             _ => {}
         }
         Ok(Decision {
-            backend: backend(sel.index),
+            backend: backend_of(tier, candidates, sel.index),
             affinity_hit: sel.affinity_hit,
             reason: sel.reason,
             moved: sel.moved,
@@ -350,6 +357,14 @@ impl Route {
             .as_deref()
             .is_some_and(|p| p.settle(&gw.prefix, status == 200, usage))
     }
+}
+
+/// The backend of `candidates[index]`.
+fn backend_of(tier: &Tier, candidates: &[Candidate], index: usize) -> Arc<Backend> {
+    Arc::clone(
+        tier.backend_by_slot(candidates[index].slot)
+            .expect("candidates come from this tier"),
+    )
 }
 
 /// `x-agent-serve-backend-id` named the backend: it, if it may take the

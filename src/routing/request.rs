@@ -33,8 +33,9 @@ pub struct RouteRequest {
     /// Its prompt as routing read it, and where it went (`affinity.prefix`).
     /// Boxed: most keyed turns carry none.
     pub(super) prompt: Option<Box<PromptRoute>>,
-    /// The stored response it follows.
-    pub(super) stored: Option<StoredRef>,
+    /// The stored response it follows (boxed: most requests follow none,
+    /// and the context is copied as the request's future moves).
+    pub(super) stored: Option<Box<StoredRef>>,
     /// A Responses request: the scope (tier and tenant) its answer's
     /// response id is kept under, for the follow-ups that name it.
     pub(super) responses_scope: Option<String>,
