@@ -71,7 +71,9 @@ pub struct Gateway {
     /// Discovering tiers' last good backends, by tier.
     discovered: parking_lot::Mutex<HashMap<String, Vec<BackendConfig>>>,
     /// The fleet's shared bindings (`affinity.store: redis`).
-    pub store: Option<Arc<crate::affinity::store::SharedStore>>,
+    pub store: Option<Arc<crate::fleet::store::SharedStore>>,
+    /// The same store, as admission reserves tenants' per-minute limits in it.
+    pub fleet_rates: Option<Arc<dyn crate::admission::reserve::FleetRates>>,
     /// Prompts, their conversations and where their prefixes are cached
     /// (`affinity.prefix`).
     pub prefix: crate::affinity::prefix::Prefix,
@@ -117,12 +119,12 @@ fn configure_admission(admission: &crate::admission::Admission, routing: &Routin
 
 /// The tiers of the configuration in force, for the fleet's store (which
 /// names backends by id, and outlives reloads).
-impl crate::affinity::fleet::Tiers for Gateway {
-    fn by_name(&self, name: &str) -> Option<Arc<dyn crate::affinity::fleet::TierBackends>> {
+impl crate::affinity::shared::Tiers for Gateway {
+    fn by_name(&self, name: &str) -> Option<Arc<dyn crate::affinity::shared::TierBackends>> {
         let t = Arc::clone(self.routing().tier_by_name(name)?);
         Some(t)
     }
-    fn by_index(&self, index: u16) -> Option<Arc<dyn crate::affinity::fleet::TierBackends>> {
+    fn by_index(&self, index: u16) -> Option<Arc<dyn crate::affinity::shared::TierBackends>> {
         let t = Arc::clone(self.routing().tiers.iter().find(|t| t.index == index)?);
         Some(t)
     }
@@ -166,9 +168,9 @@ impl Gateway {
         }
         configure_affinity(&affinity, &config);
         let store = match config.affinity.store.kind {
-            crate::affinity::store::StoreKind::Local => None,
-            crate::affinity::store::StoreKind::Redis => {
-                match crate::affinity::store::SharedStore::new(
+            crate::fleet::store::StoreKind::Local => None,
+            crate::fleet::store::StoreKind::Redis => {
+                match crate::fleet::store::SharedStore::new(
                     config.affinity.store.clone(),
                     Arc::clone(&metrics),
                 ) {
@@ -181,7 +183,7 @@ impl Gateway {
             }
         };
         if let Some(store) = &store {
-            affinity.set_store(Arc::new(crate::affinity::fleet::Fleet {
+            affinity.set_store(Arc::new(crate::fleet::Fleet {
                 store: Arc::clone(store),
             }));
         }
@@ -232,6 +234,9 @@ impl Gateway {
                     .map(|t| (t.name.clone(), t.backends.clone()))
                     .collect(),
             ),
+            fleet_rates: store
+                .clone()
+                .map(|s| s as Arc<dyn crate::admission::reserve::FleetRates>),
             store,
         }))
     }

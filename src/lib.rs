@@ -9,6 +9,7 @@ pub mod clock;
 pub mod config;
 pub mod discovery;
 pub mod errors;
+pub mod fleet;
 pub mod gateway;
 pub mod headers;
 pub mod logging;

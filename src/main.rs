@@ -86,7 +86,7 @@ fn main() -> ExitCode {
                     eprintln!("warning: {w}");
                 }
                 if connect {
-                    if let Err(e) = agent_gateway::affinity::store::try_connect(&c.affinity.store) {
+                    if let Err(e) = agent_gateway::fleet::store::try_connect(&c.affinity.store) {
                         eprintln!("error: affinity.store: {e}");
                         return ExitCode::FAILURE;
                     }

@@ -309,17 +309,17 @@ impl BackgroundService for Lifecycle {
 }
 
 /// The shared binding store's subscription and outage recovery.
-struct StoreService(Arc<Gateway>, Arc<crate::affinity::store::SharedStore>);
+struct StoreService(Arc<Gateway>, Arc<crate::fleet::store::SharedStore>);
 
 #[async_trait]
 impl BackgroundService for StoreService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let fleet = crate::affinity::fleet::Fleet {
+        let fleet = crate::fleet::Fleet {
             store: Arc::clone(&self.1),
         };
-        let tiers: Arc<dyn crate::affinity::fleet::Tiers> = Arc::clone(&self.0) as _;
+        let tiers: Arc<dyn crate::affinity::shared::Tiers> = Arc::clone(&self.0) as _;
         tokio::select! {
-            _ = fleet.run(Arc::clone(&self.0.affinity) as Arc<dyn crate::affinity::fleet::LocalBindings>, tiers) => {}
+            _ = fleet.run(Arc::clone(&self.0.affinity) as Arc<dyn crate::affinity::shared::LocalBindings>, tiers) => {}
             _ = shutdown.changed() => {}
         }
     }

@@ -7,10 +7,32 @@
 //! which gives all of it back when nothing was answered.
 
 use super::tenant::{Client, OverLimit, TenantSlot};
-use crate::affinity::store::SharedStore;
 use crate::errors::GatewayError;
 use crate::metrics::Metrics;
 use std::sync::Arc;
+
+/// The fleet's store could not answer.
+#[derive(Debug)]
+pub struct Unreachable;
+
+/// Tenants' per-minute limits kept for a whole fleet (one bucket per
+/// tenant: `crate::fleet::limits`).
+#[async_trait::async_trait]
+pub trait FleetRates: Send + Sync {
+    /// Whether it answers now.
+    fn healthy(&self) -> bool;
+    /// Take one request and `charge` tokens from `client`'s tenant's
+    /// buckets, if every one of its limits allows it (else none): which
+    /// refused, when one did.
+    async fn take(
+        &self,
+        client: &Client,
+        charge: u64,
+    ) -> Result<Result<(), OverLimit>, Unreachable>;
+    /// Debit `tokens` from the tenant's tokens (a negative amount gives
+    /// them back).
+    async fn charge(&self, client: &Client, tokens: i64) -> Result<(), Unreachable>;
+}
 
 /// Where a tenant's per-minute limits are kept for one request.
 enum Book {
@@ -19,7 +41,7 @@ enum Book {
     /// This gateway's own buckets.
     Local,
     /// The fleet's, in its store: every gateway draws from one bucket.
-    Fleet(Arc<SharedStore>),
+    Fleet(Arc<dyn FleetRates>),
 }
 
 /// One request's claim on its tenant's limits.
@@ -49,7 +71,7 @@ impl Reservation {
     /// [`Reservation::reserve`]), else in this gateway's own buckets now.
     pub fn open(
         client: Arc<Client>,
-        store: Option<&Arc<SharedStore>>,
+        store: Option<&Arc<dyn FleetRates>>,
         metrics: &Metrics,
     ) -> Result<Reservation, GatewayError> {
         let refuse = |e: OverLimit| e.answer(&client, metrics);
@@ -91,7 +113,7 @@ impl Reservation {
         let refuse = |e: OverLimit| e.answer(&c, metrics);
         match &self.book {
             Book::None => return Ok(()),
-            Book::Fleet(store) => match c.take_fleet_rates(store, charged).await {
+            Book::Fleet(store) => match store.take(&c, charged).await {
                 Ok(taken) => taken.map_err(refuse)?,
                 Err(_) => {
                     metrics.tenant_limits_local.inc();
@@ -126,7 +148,7 @@ impl Reservation {
         };
         let settle = tally.settle(usage, answered);
         let settled = match &self.book {
-            Book::Fleet(store) => self.client.charge_fleet_tokens(store, settle).await.is_ok(),
+            Book::Fleet(store) => store.charge(&self.client, settle).await.is_ok(),
             _ => false,
         };
         if !settled {

@@ -137,7 +137,7 @@ impl Client {
 
     /// Count one request against the tenant's per-minute limits in this
     /// gateway's own buckets (a fleet's store keeps shared ones: see
-    /// [`Client::take_fleet_rates`]).
+    /// [`super::reserve::FleetRates`]).
     pub fn take_rates(&self) -> Result<(), OverLimit> {
         let t = &self.tenant;
         let l = self.limits;
@@ -173,71 +173,6 @@ impl Client {
         self.limits.requests_per_minute > 0 || self.limits.tokens_per_minute > 0
     }
 
-    /// The same limits as [`Client::take_rates`], held by the fleet's
-    /// `store` (on its clock, by a script: every gateway draws from one
-    /// bucket); `charge` tokens are taken up front with the request.
-    pub async fn take_fleet_rates(
-        &self,
-        store: &crate::affinity::store::SharedStore,
-        charge: u64,
-    ) -> Result<Result<(), OverLimit>, crate::affinity::store::StoreError> {
-        use crate::affinity::store::Bucket;
-        let l = self.limits;
-        let name = &self.tenant.name;
-        let (tpm, rpm) = (format!("{name}:tpm"), format!("{name}:rpm"));
-        // Both limits in one call: neither is taken unless both allow it.
-        let mut buckets = Vec::with_capacity(2);
-        let mut which = Vec::with_capacity(2);
-        if l.tokens_per_minute > 0 {
-            buckets.push(Bucket {
-                name: &tpm,
-                per_minute: l.tokens_per_minute,
-                need: Some(0.0),
-                cost: charge as f64,
-            });
-            which.push(("tokens_per_minute", 0.0, l.tokens_per_minute as f64));
-        }
-        if l.requests_per_minute > 0 {
-            buckets.push(Bucket {
-                name: &rpm,
-                per_minute: l.requests_per_minute as u64,
-                need: Some(1.0),
-                cost: 1.0,
-            });
-            which.push(("requests_per_minute", 1.0, l.requests_per_minute as f64));
-        }
-        if buckets.is_empty() {
-            return Ok(Ok(()));
-        }
-        Ok(store.limits(&buckets).await?.map_err(|(i, level)| {
-            let (limit, need, rate) = which[i];
-            OverLimit {
-                limit,
-                retry_after_s: retry_s(wait_for(level, need, rate)),
-            }
-        }))
-    }
-
-    /// Debit `tokens` from the fleet's bucket of the tenant (a negative
-    /// amount gives them back).
-    pub async fn charge_fleet_tokens(
-        &self,
-        store: &crate::affinity::store::SharedStore,
-        tokens: i64,
-    ) -> Result<(), crate::affinity::store::StoreError> {
-        if self.counts_tokens() && tokens != 0 {
-            let name = format!("{}:tpm", self.tenant.name);
-            let bucket = crate::affinity::store::Bucket {
-                name: &name,
-                per_minute: self.limits.tokens_per_minute,
-                need: None,
-                cost: tokens as f64,
-            };
-            let _ = store.limits(&[bucket]).await?;
-        }
-        Ok(())
-    }
-
     /// Whether its tenant's tokens are counted (`tokens_per_minute`).
     pub fn counts_tokens(&self) -> bool {
         self.limits.tokens_per_minute > 0
@@ -257,4 +192,15 @@ impl Client {
 
 fn retry_s(s: f64) -> u64 {
     (s.ceil() as u64).clamp(1, 3600)
+}
+
+impl OverLimit {
+    /// Refused by `limit`, whose bucket holds `level` of the `need` a
+    /// request takes, refilled at `per_minute`: retry when it will hold it.
+    pub fn waiting(limit: &'static str, level: f64, need: f64, per_minute: f64) -> OverLimit {
+        OverLimit {
+            limit,
+            retry_after_s: retry_s(wait_for(level, need, per_minute)),
+        }
+    }
 }

@@ -15,7 +15,6 @@
 //! drive it.
 
 pub mod candidate;
-pub mod fleet;
 pub mod flight;
 pub mod hrw;
 pub mod lease;
@@ -26,22 +25,22 @@ pub mod responses;
 pub mod route;
 pub mod scan;
 pub mod session;
-pub mod store;
+pub mod shared;
 mod table;
 
 pub use candidate::{queued_after, unlearned_cost, Candidate};
 pub use flight::WaitEnd;
 pub use lease::Lease;
 pub use route::{Choice, Reason, Selection, SessionRef};
-pub use table::{Binding, BindingKey, MAX_BACKENDS, MAX_TIERS};
+pub use table::{Binding, BindingKey, Moves, MAX_BACKENDS, MAX_TIERS};
 
 use arc_swap::ArcSwap;
-use fleet::{Alone, BindingStore, LocalBindings, TierBackends};
 use flight::Waiters;
 use placement::bounded_hrw::BoundedHrw;
 use placement::{FirstKind, FirstPlacement, LoadMeasure};
 use policy::{BindingPolicy, DefaultPolicy, MoveReason, ThisTurn};
 use route::prefix_chose;
+use shared::{Alone, BindingStore, LocalBindings, TierBackends};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -374,10 +374,7 @@ tiers:
             "  hash_key: \"s3cret\"\n  store: { kind: redis, url: \"redis://127.0.0.1:6379\" }\n",
         );
         let c = Config::from_yaml(&redis).unwrap();
-        assert_eq!(
-            c.affinity.store.kind,
-            crate::affinity::store::StoreKind::Redis
-        );
+        assert_eq!(c.affinity.store.kind, crate::fleet::store::StoreKind::Redis);
         // A quarter of the 30-minute TTL, capped at a minute.
         assert_eq!(c.affinity.store.revalidate, Duration::from_secs(60));
         let bad = redis.replace("redis://127.0.0.1:6379", "http://x");

@@ -242,7 +242,7 @@ pub struct AffinityConfig {
     pub parent_agent_headers: Vec<http::HeaderName>,
     pub allow_explicit_target: bool,
     pub tenant: TenantSource,
-    pub store: crate::affinity::store::StoreConfig,
+    pub store: crate::fleet::store::StoreConfig,
     pub prefix: crate::affinity::prefix::PrefixConfig,
 }
 

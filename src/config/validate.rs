@@ -955,8 +955,8 @@ pub(super) fn validate_store(
     f: &FileStore,
     ttl_s: u64,
     errors: &mut Vec<ConfigError>,
-) -> crate::affinity::store::StoreConfig {
-    use crate::affinity::store::{StoreConfig, StoreKind};
+) -> crate::fleet::store::StoreConfig {
+    use crate::fleet::store::{StoreConfig, StoreKind};
     let kind = match f.kind.as_str() {
         "local" => StoreKind::Local,
         "redis" => StoreKind::Redis,
@@ -968,7 +968,7 @@ pub(super) fn validate_store(
             StoreKind::Local
         }
     };
-    let tls = crate::affinity::store::StoreTls {
+    let tls = crate::fleet::store::StoreTls {
         ca_file: f.tls_ca_file.clone(),
         cert_file: f.tls_cert_file.clone(),
         key_file: f.tls_key_file.clone(),
@@ -1002,7 +1002,7 @@ pub(super) fn validate_store(
         heartbeat: Duration::from_millis(f.heartbeat_ms.max(1)),
     };
     if cfg.kind == StoreKind::Redis {
-        if let Err(e) = crate::affinity::store::client(&cfg) {
+        if let Err(e) = crate::fleet::store::client(&cfg) {
             errors.push(err("affinity.store.url", e));
         }
     }

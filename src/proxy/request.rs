@@ -135,7 +135,7 @@ fn identify(
         return Err(GatewayError::unauthorized());
     }
     if let Some(c) = &client {
-        let r = Reservation::open(Arc::clone(c), gw.store.as_ref(), &gw.metrics)?;
+        let r = Reservation::open(Arc::clone(c), gw.fleet_rates.as_ref(), &gw.metrics)?;
         ctx.who.reservation = Some(Box::new(r));
     }
     ctx.who.client = client;

@@ -240,7 +240,7 @@ impl Tier {
     }
 }
 
-impl crate::affinity::fleet::TierBackends for Tier {
+impl crate::affinity::shared::TierBackends for Tier {
     fn name(&self) -> &str {
         &self.name
     }

@@ -1,7 +1,6 @@
 //! The router's unit tests, and those of its parts that need the router
-//! itself (single-flight, the fleet's store).
+//! itself (single-flight).
 
-mod fleet;
 mod flight;
 
 use super::*;

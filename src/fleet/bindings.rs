@@ -1,92 +1,14 @@
-//! Where bindings are kept beyond this gateway's table: the
-//! [`BindingStore`] the router (`Affinity::route`) consults before it
-//! chooses a backend for a session and tells after. [`Alone`]: nowhere (one
-//! gateway). [`Fleet`]: a Redis server every gateway of a fleet shares
-//! (`affinity.store: redis`, see [`super::store`]), kept in step by the
-//! invariant of [`reconcile`]; its background work ([`Fleet::run`]) is the
-//! subscription, the heartbeat, and writing back what an outage left behind.
+//! A fleet's shared bindings ([`Fleet`], the router's
+//! [`BindingStore`] when `affinity.store: redis`): kept in step with the
+//! store by the invariant of [`reconcile`]; its background work
+//! ([`Fleet::run`]) is the subscription, the heartbeat, and writing back what
+//! an outage left behind.
 
-use super::route::{Reason, Selection};
 use super::store::{SharedStore, StoreError, Stored, StoredMoves};
-use super::table::{Binding, BindingKey};
+use crate::affinity::shared::{BindingStore, LocalBindings, TierBackends, Tiers};
+use crate::affinity::{Binding, BindingKey, Reason, Selection};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// A tier as the fleet's store names it: by its name, and its backends by
-/// id (slots are this process's own numbers).
-pub trait TierBackends: Send + Sync {
-    fn name(&self) -> &str;
-    fn index(&self) -> u16;
-    /// The id of the backend in `slot`, if it is in this tier.
-    fn backend_id(&self, slot: u32) -> Option<&str>;
-    /// The slot of backend `id`, if it is in this tier.
-    fn backend_slot(&self, id: &str) -> Option<u32>;
-}
-
-/// The tiers of the configuration in force (it may change with a reload).
-pub trait Tiers: Send + Sync {
-    fn by_name(&self, name: &str) -> Option<Arc<dyn TierBackends>>;
-    fn by_index(&self, index: u16) -> Option<Arc<dyn TierBackends>>;
-}
-
-/// This gateway's binding table, as the store keeps it in step with the
-/// fleet's (the router implements it).
-pub trait LocalBindings: Send + Sync {
-    /// The table's clock, ms.
-    fn now_ms(&self) -> u64;
-    /// The bindings' idle TTL, ms (0: affinity off).
-    fn ttl_ms(&self) -> u64;
-    /// `key`'s live binding.
-    fn binding(&self, key: BindingKey) -> Option<Binding>;
-    fn bindings(&self) -> Vec<(BindingKey, Binding)>;
-    /// Take another gateway's binding in (see the table's `adopt`).
-    fn adopt(&self, key: BindingKey, b: Binding, force: bool, checked_ms: u64) -> bool;
-    /// When `key`'s binding last agreed with the store.
-    fn synced_ms(&self, key: BindingKey) -> Option<u64>;
-    fn mark_synced(&self, key: BindingKey, checked_ms: u64);
-    /// Drop `key`'s binding here only (the store said so).
-    fn forget_here(&self, key: BindingKey) -> bool;
-}
-
-/// Where bindings are kept besides this gateway's table.
-#[async_trait::async_trait]
-pub trait BindingStore: Send + Sync {
-    /// Before a session's request is routed: bring its local binding in
-    /// step with the store's when it was last checked too long ago.
-    async fn sync_in(&self, affinity: &dyn LocalBindings, key: BindingKey, tier: &dyn TierBackends);
-    /// After: tell the store what the request bound. `Some(slot)`: the
-    /// store had another answer (a gateway that raced on the same new
-    /// session, or a newer rebind) that this gateway can reach; the request
-    /// goes there.
-    async fn publish(
-        &self,
-        affinity: &dyn LocalBindings,
-        key: BindingKey,
-        tier: &dyn TierBackends,
-        sel: &Selection,
-    ) -> Option<u32>;
-    /// The binding was dropped here (admin delete, a session's final turn):
-    /// drop it everywhere.
-    fn forget(&self, key: BindingKey);
-}
-
-/// One gateway alone: its table is the whole truth.
-pub struct Alone;
-
-#[async_trait::async_trait]
-impl BindingStore for Alone {
-    async fn sync_in(&self, _: &dyn LocalBindings, _: BindingKey, _: &dyn TierBackends) {}
-    async fn publish(
-        &self,
-        _: &dyn LocalBindings,
-        _: BindingKey,
-        _: &dyn TierBackends,
-        _: &Selection,
-    ) -> Option<u32> {
-        None
-    }
-    fn forget(&self, _: BindingKey) {}
-}
 
 /// A fleet of gateways sharing bindings through Redis.
 pub struct Fleet {
@@ -195,7 +117,7 @@ async fn sync_in(
 }
 
 /// What this gateway knows of the store's binding for a key.
-pub(in crate::affinity) enum InStore {
+pub(super) enum InStore {
     /// None there (or a new binding of ours, to write create-if-absent).
     Absent,
     /// Older than ours (a rebind of ours, to write as a compare-and-set).
@@ -216,7 +138,7 @@ pub(in crate::affinity) enum InStore {
 /// added it elsewhere first) is the one exception: the session is served
 /// from local state and the key marked synced, without overwriting the
 /// store; once a reload here adds the backend, the next check follows it.
-pub(in crate::affinity) async fn reconcile(
+pub(super) async fn reconcile(
     affinity: &dyn LocalBindings,
     store: &SharedStore,
     key: BindingKey,

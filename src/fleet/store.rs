@@ -26,8 +26,7 @@
 //! Values are `"<version> <backend id>"`; keys `<prefix><binding key hex>` (the
 //! binding key already covers tier, tenant and session or group).
 
-use super::table::BindingKey;
-use super::table::Moves;
+use crate::affinity::{BindingKey, Moves};
 use crate::metrics::Metrics;
 use parking_lot::Mutex;
 use std::collections::HashSet;

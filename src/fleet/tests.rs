@@ -1,9 +1,9 @@
 //! The store's invariant, rule by rule, against the real Redis these
 //! machines run on 127.0.0.1:6379 (each test under its own key prefix).
-use super::super::fleet::*;
-use super::super::store::{SharedStore, StoreConfig, StoreKind, StoreTls, Stored, StoredMoves};
-use super::super::table::Binding;
-use super::super::Affinity;
+use super::bindings::*;
+use super::store::{SharedStore, StoreConfig, StoreKind, StoreTls, Stored, StoredMoves};
+use crate::affinity::shared::TierBackends;
+use crate::affinity::{Affinity, Binding};
 use std::sync::Arc;
 use std::time::Duration;
 

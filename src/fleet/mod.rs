@@ -1,0 +1,19 @@
+//! The fleet's state in one place: what several gateways share through
+//! Redis (`affinity.store: redis`).
+//!
+//! - [`store`]: the Redis client, its scripts, its health and its
+//!   subscription to other gateways' messages;
+//! - [`bindings`]: the fleet's bindings, kept in step with each gateway's
+//!   table (the router's `BindingStore`);
+//! - [`limits`]: tenants' per-minute limits as one bucket per tenant for the
+//!   whole fleet (admission's `FleetRates`).
+
+pub mod bindings;
+pub mod limits;
+pub mod store;
+
+pub use bindings::Fleet;
+pub use store::{SharedStore, StoreConfig, StoreError, StoreKind, StoreTls};
+
+#[cfg(test)]
+mod tests;
