@@ -167,6 +167,18 @@ impl GatewayError {
     /// 404: a Responses request names a stored response whose backend is
     /// gone (down, draining, removed, or refusing connections), and with it
     /// the chain's state: no other replica has it.
+    /// 404: `id` is no response this client may continue (another
+    /// tenant's, or not one this fleet issued); said as an engine says it.
+    pub fn response_not_found(id: &str) -> Self {
+        GatewayError {
+            status: 404,
+            kind: "invalid_request_error",
+            code: "previous_response_not_found",
+            message: format!("Response with id '{id}' not found."),
+            retry_after: None,
+        }
+    }
+
     pub fn previous_response_not_found(id: &str, why: &str) -> Self {
         GatewayError {
             status: 404,

@@ -8,7 +8,9 @@
 //! weights differ), which keeps a choice over 1,024 backends in microseconds.
 
 use siphasher::sip::SipHasher13;
-use siphasher::sip128::{Hasher128, SipHasher13 as SipHasher13_128};
+use siphasher::sip128::{
+    Hasher128, SipHasher13 as SipHasher13_128, SipHasher24 as SipHasher24_128,
+};
 use std::hash::Hasher;
 
 /// Separates the hash inputs of client sessions from subagent groups, so no
@@ -69,6 +71,19 @@ impl HrwHasher {
         h.write(tier.as_bytes());
         h.write_u8(0xff);
         h.write(id);
+        let v = h.finish128();
+        ((v.h1 as u128) << 64) | v.h2 as u128
+    }
+
+    /// A 128-bit tag of `message` under `scope`, keyed by the fleet's key
+    /// (SipHash-2-4, a keyed PRF made for authenticating short messages):
+    /// what a gateway signs the ids it issues with, so that only a gateway
+    /// of this fleet makes them, and only for that scope.
+    pub fn tag(&self, scope: &str, message: &[u8]) -> u128 {
+        let mut h = SipHasher24_128::new_with_keys(self.k0 ^ 0x7461_672d_6b65_7930, self.k1);
+        h.write_u64(scope.len() as u64);
+        h.write(scope.as_bytes());
+        h.write(message);
         let v = h.finish128();
         ((v.h1 as u128) << 64) | v.h2 as u128
     }

@@ -21,6 +21,7 @@ pub mod lease;
 pub mod placement;
 pub mod policy;
 pub mod prefix;
+pub mod response_id;
 pub mod responses;
 pub mod route;
 pub mod scan;

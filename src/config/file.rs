@@ -425,6 +425,9 @@ pub(crate) struct FileAffinity {
     pub(crate) session_final_headers: Vec<String>,
     pub(crate) parent_agent_headers: Vec<String>,
     pub(crate) allow_explicit_target: bool,
+    /// `gateway` (the ids of stored responses the client sees carry their
+    /// route) or `engine` (the engines' own, routed by what was learned).
+    pub(crate) response_ids: String,
     pub(crate) tenant_header: Option<String>,
     pub(crate) tenant_from_authorization: bool,
     /// Where bindings live: this process only, or shared by a fleet in Redis.
@@ -520,6 +523,7 @@ impl Default for FileAffinity {
             session_final_headers: vec!["x-dynamo-session-final".into()],
             parent_agent_headers: vec!["x-claude-code-parent-agent-id".into()],
             allow_explicit_target: false,
+            response_ids: "gateway".into(),
             tenant_header: None,
             tenant_from_authorization: false,
             store: FileStore::default(),

@@ -241,6 +241,9 @@ pub struct AffinityConfig {
     /// Headers naming the parent *agent* of a subagent within the request's session.
     pub parent_agent_headers: Vec<http::HeaderName>,
     pub allow_explicit_target: bool,
+    /// Stored responses' ids as the client sees them carry their route
+    /// (`response_ids: gateway`, the default); `false`: the engines' own.
+    pub gateway_response_ids: bool,
     pub tenant: TenantSource,
     pub store: crate::fleet::store::StoreConfig,
     pub prefix: crate::affinity::prefix::PrefixConfig,

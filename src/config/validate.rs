@@ -812,6 +812,17 @@ pub(super) fn validate_affinity(
         ));
     }
 
+    let gateway_response_ids = match a.response_ids.as_str() {
+        "gateway" => true,
+        "engine" => false,
+        other => {
+            errors.push(err(
+                "affinity.response_ids",
+                format!("`{other}` is not `gateway` or `engine`"),
+            ));
+            true
+        }
+    };
     let mode = match a.mode.as_str() {
         "hard" => crate::affinity::policy::Mode::Hard,
         "soft" => crate::affinity::policy::Mode::Soft,
@@ -899,6 +910,7 @@ pub(super) fn validate_affinity(
         session_final_headers,
         parent_agent_headers,
         allow_explicit_target: a.allow_explicit_target,
+        gateway_response_ids,
         tenant,
         store,
         prefix,

@@ -3,7 +3,7 @@
 //! its usage, the metadata merged into a JSON body, a stored response's id,
 //! an upgraded socket's frames.
 
-use super::response::{JsonAppender, ResponseIdScanner, Usage, UsageScanner};
+use super::response::{IdRewriter, JsonAppender, ResponseIdScanner, Usage, UsageScanner};
 use super::websocket::WebSocket;
 use crate::upstream::InFlight;
 use std::time::Instant;
@@ -27,6 +27,9 @@ pub struct Answer {
     pub(super) streamed: bool,
     /// The answer's start, read for its response id.
     pub(super) response_id: Option<ResponseIdScanner>,
+    /// The stored responses' ids it names, rewritten to the ones the gateway
+    /// issues (`affinity.response_ids: gateway`).
+    pub(super) ids: Option<IdRewriter>,
     /// The backend switched protocols: the socket's frames, followed.
     pub(super) websocket: Option<Box<WebSocket>>,
 }

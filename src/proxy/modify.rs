@@ -4,8 +4,9 @@
 
 use super::ctx::RequestCtx;
 use super::request::fields_bytes;
-use super::response::{JsonAppender, ResponseIdScanner, UsageScanner};
+use super::response::{IdRewriter, JsonAppender, ResponseIdScanner, UsageScanner};
 use super::upstream_conn;
+use super::websocket::WebSocket;
 use crate::errors::GatewayError;
 use crate::gateway::Gateway;
 use crate::headers;
@@ -26,9 +27,16 @@ pub(super) fn upstream_request(
     upstream_request: &mut RequestHeader,
     ctx: &RequestCtx,
 ) -> Result<()> {
-    if ctx.body.whole.is_some() {
+    if let Some(body) = &ctx.body.whole {
         // The gateway already answered the client's 100-continue.
         upstream_request.remove_header("expect");
+        if ctx.body.rewritten
+            && upstream_request
+                .headers
+                .contains_key(http::header::CONTENT_LENGTH)
+        {
+            upstream_request.insert_header(http::header::CONTENT_LENGTH, body.len())?;
+        }
     }
     if let Some(id) = &ctx.record.request_id {
         upstream_request.insert_header(headers::REQUEST_ID, id.clone())?;
@@ -130,8 +138,25 @@ fn read_for(session: &Session, resp: &mut ResponseHeader, ctx: &mut RequestCtx) 
     let Some(route) = ctx.route.as_ref() else {
         return Ok(());
     };
-    if route.request().keeps_responses() && resp.status.as_u16() == 200 && !encoded {
+    let stores = route.request().keeps_responses() && resp.status.as_u16() == 200 && !encoded;
+    if stores {
         answer.response_id = Some(ResponseIdScanner::default());
+    }
+    // Stored responses' ids are rewritten to the gateway's (held until the
+    // new one is read): lengths change, so the answer goes chunked.
+    let rewrites = stores && (is_json || is_sse) && route.issues_response_ids();
+    if rewrites {
+        let mut ids = IdRewriter::new(true);
+        if let Some((engine, client)) = route.followed_ids() {
+            ids.add(engine, client);
+        }
+        answer.ids = Some(ids);
+        answer.upstream_body_len = resp
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse().ok());
+        resp.remove_header(&http::header::CONTENT_LENGTH);
+        resp.insert_header(http::header::TRANSFER_ENCODING, "chunked")?;
     }
     let bodyless = session.req_header().method == http::Method::HEAD
         || resp.status.as_u16() == 204
@@ -145,6 +170,7 @@ fn read_for(session: &Session, resp: &mut ResponseHeader, ctx: &mut RequestCtx) 
             .and_then(|v| v.parse::<usize>().ok());
         match declared.map(|len| (len, len.checked_add(appender.extra_len()))) {
             // A length no body can have: pass the response on untouched.
+            // (An answer whose ids are rewritten declares none any more.)
             Some((_, None)) => return Ok(()),
             Some((len, Some(total))) => {
                 resp.insert_header(http::header::CONTENT_LENGTH, http::HeaderValue::from(total))?;
@@ -158,8 +184,8 @@ fn read_for(session: &Session, resp: &mut ResponseHeader, ctx: &mut RequestCtx) 
 }
 
 /// `response_body_filter`: the first byte, usage, the tenant's tokens, a
-/// stored response's id and a socket's frames read on the way; the
-/// metadata merged into the end of a JSON body.
+/// stored response's id and a socket's frames read on the way; ids
+/// rewritten; the metadata merged into the end of a JSON body.
 pub(super) fn response_body(
     gw: &Gateway,
     body: &mut Option<Bytes>,
@@ -168,19 +194,29 @@ pub(super) fn response_body(
 ) {
     if let Some(chunk) = body.as_ref() {
         read_chunk(gw, chunk, ctx);
+        ctx.answer.upstream_body_seen += chunk.len();
     }
     let answer = &mut ctx.answer;
+    if let (Some(ws), Some(route), Some(chunk)) =
+        (answer.websocket.as_mut(), ctx.route.as_ref(), body.as_ref())
+    {
+        if let Some(out) = ws.forward_to_client(chunk, |engine| route.issue_response_id(engine)) {
+            *body = (!out.is_empty()).then(|| Bytes::from(out));
+        }
+    }
+    let complete = answer
+        .upstream_body_len
+        .is_some_and(|len| answer.upstream_body_seen >= len);
+    if let Some(ids) = answer.ids.as_mut() {
+        let chunk = body.take().unwrap_or_default();
+        let out = ids.push(&chunk, end_of_stream || complete);
+        *body = (!out.is_empty()).then_some(out);
+    }
     if let Some(appender) = answer.appender.as_mut() {
         let mut out = match body.take() {
-            Some(chunk) => {
-                answer.upstream_body_seen += chunk.len();
-                appender.push(chunk)
-            }
+            Some(chunk) => appender.push(chunk),
             None => Bytes::new(),
         };
-        let complete = answer
-            .upstream_body_len
-            .is_some_and(|len| answer.upstream_body_seen >= len);
         if end_of_stream || complete {
             let tail = appender.finish();
             out = if out.is_empty() {
@@ -210,10 +246,12 @@ fn read_chunk(gw: &Gateway, chunk: &Bytes, ctx: &mut RequestCtx) {
     }
     let route = ctx.route.as_ref();
     if let Some(ws) = answer.websocket.as_mut() {
-        ws.backend_bytes(chunk, &mut |id| {
-            if let Some(route) = route {
-                route.learn_response(gw, id);
-            }
+        // Where the gateway issues ids (see `response_body`), there is
+        // nothing to learn.
+        let learn = !route.is_some_and(|r| r.issues_response_ids());
+        ws.backend_bytes(chunk, &mut |id| match route {
+            Some(route) if learn => route.learn_response(gw, id),
+            _ => {}
         });
     }
     if let Some(scanner) = answer.usage.as_mut() {
@@ -222,11 +260,21 @@ fn read_chunk(gw: &Gateway, chunk: &Bytes, ctx: &mut RequestCtx) {
     if let Some(r) = ctx.who.reservation.as_mut() {
         r.saw(chunk, answer.streamed);
     }
-    if let (Some(id), Some(route)) = (
-        answer.response_id.as_mut().and_then(|s| s.push(chunk)),
-        route,
-    ) {
-        route.learn_response(gw, &id);
+    let Some(scanner) = answer.response_id.as_mut() else {
+        return;
+    };
+    match (scanner.push(chunk), route, answer.ids.as_mut()) {
+        // The client is given the gateway's id, which carries its route:
+        // there is nothing to learn.
+        (Some(engine), Some(route), Some(ids)) => {
+            if let Some(issued) = route.issue_response_id(&engine) {
+                ids.add(&engine, &issued);
+            }
+            ids.ready();
+        }
+        (Some(id), Some(route), None) => route.learn_response(gw, &id),
+        (None, _, Some(ids)) if scanner.done() => ids.ready(),
+        _ => {}
     }
 }
 
@@ -236,7 +284,11 @@ fn read_chunk(gw: &Gateway, chunk: &Bytes, ctx: &mut RequestCtx) {
 /// body clock runs on what the client sends, and it may idle as long as
 /// the backend's `read_timeout` allows.
 fn upgraded(gw: &Gateway, session: &mut Session, ctx: &mut RequestCtx) {
-    ctx.answer.websocket = Some(Box::default());
+    let ws = match ctx.route.as_ref().is_some_and(|r| r.issues_response_ids()) {
+        true => WebSocket::rewriting(),
+        false => WebSocket::default(),
+    };
+    ctx.answer.websocket = Some(Box::new(ws));
     ctx.who.permit = None;
     ctx.answer.in_flight = None;
     if let Some(conn) = &ctx.body.conn {

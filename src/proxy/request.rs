@@ -206,12 +206,18 @@ async fn read_body(
         Some(gw.body_budget.hold(ctx.body.bytes))
     });
     let mut max_output = None;
+    let mut body = body;
     if needs_body {
         let facts = intake.read_body(gw, &body).await;
         max_output = facts.max_output;
         ctx.body.asks_stream = facts.asks_stream;
         if ctx.record.sampled() {
             ctx.record.model = facts.model.as_deref().map(Box::from);
+        }
+        if let Some(rewritten) = facts.rewritten {
+            // Sent in its place, with its own length (see modify.rs).
+            body = Bytes::from(rewritten);
+            ctx.body.rewritten = true;
         }
     }
     ctx.body.whole = Some(body);
@@ -277,6 +283,12 @@ pub(super) fn body_filter(
         };
         if over {
             return Err(GatewayError::body_too_large(limit));
+        }
+        // A socket turn's `previous_response_id` as the engine knows it.
+        if let (Some(ws), Some(route)) = (ctx.answer.websocket.as_mut(), ctx.route.as_ref()) {
+            if let Some(out) = ws.forward_to_backend(chunk, |id| route.engine_response_id(id)) {
+                *chunk = Bytes::from(out);
+            }
         }
     }
     Ok(())

@@ -33,6 +33,9 @@ pub struct ClientBody {
     pub declared: Option<u64>,
     /// Whether it asked for a stream (`None`: it was not read).
     pub asks_stream: Option<bool>,
+    /// `whole` is not what the client sent (routing rewrote it): its
+    /// length goes upstream as its own.
+    pub rewritten: bool,
 }
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core, h1 and h2).

@@ -258,6 +258,11 @@ pub struct ResponseIdScanner {
 pub const RESPONSE_ID_HEAD_BYTES: usize = 4096;
 
 impl ResponseIdScanner {
+    /// It found the id, or gave up looking.
+    pub fn done(&self) -> bool {
+        self.done
+    }
+
     /// Add a chunk; returns the id once it has arrived whole (once only).
     pub fn push(&mut self, chunk: &[u8]) -> Option<String> {
         if self.done {
@@ -292,6 +297,96 @@ impl ResponseIdScanner {
     }
 }
 
+/// Rewrites ids in an answer as it passes: each `"<from>"` (quoted, whole)
+/// becomes `"<to>"`. The end of a chunk that could begin one is held until
+/// the next chunk shows whether it does (an event stream's chunks end where
+/// its events do, so nothing of a whole event waits); and while an id to
+/// rewrite is still unknown ([`IdRewriter::waiting`]), everything is held.
+#[derive(Default)]
+pub struct IdRewriter {
+    /// Quoted ids and their replacements.
+    pairs: Vec<(Vec<u8>, Vec<u8>)>,
+    held: Vec<u8>,
+    waiting: bool,
+}
+
+/// What an answer is held for at most while an id is awaited: the
+/// response's id comes at its start ([`RESPONSE_ID_HEAD_BYTES`]).
+const WAIT_AT_MOST: usize = RESPONSE_ID_HEAD_BYTES;
+
+impl IdRewriter {
+    /// `waiting`: hold the answer until [`IdRewriter::add`] or
+    /// [`IdRewriter::ready`] says the ids are known.
+    pub fn new(waiting: bool) -> Self {
+        IdRewriter {
+            waiting,
+            ..Default::default()
+        }
+    }
+
+    /// Rewrite `from` to `to` from here on (and in what is held).
+    pub fn add(&mut self, from: &str, to: &str) {
+        let quote = |s: &str| [b"\"", s.as_bytes(), b"\""].concat();
+        self.pairs.push((quote(from), quote(to)));
+    }
+
+    /// The ids are known: stop holding the answer back.
+    pub fn ready(&mut self) {
+        self.waiting = false;
+    }
+
+    /// Whether it holds the answer back until the ids are known.
+    pub fn waiting(&self) -> bool {
+        self.waiting
+    }
+
+    /// The next chunk, rewritten; `end`: the answer ends with it.
+    pub fn push(&mut self, chunk: &[u8], end: bool) -> Bytes {
+        if self.waiting && self.held.len() + chunk.len() < WAIT_AT_MOST && !end {
+            self.held.extend_from_slice(chunk);
+            return Bytes::new();
+        }
+        self.waiting = false;
+        let mut data = std::mem::take(&mut self.held);
+        data.extend_from_slice(chunk);
+        let mut out = Vec::with_capacity(data.len() + 64);
+        let mut at = 0;
+        while let Some((pos, i)) = self.next_match(&data[at..]) {
+            out.extend_from_slice(&data[at..at + pos]);
+            out.extend_from_slice(&self.pairs[i].1);
+            at += pos + self.pairs[i].0.len();
+        }
+        let keep = match end {
+            true => 0,
+            false => self.partial(&data[at..]),
+        };
+        out.extend_from_slice(&data[at..data.len() - keep]);
+        self.held.extend_from_slice(&data[data.len() - keep..]);
+        Bytes::from(out)
+    }
+
+    /// The first whole id of `data` to rewrite: where, and which.
+    fn next_match(&self, data: &[u8]) -> Option<(usize, usize)> {
+        self.pairs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (from, _))| Some((memchr::memmem::find(data, from)?, i)))
+            .min()
+    }
+
+    /// How much of `data`'s end could begin an id to rewrite.
+    fn partial(&self, data: &[u8]) -> usize {
+        let longest = self.pairs.iter().map(|(f, _)| f.len()).max().unwrap_or(0);
+        (1..longest.min(data.len() + 1))
+            .rev()
+            .find(|&k| {
+                let tail = &data[data.len() - k..];
+                self.pairs.iter().any(|(f, _)| f.starts_with(tail))
+            })
+            .unwrap_or(0)
+    }
+}
+
 fn trim_start(b: &[u8]) -> &[u8] {
     let n = b.iter().take_while(|&&c| is_ws(c)).count();
     &b[n..]
@@ -300,6 +395,42 @@ fn trim_start(b: &[u8]) -> &[u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_are_rewritten_across_chunks_and_only_whole() {
+        let answer = b"data: {\"response\":{\"id\":\"resp_e1\",\"previous_response_id\":\"resp_e0\"}}\n\ndata: {\"item_id\":\"resp_e10\",\"response\":{\"id\":\"resp_e1\"}}\n\n";
+        let want = answer
+            .to_vec()
+            .iter()
+            .map(|&b| b as char)
+            .collect::<String>()
+            .replace("\"resp_e1\"", "\"resp_GW1\"")
+            .replace("\"resp_e0\"", "\"resp_GW0\"");
+        // Whole, and cut at every place.
+        for cut in 0..answer.len() {
+            let mut r = IdRewriter::new(false);
+            r.add("resp_e1", "resp_GW1");
+            r.add("resp_e0", "resp_GW0");
+            let mut out = r.push(&answer[..cut], false).to_vec();
+            out.extend_from_slice(&r.push(&answer[cut..], true));
+            assert_eq!(String::from_utf8(out).unwrap(), want, "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn an_answer_waits_for_its_id_then_flows() {
+        let mut r = IdRewriter::new(true);
+        assert!(r.push(b"{\"id\":\"resp_e", false).is_empty(), "held");
+        r.add("resp_e1", "resp_G");
+        r.ready();
+        let mut out = r.push(b"1\",\"x\":1", false).to_vec();
+        out.extend_from_slice(&r.push(b"}", true));
+        assert_eq!(out, b"{\"id\":\"resp_G\",\"x\":1}");
+        // An event that ends a chunk is not held.
+        let mut r = IdRewriter::new(false);
+        r.add("resp_e1", "resp_G");
+        assert_eq!(&r.push(b"data: {}\n\n", false)[..], b"data: {}\n\n");
+    }
 
     #[test]
     fn an_anthropic_stream_counts_its_input_at_the_start_and_its_output_at_the_end() {

@@ -9,7 +9,12 @@
 //!   socket's usage, which the request's end counts and charges as it does
 //!   one answer's;
 //! - a `response.created` event's id is learned, as a JSON answer's is, so a
-//!   follow-up over HTTP finds the replica that stored it.
+//!   follow-up over HTTP finds the replica that stored it; or, where the
+//!   gateway issues response ids (`affinity.response_ids: gateway`), the
+//!   engine's ids are rewritten to the gateway's in the backend's messages,
+//!   and a client message's `previous_response_id` back to the engine's
+//!   ([`Rewrite`]: each whole text frame is held until it is complete,
+//!   then sent rewritten; every other frame passes as it comes).
 
 use super::response::{usage_in, ResponseIdScanner, Usage};
 
@@ -157,6 +162,152 @@ fn is_event(m: &[u8], name: &[u8]) -> bool {
     })
 }
 
+/// One direction of a socket whose messages' ids are rewritten: a text
+/// frame that is a whole message (at most [`READ_AT_MOST`]) is held until
+/// it is complete, then sent with `edit` applied to its payload (the frame
+/// re-framed with its new length and masked with its own key); any other
+/// frame passes as it comes.
+#[derive(Default)]
+struct Rewrite {
+    head: [u8; 14],
+    head_len: usize,
+    in_payload: bool,
+    remaining: u64,
+    /// The current frame is held whole (a text message) and this is it so
+    /// far: its first header byte, its mask, its payload as received.
+    hold: Option<(u8, Option<[u8; 4]>)>,
+    payload: Vec<u8>,
+}
+
+impl Rewrite {
+    /// `chunk`, as it goes on.
+    fn push(&mut self, mut chunk: &[u8], edit: &mut impl FnMut(&mut Vec<u8>)) -> Vec<u8> {
+        let mut out = Vec::with_capacity(chunk.len());
+        while !chunk.is_empty() {
+            if !self.in_payload {
+                let need = if self.head_len < 2 {
+                    2
+                } else {
+                    header_len(&self.head)
+                };
+                let take = (need - self.head_len).min(chunk.len());
+                self.head[self.head_len..self.head_len + take].copy_from_slice(&chunk[..take]);
+                self.head_len += take;
+                chunk = &chunk[take..];
+                if self.head_len < 2 || self.head_len < header_len(&self.head) {
+                    continue;
+                }
+                self.start_frame(&mut out);
+                if self.remaining == 0 {
+                    self.end_frame(&mut out, edit);
+                }
+                continue;
+            }
+            let n = self.remaining.min(chunk.len() as u64) as usize;
+            let (part, rest) = chunk.split_at(n);
+            match self.hold {
+                Some(_) => self.payload.extend_from_slice(part),
+                None => out.extend_from_slice(part),
+            }
+            self.remaining -= n as u64;
+            chunk = rest;
+            if self.remaining == 0 {
+                self.end_frame(&mut out, edit);
+            }
+        }
+        out
+    }
+
+    fn start_frame(&mut self, out: &mut Vec<u8>) {
+        let h = &self.head[..self.head_len];
+        let (len, at) = match h[1] & 0x7f {
+            126 => (u16::from_be_bytes([h[2], h[3]]) as u64, 4),
+            127 => (
+                u64::from_be_bytes(h[2..10].try_into().expect("8 bytes")),
+                10,
+            ),
+            n => (n as u64, 2),
+        };
+        let mask = (h[1] & 0x80 != 0).then(|| h[at..at + 4].try_into().expect("4 bytes"));
+        // A whole text message (FIN, opcode 1) small enough to hold.
+        let whole_text = h[0] & 0x8f == 0x81 && len <= READ_AT_MOST as u64;
+        self.hold = whole_text.then_some((h[0], mask));
+        if self.hold.is_none() {
+            out.extend_from_slice(h);
+        }
+        self.remaining = len;
+        self.in_payload = true;
+        self.head_len = 0;
+    }
+
+    fn end_frame(&mut self, out: &mut Vec<u8>, edit: &mut impl FnMut(&mut Vec<u8>)) {
+        self.in_payload = false;
+        let Some((first, mask)) = self.hold.take() else {
+            return;
+        };
+        let mut payload = std::mem::take(&mut self.payload);
+        let key = mask.unwrap_or_default();
+        let unmask = |p: &mut Vec<u8>| p.iter_mut().enumerate().for_each(|(i, b)| *b ^= key[i % 4]);
+        unmask(&mut payload);
+        edit(&mut payload);
+        unmask(&mut payload);
+        out.push(first);
+        let bit = if mask.is_some() { 0x80 } else { 0 };
+        match payload.len() {
+            n @ 0..=125 => out.push(bit | n as u8),
+            n @ 126..=0xffff => {
+                out.push(bit | 126);
+                out.extend_from_slice(&(n as u16).to_be_bytes());
+            }
+            n => {
+                out.push(bit | 127);
+                out.extend_from_slice(&(n as u64).to_be_bytes());
+            }
+        }
+        if let Some(m) = mask {
+            out.extend_from_slice(&m);
+        }
+        out.extend_from_slice(&payload);
+    }
+}
+
+/// Each quoted `"<from>"` of `message` as `"<to>"`.
+fn replace_ids(message: &mut Vec<u8>, pairs: &[(String, String)]) {
+    for (from, to) in pairs {
+        let (from, to) = (format!("\"{from}\""), format!("\"{to}\""));
+        if memchr::memmem::find(message, from.as_bytes()).is_none() {
+            continue;
+        }
+        let mut out = Vec::with_capacity(message.len() + 64);
+        let mut at = 0;
+        for pos in memchr::memmem::find_iter(message, from.as_bytes()) {
+            if pos < at {
+                continue;
+            }
+            out.extend_from_slice(&message[at..pos]);
+            out.extend_from_slice(to.as_bytes());
+            at = pos + from.len();
+        }
+        out.extend_from_slice(&message[at..]);
+        *message = out;
+    }
+}
+
+/// The string value of the member `name` in a JSON message, where it is a
+/// plain one (no escapes).
+fn string_member<'m>(m: &'m [u8], name: &[u8]) -> Option<&'m str> {
+    memchr::memmem::find_iter(m, name).find_map(|at| {
+        let rest = m[at + name.len()..].trim_ascii_start().strip_prefix(b":")?;
+        let rest = rest.trim_ascii_start().strip_prefix(b"\"")?;
+        let end = memchr::memchr2(b'"', b'\\', rest)?;
+        (rest[end] == b'"').then(|| std::str::from_utf8(&rest[..end]).ok())?
+    })
+}
+
+/// The (engine's, gateway's) id pairs a socket remembers at most: its
+/// recent responses.
+const PAIRS_KEPT: usize = 64;
+
 /// An upgraded request's socket, as far as the gateway follows it.
 #[derive(Default)]
 pub(super) struct WebSocket {
@@ -164,9 +315,67 @@ pub(super) struct WebSocket {
     received: Frames,
     /// What the backend's messages reported, added up.
     pub usage: Option<Usage>,
+    /// Where the gateway issues response ids: each direction, rewritten,
+    /// and the (engine's, gateway's) ids of the socket's responses.
+    rewrite: Option<Box<Rewriting>>,
 }
 
+/// A socket's two directions, rewritten, and the (engine's, gateway's) ids
+/// of its responses.
+type Rewriting = (Rewrite, Rewrite, Vec<(String, String)>);
+
 impl WebSocket {
+    /// A socket whose response ids are the gateway's.
+    pub fn rewriting() -> WebSocket {
+        WebSocket {
+            rewrite: Some(Default::default()),
+            ..Default::default()
+        }
+    }
+
+    /// Bytes from the client as they go on to the backend: where ids are
+    /// rewritten, a message's `previous_response_id` the gateway issued
+    /// (`engine_id` reads it) is sent as the engine's own.
+    pub fn forward_to_backend(
+        &mut self,
+        chunk: &[u8],
+        engine_id: impl Fn(&str) -> Option<String>,
+    ) -> Option<Vec<u8>> {
+        let (to_backend, _, pairs) = &mut **self.rewrite.as_mut()?;
+        let mut edit = |m: &mut Vec<u8>| {
+            let Some(ours) = string_member(m, b"\"previous_response_id\"").map(str::to_string)
+            else {
+                return;
+            };
+            if let Some(engine) = engine_id(&ours) {
+                replace_ids(m, &[(ours.clone(), engine.clone())]);
+                remember(pairs, engine, ours);
+            }
+        };
+        Some(to_backend.push(chunk, &mut edit))
+    }
+
+    /// Bytes from the backend as they go on to the client: where ids are
+    /// rewritten, the engine's are sent as the gateway's (`issue` makes one
+    /// for each response the backend announces).
+    pub fn forward_to_client(
+        &mut self,
+        chunk: &[u8],
+        issue: impl Fn(&str) -> Option<String>,
+    ) -> Option<Vec<u8>> {
+        let (_, to_client, pairs) = &mut **self.rewrite.as_mut()?;
+        let mut edit = |m: &mut Vec<u8>| {
+            if is_event(m, b"\"response.created\"") {
+                let created = ResponseIdScanner::default().push(m);
+                if let Some((engine, ours)) = created.and_then(|e| Some((e.clone(), issue(&e)?))) {
+                    remember(pairs, engine, ours);
+                }
+            }
+            replace_ids(m, pairs);
+        };
+        Some(to_client.push(chunk, &mut edit))
+    }
+
     /// Bytes from the client; `Err` with the length of a message over `limit`.
     pub fn client_bytes(&mut self, chunk: &[u8], limit: u64) -> Result<(), u64> {
         self.sent.push(chunk, false, limit, &mut |_| {})
@@ -196,6 +405,13 @@ impl WebSocket {
     }
 }
 
+fn remember(pairs: &mut Vec<(String, String)>, engine: String, ours: String) {
+    if pairs.len() >= PAIRS_KEPT {
+        pairs.remove(0);
+    }
+    pairs.push((engine, ours));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,6 +439,53 @@ mod tests {
             None => f.extend_from_slice(payload),
         }
         f
+    }
+
+    #[test]
+    fn a_sockets_ids_are_rewritten_both_ways_frame_by_frame() {
+        let mut ws = WebSocket::rewriting();
+        let create =
+            br#"{"type":"response.create","previous_response_id":"resp_GW0","input":"hi"}"#;
+        let key = [7, 1, 200, 33];
+        let mut sent = frame(1, true, create, Some(key));
+        sent.extend(frame(9, true, b"ping", Some(key)));
+        // A byte at a time: a text frame comes out whole, once complete.
+        let mut out = Vec::new();
+        for b in &sent {
+            out.extend(
+                ws.forward_to_backend(&[*b], |id| {
+                    (id == "resp_GW0").then(|| "resp_E0".to_string())
+                })
+                .unwrap(),
+            );
+        }
+        let want = br#"{"type":"response.create","previous_response_id":"resp_E0","input":"hi"}"#;
+        let mut expected = frame(1, true, want, Some(key));
+        expected.extend(frame(9, true, b"ping", Some(key)));
+        assert_eq!(
+            out, expected,
+            "re-framed with its new length, masked with its own key"
+        );
+        // The backend's events: its new response's id, and the one it follows.
+        let created = br#"{"type":"response.created","response":{"id":"resp_E1","previous_response_id":"resp_E0"}}"#;
+        let delta = br#"{"type":"response.output_text.delta","item_id":"msg_1","delta":"x"}"#;
+        let mut received = frame(1, true, created, None);
+        received.extend(frame(1, true, delta, None));
+        received.extend(frame(2, true, b"\x00binary\x00", None));
+        let out = ws
+            .forward_to_client(&received, |e| {
+                (e == "resp_E1").then(|| "resp_GW1".to_string())
+            })
+            .unwrap();
+        let created_ours = br#"{"type":"response.created","response":{"id":"resp_GW1","previous_response_id":"resp_GW0"}}"#;
+        let mut expected = frame(1, true, created_ours, None);
+        expected.extend(frame(1, true, delta, None));
+        expected.extend(frame(2, true, b"\x00binary\x00", None));
+        assert_eq!(out, expected);
+        // A socket that does not rewrite leaves the bytes alone.
+        assert!(WebSocket::default()
+            .forward_to_client(&received, |_| None)
+            .is_none());
     }
 
     fn completed(id: &str, input: u64, cached: u64, output: u64) -> Vec<u8> {

@@ -8,7 +8,6 @@ use super::stored;
 use crate::affinity::hrw::{HrwHasher, KeyKind};
 use crate::affinity::prefix::conversation::Conversation;
 use crate::affinity::prefix::PromptRoute;
-use crate::affinity::responses::response_key;
 use crate::affinity::session::{self, BodyProbe, RequestHeaders, SessionId};
 use crate::affinity::SessionRef;
 use crate::config::Config;
@@ -66,6 +65,22 @@ pub struct BodyFacts {
     pub max_output: Option<u64>,
     pub asks_stream: Option<bool>,
     pub model: Option<String>,
+    /// The body as the backend is to get it: a stored response it follows
+    /// named by the engine's own id.
+    pub rewritten: Option<Vec<u8>>,
+}
+
+/// `body` with `value` (a slice of it: a member's raw value) replaced by
+/// the JSON string `with`.
+fn splice(body: &[u8], value: &[u8], with: &str) -> Vec<u8> {
+    let start = value.as_ptr() as usize - body.as_ptr() as usize;
+    let end = start + value.len();
+    let mut out = Vec::with_capacity(body.len() + with.len());
+    out.extend_from_slice(&body[..start]);
+    // Writing a string to a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut out, with);
+    out.extend_from_slice(&body[end..]);
+    out
 }
 
 /// Whether a request's path is one whose prompt an engine's prefix cache
@@ -322,14 +337,20 @@ impl Intake {
                 .or_else(|| probe.session(&cfg.affinity.body_session_fields));
         }
         let routed_in = Arc::clone(self.tier.as_ref().unwrap_or_else(|| routing.default_tier()));
+        let mut rewritten = None;
         if responses_api {
             // Response ids are kept under the tier and tenant too.
             let scope = scope_of(&routed_in.name, &self.tenant_scope);
             if let Some(id) = probe.previous_response_id() {
-                let key = response_key(&routing.hasher, &scope, &id);
-                if let Some(route) = stored::find(gw, key, &routed_in).await {
-                    self.stored = Some(Box::new(StoredRef { route, id }));
+                let stored = stored::presented(gw, &routing, &routed_in, &scope, id).await;
+                // The engine is asked for its own id.
+                if let (Some(engine), Some(raw)) = (
+                    stored.as_ref().and_then(|s| s.engine.as_deref()),
+                    probe.raw("previous_response_id"),
+                ) {
+                    rewritten = Some(splice(body, raw, engine));
                 }
+                self.stored = stored.map(Box::new);
             }
             self.responses_scope = Some(scope.into_owned());
         }
@@ -354,6 +375,7 @@ impl Intake {
             max_output: probe.max_output_tokens(),
             asks_stream: Some(probe.is_stream()),
             model,
+            rewritten,
         }
     }
 

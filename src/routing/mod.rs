@@ -170,6 +170,9 @@ impl Route {
         let tier = &self.req.tier;
         let mut candidates = tier.candidates(&self.excluded);
         if let Some(stored) = &self.req.stored {
+            if stored.refused {
+                return Err(GatewayError::response_not_found(&stored.id));
+            }
             // Only the backend that stored the response it follows has it.
             let slot = stored.route.slot;
             candidates.retain(|c| c.slot == slot);
@@ -310,6 +313,35 @@ impl Route {
             }
             None => session.parent.and_then(|p| adm.named_class(p)),
         }
+    }
+
+    /// Whether the ids of the responses its answer stores are issued by the
+    /// gateway (`affinity.response_ids: gateway`): they carry their route.
+    pub fn issues_response_ids(&self) -> bool {
+        self.req.responses_scope.is_some() && self.req.routing.config.affinity.gateway_response_ids
+    }
+
+    /// The id the client is given for the engine's response id `engine`,
+    /// stored by the backend this request went to.
+    pub fn issue_response_id(&self, engine: &str) -> Option<String> {
+        stored::issue(&self.req, &self.decision.as_ref()?.backend, engine)
+    }
+
+    /// The engine's own id of a response id the gateway issued in this
+    /// request's scope (a WebSocket turn's `previous_response_id`).
+    pub fn engine_response_id(&self, id: &str) -> Option<String> {
+        let scope = self.req.responses_scope.as_deref()?;
+        match crate::affinity::response_id::read(&self.req.routing.hasher, scope, id) {
+            crate::affinity::response_id::Presented::Ours(i) => Some(i.engine),
+            _ => None,
+        }
+    }
+
+    /// The stored response it follows, as the engine names it and as the
+    /// client did (an id the gateway issued), when they differ.
+    pub fn followed_ids(&self) -> Option<(&str, &str)> {
+        let s = self.req.stored.as_deref()?;
+        Some((s.engine.as_deref()?, s.id.as_str()))
     }
 
     /// The backend stored the response `id`: its follow-ups go there.

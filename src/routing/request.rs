@@ -15,6 +15,12 @@ pub struct StoredRef {
     pub route: ResponseRoute,
     /// Its id, as the client sent it.
     pub id: String,
+    /// The engine's own id, when the client sent one this gateway issued:
+    /// what the backend is asked for.
+    pub engine: Option<String>,
+    /// The id is no response of this client's (another tenant's, another
+    /// tier's, forged): there is no such response.
+    pub refused: bool,
 }
 
 /// Everything known about one request for routing.

@@ -2,12 +2,84 @@
 //! fleet answered is kept, so that a follow-up goes to the backend that
 //! holds it (SPEC §3.7).
 
-use super::request::RouteRequest;
+use super::request::{RouteRequest, StoredRef};
 use crate::affinity::hrw::KeyKind;
+use crate::affinity::response_id::{self, Issued, Presented};
 use crate::affinity::responses::{parse_stored, response_key, stored_value, ResponseRoute};
 use crate::affinity::SessionRef;
 use crate::gateway::Gateway;
-use crate::upstream::{Backend, Tier};
+use crate::upstream::{Backend, Routing, Tier};
+
+/// The stored response `id` a request in `scope` (its tier and tenant)
+/// follows: an id this fleet issued leads to its holder by itself (no
+/// table, no store); one issued for another scope, or forged, is refused;
+/// an engine's own id is looked up where it was learned. `None`: an id no
+/// gateway saw answered (it routes as any request does).
+pub(super) async fn presented(
+    gw: &Gateway,
+    routing: &Routing,
+    tier: &Tier,
+    scope: &str,
+    id: String,
+) -> Option<StoredRef> {
+    let stored = |route, engine, refused| StoredRef {
+        route,
+        id: id.clone(),
+        engine,
+        refused,
+    };
+    match response_id::read(&routing.hasher, scope, &id) {
+        Presented::Ours(i) => {
+            let route = ResponseRoute {
+                // A backend not in this tier here: a slot no candidate has,
+                // and the follow-up is told its holder is gone.
+                slot: tier.backend_by_id(&i.backend).map_or(u32::MAX, |b| b.slot),
+                key: i.key,
+                hash: i.hash,
+            };
+            Some(stored(route, Some(i.engine), false))
+        }
+        Presented::NotForThisScope => {
+            let nowhere = ResponseRoute {
+                slot: u32::MAX,
+                key: 0,
+                hash: 0,
+            };
+            Some(stored(nowhere, None, true))
+        }
+        Presented::Foreign => {
+            let route = find(gw, response_key(&routing.hasher, scope, &id), tier).await?;
+            Some(stored(route, None, false))
+        }
+    }
+}
+
+/// The id the client is given for `engine`, a response `backend` stored
+/// for `req` (in its scope, as a turn of its session).
+pub(super) fn issue(req: &RouteRequest, backend: &Backend, engine: &str) -> Option<String> {
+    let scope = req.responses_scope.as_deref()?;
+    let session = session_of(req, scope, engine);
+    let issued = Issued {
+        backend: backend.id.to_string(),
+        key: session.key,
+        hash: session.hash,
+        engine: engine.to_string(),
+    };
+    Some(response_id::issue(&req.routing.hasher, scope, &issued))
+}
+
+/// The session a response `id` continues: the request's own, else (a
+/// request without one) a session named by its response.
+fn session_of(req: &RouteRequest, scope: &str, id: &str) -> SessionRef {
+    req.key.clone().unwrap_or_else(|| {
+        SessionRef::new(
+            &req.routing.hasher,
+            KeyKind::Session,
+            scope,
+            &format!("response\u{1f}{id}"),
+        )
+    })
+}
 
 /// Where the response kept under `key` lives: this gateway's own routes,
 /// else the fleet's store (another gateway saw it answered). A backend the
@@ -40,14 +112,7 @@ pub(super) fn learn(gw: &Gateway, req: &RouteRequest, backend: &Backend, id: &st
         return;
     };
     let hasher = &req.routing.hasher;
-    let session = req.key.clone().unwrap_or_else(|| {
-        SessionRef::new(
-            hasher,
-            KeyKind::Session,
-            scope,
-            &format!("response\u{1f}{id}"),
-        )
-    });
+    let session = session_of(req, scope, id);
     let key = response_key(hasher, scope, id);
     let route = ResponseRoute {
         slot: backend.slot,

@@ -1,0 +1,225 @@
+//! Response ids the gateway issues: a stored response's route, carried in
+//! its id, so that no table, store or race stands between a follow-up and
+//! the replica that holds what it continues.
+//!
+//! An engine's Responses API keeps each response in the memory of the
+//! replica that answered it; a follow-up naming it by `previous_response_id`
+//! anywhere else gets 404. So the gateway gives the client, instead of the
+//! engine's id, one that says where the response lives: `resp_`, then in
+//! URL-safe base64 the backend's id, the session the request was a turn of,
+//! the engine's own id, and a tag over all of it and the request's scope
+//! (tier and tenant) keyed by the fleet's `hash_key`. Any gateway of the
+//! fleet reads it without asking anyone (Redis down, a follow-up racing its
+//! answer to another gateway, a flood of other responses: none matters);
+//! no one without the key can make one; and a tenant presenting another
+//! tenant's id is told no such response exists, never sent to its holder.
+
+use super::hrw::HrwHasher;
+use super::table::BindingKey;
+
+/// What a gateway id leads to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Issued {
+    /// The id of the backend that stored the response.
+    pub backend: String,
+    /// The session its request was a turn of (binding key and hash).
+    pub key: BindingKey,
+    pub hash: u64,
+    /// The id the engine gave it.
+    pub engine: String,
+}
+
+/// What an id a client presents is.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Presented {
+    /// One this fleet issued for this scope.
+    Ours(Issued),
+    /// One shaped like ours that this fleet did not issue for this scope:
+    /// another tenant's, another tier's, or forged.
+    NotForThisScope,
+    /// Not one of ours (an engine's own id, issued before the gateway did).
+    Foreign,
+}
+
+const PREFIX: &str = "resp_";
+/// The layout's version: its first byte.
+const VERSION: u8 = 1;
+const TAG_BYTES: usize = 16;
+
+/// The id the client is given for the engine's `engine` id, of a response
+/// stored at `backend` for a request of session (`key`, `hash`) in `scope`.
+pub fn issue(hasher: &HrwHasher, scope: &str, i: &Issued) -> String {
+    let backend = i.backend.as_bytes();
+    let mut raw = Vec::with_capacity(2 + backend.len() + 24 + i.engine.len() + TAG_BYTES);
+    raw.push(VERSION);
+    raw.push(backend.len().min(255) as u8);
+    raw.extend_from_slice(&backend[..backend.len().min(255)]);
+    raw.extend_from_slice(&i.key.to_le_bytes());
+    raw.extend_from_slice(&i.hash.to_le_bytes());
+    raw.extend_from_slice(i.engine.as_bytes());
+    let tag = hasher.tag(scope, &raw);
+    raw.extend_from_slice(&tag.to_le_bytes());
+    let mut id = String::with_capacity(PREFIX.len() + raw.len() * 4 / 3 + 2);
+    id.push_str(PREFIX);
+    base64url(&raw, &mut id);
+    id
+}
+
+/// What `id`, presented in `scope`, is.
+pub fn read(hasher: &HrwHasher, scope: &str, id: &str) -> Presented {
+    let Some(raw) = id.strip_prefix(PREFIX).and_then(unbase64url) else {
+        return Presented::Foreign;
+    };
+    let Some((body, tag)) = raw.len().checked_sub(TAG_BYTES).map(|at| raw.split_at(at)) else {
+        return Presented::Foreign;
+    };
+    let Some(issued) = layout(body) else {
+        return Presented::Foreign;
+    };
+    let tag: [u8; TAG_BYTES] = tag.try_into().expect("TAG_BYTES long");
+    // Compared in constant time: a forger learns nothing from how soon a
+    // guess is refused.
+    let want = hasher.tag(scope, body).to_le_bytes();
+    match subtle::ConstantTimeEq::ct_eq(&want[..], &tag[..]).into() {
+        true => Presented::Ours(issued),
+        false => Presented::NotForThisScope,
+    }
+}
+
+/// The fields of an id's body, when it is laid out as [`issue`] lays it.
+fn layout(body: &[u8]) -> Option<Issued> {
+    let (&version, rest) = body.split_first()?;
+    let (&len, rest) = rest.split_first()?;
+    if version != VERSION || rest.len() < len as usize + 24 {
+        return None;
+    }
+    let (backend, rest) = rest.split_at(len as usize);
+    let (key, rest) = rest.split_at(16);
+    let (hash, engine) = rest.split_at(8);
+    Some(Issued {
+        backend: std::str::from_utf8(backend).ok()?.to_string(),
+        key: BindingKey::from_le_bytes(key.try_into().ok()?),
+        hash: u64::from_le_bytes(hash.try_into().ok()?),
+        engine: std::str::from_utf8(engine)
+            .ok()
+            .filter(|e| !e.is_empty())?
+            .to_string(),
+    })
+}
+
+const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+
+/// URL-safe base64 without padding (RFC 4648 §5): ids travel in JSON and
+/// in paths.
+fn base64url(bytes: &[u8], out: &mut String) {
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | (b as u32) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+        }
+    }
+}
+
+fn unbase64url(text: &str) -> Option<Vec<u8>> {
+    let value = |c: u8| ALPHABET.iter().position(|&a| a == c).map(|v| v as u32);
+    let text = text.as_bytes();
+    if text.len() % 4 == 1 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    for chunk in text.chunks(4) {
+        let mut n = 0u32;
+        for (i, &c) in chunk.iter().enumerate() {
+            n |= value(c)? << (18 - 6 * i);
+        }
+        let bytes = chunk.len() - 1;
+        // One spelling per id: the bits past the last byte are zero.
+        if n & (0xff_ffff >> (8 * bytes)) != 0 {
+            return None;
+        }
+        for i in 0..bytes {
+            out.push((n >> (16 - 8 * i)) as u8);
+        }
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn issued() -> Issued {
+        Issued {
+            backend: "vllm-2".into(),
+            key: 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210,
+            hash: 42,
+            engine: "resp_0a1b2c3d4e5f60718293a4b5c6d7e8f9".into(),
+        }
+    }
+
+    #[test]
+    fn an_issued_id_leads_back_to_its_holder_in_its_own_scope_only() {
+        let h = HrwHasher::new("fleet-key");
+        let id = issue(&h, "default\u{0}kacme", &issued());
+        assert!(id.starts_with("resp_"), "{id}");
+        assert!(id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-'));
+        assert_eq!(
+            read(&h, "default\u{0}kacme", &id),
+            Presented::Ours(issued())
+        );
+        // Another tenant, another tier, another fleet: not theirs.
+        assert_eq!(
+            read(&h, "default\u{0}kglobex", &id),
+            Presented::NotForThisScope
+        );
+        assert_eq!(read(&h, "batch\u{0}kacme", &id), Presented::NotForThisScope);
+        let other = HrwHasher::new("another-fleet");
+        assert_eq!(
+            read(&other, "default\u{0}kacme", &id),
+            Presented::NotForThisScope
+        );
+    }
+
+    #[test]
+    fn a_changed_id_is_refused_and_an_engines_own_id_is_foreign() {
+        let h = HrwHasher::new("fleet-key");
+        let id = issue(&h, "t", &issued());
+        // Every single-character change of the id's body is caught.
+        for at in PREFIX.len()..id.len() {
+            let mut forged = id.clone().into_bytes();
+            forged[at] = if forged[at] == b'A' { b'B' } else { b'A' };
+            let forged = String::from_utf8(forged).unwrap();
+            assert_ne!(
+                read(&h, "t", &forged),
+                Presented::Ours(issued()),
+                "changed at {at}"
+            );
+        }
+        // vLLM's and SGLang's own ids, and garbage, are no ids of ours.
+        for foreign in [
+            "resp_0a1b2c3d4e5f60718293a4b5c6d7e8f9",
+            "resp_67ccd2bed1ec8190b14f964abc0542670bb6a6b452",
+            "resp_",
+            "msg_1",
+            "resp_!!!",
+        ] {
+            assert_eq!(read(&h, "t", foreign), Presented::Foreign, "{foreign}");
+        }
+    }
+
+    #[test]
+    fn base64url_round_trips_every_length() {
+        for n in 0..40u8 {
+            let bytes: Vec<u8> = (0..n).map(|i| i.wrapping_mul(37).wrapping_add(n)).collect();
+            let mut text = String::new();
+            base64url(&bytes, &mut text);
+            assert_eq!(text.len(), (bytes.len() * 4).div_ceil(3));
+            assert_eq!(unbase64url(&text), Some(bytes));
+        }
+    }
+}
