@@ -8,73 +8,6 @@ mod common;
 
 use common::*;
 use std::collections::{HashMap, HashSet};
-use std::process::{Child, Command, Stdio};
-
-/// A `redis-server` this test owns (no persistence), killed by PID on drop.
-struct Redis {
-    port: u16,
-    child: Option<Child>,
-}
-
-impl Redis {
-    fn start_on(port: u16) -> Redis {
-        let mut r = Redis::spawn(&["--port", &port.to_string()]);
-        r.port = port;
-        r.wait_for(|| std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
-        r
-    }
-
-    /// A server listening where `listen` (redis-server options) says.
-    fn spawn(listen: &[&str]) -> Redis {
-        let child = Command::new("redis-server")
-            .args(listen)
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed (scripts/setup.sh installs it)");
-        Redis {
-            port: 0,
-            child: Some(child),
-        }
-    }
-
-    fn wait_for(&self, ready: impl Fn() -> bool) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while !ready() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "redis-server did not start"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-impl Redis {
-    /// What `redis-cli` prints for `args` against this server.
-    fn cli(&self, args: &[&str]) -> String {
-        let out = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .expect("redis-cli (installed with redis-server)");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    }
-}
 
 /// The store's key of session `id` in the default tier (the test fleet's
 /// hash key and the default key prefix).
@@ -1002,12 +935,6 @@ async fn a_subscription_that_goes_silent_is_made_again_and_the_gateway_catches_u
         turn(&a, 3).await == moved
     })
     .await;
-}
-
-impl Redis {
-    fn pid(&self) -> u32 {
-        self.child.as_ref().map(|c| c.id()).expect("running")
-    }
 }
 
 /// A gateway of the fault schedule: soft mode, revalidating every 300 ms,

@@ -37,7 +37,7 @@ pub struct SessionId {
     pub source: Source,
 }
 
-fn check_value(bytes: &[u8]) -> Result<&str, &'static str> {
+pub fn check_value(bytes: &[u8]) -> Result<&str, &'static str> {
     if bytes.len() > MAX_SESSION_ID_BYTES {
         return Err("is longer than 256 bytes");
     }

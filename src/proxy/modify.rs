@@ -41,6 +41,17 @@ pub(super) fn upstream_request(
     if let Some(id) = &ctx.record.request_id {
         upstream_request.insert_header(headers::REQUEST_ID, id.clone())?;
     }
+    if let Some(path) = ctx.route.as_ref().and_then(|r| r.request().upstream_path()) {
+        // A stored response, asked for by the engine's own id.
+        let uri = http::Uri::try_from(path).map_err(|e| {
+            pingora_core::Error::because(
+                pingora_core::ErrorType::InvalidHTTPHeader,
+                "upstream path",
+                e,
+            )
+        })?;
+        upstream_request.set_uri(uri);
+    }
     if let Some(span) = &ctx.record.span {
         // The engine's spans nest under the gateway's.
         upstream_request.insert_header("traceparent", span.traceparent())?;

@@ -71,7 +71,7 @@ async fn read(
     let mut intake = Intake::read(
         Arc::clone(&routing),
         &headers,
-        req.uri.path(),
+        &req.uri,
         session.is_upgrade_req(),
     )?;
     identify(gw, cfg, &req.headers, ctx)?;
@@ -84,6 +84,7 @@ async fn read(
     }
     ctx.body.declared = declared;
     intake.tier(&headers)?;
+    intake.read_path(gw).await;
     let has_body = method_has_body(req) && declared != Some(0);
     let need = intake.body_need(gw, has_body, declared);
     let max_output = read_body(gw, cfg, session, ctx, &mut intake, need).await?;

@@ -36,6 +36,10 @@ pub struct Intake {
     prompt_path: bool,
     /// A Responses request (`/responses`).
     responses_api: bool,
+    /// A request for one stored response (`/responses/{id}`, and its
+    /// `/input_items` or `/cancel`): its id, and its path and query with the
+    /// id cut out (before, after).
+    response_path: Option<(String, String, String)>,
     upgrade: bool,
     /// What its body said, once read for routing.
     prompt: Option<Box<PromptRoute>>,
@@ -43,6 +47,8 @@ pub struct Intake {
     responses_scope: Option<String>,
     /// The prompt is worth reading (`affinity.prefix`): set by `body_need`.
     read_prompt: bool,
+    /// The path and query the backend is asked for, when not the client's.
+    upstream_path: Option<String>,
 }
 
 /// Whether routing reads the body before choosing a backend.
@@ -68,6 +74,19 @@ pub struct BodyFacts {
     /// The body as the backend is to get it: a stored response it follows
     /// named by the engine's own id.
     pub rewritten: Option<Vec<u8>>,
+}
+
+/// The stored response a path names (`…/responses/{id}`, `…/{id}/input_items`),
+/// and its path and query before and after the id.
+fn response_path(uri: &http::Uri) -> Option<(String, String, String)> {
+    const SEGMENT: &str = "/responses/";
+    let pq = uri.path_and_query()?.as_str();
+    let path = uri.path();
+    let at = path.find(SEGMENT)? + SEGMENT.len();
+    let end = path[at..].find('/').map_or(path.len(), |e| at + e);
+    let id = &path[at..end];
+    (!id.is_empty() && session::check_value(id.as_bytes()).is_ok())
+        .then(|| (id.to_string(), pq[..at].to_string(), pq[end..].to_string()))
 }
 
 /// `body` with `value` (a slice of it: a member's raw value) replaced by
@@ -196,9 +215,10 @@ impl Intake {
     pub fn read(
         routing: Arc<Routing>,
         headers: &RequestHeaders<'_>,
-        path: &str,
+        uri: &http::Uri,
         upgrade: bool,
     ) -> Result<Intake, GatewayError> {
+        let path = uri.path();
         let cfg = &routing.config;
         let session = session_header(headers, &cfg.affinity.session_headers)?;
         let parent = session_header(headers, &cfg.affinity.parent_session_headers)?;
@@ -218,6 +238,7 @@ impl Intake {
         Ok(Intake {
             prompt_path: prompt_path(path),
             responses_api: path.ends_with("/responses"),
+            response_path: response_path(uri),
             upgrade,
             routing,
             tier: None,
@@ -232,6 +253,7 @@ impl Intake {
             stored: None,
             responses_scope: None,
             read_prompt: false,
+            upstream_path: None,
         })
     }
 
@@ -280,6 +302,24 @@ impl Intake {
             .map(|s| (Arc::clone(t), s))
         });
         Ok(())
+    }
+
+    /// A request for one stored response (`GET /v1/responses/{id}`, its
+    /// `input_items`, `DELETE`, `cancel`) goes where the response is kept,
+    /// asking the engine by its own id, as a follow-up naming it does.
+    pub async fn read_path(&mut self, gw: &Gateway) {
+        let Some((id, before, after)) = self.response_path.take() else {
+            return;
+        };
+        let routing = Arc::clone(&self.routing);
+        let tier = Arc::clone(self.tier.as_ref().unwrap_or_else(|| routing.default_tier()));
+        let scope = scope_of(&tier.name, &self.tenant_scope).into_owned();
+        let stored = stored::presented(gw, &routing, &tier, &scope, id).await;
+        if let Some(engine) = stored.as_ref().and_then(|s| s.engine.as_deref()) {
+            self.upstream_path = Some(format!("{before}{engine}{after}"));
+        }
+        self.stored = stored.map(Box::new);
+        self.responses_scope = Some(scope);
     }
 
     /// Whether routing reads the body (`has_body`: the method carries one
@@ -413,6 +453,7 @@ impl Intake {
             target: self.target,
             final_turn: self.final_turn,
             prompt_tokens,
+            upstream_path: self.upstream_path,
             routing,
         };
         // A follow-up of a stored response without a key of its own: the

@@ -49,6 +49,9 @@ pub struct RouteRequest {
     pub(super) target: Option<String>,
     /// Its binding closes once it ends (`affinity.session_final_headers`).
     pub(super) final_turn: bool,
+    /// The path and query the backend is asked for, when not the client's
+    /// (a stored response the gateway named, asked for by the engine's id).
+    pub(super) upstream_path: Option<String>,
     /// Its prompt's tokens: the prompt's own estimate when it was read,
     /// else from its body's size (read, or declared; 0 when neither is
     /// known). The first is in the units of what the prefix index says
@@ -86,6 +89,11 @@ impl RouteRequest {
     /// Its answer may carry a response id to keep (a Responses request).
     pub fn keeps_responses(&self) -> bool {
         self.responses_scope.is_some()
+    }
+
+    /// The path and query to ask the backend for, when not the client's.
+    pub fn upstream_path(&self) -> Option<&str> {
+        self.upstream_path.as_deref()
     }
 
     /// It is routed by a binding (a session, a group, a conversation).

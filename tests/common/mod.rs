@@ -753,3 +753,75 @@ pub async fn fleet_with_keys(
     .await;
     (dir, sims, gw)
 }
+
+/// A `redis-server` this test owns (no persistence), killed by PID on drop.
+pub struct Redis {
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl Redis {
+    pub fn start_on(port: u16) -> Redis {
+        let mut r = Redis::spawn(&["--port", &port.to_string()]);
+        r.port = port;
+        r.wait_for(|| std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+        r
+    }
+
+    /// A server listening where `listen` (redis-server options) says.
+    pub fn spawn(listen: &[&str]) -> Redis {
+        let child = Command::new("redis-server")
+            .args(listen)
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (scripts/setup.sh installs it)");
+        Redis {
+            port: 0,
+            child: Some(child),
+        }
+    }
+
+    pub fn wait_for(&self, ready: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while !ready() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server did not start"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Redis {
+    /// What `redis-cli` prints for `args` against this server.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli (installed with redis-server)");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+}
+
+impl Redis {
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).expect("running")
+    }
+}

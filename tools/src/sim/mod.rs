@@ -564,6 +564,28 @@ impl Sim {
                     .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
                 resp
             }
+            ("GET", path) if path.starts_with("/v1/responses/") => {
+                // A stored response, retrieved (as vLLM's store answers it).
+                let id = &path["/v1/responses/".len()..];
+                let resp = match self.stored.lock().get(id) {
+                    Some(t) => json_response(
+                        StatusCode::OK,
+                        &json!({"id": id, "object": "response", "status": "completed",
+                                "output": [{"type": "message", "role": "assistant",
+                                            "content": [{"type": "output_text",
+                                                         "text": t.last().map_or("", |(_, text)| text.as_str())}]}]}),
+                    ),
+                    None => json_response(
+                        StatusCode::NOT_FOUND,
+                        &json!({"error": {"message": format!("Response with id '{id}' not found."),
+                                          "type": "invalid_request_error", "param": Value::Null, "code": 404}}),
+                    ),
+                };
+                let mut resp = resp;
+                resp.headers_mut()
+                    .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
+                resp
+            }
             _ => json_response(StatusCode::NOT_FOUND, &json!({"error": "not found"})),
         }
     }
