@@ -571,6 +571,61 @@ async fn a_conversation_without_a_session_id_stays_on_one_backend_across_three_g
     assert_eq!(used.len(), 3, "spread over the fleet");
 }
 
+/// Two gateways whose first placements disagree (round robin at different
+/// points), 20 conversations x 10 turns, each turn through the other
+/// gateway than the turn before: without a session id, as with one, each
+/// conversation stays on one backend, its later turns hits; and so after
+/// the store loses everything halfway through (a flush).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_alternating_between_two_gateways_never_split_keyless_or_keyed() {
+    let redis = Redis::start_on(free_port());
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gws = fleet_of_gateways(&sims, redis.port, 2).await;
+    for gw in &gws {
+        store_connected(gw).await;
+    }
+    let c = client();
+    // Gateway 1's round robin one ahead of gateway 0's.
+    chat(&c, &gws[1], &[], &conversation(9_999, 0)).await;
+    for keyed in [false, true] {
+        let mut seen: HashMap<String, Vec<String>> = HashMap::new();
+        let mut misses = Vec::new();
+        for turn in 0..10 {
+            if turn == 5 {
+                redis.cli(&["FLUSHALL"]);
+            }
+            for conv in 0..20 {
+                let gw = &gws[(conv + turn) % 2];
+                let id = format!("keyed-{conv}");
+                let headers: &[(&str, &str)] = match keyed {
+                    true => &[("x-session-id", id.as_str())],
+                    false => &[],
+                };
+                let r = chat(
+                    &c,
+                    gw,
+                    headers,
+                    &conversation(conv + 100 * keyed as usize, turn),
+                )
+                .await;
+                assert_eq!(r.status, 200);
+                if turn > 0 && r.hit.as_deref() != Some("true") {
+                    misses.push(format!("{conv}.{turn}: {}", r.json()["x_agent_serve"]));
+                }
+                seen.entry(format!("conversation {conv}"))
+                    .or_default()
+                    .push(r.backend.unwrap());
+            }
+        }
+        assert!(split(&seen).is_empty(), "keyed {keyed}: {:?}", split(&seen));
+        assert!(misses.is_empty(), "keyed {keyed}: {misses:?}");
+        let used: HashSet<&String> = seen.values().flatten().collect();
+        assert!(used.len() > 1, "spread over the fleet");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_api_shows_and_deletes_a_fleet_binding_without_taking_it_in() {
     let redis = Redis::start_on(free_port());

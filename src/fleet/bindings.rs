@@ -57,7 +57,7 @@ fn as_stored(affinity: &dyn LocalBindings, local: &Binding, backend: String) -> 
 /// Take the store's binding `s` for `key` in (its backend is `slot` here),
 /// as the store said it at `checked_ms`: it wins over a local binding as new
 /// as it (the store decided a race), and keeps the moves it made elsewhere.
-fn adopt_stored(
+pub(super) fn adopt_stored(
     affinity: &dyn LocalBindings,
     key: BindingKey,
     s: &Stored,

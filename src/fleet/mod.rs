@@ -5,10 +5,13 @@
 //!   subscription to other gateways' messages;
 //! - [`bindings`]: the fleet's bindings, kept in step with each gateway's
 //!   table (the router's `BindingStore`);
+//! - [`conversations`]: where keyless conversations' turns ended, so that
+//!   any gateway continues a conversation another routed;
 //! - [`limits`]: tenants' per-minute limits as one bucket per tenant for the
 //!   whole fleet (admission's `FleetRates`).
 
 pub mod bindings;
+pub mod conversations;
 pub mod limits;
 pub mod store;
 

@@ -114,7 +114,7 @@ impl StoredMoves {
 /// (Backend ids have no spaces. A gateway built before the moves were kept
 /// reads a moved binding's backend as unknown and serves it from its own
 /// table until upgraded.)
-fn parse(v: &str) -> Option<Stored> {
+pub(super) fn parse(v: &str) -> Option<Stored> {
     let mut it = v.split(' ');
     let version = it.next()?.parse().ok()?;
     let backend = it.next().filter(|b| !b.is_empty())?.to_string();
@@ -370,7 +370,7 @@ impl SharedStore {
         &self.cfg
     }
 
-    fn key(&self, key: BindingKey) -> String {
+    pub(super) fn key(&self, key: BindingKey) -> String {
         format!("{}{key:032x}", self.cfg.key_prefix)
     }
 
@@ -512,7 +512,7 @@ impl SharedStore {
     }
 
     /// Run one operation within the deadline; count it and its failure.
-    async fn run<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, StoreError>
+    pub(super) async fn run<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, StoreError>
     where
         F: FnOnce(redis::aio::ConnectionManager) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,

@@ -410,12 +410,27 @@ impl Intake {
                     &probe,
                 )
                 .map(Box::new);
+            self.continue_fleets(gw, &routed_in).await;
         }
         BodyFacts {
             max_output: probe.max_output_tokens(),
             asks_stream: Some(probe.is_stream()),
             model,
             rewritten,
+        }
+    }
+
+    /// A keyless conversation new here may be one another gateway of the
+    /// fleet routed: asked of the store once (with its binding).
+    async fn continue_fleets(&mut self, gw: &Gateway, tier: &Tier) {
+        let (Some(prompt), Some(store)) = (self.prompt.as_mut(), gw.store.as_ref()) else {
+            return;
+        };
+        let Some(ends) = prompt.fleet_lookups() else {
+            return;
+        };
+        if let Some(f) = crate::fleet::conversations::find(store, ends, tier, &*gw.affinity).await {
+            prompt.continue_fleets(&gw.prefix, f.id, f.slot, f.bound);
         }
     }
 

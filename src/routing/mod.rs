@@ -292,6 +292,18 @@ impl Route {
         };
         let bound = decision.lease.is_some();
         let held = prompt.routed(&gw.prefix, decision.backend.slot, bound);
+        // A fleet's other gateways find the conversation by this turn's end.
+        if let (Some(store), Some((exact, id, continued))) = (&gw.store, prompt.fleet_end()) {
+            let ttl = gw.affinity.ttl().map_or(0, |t| t.as_millis() as u64);
+            crate::fleet::conversations::file(
+                store,
+                exact,
+                id,
+                &decision.backend.id,
+                continued,
+                ttl,
+            );
+        }
         let tier = &self.req.tier;
         match prompt.matched() {
             true => tier.metrics.prefix_matched.inc(),

@@ -78,7 +78,22 @@ pub struct Conversation {
     /// Its end, filed at once (another prompt meeting it while this one is
     /// still on its way knows of it); placed once the request is routed.
     end: Handle,
+    /// Where it ends exactly (a prompt with messages: the key of its last
+    /// message's end), and the exact key of the end it continued: what a
+    /// fleet's store files it under, and forgets.
+    pub exact: Option<u64>,
+    pub continued_key: Option<u64>,
+    /// A prompt with messages that continues nothing seen here: the exact
+    /// keys of its earlier message ends, the latest first, at most
+    /// [`FLEET_LOOKUPS`] — where another gateway of a fleet may have filed
+    /// the turn it continues.
+    pub earlier: [u64; FLEET_LOOKUPS],
+    pub n_earlier: u8,
 }
+
+/// Earlier message ends of a prompt looked up in a fleet's store at most:
+/// a turn's previous turn ended a message or a few tool calls back.
+pub const FLEET_LOOKUPS: usize = 8;
 
 /// An end, as [`Conversations::place`] finds it again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -332,6 +347,24 @@ impl<'a> Reading<'a> {
         None
     }
 
+    /// The exact keys of its earlier message ends, the latest first (see
+    /// [`Conversation::earlier`]).
+    fn earlier_ends(&self, c: &mut Conversation) {
+        if !self.messages {
+            return;
+        }
+        let ends = &self.canon.message_ends;
+        for &at in ends[..ends.len().saturating_sub(1)].iter().rev() {
+            if c.n_earlier as usize == FLEET_LOOKUPS {
+                break;
+            }
+            if let Some(key) = exact_key(self.p, self.canon, self.block, at) {
+                c.earlier[c.n_earlier as usize] = key;
+                c.n_earlier += 1;
+            }
+        }
+    }
+
     /// A new conversation's name, from its prompt: gateways that see the
     /// same first turn name it alike. The same prompt again is another
     /// conversation (a sampled rollout, a retry): `duplicates` makes
@@ -553,7 +586,7 @@ impl Conversations {
                 inner.share(m.end, m.agreement, block);
             }
         }
-        let (id, continues) = match found {
+        let (id, continues, continued_key) = match found {
             Some(end) => {
                 let e = inner.ends[end as usize];
                 shared = shared.max(e.shared);
@@ -562,18 +595,45 @@ impl Conversations {
                     slot: e.slot,
                     bound: e.bound,
                 });
-                (e.conversation, continued)
+                let key = e.links[..e.n_links as usize]
+                    .iter()
+                    .find(|l| l.depth == EXACT)
+                    .map(|l| l.marker);
+                (e.conversation, continued, key.filter(|_| e.messages))
             }
-            None => (r.name(walk.duplicates), None),
+            None => (r.name(walk.duplicates), None, None),
         };
         let end = self.file(&mut inner, r.own_end(id, shared, now_ms));
+        drop(inner);
         let forked_at = found.is_none().then_some(walk.forked).flatten();
-        Conversation {
+        let mut c = Conversation {
             id,
             continues,
             forked_at,
             end,
+            exact: r.exact.filter(|_| r.messages),
+            continued_key,
+            earlier: [0; FLEET_LOOKUPS],
+            n_earlier: 0,
+        };
+        if found.is_none() && forked_at.is_none() {
+            r.earlier_ends(&mut c);
         }
+        c
+    }
+
+    /// `c`, a new conversation here, continues conversation `id` of a
+    /// fleet's other gateway, whose last turn went to `slot` (`bound`: and
+    /// is bound there): its end names that conversation from now on.
+    pub fn continue_fleets(&self, c: &mut Conversation, id: u128, slot: u32, bound: bool) {
+        let mut inner = self.inner.lock();
+        let Handle { index, gen } = c.end;
+        if inner.is(index, gen) {
+            inner.ends[index as usize].conversation = id;
+        }
+        c.id = id;
+        c.continues = Some(Continued { slot, bound });
+        c.forked_at = None;
     }
 
     /// The request of conversation `c` was routed to `slot`: bound (a

@@ -239,6 +239,29 @@ impl PromptRoute {
             .block_tokens(here.blocks as usize, prefix.block_bytes)
     }
 
+    /// A new conversation here that a fleet's other gateway may have seen:
+    /// the keys its earlier turns were filed under, the latest first.
+    pub fn fleet_lookups(&self) -> Option<&[u64]> {
+        let c = self.conversation.as_ref()?;
+        (c.n_earlier > 0).then(|| &c.earlier[..c.n_earlier as usize])
+    }
+
+    /// It continues conversation `id`, which a fleet's other gateway routed
+    /// last to `slot` (`bound`: and bound there).
+    pub fn continue_fleets(&mut self, prefix: &Prefix, id: u128, slot: u32, bound: bool) {
+        if let Some(c) = self.conversation.as_mut() {
+            prefix.conversations.continue_fleets(c, id, slot, bound);
+        }
+    }
+
+    /// What a fleet's store files of its conversation once it is routed:
+    /// where it ends exactly, its name, and the end it continued (which
+    /// the store forgets).
+    pub fn fleet_end(&self) -> Option<(u64, u128, Option<u64>)> {
+        let c = self.conversation.as_ref()?;
+        Some((c.exact?, c.id, c.continued_key))
+    }
+
     /// Tokens of the prompt the index said its backend held, once routed.
     pub fn prefix_tokens(&self) -> Option<u64> {
         let (_, held) = self.routed?;
