@@ -14,11 +14,16 @@
 #
 #   scripts/bench-fleet.sh [sessions=200] [turns=6] [concurrency=32]
 #   BIN=target/debug/agent-gateway scripts/bench-fleet.sh   # skip the release build
+#   GATEWAYS=3 scripts/bench-fleet.sh 64 8 16                # the fleet's size (default 4)
+#   KEYLESS=1 scripts/bench-fleet.sh 64 8 16                 # clients send no session id
 #
 # Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SESSIONS="${1:-200}"
+GATEWAYS="${GATEWAYS:-4}"
+CLIENT_FLAGS=()
+[ "${KEYLESS:-0}" = 1 ] && CLIENT_FLAGS+=(--keyless)
 TURNS="${2:-6}"
 CONC="${3:-32}"
 if [ -z "${BIN:-}" ]; then
@@ -119,7 +124,7 @@ run() {  # label, store kind, number of gateways
   local label=$1 kind=$2 n=$3
   start_fleet "$label" "$kind" "$n"
   "$BIN" bench --url "$URLS" --sessions "$SESSIONS" --turns "$TURNS" -c "$CONC" \
-    --context-bytes 8000 --label "$label ($n gateway$([ "$n" = 1 ] || echo s), store $kind)" | grep -F "| $label ("
+    --context-bytes 8000 "${CLIENT_FLAGS[@]}" --label "$label ($n gateway$([ "$n" = 1 ] || echo s), store $kind)" | grep -F "| $label ("
   local lat_sum lat_n
   lat_sum=$(metric_sum agentserve_store_latency_seconds_sum "${MPORTS[@]}")
   lat_n=$(metric_sum agentserve_store_latency_seconds_count "${MPORTS[@]}")
@@ -127,13 +132,13 @@ run() {  # label, store kind, number of gateways
   stop_fleet
 }
 
-echo "fleet bench: $SESSIONS sessions × $TURNS turns, concurrency $CONC, 3 replicas, turns round-robin over the gateways"
+echo "fleet bench: $SESSIONS sessions × $TURNS turns, concurrency $CONC, 3 replicas, turns round-robin over the gateways${CLIENT_FLAGS[*]:+, clients send no session id}"
 echo
 echo "| run | requests | errors | affinity hit | same backend as last turn | prefix-cache hit | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | req/s | balance |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
 run one local 1
-run local local 4
-run redis redis 4
+run local local "$GATEWAYS"
+run redis redis "$GATEWAYS"
 
 # Latency probe: what asking Redis adds to a request. Replicas without
 # compute time, one request at a time, so the E2E latency is the gateway's
@@ -147,10 +152,10 @@ echo "latency probe: $PROBE_SESSIONS sessions × 4 turns, one at a time, replica
 echo
 echo "| run | hits p50 | hits p99 | misses p50 | misses p99 | store ops / request |"
 echo "|---|---:|---:|---:|---:|---:|"
-for spec in "one local 1" "redis redis 4"; do
+for spec in "one local 1" "redis redis $GATEWAYS"; do
   set -- $spec
   start_fleet "probe-$1" "$2" "$3"
-  "$BIN" bench --url "$URLS" --sessions "$PROBE_SESSIONS" --turns 4 -c 1 --context-bytes 2000 \
+  "$BIN" bench --url "$URLS" --sessions "$PROBE_SESSIONS" --turns 4 -c 1 --context-bytes 2000 "${CLIENT_FLAGS[@]}" \
     --label "$1" --json > "$WORK/probe.json"
   python3 - "$WORK/probe.json" "$1 ($3 gateway$([ "$3" = 1 ] || echo s), store $2)" "$(per_request agentserve_store_ops_total)" <<'PY'
 import json, sys

@@ -301,6 +301,7 @@ impl Affinity {
             .acquire(session.key, tier, now, join_pending, |current| {
                 review.decide(current)
             });
+        let created = matches!(acquired, Acquired::Bound { previous: None, .. });
         let (backend, affinity_hit, reason, version, lease) = match acquired {
             Acquired::Kept {
                 backend,
@@ -348,6 +349,7 @@ impl Affinity {
             moved: review.moved,
             new_tokens: review.new_tokens.filter(|_| affinity_hit),
             lease,
+            created,
         }))
     }
 
@@ -399,6 +401,7 @@ impl Affinity {
             moved: None,
             new_tokens: None,
             lease: None,
+            created: false,
         })
     }
 

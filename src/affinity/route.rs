@@ -160,6 +160,10 @@ pub struct Selection {
     pub new_tokens: Option<u64>,
     /// Held while the request is in flight; dropping it ends the lease.
     pub lease: Option<Lease>,
+    /// The binding was made for this request (a new one, whatever its
+    /// reason: a keyless conversation's second turn continuing where its
+    /// first went is a hit, and its binding new all the same).
+    pub created: bool,
 }
 
 /// What [`Affinity::select_backend`] decided.

@@ -206,6 +206,7 @@ async fn publish(
         return None;
     }
     let first = match sel.reason {
+        _ if sel.created => true,
         r if r.new_binding() => true,
         Reason::Broken | Reason::Moved => false,
         _ => return None,
