@@ -262,7 +262,7 @@ impl AdminApp {
                 (None, Some(s)) => s.backend.clone(),
                 (None, None) => String::new(),
             };
-            affinity.forget(key);
+            affinity.forget_everywhere(key);
             return reply(
                 200,
                 json!({"session": id, "tier": &*tier.name, "deleted": true, "backend": backend}),

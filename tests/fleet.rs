@@ -842,6 +842,55 @@ async fn a_malformed_body_leaves_no_binding_in_the_store_either() {
     .await;
 }
 
+/// A session the fleet has bound (at version 2, by a gateway this one has
+/// not heard from), then its first request here with a malformed body:
+/// the new binding made here met the fleet's (a redirect), so bad input
+/// deletes nothing of the fleet's, and the session's next turn goes where
+/// the fleet bound it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_after_a_fleet_redirect_deletes_nothing_of_the_fleets() {
+    use std::io::{Read, Write};
+    let redis = Redis::start_on(free_port());
+    let sims: Vec<SimBackend> = (0..2)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let gws = fleet_of_gateways(&sims, redis.port, 1).await;
+    store_connected(&gws[0]).await;
+    let stored_key = stored_key("kept");
+    redis.cli(&["SET", &stored_key, "2 vllm-1", "PX", "600000"]);
+    let port = gws[0].port;
+    let got = tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-session-id: kept\r\n\
+              content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n\
+              5\r\n{\"mod\r\nzz-not-hex\r\nxxxx\r\n",
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).to_string()
+    })
+    .await
+    .unwrap();
+    assert!(got.contains("invalid_body"), "{got:?}");
+    // A delete would have landed by now (it is sent as the answer is).
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(
+        redis.cli(&["GET", &stored_key]),
+        "2 vllm-1",
+        "the fleet's binding stays"
+    );
+    let next = chat(
+        &client(),
+        &gws[0],
+        &[("x-session-id", "kept")],
+        &chat_body("m", 1),
+    )
+    .await;
+    assert_eq!(next.backend.as_deref(), Some("vllm-1"));
+}
+
 /// A TCP relay to a Redis server that can freeze the connections that
 /// subscribed: they stay open, and nothing more reaches the subscriber (a
 /// half-open connection: a NAT that forgot it, a peer that vanished).

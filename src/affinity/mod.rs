@@ -480,14 +480,27 @@ impl Affinity {
                 sel.index = i;
                 sel.backend = slot;
             }
+            // The fleet's binding, another gateway's: not this request's.
+            sel.created = false;
         }
         Ok(sel)
     }
 
-    /// Forget a session's binding here and in the store (admin delete,
-    /// `x-dynamo-session-final`).
+    /// Forget a session's binding here, and in the store as far as it is
+    /// this one (a `x-dynamo-session-final` turn, bad input's new binding):
+    /// a newer binding another gateway made there stays.
     pub fn forget(&self, key: BindingKey) -> bool {
-        self.store().forget(key);
+        let version = self.binding(key).map(|b| b.version);
+        if let Some(v) = version {
+            self.store().forget(key, Some(v));
+        }
+        self.forget_here(key)
+    }
+
+    /// Forget a session's binding here and in the store, whatever its
+    /// version (the operator's delete).
+    pub fn forget_everywhere(&self, key: BindingKey) -> bool {
+        self.store().forget(key, None);
         self.forget_here(key)
     }
 

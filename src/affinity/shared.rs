@@ -61,9 +61,9 @@ pub trait BindingStore: Send + Sync {
         tier: &dyn TierBackends,
         sel: &Selection,
     ) -> Option<u32>;
-    /// The binding was dropped here (admin delete, a session's final turn):
-    /// drop it everywhere.
-    fn forget(&self, key: BindingKey);
+    /// The binding was dropped here: drop it everywhere, unless the store
+    /// holds a newer one than `version` (`None`: whatever it holds).
+    fn forget(&self, key: BindingKey, version: Option<u32>);
 }
 
 /// One gateway alone: its table is the whole truth.
@@ -81,5 +81,5 @@ impl BindingStore for Alone {
     ) -> Option<u32> {
         None
     }
-    fn forget(&self, _: BindingKey) {}
+    fn forget(&self, _: BindingKey, _: Option<u32>) {}
 }

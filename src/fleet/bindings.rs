@@ -36,10 +36,10 @@ impl BindingStore for Fleet {
         publish(affinity, &self.store, key, tier, sel).await
     }
 
-    fn forget(&self, key: BindingKey) {
+    fn forget(&self, key: BindingKey, version: Option<u32>) {
         let store = Arc::clone(&self.store);
         tokio::spawn(async move {
-            let _ = store.delete(key).await;
+            let _ = store.delete(key, version).await;
         });
     }
 }

@@ -164,6 +164,18 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('PUBLISH', ARGV[4], ARGV[5] .. ' ' .. KEYS[1] .. ' ' .. ARGV[6] .. ' ' .. ARGV[1])
 return false";
 
+/// Versioned delete: removes KEYS[1] and publishes ARGV[3] on ARGV[2]
+/// unless the stored version is newer than ARGV[1]. Returns 1 when deleted.
+const DELETE: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local v = tonumber(string.match(cur, '^(%d+) '))
+  if v and v > tonumber(ARGV[1]) then return 0 end
+end
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+return 1";
+
 /// The store's epoch: ARGV[1] written if it has none. A store that comes
 /// back without it lost what it held (restarted empty, failed over to a
 /// replica that had not caught up): its gateways write their bindings back.
@@ -223,6 +235,7 @@ pub struct SharedStore {
     started: AtomicBool,
     create: redis::Script,
     rebind: redis::Script,
+    delete: redis::Script,
     limit: redis::Script,
     epoch: redis::Script,
     /// The store's epoch when this gateway last looked.
@@ -354,6 +367,7 @@ impl SharedStore {
             started: AtomicBool::new(false),
             create: redis::Script::new(CREATE),
             rebind: redis::Script::new(REBIND),
+            delete: redis::Script::new(DELETE),
             limit: redis::Script::new(LIMIT),
             epoch: redis::Script::new(EPOCH),
             known_epoch: Mutex::new(None),
@@ -658,25 +672,28 @@ impl SharedStore {
         Ok(cur.as_deref().and_then(parse))
     }
 
-    pub async fn delete(&self, key: BindingKey) -> Result<(), StoreError> {
+    /// Delete `key`'s binding and tell every gateway, unless the store
+    /// holds a newer one than `version` (`None`: whatever it holds), as
+    /// writes are versioned.
+    pub async fn delete(&self, key: BindingKey, version: Option<u32>) -> Result<(), StoreError> {
         let (k, ch, msg) = (
             self.key(key),
             self.channel(),
             format!("{} {} - 0 -", self.instance, self.key(key)),
         );
+        // No version: above any a binding has.
+        let version = version.map_or(u64::MAX, u64::from);
         self.run("delete", |mut c| async move {
-            redis::pipe()
-                .cmd("DEL")
-                .arg(&k)
-                .ignore()
-                .cmd("PUBLISH")
+            self.delete
+                .key(&k)
+                .arg(version)
                 .arg(&ch)
                 .arg(&msg)
-                .ignore()
-                .query_async::<()>(&mut c)
+                .invoke_async::<i64>(&mut c)
                 .await
         })
         .await
+        .map(|_| ())
     }
 
     /// Remember a binding made while the store was unreachable.

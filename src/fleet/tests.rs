@@ -67,7 +67,7 @@ async fn setup(
     };
     assert!(a.adopt(7, local, false, a.now_ms()));
     let s = store(test).await;
-    s.delete(7).await.unwrap();
+    s.delete(7, None).await.unwrap();
     if let Some(v) = in_store {
         assert_eq!(s.create(7, "default", &v, 600_000).await.unwrap(), None);
     }
@@ -144,4 +144,20 @@ async fn a_write_that_meets_a_newer_binding_takes_it() {
     assert_eq!(r.unwrap(), Some(2));
     assert_eq!(a.binding(7).map(|b| (b.backend, b.version)), Some((2, 4)));
     assert_eq!(s.peek(7).await.unwrap(), Some(stored(4, "b2")));
+}
+
+#[tokio::test]
+async fn a_delete_leaves_a_newer_binding_and_takes_its_own() {
+    let s = store("versioned-delete").await;
+    s.delete(9, None).await.unwrap();
+    assert_eq!(s.create(9, "default", &stored(3, "b1"), 600_000).await.unwrap(), None);
+    // A gateway forgetting its version 2 leaves the fleet's version 3.
+    s.delete(9, Some(2)).await.unwrap();
+    assert_eq!(s.peek(9).await.unwrap(), Some(stored(3, "b1")));
+    // Its own version goes; the operator's delete takes any.
+    s.delete(9, Some(3)).await.unwrap();
+    assert_eq!(s.peek(9).await.unwrap(), None);
+    assert_eq!(s.create(9, "default", &stored(5, "b2"), 600_000).await.unwrap(), None);
+    s.delete(9, None).await.unwrap();
+    assert_eq!(s.peek(9).await.unwrap(), None);
 }

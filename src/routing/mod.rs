@@ -49,6 +49,8 @@ pub struct Decision {
     /// Its prefill there in tokens, when routing knows it: its prompt less
     /// what the prefix index says is held, else a kept binding's estimate.
     pub prefill: Option<u64>,
+    /// The session's binding was made for this request.
+    created: bool,
 }
 
 /// A request's route: what it is, and where it went.
@@ -226,6 +228,7 @@ impl Route {
                 moved: None,
                 lease: None,
                 prefill: None,
+                created: false,
             })
         })
     }
@@ -278,6 +281,7 @@ impl Route {
             moved: sel.moved,
             lease: sel.lease,
             prefill: sel.new_tokens,
+            created: sel.created,
         })
     }
 
@@ -364,13 +368,13 @@ impl Route {
     }
 
     /// Bad input never leaves a binding behind: drop the one this request
-    /// made (a binding that existed before stays), here and in the fleet's
+    /// made (a binding that existed before stays, and so does the fleet's
+    /// that the store answered with instead), here and in the fleet's
     /// store, which it was written to when placed.
     pub fn forget_new_binding(&self, gw: &Gateway) {
-        if let (Some(session), Some(true)) = (
-            &self.req.key,
-            self.decision.as_ref().map(|d| d.reason.new_binding()),
-        ) {
+        if let (Some(session), Some(true)) =
+            (&self.req.key, self.decision.as_ref().map(|d| d.created))
+        {
             gw.affinity.forget(session.key);
         }
     }
@@ -427,6 +431,7 @@ fn targeted(tier: &Tier, candidates: &[Candidate], target: &str) -> Result<Decis
         moved: None,
         lease: None,
         prefill: None,
+        created: false,
     })
 }
 
