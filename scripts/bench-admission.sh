@@ -37,11 +37,15 @@ CONTEXT_BYTES="${CONTEXT_BYTES:-8000}"
 # learned-gated: and max_prefilling 1 configured; learned-budget: and prefill_queue_ms: 250 (at
 # most 250 ms of prefill sent to a backend and not answered, beyond one request);
 # learned-fast: learned, the gauges read every 250 ms;
-# on: max_in_flight 4; gated: and max_prefilling 1
+# on: max_in_flight 4; gated: and max_prefilling 1.
+# A mode ending in -x2 (learned-x2) runs two gateways of that mode in front of
+# the same engines, each client's requests round robin over them (as an L4
+# balancer spreads them), sharing bindings through a script-owned Redis, each
+# gateway learning the engines' limits alone.
 MODES="${MODES:-off learned on gated}"
 WORK=$(mktemp -d)
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; [ -n "${KEEP:-}" ] && cp -r "$WORK"/. "$KEEP"/; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -57,8 +61,9 @@ YAML
 
 SIM_PORTS=($(port) $(port) $(port))
 RUN_PIDS=()
-start() {  # admission on|off: fresh replicas and gateway; sets GW, MP
-  local on=$1 gp ap
+start() {  # mode: fresh replicas and gateway(s); sets GW (their URLs, comma-separated)
+  local on=$1 n=1 gp ap mp
+  case "$on" in *-x2) n=2; on=${on%-x2} ;; esac
   for p in "${RUN_PIDS[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
   RUN_PIDS=()
   for i in 0 1 2; do
@@ -66,7 +71,6 @@ start() {  # admission on|off: fresh replicas and gateway; sets GW, MP
       ${SIM_FLAGS---serial-prefill} --cache-blocks 4096 >/dev/null &
     RUN_PIDS+=($!); PIDS+=($!)
   done
-  gp=$(port); MP=$(port); ap=$(port)
   local section=""
   case "$on" in
     on) section="admission: { enabled: true, max_in_flight: 4, max_wait_ms: 60000 }
@@ -83,11 +87,24 @@ auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
     learned-budget) section="admission: { enabled: true, prefill_queue_ms: 250 }
 auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
   esac
-  cat > "$WORK/gw.yaml" <<YAML
+  for i in 0 1 2; do wait_port "${SIM_PORTS[$i]}"; done
+  local store=""
+  if [ "$n" -gt 1 ]; then
+    # A fleet shares its bindings (and tenants' limits) through Redis.
+    local rp; rp=$(port)
+    redis-server --port "$rp" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
+    RUN_PIDS+=($!); PIDS+=($!)
+    wait_port "$rp"
+    store=", store: { kind: redis, url: \"redis://127.0.0.1:$rp\" }"
+  fi
+  GW=""
+  for g in $(seq 1 "$n"); do
+    gp=$(port); mp=$(port); ap=$(port)
+    cat > "$WORK/gw$g.yaml" <<YAML
 server:
   listen: ["127.0.0.1:$gp"]
-  pid_file: "$WORK/gw.pid"
-  upgrade_sock: "$WORK/gw.sock"
+  pid_file: "$WORK/gw$g.pid"
+  upgrade_sock: "$WORK/gw$g.sock"
 tiers:
   default:
     default: true
@@ -95,17 +112,17 @@ tiers:
       - { id: vllm-0, addr: "127.0.0.1:${SIM_PORTS[0]}" }
       - { id: vllm-1, addr: "127.0.0.1:${SIM_PORTS[1]}" }
       - { id: vllm-2, addr: "127.0.0.1:${SIM_PORTS[2]}" }
-affinity: { hash_key: "admission-bench" }
+affinity: { hash_key: "admission-bench"$store }
 health: { interval_ms: 500 }
-metrics: { listen: "127.0.0.1:$MP" }
+metrics: { listen: "127.0.0.1:$mp" }
 admin: { listen: "127.0.0.1:$ap" }
 $section
 YAML
-  for i in 0 1 2; do wait_port "${SIM_PORTS[$i]}"; done
-  RUST_LOG=error "$BIN" run --config "$WORK/gw.yaml" >/dev/null 2>&1 &
-  RUN_PIDS+=($!); PIDS+=($!)
-  wait_port "$gp"
-  GW="http://127.0.0.1:$gp"
+    RUST_LOG=error "$BIN" run --config "$WORK/gw$g.yaml" >/dev/null 2>&1 &
+    RUN_PIDS+=($!); PIDS+=($!)
+    wait_port "$gp"
+    GW="${GW:+$GW,}http://127.0.0.1:$gp"
+  done
 }
 
 light() {  # label, key, extra header...: the light load's report (JSON) on stdout

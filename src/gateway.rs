@@ -95,6 +95,7 @@ pub struct Gateway {
 fn configure_admission(admission: &crate::admission::Admission, routing: &Routing) {
     use crate::admission::{Limit, Prefill};
     let adm = &routing.config.admission;
+    admission.set_fleet(routing.config.affinity.store.kind == crate::fleet::StoreKind::Redis);
     // None configured: one at a time where the answers show the engine's
     // prefills queue (a prefill budget counts work instead).
     let prefill = match adm.max_prefilling {

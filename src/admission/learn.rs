@@ -142,6 +142,8 @@ pub(super) struct Learned {
 pub(super) struct Here {
     pub(super) running: u32,
     pub(super) waiting: bool,
+    /// It is one gateway of a fleet (which shares the engines).
+    pub(super) fleet: bool,
 }
 
 impl Learned {
@@ -296,8 +298,19 @@ impl Learned {
         if self.source != LimitSource::Learned {
             return false;
         }
-        let running = running.min(u32::MAX as u64) as u32;
         if waiting > 0 && running > 0 {
+            // What the engine runs, of which this gateway's share: in a
+            // fleet, whose other gateways send to the engine too, what this
+            // one may run is its part of the batch, in proportion to what it
+            // has there, so that together they fill it and queue nothing
+            // inside it. (Alone, other clients' requests beside its own are
+            // not its to make room for: it keeps the engine's count.)
+            let holds = running + waiting;
+            let mine = match here.running as u64 {
+                r if here.fleet && r > 0 && r < holds => (running * r / holds).max(1),
+                _ => running,
+            };
+            let running = mine.min(u32::MAX as u64) as u32;
             // In slow start the gateway has just sent more than before and
             // is at its limit: one scrape is evidence enough, and each one
             // waited for leaves more requests queued inside the engine.
@@ -312,6 +325,7 @@ impl Learned {
             self.queued_at = running;
             return false;
         }
+        let running = running.min(u32::MAX as u64) as u32;
         self.queued_at = 0;
         if self.limit == 0 {
             (self.limit, self.slow_start, self.changed_ms) = (SLOW_START, true, now_ms);

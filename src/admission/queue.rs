@@ -184,6 +184,9 @@ pub struct Admission {
     /// The class each session's requests named last, by session key: what
     /// its subagents inherit when they name none.
     classes: Mutex<HashMap<u128, Class>>,
+    /// This gateway is one of a fleet, whose other gateways send to the
+    /// same engines: learned limits are its share of them.
+    fleet: std::sync::atomic::AtomicBool,
 }
 
 /// A running request's slot at its backend; dropping it frees the slot for
@@ -350,7 +353,15 @@ impl Admission {
             state: Mutex::new(State::default()),
             max_queued,
             classes: Mutex::new(HashMap::new()),
+            fleet: Default::default(),
         })
+    }
+
+    /// Whether this gateway is one of a fleet sharing the engines (learned
+    /// limits are then its share of each engine's batch).
+    pub fn set_fleet(&self, fleet: bool) {
+        self.fleet
+            .store(fleet, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// `session`'s requests named `class`: its subagents inherit it.
@@ -439,6 +450,7 @@ impl Admission {
         let here = Here {
             running: b.running,
             waiting: !b.waiting.is_empty(),
+            fleet: self.fleet.load(std::sync::atomic::Ordering::Relaxed),
         };
         if b.learned.limit_gauged(running, waiting, now_ms, here) {
             fill(&mut st, backend);
@@ -889,6 +901,27 @@ mod tests {
     fn limit_of(a: &Admission, backend: u32) -> (u32, LimitSource) {
         let s = a.snapshot()[backend as usize];
         (s.limit, s.source)
+    }
+
+    /// Two gateways in front of one engine that runs 8: each learns its
+    /// part of the batch, in proportion to what it has there, not the whole
+    /// batch each (which queued as much again inside the engine).
+    #[tokio::test]
+    async fn beside_another_gateway_a_learned_limit_is_its_share_of_the_batch() {
+        let a = Admission::new(100);
+        a.set_fleet(true);
+        a.set_limit(0, Limit::Learn, Prefill::None);
+        a.observe(0, 0, 0, 1_000);
+        let _running: Vec<Permit> = (0..SLOW_START)
+            .map(|_| now(a.admit(0, Class::Normal, t("t"), 1, 10)))
+            .collect();
+        // The engine runs 8 and queues 4: this gateway's 4, and the other's
+        // 8, of which 4 run. Twice in a row is evidence.
+        a.observe(0, 8, 4, 2_000);
+        a.observe(0, 8, 4, 3_000);
+        assert_eq!(limit_of(&a, 0).0, 8 * 4 / 12);
+        // (Alone, other clients' requests beside its own are not its to make
+        // room for: see `a_learned_limit_is_what_the_engine_runs_once_it_queues`.)
     }
 
     #[tokio::test]

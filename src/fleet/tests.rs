@@ -150,14 +150,24 @@ async fn a_write_that_meets_a_newer_binding_takes_it() {
 async fn a_delete_leaves_a_newer_binding_and_takes_its_own() {
     let s = store("versioned-delete").await;
     s.delete(9, None).await.unwrap();
-    assert_eq!(s.create(9, "default", &stored(3, "b1"), 600_000).await.unwrap(), None);
+    assert_eq!(
+        s.create(9, "default", &stored(3, "b1"), 600_000)
+            .await
+            .unwrap(),
+        None
+    );
     // A gateway forgetting its version 2 leaves the fleet's version 3.
     s.delete(9, Some(2)).await.unwrap();
     assert_eq!(s.peek(9).await.unwrap(), Some(stored(3, "b1")));
     // Its own version goes; the operator's delete takes any.
     s.delete(9, Some(3)).await.unwrap();
     assert_eq!(s.peek(9).await.unwrap(), None);
-    assert_eq!(s.create(9, "default", &stored(5, "b2"), 600_000).await.unwrap(), None);
+    assert_eq!(
+        s.create(9, "default", &stored(5, "b2"), 600_000)
+            .await
+            .unwrap(),
+        None
+    );
     s.delete(9, None).await.unwrap();
     assert_eq!(s.peek(9).await.unwrap(), None);
 }
