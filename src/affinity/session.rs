@@ -249,11 +249,17 @@ impl<'a> BodyProbe<'a> {
     pub fn session(&self, fields: &[Vec<String>]) -> Option<SessionId> {
         for path in fields {
             if let Some(v) = self.string_at(path) {
-                let v = v.trim();
+                // A field whose value is itself a JSON object naming its
+                // session (Claude Code's `metadata.user_id` since v2.1.78:
+                // device, account and `session_id`): the session's own id.
+                let (v, source) = match embedded_session(&v) {
+                    Some(id) => (id, format!("{}.session_id", path.join("."))),
+                    None => (v.trim().to_string(), path.join(".")),
+                };
                 if !v.is_empty() && check_value(v.as_bytes()).is_ok() {
                     return Some(SessionId {
-                        id: v.to_string(),
-                        source: Source::Body(path.join(".")),
+                        id: v,
+                        source: Source::Body(source),
                     });
                 }
             }
@@ -262,10 +268,40 @@ impl<'a> BodyProbe<'a> {
     }
 }
 
+/// The `session_id` of a value that is a JSON object holding one.
+fn embedded_session(v: &str) -> Option<String> {
+    let v = v.trim();
+    if !v.starts_with('{') {
+        return None;
+    }
+    let object: serde_json::Value = serde_json::from_str(v).ok()?;
+    Some(object.get("session_id")?.as_str()?.trim().to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use http::HeaderValue;
+
+    #[test]
+    fn a_json_user_id_is_keyed_by_its_session_id() {
+        let fields = [vec!["metadata".to_string(), "user_id".to_string()]];
+        let body = serde_json::json!({"metadata": {"user_id": serde_json::json!({
+            "device_id": "d".repeat(64), "account_uuid": "3f1c0d2e-0000-4000-8000-000000000001",
+            "session_id": "4a7b9c2d-1e3f-4a5b-8c6d-7e8f9a0b1c2d"}).to_string()}});
+        let text = body.to_string();
+        let probe = BodyProbe::parse(text.as_bytes()).unwrap();
+        let s = probe.session(&fields).expect("keyed");
+        assert_eq!(s.id, "4a7b9c2d-1e3f-4a5b-8c6d-7e8f9a0b1c2d");
+        assert_eq!(s.source, Source::Body("metadata.user_id.session_id".into()));
+        // A plain user id is the key as it is.
+        let text = r#"{"metadata":{"user_id":"user_abc_account_def_session_123"}}"#;
+        let probe = BodyProbe::parse(text.as_bytes()).unwrap();
+        assert_eq!(
+            probe.session(&fields).unwrap().id,
+            "user_abc_account_def_session_123"
+        );
+    }
 
     /// The session id `h` names, by the test's two configured headers.
     fn session_of(h: &HeaderMap) -> Result<Option<SessionId>, BadSessionHeader> {

@@ -539,7 +539,13 @@ pub const DEFAULT_SESSION_HEADERS: &[&str] = &[
     "x-claude-code-session-id",
     "x-codex-session-id",
     "x-codex-conversation-id",
+    // Codex today (older builds: `session_id`), then its thread.
+    "session-id",
     "session_id",
+    "thread-id",
+    // aiperf's multi-turn benchmarks; opencode.
+    "x-session-affinity",
+    "x-opencode-session",
 ];
 pub const DEFAULT_PARENT_HEADERS: &[&str] = &["x-parent-session-id", "x-dynamo-parent-session-id"];
 pub const DEFAULT_BODY_FIELDS: &[&str] = &["prompt_cache_key", "user", "metadata.user_id"];

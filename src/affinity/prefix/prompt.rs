@@ -23,7 +23,8 @@
 //! Which conversation a prompt belongs to is [`super::conversation`]'s.
 
 use super::xxh3::hash as block_hash;
-use crate::affinity::scan::{each_element, skip_ws, string_field};
+use crate::affinity::scan::{each_element, skip_value, skip_ws, string_field};
+use std::borrow::Cow;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 
 /// Separates the parts of the canonical prompt.
@@ -53,7 +54,9 @@ pub struct Prompt {
 /// The canonical prompt's bytes, as the parts of the request body they lie
 /// in (borrowed while the body is read: nothing is copied).
 pub struct Canon<'a> {
-    parts: [&'a [u8]; 5],
+    /// Borrowed from the body, or (a part that held markers that change
+    /// nothing the engine computes: `cache_control`) without them.
+    parts: [Cow<'a, [u8]>; 5],
     /// Bytes of it read (at most `max_read_bytes`).
     len: usize,
     /// Where each of its turns' messages ends (offsets into it, ascending,
@@ -79,7 +82,8 @@ impl Canon<'_> {
         if from > to || to > self.len {
             return None;
         }
-        let mut pieces = span(&self.parts, from, to);
+        let parts = self.parts.each_ref().map(|p| &**p);
+        let mut pieces = span(&parts, from, to);
         let h = match (pieces.next(), pieces.next()) {
             (None, _) => xxh3_64(&[]),
             (Some(one), None) => block_hash(one),
@@ -198,26 +202,27 @@ impl Chunker {
         };
         let Turns {
             raw: turns,
-            ends: turn_ends,
+            ends: mut turn_ends,
         } = turns;
         // Nothing but an opening bracket or quote: no prompt.
         if turns.len() <= 1 && system.is_none() && tools.is_none() {
             return None;
         }
         let sep: &[u8] = &[SEPARATOR];
-        let parts: [&'a [u8]; 5] = [
-            system.unwrap_or(&[]),
-            if system.is_some() { sep } else { &[] },
-            tools.unwrap_or(&[]),
-            if tools.is_some() { sep } else { &[] },
-            turns,
+        let parts: [Cow<'a, [u8]>; 5] = [
+            unmarked(system.unwrap_or(&[]), &mut []),
+            Cow::Borrowed(if system.is_some() { sep } else { &[] }),
+            unmarked(tools.unwrap_or(&[]), &mut []),
+            Cow::Borrowed(if tools.is_some() { sep } else { &[] }),
+            unmarked(turns, &mut turn_ends),
         ];
         // `sep` is static: the array's lifetime is the body's.
         let root = self.root(scope, model);
-        let full_bytes: usize = parts.iter().map(|p| p.len()).sum();
+        let borrowed = parts.each_ref().map(|p| &**p);
+        let full_bytes: usize = borrowed.iter().map(|p| p.len()).sum();
         let len = full_bytes.min(self.max_read_bytes);
-        let blocks = chain(&parts, self.block_bytes, root, len);
-        let turns_at = full_bytes - turns.len();
+        let blocks = chain(&borrowed, self.block_bytes, root, len);
+        let turns_at = full_bytes - borrowed[4].len();
         let mut message_ends = turn_ends;
         for end in &mut message_ends {
             *end += turns_at;
@@ -256,6 +261,67 @@ impl Prompt {
     pub fn block_tokens(&self, blocks: usize, block_bytes: usize) -> u64 {
         self.tokens_of(blocks * block_bytes)
     }
+}
+
+/// The member that marks where a client asks an engine to cache (Anthropic's
+/// prompt caching, and gateways that pass it on): it changes nothing the
+/// engine computes, and a client moves it to its newest message each turn.
+const MARKER: &[u8] = b"\"cache_control\"";
+
+/// `raw` without its `"cache_control"` members (and their commas), and
+/// `ends` (offsets into it) moved to match; borrowed as it is when it holds
+/// none. A turn whose marker moved off it is then the bytes it was, so the
+/// next turn's prompt still extends the one before.
+fn unmarked<'a>(raw: &'a [u8], ends: &mut [usize]) -> Cow<'a, [u8]> {
+    if memchr::memmem::find(raw, MARKER).is_none() {
+        return Cow::Borrowed(raw);
+    }
+    let mut cuts: Vec<(usize, usize)> = Vec::new();
+    for at in memchr::memmem::find_iter(raw, MARKER) {
+        // A member's key: after `{` or `,`, before `:` (not text that holds it).
+        let before = raw[..at].trim_ascii_end();
+        let colon = skip_ws(raw, at + MARKER.len());
+        if raw.get(colon) != Some(&b':') || !matches!(before.last(), Some(b'{' | b',')) {
+            continue;
+        }
+        let Some(end) = skip_value(raw, skip_ws(raw, colon + 1)) else {
+            continue;
+        };
+        let cut = match before.last() {
+            // `, "cache_control": {…}`: from the comma.
+            Some(b',') => (before.len() - 1, end),
+            // `{"cache_control": {…},`: through the comma after it.
+            _ => {
+                let next = skip_ws(raw, end);
+                match raw.get(next) {
+                    Some(b',') => (at, next + 1),
+                    _ => (at, end),
+                }
+            }
+        };
+        if cuts.last().is_none_or(|&(_, last)| cut.0 >= last) {
+            cuts.push(cut);
+        }
+    }
+    if cuts.is_empty() {
+        return Cow::Borrowed(raw);
+    }
+    let mut out = Vec::with_capacity(raw.len());
+    let mut from = 0;
+    for &(a, b) in &cuts {
+        out.extend_from_slice(&raw[from..a]);
+        from = b;
+    }
+    out.extend_from_slice(&raw[from..]);
+    for end in ends.iter_mut() {
+        let removed: usize = cuts
+            .iter()
+            .filter(|&&(_, b)| b <= *end)
+            .map(|&(a, b)| b - a)
+            .sum();
+        *end -= removed;
+    }
+    Cow::Owned(out)
 }
 
 /// The bytes `from..to` of `parts` taken as one byte string, part by part.
@@ -416,10 +482,8 @@ pub(crate) mod tests {
         let (p, canon) = chunker.prompt(scope, model, |name: &str| {
             top.get(name).map(|v| v.get().as_bytes())
         })?;
-        let bytes: Vec<u8> = span(&canon.parts, 0, canon.len)
-            .flatten()
-            .copied()
-            .collect();
+        let parts = canon.parts.each_ref().map(|p| &**p);
+        let bytes: Vec<u8> = span(&parts, 0, canon.len).flatten().copied().collect();
         Some((p, bytes))
     }
 
@@ -618,6 +682,56 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_moving_cache_control_marker_leaves_each_turn_as_it_was() {
+        let msg = |role: &str, text: &str, marked: bool| {
+            let mut block = json!({"type": "text", "text": text});
+            if marked {
+                block["cache_control"] = json!({"type": "ephemeral"});
+            }
+            json!({"role": role, "content": [block]})
+        };
+        let system = json!([{"type": "text", "text": "Review code. ".repeat(200),
+                             "cache_control": {"type": "ephemeral"}}]);
+        let turn = |n: usize| {
+            let mut messages = Vec::new();
+            for t in 0..=n {
+                messages.push(msg(
+                    "user",
+                    &format!("question {t} {}", "x".repeat(300)),
+                    t == n,
+                ));
+                if t < n {
+                    messages.push(msg("assistant", &format!("answer {t}"), false));
+                }
+            }
+            json!({"model": "m", "system": system, "messages": messages, "max_tokens": 8})
+        };
+        let (p1, c1) = read_with(&CHUNKER, "t", &turn(1)).unwrap();
+        let (p2, c2) = read_with(&CHUNKER, "t", &turn(2)).unwrap();
+        // The marker moved off turn 1's last message: turn 2 still extends it,
+        // block for block, and ends one of its messages where turn 1 ended.
+        assert!(c2.starts_with(&c1), "{}", String::from_utf8_lossy(&c1));
+        assert_eq!(p2.blocks[..p1.blocks.len()], p1.blocks[..]);
+        assert!(!String::from_utf8_lossy(&c2).contains("cache_control"));
+        let text = turn(1).to_string();
+        let probe = crate::affinity::session::BodyProbe::parse(text.as_bytes()).unwrap();
+        let (_, canon1) = CHUNKER.prompt("t", Some("m"), &probe).unwrap();
+        let text2 = turn(2).to_string();
+        let probe2 = crate::affinity::session::BodyProbe::parse(text2.as_bytes()).unwrap();
+        let (_, canon2) = CHUNKER.prompt("t", Some("m"), &probe2).unwrap();
+        let end1 = *canon1.message_ends.last().unwrap();
+        assert!(
+            canon2.message_ends.contains(&end1),
+            "{:?} {end1}",
+            canon2.message_ends
+        );
+        // Text that names the member is text: kept.
+        let quoted =
+            json!({"model": "m", "messages": [msg("user", "set \"cache_control\": {}", false)]});
+        assert!(String::from_utf8_lossy(&canon_of(&quoted)).contains("cache_control"));
+    }
+
+    #[test]
     fn token_id_prompts_extend_byte_for_byte_and_count_their_ids() {
         let ids: Vec<u32> = (1000..1400).collect();
         let (t1, c1) =
@@ -685,7 +799,7 @@ pub(crate) mod tests {
             let (a, b) = whole.split_at(cut);
             assert_eq!(chain(&[a, &[], b], 64, 9, usize::MAX), one, "cut at {cut}");
             let canon = Canon {
-                parts: [a, &[], b, &[], &[]],
+                parts: [a, &[], b, &[], &[]].map(Cow::Borrowed),
                 len: 1000,
                 message_ends: Vec::new(),
             };
