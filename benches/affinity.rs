@@ -289,7 +289,7 @@ fn bench_prefix(c: &mut Criterion) {
         let body = chat_body(10_000 + other, 32 << 10);
         let probe = BodyProbe::parse(&body).unwrap();
         let mut p = prefix
-            .read("default", Some("qwen3-8b"), true, &probe)
+            .read("default", Some("qwen3-8b"), true, false, &probe)
             .unwrap();
         p.routed(&prefix, (other % 8) as u32, true);
     }
@@ -301,37 +301,41 @@ fn bench_prefix(c: &mut Criterion) {
         let earlier = chat_body(kib, (kib << 10) * 3 / 4);
         let earlier_probe = BodyProbe::parse(&earlier).unwrap();
         let mut e = prefix
-            .read("default", Some("qwen3-8b"), true, &earlier_probe)
+            .read("default", Some("qwen3-8b"), true, false, &earlier_probe)
             .unwrap();
         e.routed(&prefix, 3, true);
-        g.bench_function(BenchmarkId::new("decide", format!("{kib} KiB")), |b| {
-            b.iter(|| {
-                let mut p = prefix
-                    .read("default", Some("qwen3-8b"), true, &probe)
-                    .unwrap();
-                let key = black_box(p.conversation().map_or(0, |c| c.id as u64));
-                let mut cands = cands.clone();
-                prefix.fill_probation(&mut cands);
-                p.look_up(&prefix, &mut cands);
-                let load = [4u64; 8];
-                let i = place.place(key, &cands, &load).unwrap();
-                debug_assert_eq!(cands[i].slot, 3);
-                black_box(p.routed(&prefix, cands[i].slot, true))
-            })
-        });
+        // `decide_messages`: the same body as an Anthropic Messages request,
+        // whose prompt is searched for `cache_control` markers.
+        for (name, markers) in [("decide", false), ("decide_messages", true)] {
+            g.bench_function(BenchmarkId::new(name, format!("{kib} KiB")), |b| {
+                b.iter(|| {
+                    let mut p = prefix
+                        .read("default", Some("qwen3-8b"), true, markers, &probe)
+                        .unwrap();
+                    let key = black_box(p.conversation().map_or(0, |c| c.id as u64));
+                    let mut cands = cands.clone();
+                    prefix.fill_probation(&mut cands);
+                    p.look_up(&prefix, &mut cands);
+                    let load = [4u64; 8];
+                    let i = place.place(key, &cands, &load).unwrap();
+                    debug_assert_eq!(cands[i].slot, 3);
+                    black_box(p.routed(&prefix, cands[i].slot, true))
+                })
+            });
+        }
         // The next turn of a conversation: each iteration's setup routes its
         // earlier turn again (an end to continue), the timed part continues it.
         g.bench_function(BenchmarkId::new("continue", format!("{kib} KiB")), |b| {
             b.iter_batched(
                 || {
                     let mut e = prefix
-                        .read("default", Some("qwen3-8b"), true, &earlier_probe)
+                        .read("default", Some("qwen3-8b"), true, false, &earlier_probe)
                         .unwrap();
                     e.routed(&prefix, 3, false);
                 },
                 |()| {
                     let mut p = prefix
-                        .read("default", Some("qwen3-8b"), true, &probe)
+                        .read("default", Some("qwen3-8b"), true, false, &probe)
                         .unwrap();
                     let c = p.conversation().unwrap();
                     let key = black_box(c.id as u64);
@@ -356,11 +360,11 @@ fn bench_prefix(c: &mut Criterion) {
             Duration::from_secs(1800),
         );
         let mut e = fresh
-            .read("default", Some("qwen3-8b"), true, &earlier_probe)
+            .read("default", Some("qwen3-8b"), true, false, &earlier_probe)
             .unwrap();
         e.routed(&fresh, 3, false);
         let p = fresh
-            .read("default", Some("qwen3-8b"), true, &probe)
+            .read("default", Some("qwen3-8b"), true, false, &probe)
             .unwrap();
         assert_eq!(
             p.conversation().and_then(|c| c.continues).map(|c| c.slot),

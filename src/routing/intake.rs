@@ -36,6 +36,9 @@ pub struct Intake {
     prompt_path: bool,
     /// A Responses request (`/responses`).
     responses_api: bool,
+    /// An Anthropic Messages request (`/messages`): its clients move their
+    /// `cache_control` markers turn by turn.
+    messages_api: bool,
     /// A request for one stored response (`/responses/{id}`, and its
     /// `/input_items` or `/cancel`): its id, and its path and query with the
     /// id cut out (before, after).
@@ -238,6 +241,7 @@ impl Intake {
         Ok(Intake {
             prompt_path: prompt_path(path),
             responses_api: path.ends_with("/responses"),
+            messages_api: path.ends_with("/messages"),
             response_path: response_path(uri),
             upgrade,
             routing,
@@ -407,6 +411,7 @@ impl Intake {
                     &scope_of(&routed_in.name, &self.tenant_scope),
                     model.as_deref(),
                     keyless,
+                    self.messages_api,
                     &probe,
                 )
                 .map(Box::new);

@@ -969,7 +969,7 @@ mod tests {
         let text = body.to_string();
         let top: HashMap<String, Box<RawValue>> = serde_json::from_str(&text).unwrap();
         let (p, canon) = chunker
-            .prompt("t", Some("m"), |f: &str| {
+            .prompt("t", Some("m"), false, |f: &str| {
                 top.get(f).map(|v| v.get().as_bytes())
             })
             .unwrap();

@@ -130,13 +130,15 @@ impl Prefix {
     /// The prompt of a body whose top-level members `field` gives, cached
     /// under `scope` (its tier and tenant) and `model`; `keyless`: its
     /// client named no session, and the conversation it belongs to is
-    /// found. `None` when disabled or when the body has no prompt routing
-    /// can read.
+    /// found; `markers`: it is an Anthropic Messages request, whose
+    /// `cache_control` markers are left out. `None` when disabled or when
+    /// the body has no prompt routing can read.
     pub fn read<'a>(
         &self,
         scope: &str,
         model: Option<&str>,
         keyless: bool,
+        markers: bool,
         fields: impl prompt::Fields<'a>,
     ) -> Option<PromptRoute> {
         if !self.enabled() {
@@ -147,7 +149,7 @@ impl Prefix {
             max_read_bytes: self.max_read_bytes.load(Ordering::Relaxed),
             seed: self.seed,
         };
-        let (prompt, canon) = chunker.prompt(scope, model, fields)?;
+        let (prompt, canon) = chunker.prompt(scope, model, markers, fields)?;
         let conversation = keyless.then(|| {
             self.conversations
                 .identify(&prompt, &canon, self.block_bytes, crate::clock::now_ms())

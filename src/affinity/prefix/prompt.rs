@@ -153,11 +153,14 @@ struct Turns<'a> {
 impl Chunker {
     /// The prompt of a JSON request body whose top level `field` gives
     /// (name → raw value), scoped to `scope` (tier and tenant) and `model`;
-    /// `None` when it carries no prompt routing can read.
+    /// `None` when it carries no prompt routing can read. `markers`: the
+    /// body is an Anthropic Messages request, whose client moves its
+    /// `cache_control` markers from turn to turn: they are left out.
     pub fn prompt<'a>(
         &self,
         scope: &str,
         model: Option<&str>,
+        markers: bool,
         fields: impl Fields<'a>,
     ) -> Option<(Prompt, Canon<'a>)> {
         let field = |name: &str| fields.raw(name);
@@ -209,12 +212,18 @@ impl Chunker {
             return None;
         }
         let sep: &[u8] = &[SEPARATOR];
+        // Other APIs' bodies are hashed as sent: looking for markers costs
+        // a pass over the prompt.
+        let strip = |raw: &'a [u8], ends: &mut [usize]| match markers {
+            true => unmarked(raw, ends),
+            false => Cow::Borrowed(raw),
+        };
         let parts: [Cow<'a, [u8]>; 5] = [
-            unmarked(system.unwrap_or(&[]), &mut []),
+            strip(system.unwrap_or(&[]), &mut []),
             Cow::Borrowed(if system.is_some() { sep } else { &[] }),
-            unmarked(tools.unwrap_or(&[]), &mut []),
+            strip(tools.unwrap_or(&[]), &mut []),
             Cow::Borrowed(if tools.is_some() { sep } else { &[] }),
-            unmarked(turns, &mut turn_ends),
+            strip(turns, &mut turn_ends),
         ];
         // `sep` is static: the array's lifetime is the body's.
         let root = self.root(scope, model);
@@ -479,7 +488,7 @@ pub(crate) mod tests {
         let text = body.to_string();
         let top: HashMap<String, Box<RawValue>> = serde_json::from_str(&text).ok()?;
         let model = body["model"].as_str();
-        let (p, canon) = chunker.prompt(scope, model, |name: &str| {
+        let (p, canon) = chunker.prompt(scope, model, true, |name: &str| {
             top.get(name).map(|v| v.get().as_bytes())
         })?;
         let parts = canon.parts.each_ref().map(|p| &**p);
@@ -616,7 +625,7 @@ pub(crate) mod tests {
     fn ends_of(text: &str) -> (usize, usize, Vec<usize>) {
         let top: HashMap<String, Box<RawValue>> = serde_json::from_str(text).unwrap();
         let (p, canon) = CHUNKER
-            .prompt("tier", Some("m"), |name: &str| {
+            .prompt("tier", Some("m"), false, |name: &str| {
                 top.get(name).map(|v| v.get().as_bytes())
             })
             .unwrap();
@@ -670,9 +679,9 @@ pub(crate) mod tests {
         ] {
             let text = serde_json::to_string_pretty(&body).unwrap();
             let probe = BodyProbe::parse(text.as_bytes()).unwrap();
-            let (a, ca) = CHUNKER.prompt("t", Some("m"), &probe).unwrap();
+            let (a, ca) = CHUNKER.prompt("t", Some("m"), false, &probe).unwrap();
             let (b, cb) = CHUNKER
-                .prompt("t", Some("m"), |f: &str| probe.raw(f))
+                .prompt("t", Some("m"), false, |f: &str| probe.raw(f))
                 .unwrap();
             assert_eq!(a.blocks, b.blocks, "{body}");
             assert_eq!(a.full_bytes, b.full_bytes);
@@ -715,10 +724,10 @@ pub(crate) mod tests {
         assert!(!String::from_utf8_lossy(&c2).contains("cache_control"));
         let text = turn(1).to_string();
         let probe = crate::affinity::session::BodyProbe::parse(text.as_bytes()).unwrap();
-        let (_, canon1) = CHUNKER.prompt("t", Some("m"), &probe).unwrap();
+        let (_, canon1) = CHUNKER.prompt("t", Some("m"), true, &probe).unwrap();
         let text2 = turn(2).to_string();
         let probe2 = crate::affinity::session::BodyProbe::parse(text2.as_bytes()).unwrap();
-        let (_, canon2) = CHUNKER.prompt("t", Some("m"), &probe2).unwrap();
+        let (_, canon2) = CHUNKER.prompt("t", Some("m"), true, &probe2).unwrap();
         let end1 = *canon1.message_ends.last().unwrap();
         assert!(
             canon2.message_ends.contains(&end1),
@@ -729,6 +738,10 @@ pub(crate) mod tests {
         let quoted =
             json!({"model": "m", "messages": [msg("user", "set \"cache_control\": {}", false)]});
         assert!(String::from_utf8_lossy(&canon_of(&quoted)).contains("cache_control"));
+        // Other APIs' bodies are read as sent.
+        let (_, sent) = CHUNKER.prompt("t", Some("m"), false, &probe2).unwrap();
+        let sent: Vec<u8> = sent.parts.iter().flat_map(|p| p.iter().copied()).collect();
+        assert!(String::from_utf8_lossy(&sent).contains("cache_control"));
     }
 
     #[test]
