@@ -24,7 +24,13 @@
 //!   bound backend should have held on the last turn (the turn before's
 //!   prompt) that it actually had cached: 1 after the session's first turn
 //!   there, which it has just computed, and low for a backend that evicted
-//!   the session (it no longer deserves it). A move goes to that best
+//!   the session (it no longer deserves it). Off a backend that is busy,
+//!   not slow (under [`SLOWER`] times the other's cost per token), the move
+//!   is charged the fleet's share of what it recomputes too: twice the
+//!   recompute (the prompts its tokens evict, computed again later), for
+//!   each request running at the other backend plus one, since each
+//!   computation stalls them. A queue costs this turn alone and drains; a
+//!   slow backend costs every later turn. A move goes to that best
 //!   candidate. A cooldown and a cap on moves per session keep it from
 //!   flapping, and moves off one backend are [`MOVE_GAP_MS`] apart, so
 //!   requests reviewed on one snapshot of the queues do not all leave at once.
@@ -144,6 +150,13 @@ impl Default for CostParams {
     }
 }
 
+/// A bound backend this many times slower per token than the best other is
+/// slow, not busy: every later turn of the session pays it again, so a move
+/// off it is not charged the fleet's share of its recompute (a queue costs
+/// this turn alone; learned costs of equal backends differ by up to ~1.7×
+/// on a busy host).
+pub const SLOWER: f64 = 2.0;
+
 /// The default policy, in either mode.
 #[derive(Clone, Copy, Debug)]
 pub struct DefaultPolicy {
@@ -220,7 +233,26 @@ impl DefaultPolicy {
             Some(_) => 0.0,
             None => turns.retention() * turns.prompt as f64 * best.cost_or(unlearned),
         };
-        delta_q > saved + p.hysteresis_us as f64
+        // A move off a busy backend (not a slow one, [`SLOWER`]) is charged
+        // what its recompute at `best` costs the fleet beyond this turn,
+        // whose own share is in ΔQ (or is `saved`): the prompts it evicts
+        // there when caches are full are computed again later, and each
+        // computation stalls (decoding) or delays (queued) every request
+        // running there. So twice the recompute, times one more than the
+        // requests in flight there: to an idle backend, its evictions alone.
+        let recompute = match turn.indexed_prompt {
+            Some(_) => {
+                turn.new_at(best).saturating_sub(turn.new_at(bound)) as f64
+                    * best.cost_or(unlearned)
+            }
+            None => saved,
+        };
+        let slow = bound.cost_or(unlearned) > SLOWER * best.cost_or(unlearned);
+        let shared_by = match slow {
+            true => 0.0,
+            false => 2.0 * (1.0 + best.in_flight as f64),
+        };
+        delta_q > saved + shared_by * recompute + p.hysteresis_us as f64
     }
 }
 
@@ -375,23 +407,31 @@ mod tests {
 
     #[test]
     fn cost_policy_moves_only_when_the_queue_outweighs_the_cache_by_hand() {
-        // At 200 µs a token, the bound backend has 900 ms of prefill queued
-        // (4,500 tokens), the other 100 ms: ΔQ = 800 ms.
-        let all = [queued(0, 4_500, 200.0), queued(1, 500, 200.0)];
+        // At 200 µs a token, the bound backend has 2,500 ms of prefill
+        // queued (12,500 tokens), the other 100 ms: ΔQ = 2,400 ms.
+        let mut all = [queued(0, 12_500, 200.0), queued(1, 500, 200.0)];
         // 3,000 tokens, all it should have kept cached: T_saved = 3,000 ×
-        // 200 µs = 600 ms; + 50 ms hysteresis = 650 ms < 800 ms: move.
+        // 200 µs = 600 ms, and the fleet pays it twice more at the idle
+        // backend (the prompts it evicts): 1,800 ms + 50 ms hysteresis <
+        // 2,400 ms: move.
         assert_eq!(
             review(&COST, &all, &turns(3000, 2900, 2900, 0, 0), 0),
             Some(MoveReason::Cost)
         );
-        // 4,000 tokens: 800 ms + 50 ms > 800 ms: stay.
+        // 4,000 tokens: 2,400 ms + 50 ms > 2,400 ms: stay.
         assert_eq!(review(&COST, &all, &turns(4000, 3900, 3900, 0, 0), 0), None);
         // The backend evicted the session: of the 4,000 tokens it should
-        // have kept it had 1,000 (p_hit 0.25): 1,000 ms × 0.25 + 50 < 800: move.
+        // have kept it had 1,000 (p_hit 0.25): 3 × 1,000 ms × 0.25 + 50 <
+        // 2,400: move.
         assert_eq!(
             review(&COST, &all, &turns(5000, 1000, 4000, 0, 0), 0),
             Some(MoveReason::Cost)
         );
+        // The other backend runs 2 requests: the 3,000-token recompute
+        // would stall both too, (1 + 2 × 3) × 600 ms > 2,400 ms: stay.
+        all[1].in_flight = 2;
+        assert_eq!(review(&COST, &all, &turns(3000, 2900, 2900, 0, 0), 0), None);
+        all[1].in_flight = 0;
         // Equal queues never move; hard mode never moves for cost.
         let even = [queued(0, 2_500, 200.0), queued(1, 2_500, 200.0)];
         assert_eq!(review(&COST, &even, &turns(10, 0, 0, 0, 0), 0), None);
@@ -423,9 +463,10 @@ mod tests {
         // 300 ms shorter queue elsewhere moved it (the thrash seen on real
         // traces). But that turn computed the whole prompt again: the index
         // says backend 0 holds 4,000 of this 4,300-token prompt, backend 1
-        // none. Staying: 2,000 queued + 300 new = 460 ms; moving: 500 +
-        // 4,300 = 960 ms. Stay.
-        let mut all = [queued(0, 2_000, 200.0), queued(1, 500, 200.0)];
+        // none. Staying: 5,000 queued + 300 new = 1,060 ms; moving: 500 +
+        // 4,300 = 960 ms; ΔQ 100 ms, far below the fleet's twice 4,000
+        // tokens recomputed (1,600 ms). Stay.
+        let mut all = [queued(0, 5_000, 200.0), queued(1, 500, 200.0)];
         let t = turns(4300, 1000, 4000, 0, 0);
         assert_eq!(review(&COST, &all, &t, 0), Some(MoveReason::Cost));
         all[0].prefix_tokens = 4_000;
@@ -453,6 +494,33 @@ mod tests {
             COST.destination(MoveReason::Cost, &even[0], &even, &t, &indexed),
             Some(1)
         );
+    }
+
+    #[test]
+    fn with_the_index_a_move_pays_for_what_the_fleet_recomputes() {
+        // Backend 0 holds 4,000 of this 4,300-token prompt behind 10,000
+        // queued tokens (200 µs a token: 2,060 ms to its first token);
+        // backend 1, idle, holds none (860 ms): ΔQ 1,200 ms. The 4,000
+        // tokens it recomputes (800 ms, in ΔQ) evict as many of others' at
+        // backend 1, computed again later: 1,600 + 50 > 1,200: stay.
+        let t = turns(4000, 3900, 3900, 0, 0);
+        let indexed = ThisTurn {
+            new: 300,
+            indexed_prompt: Some(4_300),
+        };
+        let mut all = [queued(0, 10_000, 200.0), queued(1, 0, 200.0)];
+        all[0].prefix_tokens = 4_000;
+        assert_eq!(COST.review(&all[0], &all, &t, &indexed, 0), None);
+        // 20,000 queued (ΔQ 3,200 ms): move.
+        all[0].queued_tokens = 20_000;
+        assert_eq!(
+            COST.review(&all[0], &all, &t, &indexed, 0),
+            Some(MoveReason::Cost)
+        );
+        // Backend 1 runs one request, which each recompute stalls too:
+        // 2 × 2 × 800 + 50 > 3,200: stay.
+        all[1].in_flight = 1;
+        assert_eq!(COST.review(&all[0], &all, &t, &indexed, 0), None);
     }
 
     #[test]
@@ -486,9 +554,9 @@ mod tests {
 
     #[test]
     fn cost_policy_uses_the_prior_until_a_backend_has_taught_its_cost() {
-        // Unlearned costs (0): the 100 µs prior, so 7,000 and 1,000 queued
-        // tokens are 700 and 100 ms; 5,000 tokens → 500 ms + 50 < 600.
-        let all = [queued(0, 7_000, 0.0), queued(1, 1_000, 0.0)];
+        // Unlearned costs (0): the 100 µs prior, so 20,000 and 1,000 queued
+        // tokens are 2,000 and 100 ms; 5,000 tokens → 3 × 500 ms + 50 < 1,900.
+        let all = [queued(0, 20_000, 0.0), queued(1, 1_000, 0.0)];
         assert_eq!(
             review(&COST, &all, &turns(5000, 4900, 4900, 0, 0), 0),
             Some(MoveReason::Cost)
@@ -498,12 +566,12 @@ mod tests {
     #[test]
     fn a_backend_that_has_not_taught_its_cost_is_assumed_as_fast_as_the_best_known() {
         // The bound backend has not learned its cost; the other has, 50 µs a
-        // token. 4,000 tokens queued at the bound one, none at the other, a
+        // token. 15,000 tokens queued at the bound one, none at the other, a
         // 5,000-token session that brings 300 new: at the 100 µs prior the
-        // bound queue would read 430 ms against 15, ΔQ 415 ms > 250 + 50.
-        // Assumed as fast as the other (50 µs): 215 ms against 15, ΔQ 200 ms
-        // < 300: stay.
-        let all = [queued(0, 4_000, 0.0), queued(1, 0, 50.0)];
+        // bound queue would read 1,530 ms against 15, ΔQ 1,515 ms > 3 × 250
+        // + 50. Assumed as fast as the other (50 µs): 765 ms against 15, ΔQ
+        // 750 ms < 800: stay.
+        let all = [queued(0, 15_000, 0.0), queued(1, 0, 50.0)];
         assert_eq!(review(&COST, &all, &turns(5000, 4700, 4700, 0, 0), 0), None);
         // The only backend that has learned is the bound one, which slowed
         // to 1,000 µs a token: the other is not assumed as slow, but at the
@@ -515,13 +583,14 @@ mod tests {
             Some(MoveReason::Cost)
         );
         // With nothing learned anywhere the prior applies to both alike:
-        // 430 ms against 30, ΔQ 400 ms < 500 + 50: stay; twice the queue moves.
+        // 430 ms against 30, ΔQ 400 ms < 3 × 500 + 50: stay; four times the
+        // queue (ΔQ 1,600 ms) moves.
         let unknown = [queued(0, 4_000, 0.0), queued(1, 0, 0.0)];
         assert_eq!(
             review(&COST, &unknown, &turns(5000, 4700, 4700, 0, 0), 0),
             None
         );
-        let longer = [queued(0, 8_000, 0.0), queued(1, 0, 0.0)];
+        let longer = [queued(0, 16_000, 0.0), queued(1, 0, 0.0)];
         assert_eq!(
             review(&COST, &longer, &turns(5000, 4700, 4700, 0, 0), 0),
             Some(MoveReason::Cost)
@@ -530,15 +599,16 @@ mod tests {
 
     #[test]
     fn a_queue_whose_head_has_been_prefilling_is_a_shorter_wait() {
-        // 5,000 tokens queued at 100 µs a token: 500 ms, against none
-        // elsewhere; a 3,000-token session (300 ms + 50 to re-prefill): move.
-        let fresh = [queued(0, 5_000, 100.0), queued(1, 0, 100.0)];
+        // 15,000 tokens queued at 100 µs a token: 1,500 ms, against none
+        // elsewhere; a 3,000-token session (3 × 300 ms + 50 for its
+        // re-prefill and the prompts it evicts): move.
+        let fresh = [queued(0, 15_000, 100.0), queued(1, 0, 100.0)];
         let t = turns(3000, 2900, 2900, 0, 0);
         assert_eq!(review(&COST, &fresh, &t, 0), Some(MoveReason::Cost));
-        // The head has been prefilling for 300 ms: 3,000 of those tokens are
-        // done, 200 ms are left: stay.
+        // The head has been prefilling for 600 ms: 6,000 of those tokens are
+        // done, 900 ms are left: stay.
         let mut started = fresh;
-        started[0].head_ms = 300;
+        started[0].head_ms = 600;
         assert_eq!(review(&COST, &started, &t, 0), None);
     }
 

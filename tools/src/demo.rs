@@ -107,6 +107,10 @@ pub enum Study {
     /// the one before, engines that report no cached tokens, soft mode on
     /// the trace — each against sticky-by-conversation in the same run.
     Keyless,
+    /// A production chat trace's shape (most conversations one turn, one
+    /// shared block), keyless against sticky by conversation, re-blocked
+    /// and byte-exact, and soft against hard with ids.
+    Trace,
     /// Responses chains by `previous_response_id` over replicas that each
     /// keep their own responses, JSON and streamed, against one replica
     /// alone (which holds every chain).
@@ -441,6 +445,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             | Study::Recovery
             | Study::Prefix
             | Study::Keyless
+            | Study::Trace
             | Study::Responses
     ) {
         let started = Instant::now();
@@ -449,6 +454,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             Study::Recovery => recovery_study(exe, args).await?,
             Study::Prefix => prefix_study(exe, args).await?,
             Study::Keyless => keyless_study(exe, args).await?,
+            Study::Trace => trace_study(exe, args).await?,
             Study::Responses => responses_study(exe, args).await?,
             _ => placement_study(exe, args).await?,
         };
@@ -995,6 +1001,63 @@ async fn prefix_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<rep
             println!();
         }
         out.extend(flat);
+    }
+    Ok(out)
+}
+
+/// A production chat trace's shape ([`loadgen::trace::conversation_like`]:
+/// 1,895 conversations, 1,395 of them one turn, every prompt opening with
+/// the same 512-token block), sent in the trace's order at c=16 to 4
+/// replicas with bounded KV (serial prefill at 4 µs a token):
+/// - keyless against sticky by conversation, a turn's partial last block
+///   re-ided in the next, and byte-exact;
+/// - soft mode against hard, with ids, on the re-blocked trace.
+async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    let repeats = args.repeats.max(1);
+    let model = Model {
+        prefill_us_per_token: 4.0,
+        decode_us_per_token: 500.0,
+        cache_blocks: args.cache_blocks.unwrap_or(20_000),
+        max_batch: 16,
+        serial_prefill: true,
+        no_cache_report: false,
+    };
+    let mut trace = BenchArgs::seed_study("");
+    trace.trace_synthetic = Some(if args.quick { 400 } else { 1895 });
+    trace.trace_shape = loadgen::TraceShape::Conversation;
+    trace.trace_ordered = true;
+    trace.concurrency = 16;
+    let mut tables: Vec<Table> = Vec::new();
+    let pair = ["bounded_hrw", "bounded_hrw,ids=none"];
+    for reblock in [true, false] {
+        trace.trace_reblock = reblock;
+        let name = format!(
+            "chat trace ({} conversations, 4 replicas, {} KV blocks each), {}",
+            trace.trace_synthetic.unwrap_or(0),
+            model.cache_blocks,
+            if reblock {
+                "a turn's partial last block re-ided in the next"
+            } else {
+                "each turn extending the one before byte for byte"
+            }
+        );
+        let (runs, _) = run_variants(exe, &model, 4, &trace, "chat trace", &pair, repeats).await?;
+        tables.push((name, pair.to_vec(), runs));
+    }
+    trace.trace_reblock = true;
+    let soft = ["bounded_hrw", "bounded_hrw,mode=soft"];
+    let (runs, _) = run_variants(exe, &model, 4, &trace, "chat trace soft", &soft, repeats).await?;
+    tables.push((
+        "soft mode on the re-blocked chat trace (session ids)".into(),
+        soft.to_vec(),
+        runs,
+    ));
+    let mut out = Vec::new();
+    for (name, variants, runs) in tables {
+        if !args.json {
+            println!("{name}:\n\n{}", report::keyless_table(&variants, &runs));
+        }
+        out.extend(runs.into_iter().flatten());
     }
     Ok(out)
 }

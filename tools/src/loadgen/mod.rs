@@ -101,6 +101,17 @@ pub struct BenchArgs {
     /// Seed of the generated trace.
     #[arg(long, default_value_t = 1)]
     pub trace_seed: u64,
+    /// The generated trace's shape: `agentic` (every conversation 2–10
+    /// turns, a 3-block shared opening: `trace::mooncake_like`) or
+    /// `conversation` (a production chat trace's: most conversations one
+    /// turn, one shared block: `trace::conversation_like`).
+    #[arg(long, value_enum, default_value_t = TraceShape::Agentic)]
+    pub trace_shape: TraceShape,
+    /// Send the trace's requests in its order, each turn after its turn
+    /// before (else each conversation runs its turns back to back, and
+    /// conversations take turns at the concurrency limit).
+    #[arg(long)]
+    pub trace_ordered: bool,
     /// Cap on output tokens of trace requests.
     #[arg(long, default_value_t = 32)]
     pub trace_max_output: u64,
@@ -133,6 +144,13 @@ fn parse_header(s: &str) -> Result<(String, String), String> {
     http::HeaderName::from_bytes(k.as_bytes()).map_err(|e| format!("`{k}`: {e}"))?;
     http::HeaderValue::from_str(v).map_err(|e| format!("`{k}` value: {e}"))?;
     Ok((k.to_string(), v.to_string()))
+}
+
+/// The shape of a generated trace (`--trace-shape`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TraceShape {
+    Agentic,
+    Conversation,
 }
 
 impl BenchArgs {
@@ -443,7 +461,12 @@ pub async fn run(args: &BenchArgs) -> Report {
             }
         },
         (None, Some(n)) => {
-            let text = trace::mooncake_like(n, args.trace_seed, args.trace_reblock);
+            let text = match args.trace_shape {
+                TraceShape::Agentic => trace::mooncake_like(n, args.trace_seed, args.trace_reblock),
+                TraceShape::Conversation => {
+                    trace::conversation_like(n, args.trace_seed, args.trace_reblock)
+                }
+            };
             trace::replay(&client, args, &text).await
         }
         (None, None) => run_sessions(&client, args).await,

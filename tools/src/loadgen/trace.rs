@@ -154,6 +154,9 @@ pub async fn replay(client: &reqwest::Client, args: &BenchArgs, text: &str) -> V
     });
     let permits = Arc::new(Semaphore::new(args.concurrency.max(1)));
     let args = Arc::new(args.clone());
+    if args.trace_ordered {
+        return in_order(client, args, permits, progress, &sessions, per_session).await;
+    }
     let mut tasks = Vec::new();
     for turns in per_session {
         let (client, args, permits, progress) = (
@@ -169,6 +172,50 @@ pub async fn replay(client: &reqwest::Client, args: &BenchArgs, text: &str) -> V
                 out.push(super::record(&t, &o, None));
             }
             out
+        }));
+    }
+    gather(tasks).await
+}
+
+/// Every request in the trace's order (`--trace-ordered`): each waits for
+/// a permit in its turn, then for its conversation's turn before, so a
+/// conversation's next turn comes among the requests the trace has beside
+/// it, not behind every conversation's first.
+async fn in_order(
+    client: &reqwest::Client,
+    args: Arc<BenchArgs>,
+    permits: Arc<Semaphore>,
+    progress: Arc<Progress>,
+    order: &[(usize, usize)],
+    per_session: Vec<Vec<Turn>>,
+) -> Vec<TurnRecord> {
+    let mut turns: Vec<std::collections::VecDeque<Turn>> =
+        per_session.into_iter().map(Into::into).collect();
+    // Per conversation: its turn before, done.
+    let mut before: Vec<Option<tokio::sync::oneshot::Receiver<()>>> =
+        (0..turns.len()).map(|_| None).collect();
+    let mut tasks = Vec::new();
+    for &(session, _) in order {
+        let Some(t) = turns[session].pop_front() else {
+            continue;
+        };
+        let permit = Arc::clone(&permits)
+            .acquire_owned()
+            .await
+            .expect("semaphore open");
+        let wait = before[session].take();
+        let (done, next) = tokio::sync::oneshot::channel();
+        before[session] = Some(next);
+        let (client, args, progress) = (client.clone(), Arc::clone(&args), Arc::clone(&progress));
+        tasks.push(tokio::spawn(async move {
+            if let Some(w) = wait {
+                let _ = w.await;
+            }
+            let o = super::send(&client, &args, &t).await;
+            drop(permit);
+            progress.tick();
+            let _ = done.send(());
+            vec![super::record(&t, &o, None)]
         }));
     }
     gather(tasks).await
@@ -256,6 +303,71 @@ pub fn mooncake_like(conversations: usize, seed: u64, reblock: bool) -> String {
     out
 }
 
+/// A generated trace in the Mooncake format shaped like a production chat
+/// trace's first 15 minutes (`--trace-shape conversation`): of
+/// `conversations`, about 74% a single turn (1,395 of 1,895) and the rest
+/// 2.7 turns on average; every prompt opens with the same 512-token block
+/// (a system prompt all share) and from its second block on is its
+/// conversation's own; first turns a median 14 blocks (log-normal, up to
+/// 200), each later turn 1–6 blocks more, at most 241; conversations start
+/// over 900 s, turns 5–120 s apart. `reblock` as in [`mooncake_like`].
+pub fn conversation_like(conversations: usize, seed: u64, reblock: bool) -> String {
+    let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut unit = move || {
+        rng = mix(rng);
+        (rng >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut fresh_id = 1_000_000u64;
+    let mut lines = Vec::new();
+    for c in 0..conversations {
+        let mut turns = 1;
+        if unit() >= 1395.0 / 1895.0 {
+            turns = 2;
+            while turns < 12 && unit() < 0.4 {
+                turns += 1;
+            }
+        }
+        // A median of 14 blocks: log-normal, sigma 0.9 (Box-Muller).
+        let z = (-2.0 * unit().max(1e-12).ln()).sqrt() * (std::f64::consts::TAU * unit()).cos();
+        let first = ((14f64.ln() + 0.9 * z).exp().round() as usize).clamp(2, 200);
+        let mut ids: Vec<u64> = vec![1];
+        let mut at = unit() * 900_000.0;
+        for t in 0..turns {
+            if t > 0 && reblock {
+                ids.pop();
+                ids.push(fresh_id);
+                fresh_id += 1;
+            }
+            let add = match t {
+                0 => first - 1,
+                _ => 1 + (unit() * 6.0) as usize,
+            };
+            for _ in 0..add.min(241 - ids.len().min(241)) {
+                ids.push(fresh_id);
+                fresh_id += 1;
+            }
+            let partial = 1 + (unit() * 511.0) as u64;
+            lines.push(TraceLine {
+                timestamp: at,
+                input_length: ids.len() as u64 * BLOCK_TOKENS - (BLOCK_TOKENS - partial),
+                output_length: 50 + (unit() * 600.0) as u64,
+                hash_ids: ids.clone(),
+                session: Some(c),
+            });
+            at += 5_000.0 + unit() * 115_000.0;
+        }
+    }
+    lines.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
+    let mut out = String::new();
+    for l in &lines {
+        if let Ok(text) = serde_json::to_string(l) {
+            out.push_str(&text);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 /// SplitMix64's finaliser: the synthetic trace's ids from its seed.
 fn mix(mut x: u64) -> u64 {
     x ^= x >> 30;
@@ -307,6 +419,39 @@ mod tests {
                 last.insert(session, (turn, ids));
             }
             assert!(pairs > 40, "{pairs}");
+        }
+    }
+
+    #[test]
+    fn the_conversation_shape_is_the_production_traces() {
+        let lines = parse(&conversation_like(1895, 1, true)).unwrap();
+        let s = sessions(&lines);
+        let mut turns: HashMap<usize, usize> = HashMap::new();
+        for &(session, _) in &s {
+            *turns.entry(session).or_default() += 1;
+        }
+        let single = turns.values().filter(|&&n| n == 1).count();
+        let mut blocks: Vec<usize> = lines.iter().map(|l| l.hash_ids.len()).collect();
+        blocks.sort_unstable();
+        let median = blocks[blocks.len() / 2];
+        eprintln!(
+            "{} requests, {} conversations, {single} single-turn, median {median} blocks, max {}",
+            lines.len(),
+            turns.len(),
+            blocks[blocks.len() - 1]
+        );
+        assert_eq!(turns.len(), 1895);
+        assert!((1300..1500).contains(&single), "{single}");
+        assert!((2500..3000).contains(&lines.len()), "{}", lines.len());
+        assert!((13..=19).contains(&median), "{median}");
+        assert!(blocks[blocks.len() - 1] <= 241);
+        // One shared block, then each conversation's own.
+        let mut owner: HashMap<u64, usize> = HashMap::new();
+        for (line, &(session, _)) in lines.iter().zip(&s) {
+            assert_eq!(line.hash_ids[0], 1);
+            for id in &line.hash_ids[1..] {
+                assert_eq!(*owner.entry(*id).or_insert(session), session);
+            }
         }
     }
 
