@@ -99,6 +99,7 @@ impl AdminApp {
                     "draining": b.draining(),
                     "move_sessions": b.stats.move_on_drain.load(Ordering::Relaxed),
                     "in_flight": b.in_flight(),
+                    "awaiting_first_byte": b.stats.progress.awaiting(),
                     "bindings": per_backend.get(&(t.index, b.slot)).copied().unwrap_or(0),
                     "admission": {
                         "running": admission.1,

@@ -514,6 +514,29 @@ impl Gateway {
         }
     }
 
+    /// Eject the backends that stopped answering (`upstream::stall`): their
+    /// waiters are placed again, their sessions rebind at their next turn.
+    pub fn eject_stalled(&self) {
+        let routing = self.routing();
+        let cfg = &routing.config.outlier;
+        let now = crate::clock::now_ms();
+        for tier in &routing.tiers {
+            for (b, silent, span) in tier.eject_stalled(cfg, now) {
+                log::warn!(
+                    "backend {} ejected for {} s: no first byte for {} ms with {} requests waiting",
+                    b.id,
+                    span.as_secs(),
+                    silent,
+                    b.stats.progress.awaiting()
+                );
+                self.metrics
+                    .backend_ejections
+                    .with_label_values(&[&tier.name, &b.id])
+                    .inc();
+            }
+        }
+    }
+
     /// The routing snapshot requests are served with now.
     pub fn routing(&self) -> Arc<Routing> {
         self.routing.load_full()

@@ -377,7 +377,8 @@ impl ServeHttp for MetricsApp {
 }
 
 /// Removes expired bindings in the background, a bounded batch at a time,
-/// and ends the probation of new keyless conversations that never went on.
+/// ends the probation of new keyless conversations that never went on, and
+/// ejects backends that stopped answering.
 struct Sweeper(Arc<Gateway>);
 
 #[async_trait]
@@ -391,6 +392,7 @@ impl BackgroundService for Sweeper {
                     self.0.affinity.sweep();
                     self.0.prefix.sweep();
                     self.0.responses.sweep(crate::clock::now_ms());
+                    self.0.eject_stalled();
                 }
             }
         }

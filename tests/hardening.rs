@@ -769,3 +769,115 @@ async fn a_backend_response_header_over_the_cap_is_a_502() {
     assert_eq!(r.json()["error"]["code"], "backend_error");
     assert!(r.headers.get("x-big").is_none());
 }
+
+/// Polls `ready` (a readiness check, not a timing) up to 30 s.
+async fn until(mut ready: impl AsyncFnMut() -> bool, what: &str) {
+    for _ in 0..600 {
+        if ready().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("never: {what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_backend_is_ejected_by_its_silence_and_its_sessions_served_elsewhere() {
+    // The default read timeout (10 minutes) and first-byte bound (learned:
+    // 5 s here); admission holds 2 requests per backend, waiters up to 20 s.
+    let sections = format!(
+        "{FAST_HEALTH}{}admission:\n  enabled: true\n  max_in_flight: 2\n  max_wait_ms: 20000\n",
+        affinity_yaml(1800)
+    );
+    let (sims, gw) = fleet_serving(3, "", &sections).await;
+    let client = client();
+    // Sessions until one backend holds five; each first turn answered
+    // (what teaches the backends' first bytes).
+    let mut by_backend: std::collections::HashMap<String, Vec<String>> = Default::default();
+    let mut n = 0;
+    let (hung, sessions) = loop {
+        let id = format!("s-stall-{n}");
+        n += 1;
+        let r = chat(&client, &gw, &[(SESSION, &id)], &chat_body("m", 0)).await;
+        assert_eq!(r.status, 200);
+        let held = by_backend.entry(r.backend.unwrap()).or_default();
+        held.push(id);
+        if held.len() == 5 {
+            let (b, s) = by_backend.into_iter().find(|(_, s)| s.len() == 5).unwrap();
+            break (b, s);
+        }
+    };
+    // It stops answering /v1; /health stays 200.
+    sim(&sims, &hung).set_faults(json!({"hang": true})).await;
+    let started = std::time::Instant::now();
+    let send = |id: &str, turn: usize| {
+        let (client, url, id) = (
+            client.clone(),
+            gw.url("/v1/chat/completions"),
+            id.to_string(),
+        );
+        tokio::spawn(async move {
+            let r = client
+                .post(url)
+                .header(SESSION, id)
+                .json(&chat_body("m", turn))
+                .send()
+                .await;
+            let at = started.elapsed();
+            r.map(|r| {
+                let backend = r
+                    .headers()
+                    .get("x-agent-serve-backend")
+                    .map(|v| v.to_str().unwrap().to_string());
+                (r.status().as_u16(), backend, at)
+            })
+        })
+    };
+    // Two turns take its two slots and hang there (never re-sent: they
+    // may be running)...
+    let hanging: Vec<_> = sessions[..2].iter().map(|s| send(s, 1)).collect();
+    until(
+        async || gw.admin_backend(&hung).await["awaiting_first_byte"] == 2,
+        "two requests awaiting their first byte",
+    )
+    .await;
+    // ...three more of its sessions' turns wait for a slot there.
+    let waiters: Vec<_> = sessions[2..].iter().map(|s| send(s, 1)).collect();
+    until(
+        async || gw.admin_backend(&hung).await["admission"]["waiting"] == 3,
+        "three waiters",
+    )
+    .await;
+    // Each waiter is served by another backend: not a 429 at its 20 s
+    // deadline, nor 10 minutes of read timeout.
+    for w in waiters {
+        let (status, backend, at) = w.await.unwrap().expect("an answer");
+        println!("waiter served by {backend:?} {at:?} after the backend hung");
+        assert_eq!(status, 200);
+        assert_ne!(backend.as_deref(), Some(hung.as_str()));
+    }
+    let admin = gw.admin_backend(&hung).await;
+    assert_eq!(admin["healthy"], false, "{admin}");
+    assert_eq!(admin["health_checks_pass"], true, "{admin}");
+    let labels = format!("{{backend=\"{hung}\",tier=\"default\"}}");
+    assert_eq!(
+        gw.metric(&format!("agentserve_backend_ejections_total{labels}"))
+            .await,
+        1.0
+    );
+    // Every later turn of its sessions goes elsewhere at once, the two
+    // whose turns still hang included.
+    for id in &sessions {
+        let r = chat(&client, &gw, &[(SESSION, id)], &chat_body("m", 2)).await;
+        assert_eq!(r.status, 200);
+        assert_ne!(r.backend.as_deref(), Some(hung.as_str()));
+    }
+    assert!(
+        gw.metric("agentserve_affinity_broken_total{tier=\"default\"}")
+            .await
+            >= 5.0
+    );
+    for h in hanging {
+        h.abort();
+    }
+}

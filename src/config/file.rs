@@ -130,6 +130,8 @@ pub(crate) struct FileOutlier {
     pub(crate) base_ejection_ms: u64,
     pub(crate) max_ejection_ms: u64,
     pub(crate) max_ejected_percent: u32,
+    /// 0: learned.
+    pub(crate) first_byte_timeout_ms: u64,
 }
 
 impl Default for FileOutlier {
@@ -141,6 +143,7 @@ impl Default for FileOutlier {
             base_ejection_ms: d.base_ejection.as_millis() as u64,
             max_ejection_ms: d.max_ejection.as_millis() as u64,
             max_ejected_percent: d.max_ejected_percent,
+            first_byte_timeout_ms: 0,
         }
     }
 }

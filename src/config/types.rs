@@ -23,6 +23,10 @@ pub struct OutlierConfig {
     pub base_ejection: Duration,
     pub max_ejection: Duration,
     pub max_ejected_percent: u32,
+    /// A backend that answers no first byte for this long while requests
+    /// wait for one is ejected (`upstream::stall`); `None`: learned from
+    /// its own first bytes.
+    pub first_byte_timeout: Option<Duration>,
 }
 
 impl Default for OutlierConfig {
@@ -33,6 +37,7 @@ impl Default for OutlierConfig {
             base_ejection: Duration::from_secs(30),
             max_ejection: Duration::from_secs(300),
             max_ejected_percent: 50,
+            first_byte_timeout: None,
         }
     }
 }

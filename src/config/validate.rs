@@ -148,6 +148,8 @@ pub(super) fn validate_outlier(o: &FileOutlier, errors: &mut Vec<ConfigError>) -
         base_ejection: Duration::from_millis(o.base_ejection_ms),
         max_ejection: Duration::from_millis(o.max_ejection_ms),
         max_ejected_percent: o.max_ejected_percent.min(100),
+        first_byte_timeout: (o.first_byte_timeout_ms > 0)
+            .then(|| Duration::from_millis(o.first_byte_timeout_ms)),
     }
 }
 

@@ -9,6 +9,7 @@ pub mod cost;
 pub mod health;
 pub mod load;
 pub mod outlier;
+pub mod stall;
 pub mod stats;
 
 pub use stats::{BackendStats, InFlight, REUSES_ON_PROBATION};
@@ -229,6 +230,38 @@ impl Tier {
     pub fn may_eject(&self, max_percent: u32) -> bool {
         let out = self.backends.iter().filter(|b| !self.healthy(b)).count();
         outlier::may_eject(self.backends.len(), out, max_percent)
+    }
+
+    /// Eject each backend that has stalled (`stall`): requests wait there
+    /// and it has given no first byte for its bound. Returns those ejected,
+    /// with their silence (ms) and how long they are out.
+    pub fn eject_stalled(
+        &self,
+        cfg: &crate::config::OutlierConfig,
+        now_ms: u64,
+    ) -> Vec<(Arc<Backend>, u64, std::time::Duration)> {
+        let mut out = Vec::new();
+        for b in &self.backends {
+            let s = &b.stats;
+            let queued_ms = s
+                .cost
+                .learned_us_per_token()
+                .map_or(0, |us| (s.cost.queued_tokens() as f64 * us / 1000.0) as u64);
+            let bound = s.progress.bound(cfg.first_byte_timeout, queued_ms);
+            let Some(silent) = s
+                .progress
+                .stalled(now_ms, bound, s.outlier.ejection_end_ms())
+            else {
+                continue;
+            };
+            let ejected = s.outlier.eject_stalled(&self.ejections, cfg, now_ms, || {
+                self.may_eject(cfg.max_ejected_percent)
+            });
+            if let Some(span) = ejected {
+                out.push((Arc::clone(b), silent, span));
+            }
+        }
+        out
     }
 
     pub fn backend_by_slot(&self, slot: u32) -> Option<&Arc<Backend>> {

@@ -129,6 +129,32 @@ impl OutlierState {
         self.record(outcome, cfg, now_ms, may_eject)
     }
 
+    /// Eject it now, as `consecutive_failures` failed requests in a row
+    /// would (a backend that stalled: `super::stall`), through `gate` like
+    /// [`Self::record_in`]. Where `may_eject` refuses, it counts as
+    /// failing, so its sessions still leave it.
+    pub fn eject_stalled(
+        &self,
+        gate: &EjectionGate,
+        cfg: &OutlierConfig,
+        now_ms: u64,
+        may_eject: impl FnOnce() -> bool,
+    ) -> Option<Duration> {
+        if !cfg.enabled || self.ejected(now_ms) {
+            return None;
+        }
+        let _one = gate.0.lock();
+        let before = cfg.consecutive_failures.saturating_sub(1);
+        self.consecutive.fetch_max(before, Ordering::Relaxed);
+        self.record(Outcome::Failure, cfg, now_ms, may_eject)
+    }
+
+    /// When its last ejection ended (or ends), gateway clock ms; 0: never
+    /// ejected.
+    pub fn ejection_end_ms(&self) -> u64 {
+        self.ejected_until_ms.load(Ordering::Relaxed)
+    }
+
     /// Whether its last `consecutive_failures` requests in a row failed,
     /// ejected or not: a backend the ejection cap keeps in still fails its
     /// sessions, which then move (see `Candidate::failing`).

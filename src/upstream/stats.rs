@@ -38,6 +38,8 @@ pub struct BackendStats {
     pub cost: cost::CostEstimate,
     /// Passive health: ejected after consecutive failed requests.
     pub outlier: outlier::OutlierState,
+    /// Whether it still answers at all: see [`super::stall`].
+    pub progress: super::stall::Progress,
 }
 
 impl BackendStats {
@@ -54,6 +56,7 @@ impl BackendStats {
             engine: Default::default(),
             cost: Default::default(),
             outlier: Default::default(),
+            progress: Default::default(),
         }
     }
 }
@@ -79,6 +82,8 @@ pub struct InFlight {
     pub sent: Instant,
     /// Its estimated uncached tokens.
     pub tokens: u64,
+    /// Sent, no first byte back yet (counted in [`BackendStats::progress`]).
+    awaiting: bool,
 }
 
 impl InFlight {
@@ -96,11 +101,17 @@ impl InFlight {
             },
             sent: Instant::now(),
             tokens,
+            awaiting: stats.progress.sent(crate::clock::now_ms()),
         }
     }
 
     /// The first byte came back: its prefill no longer waits ahead of others.
     pub fn prefilled(&mut self) {
+        if std::mem::take(&mut self.awaiting) {
+            let now_ms = crate::clock::now_ms();
+            let took_ms = self.sent.elapsed().as_millis() as u64;
+            self.stats.progress.answered(now_ms, took_ms);
+        }
         let ticket = std::mem::take(&mut self.queued.ticket);
         if ticket != 0 {
             self.out_of_order = !self.stats.cost.dequeue(ticket);
@@ -136,6 +147,9 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         // Still queued: it ended without a first byte.
+        if self.awaiting {
+            self.stats.progress.abandoned();
+        }
         self.stats
             .cost
             .abandon(std::mem::take(&mut self.queued.ticket));
