@@ -1225,3 +1225,68 @@ async fn turned_on_it_prefills_one_at_a_time_only_where_the_engine_queues_prefil
     assert_eq!(b["prefill_source"], "learned", "{b}");
     assert_eq!(b["max_prefilling"], 0, "after {round} rounds: {b}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_spends_its_tenants_tokens_while_it_runs() {
+    // 1,000 tokens a minute; a session's later turn streams 3,000 tokens
+    // without usage, its body unread (its max_tokens unknown up front).
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.yaml");
+    std::fs::write(
+        &keys,
+        keys_file(&[("sk-metered", "metered", "    tokens_per_minute: 1000\n")]),
+    )
+    .unwrap();
+    let sim = SimBackend::start("vllm-0", &["--decode-us-per-token", "1000"]);
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &[&sim])],
+        &format!(
+            "{FAST_HEALTH}{}auth:\n  keys_file: \"{}\"\n  required: true\n",
+            affinity_yaml(1800),
+            keys.display()
+        ),
+    )
+    .await;
+    let key = ("authorization", "Bearer sk-metered");
+    let session = ("x-session-id", "long-answers");
+    let first = chat(&client(), &gw, &[key, session], &chat_body("qwen3-8b", 0)).await;
+    assert_eq!(first.status, 200);
+    let resp = client()
+        .post(gw.url("/v1/chat/completions"))
+        .header(key.0, key.1)
+        .header(session.0, session.1)
+        .json(&long_stream(1, 3000))
+        .send()
+        .await
+        .expect("stream starts");
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    // Ten short requests of the key, one each 250 tokens of the stream
+    // from its 300th: sent while it runs.
+    let (mut events, mut next_at, mut statuses) = (0, 300, Vec::new());
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.expect("bytes");
+        events += chunk.windows(5).filter(|w| w == b"data:").count();
+        if events >= next_at && statuses.len() < 10 {
+            let id = format!("short-{}", statuses.len());
+            let r = chat(
+                &client(),
+                &gw,
+                &[key, ("x-session-id", id.as_str())],
+                &chat_body("qwen3-8b", 0),
+            )
+            .await;
+            statuses.push(r.status);
+            next_at += 250;
+        }
+    }
+    assert!(events >= 3000, "{events} events");
+    assert_eq!(statuses.len(), 10, "sent during the stream");
+    let served = statuses.iter().filter(|&&s| s == 200).count();
+    println!("{served} of 10 served during the stream: {statuses:?}");
+    assert!(served <= 1, "{served} of 10 served: {statuses:?}");
+    assert!(
+        statuses.iter().all(|&s| s == 200 || s == 429),
+        "{statuses:?}"
+    );
+}

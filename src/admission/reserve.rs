@@ -125,16 +125,42 @@ impl Reservation {
             Book::Local => c.charge_tokens(charged.min(i64::MAX as u64) as i64),
         }
         if c.counts_tokens() {
-            self.tally = Some(TokenTally::new(charged, prompt));
+            self.tally = Some(TokenTally {
+                max_output,
+                ..TokenTally::new(charged, prompt)
+            });
         }
         Ok(())
     }
 
     /// A chunk of the answer came back (its tokens, for an answer without
-    /// usage).
+    /// usage). Once what came back and what is still to come outgrow the
+    /// charge by [`CHARGE_STEP`], the tenant is charged the difference now:
+    /// a long answer spends its tenant's budget while it streams, and the
+    /// tenant's next requests are refused once it is spent, not after the
+    /// stream ends.
     pub fn saw(&mut self, chunk: &[u8], streamed: bool) {
-        if let Some(tally) = self.tally.as_mut() {
-            tally.saw(chunk, streamed);
+        let Some(tally) = self.tally.as_mut() else {
+            return;
+        };
+        tally.saw(chunk, streamed);
+        let more = tally.projected().saturating_sub(tally.charged);
+        if more < CHARGE_STEP {
+            return;
+        }
+        tally.charged += more;
+        let more = more.min(i64::MAX as u64) as i64;
+        match &self.book {
+            Book::None => {}
+            Book::Local => self.client.charge_tokens(more),
+            Book::Fleet(store) => {
+                let (store, client) = (Arc::clone(store), Arc::clone(&self.client));
+                tokio::spawn(async move {
+                    if store.charge(&client, more).await.is_err() {
+                        client.charge_tokens(more);
+                    }
+                });
+            }
         }
     }
 
@@ -157,17 +183,25 @@ impl Reservation {
     }
 }
 
+/// Tokens an answer's projected use must outgrow its charge by before the
+/// difference is charged while it streams (a lock, or a store round trip,
+/// per step, not per chunk).
+pub const CHARGE_STEP: u64 = 32;
+
 /// A request's tokens against its tenant's `tokens_per_minute`: charged an
-/// estimate when admitted, settled by its `usage` when it ends, or, for an
+/// estimate when admitted, more as its answer outgrows it, settled by its `usage` when it ends, or, for an
 /// answer without one (a stream without `stream_options.include_usage`,
 /// the SDKs' default), by what came back: an SSE event a token, else 4
 /// bytes a token.
 #[derive(Default)]
 pub struct TokenTally {
-    /// What the tenant was charged up front: the prompt and `max_tokens`.
+    /// What the tenant has been charged: up front the prompt and
+    /// `max_tokens`, then more as the answer outgrows it.
     pub charged: u64,
     /// The prompt's estimate.
     pub prompt: u64,
+    /// The output the request asked for at most, if it said.
+    pub max_output: Option<u64>,
     /// What came back.
     events: u64,
     bytes: u64,
@@ -194,6 +228,22 @@ impl TokenTally {
         }
     }
 
+    /// What it will have used, as far as can be told while it streams:
+    /// the prompt, what came back, and as much again as came back (or the
+    /// rest of its `max_tokens`, when it set one): a stream that has run
+    /// for a while is expected to run as long again.
+    pub fn projected(&self) -> u64 {
+        let out = match self.events {
+            0 => self.bytes / crate::affinity::prefix::prompt::BYTES_PER_TOKEN,
+            events => events,
+        };
+        let left = match self.max_output {
+            Some(max) => max.saturating_sub(out),
+            None => out,
+        };
+        self.prompt + out + left
+    }
+
     /// What it used: its usage (`prompt + completion` tokens), else an
     /// estimate from what came back (nothing, when nothing did: the engine
     /// computed nothing to bill).
@@ -216,6 +266,22 @@ impl TokenTally {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stream_is_projected_to_run_as_long_again_or_to_its_max_tokens() {
+        let mut t = TokenTally::new(300, 300);
+        let events = |n: usize| "data: {}\n\n".repeat(n).into_bytes();
+        t.saw(&events(100), true);
+        assert_eq!(t.projected(), 300 + 100 + 100);
+        t.max_output = Some(150);
+        assert_eq!(t.projected(), 300 + 100 + 50);
+        t.saw(&events(100), true);
+        assert_eq!(t.projected(), 300 + 200, "past its max_tokens: what came");
+        // JSON, no events: 4 bytes a token.
+        let mut j = TokenTally::new(0, 10);
+        j.saw(&[b'x'; 400], false);
+        assert_eq!(j.projected(), 10 + 100 + 100);
+    }
 
     #[test]
     fn a_stream_without_usage_is_settled_by_its_events() {
