@@ -938,11 +938,20 @@ impl Relay {
                 let frozen = Arc::clone(&frozen);
                 std::thread::spawn(move || {
                     let mut buf = [0u8; 16384];
+                    // A subscription that lost bytes is dead for good, as
+                    // a connection that died unnoticed is: thawing the
+                    // relay does not bring back what it swallowed (a
+                    // gateway that noticed an earlier, spurious silence
+                    // would else carry on without the messages it missed).
+                    let mut dead = false;
                     while let Ok(n) = server.read(&mut buf) {
                         if n == 0 {
                             break;
                         }
-                        if subscriber.load(Ordering::SeqCst) && frozen.load(Ordering::SeqCst) {
+                        if subscriber.load(Ordering::SeqCst)
+                            && (dead || frozen.load(Ordering::SeqCst))
+                        {
+                            dead = true;
                             continue; // swallowed: the subscriber hears nothing
                         }
                         if client.write_all(&buf[..n]).is_err() {
