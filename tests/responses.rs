@@ -304,11 +304,23 @@ async fn websocket(
     String,
     agent_gateway_tools::ws::Socket<tokio::io::BufReader<tokio::net::TcpStream>>,
 ) {
+    let session = session.map_or(String::new(), |s| format!("x-session-id: {s}\r\n"));
+    websocket_with(gw, &session).await
+}
+
+/// [`websocket`] with `extra` header lines (each ending in CRLF).
+async fn websocket_with(
+    gw: &Gateway,
+    extra: &str,
+) -> (
+    String,
+    agent_gateway_tools::ws::Socket<tokio::io::BufReader<tokio::net::TcpStream>>,
+) {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
     let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
         .await
         .unwrap();
-    let session = session.map_or(String::new(), |s| format!("x-session-id: {s}\r\n"));
+    let session = extra;
     let head = format!(
         "GET /v1/responses HTTP/1.1\r\nhost: 127.0.0.1\r\nupgrade: websocket\r\n\
          connection: Upgrade\r\nsec-websocket-version: 13\r\n\
@@ -468,4 +480,60 @@ async fn a_keyless_socket_teaches_its_response_ids_and_idles_between_turns() {
         socket.send_text(&big.to_string()).await.unwrap();
         assert_eq!(socket.recv_text().await.ok().flatten(), None);
     }
+}
+
+/// A key's limits hold on a WebSocket while it is open: each turn is a
+/// request and its usage is charged as it comes back, and a turn over a
+/// limit ends the socket (the key's HTTP requests are refused too).
+#[tokio::test]
+async fn a_sockets_turns_count_against_its_keys_limits_while_it_is_open() {
+    let (_dir, _sims, gw) = fleet_with_keys(&[
+        ("sk-turns", "turns", "    requests_per_minute: 3\n"),
+        ("sk-tokens", "tokens", "    tokens_per_minute: 100\n"),
+    ])
+    .await;
+    let turn = |t: usize| json!({"model": "m", "input": format!("turn {t}: go on"), "max_output_tokens": 4});
+    // Three requests a minute: the upgrade and its first turn are one, two
+    // more turns pass, the fourth ends the socket.
+    let (_, mut socket) = websocket_with(&gw, "authorization: Bearer sk-turns\r\n").await;
+    for t in 0..3 {
+        socket_turn(&mut socket, turn(t)).await;
+    }
+    let mut fourth = turn(3);
+    fourth["type"] = json!("response.create");
+    socket.send_text(&fourth.to_string()).await.unwrap();
+    assert_eq!(
+        socket.recv_text().await.ok().flatten(),
+        None,
+        "socket ended"
+    );
+    // 100 tokens a minute: a turn of about 200 is charged as its usage
+    // comes back; the next turn ends the socket.
+    let long = json!({"model": "m", "input": "look at the failing test ".repeat(30), "max_output_tokens": 4});
+    let (_, mut socket) = websocket_with(&gw, "authorization: Bearer sk-tokens\r\n").await;
+    socket_turn(&mut socket, long.clone()).await;
+    let mut next = long.clone();
+    next["type"] = json!("response.create");
+    socket.send_text(&next.to_string()).await.unwrap();
+    assert_eq!(
+        socket.recv_text().await.ok().flatten(),
+        None,
+        "socket ended"
+    );
+    // Both keys are spent for HTTP too.
+    for key in ["sk-turns", "sk-tokens"] {
+        let r = client()
+            .post(gw.url("/v1/responses"))
+            .header("authorization", format!("Bearer {key}"))
+            .json(&turn(9))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 429, "{key}");
+    }
+    let rejected = |tenant: &str, limit: &str| {
+        format!("agentserve_client_rejected_total{{reason=\"{limit}\",tenant=\"{tenant}\"}}")
+    };
+    assert!(gw.metric(&rejected("turns", "requests_per_minute")).await >= 2.0);
+    assert!(gw.metric(&rejected("tokens", "tokens_per_minute")).await >= 2.0);
 }

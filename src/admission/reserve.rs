@@ -51,6 +51,8 @@ pub struct Reservation {
     _slot: TenantSlot,
     /// Its tokens, when its tenant counts them.
     tally: Option<TokenTally>,
+    /// A WebSocket's turns so far (`response.create` messages).
+    socket_turns: u64,
 }
 
 impl OverLimit {
@@ -92,6 +94,7 @@ impl Reservation {
             book,
             _slot: slot,
             tally: None,
+            socket_turns: 0,
         })
     }
 
@@ -149,15 +152,62 @@ impl Reservation {
             return;
         }
         tally.charged += more;
-        let more = more.min(i64::MAX as u64) as i64;
+        self.charge_now(more);
+    }
+
+    /// Turns begun on a WebSocket after its first (the upgrade was counted
+    /// as the first): each one request of its tenant. `Err` (the 429 that
+    /// ends the socket) once a per-minute limit refuses one.
+    pub async fn socket_turns(
+        &mut self,
+        turns: u64,
+        metrics: &Metrics,
+    ) -> Result<(), GatewayError> {
+        let c = Arc::clone(&self.client);
+        let refuse = |e: OverLimit| e.answer(&c, metrics);
+        let new = match self.socket_turns {
+            0 => turns - 1,
+            _ => turns,
+        };
+        self.socket_turns += turns;
+        for _ in 0..new {
+            match &self.book {
+                Book::None => {}
+                Book::Fleet(store) => match store.take(&c, 0).await {
+                    Ok(taken) => taken.map_err(refuse)?,
+                    Err(_) => c.take_rates().map_err(refuse)?,
+                },
+                Book::Local => c.take_rates().map_err(refuse)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Charge what a socket's turns reported using so far, `used` tokens in
+    /// all, beyond what it was charged already.
+    pub fn charge_up_to(&mut self, used: u64) {
+        let Some(tally) = self.tally.as_mut() else {
+            return;
+        };
+        let more = used.saturating_sub(tally.charged);
+        if more == 0 {
+            return;
+        }
+        tally.charged += more;
+        self.charge_now(more);
+    }
+
+    /// Debit `tokens` now, where the request's limits are kept.
+    fn charge_now(&self, tokens: u64) {
+        let tokens = tokens.min(i64::MAX as u64) as i64;
         match &self.book {
             Book::None => {}
-            Book::Local => self.client.charge_tokens(more),
+            Book::Local => self.client.charge_tokens(tokens),
             Book::Fleet(store) => {
                 let (store, client) = (Arc::clone(store), Arc::clone(&self.client));
                 tokio::spawn(async move {
-                    if store.charge(&client, more).await.is_err() {
-                        client.charge_tokens(more);
+                    if store.charge(&client, tokens).await.is_err() {
+                        client.charge_tokens(tokens);
                     }
                 });
             }

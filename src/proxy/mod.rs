@@ -82,7 +82,9 @@ impl ProxyHttp for GatewayProxy {
         end_of_stream: bool,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        request::body_filter(body, end_of_stream, ctx).map_err(|e| peer::fail(ctx, e))
+        request::body_filter(&self.gw, body, end_of_stream, ctx)
+            .await
+            .map_err(|e| peer::fail(ctx, e))
     }
 
     async fn upstream_peer(

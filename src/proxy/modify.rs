@@ -269,7 +269,11 @@ fn read_chunk(gw: &Gateway, chunk: &Bytes, ctx: &mut RequestCtx) {
         scanner.push(chunk);
     }
     if let Some(r) = ctx.who.reservation.as_mut() {
-        r.saw(chunk, answer.streamed);
+        match answer.websocket.as_ref() {
+            // A socket's turns are charged as their usage comes back.
+            Some(ws) => r.charge_up_to(ws.used_tokens()),
+            None => r.saw(chunk, answer.streamed),
+        }
     }
     let Some(scanner) = answer.response_id.as_mut() else {
         return;

@@ -252,7 +252,8 @@ async fn pre_read(
 /// streaming through is held to `server.max_body_bytes` (a socket's, one
 /// message at a time) and looked at for what admission and a sampled span
 /// want of it.
-pub(super) fn body_filter(
+pub(super) async fn body_filter(
+    gw: &Gateway,
     body: &mut Option<Bytes>,
     end_of_stream: bool,
     ctx: &mut RequestCtx,
@@ -277,13 +278,23 @@ pub(super) fn body_filter(
         let limit = ctx.route.as_ref().map_or(u64::MAX, |r| {
             r.request().routing().config.server.max_body_bytes
         });
-        // A socket's turns are held to the limit one message at a time.
-        let over = match ctx.answer.websocket.as_mut() {
-            Some(ws) => ws.client_bytes(chunk, limit).is_err(),
-            None => ctx.body.bytes > limit,
+        // A socket's turns are held to the limit one message at a time,
+        // and each after its first (the upgrade counted that one) is a
+        // request of its tenant: over a per-minute limit, the socket ends.
+        let (over, turns) = match ctx.answer.websocket.as_mut() {
+            Some(ws) => match ws.client_bytes(chunk, limit) {
+                Ok(turns) => (false, turns),
+                Err(_) => (true, 0),
+            },
+            None => (ctx.body.bytes > limit, 0),
         };
         if over {
             return Err(GatewayError::body_too_large(limit));
+        }
+        if turns > 0 {
+            if let Some(r) = ctx.who.reservation.as_mut() {
+                r.socket_turns(turns, &gw.metrics).await?;
+            }
         }
         // A socket turn's `previous_response_id` as the engine knows it.
         if let (Some(ws), Some(route)) = (ctx.answer.websocket.as_mut(), ctx.route.as_ref()) {

@@ -376,9 +376,22 @@ impl WebSocket {
         Some(to_client.push(chunk, &mut edit))
     }
 
-    /// Bytes from the client; `Err` with the length of a message over `limit`.
-    pub fn client_bytes(&mut self, chunk: &[u8], limit: u64) -> Result<(), u64> {
-        self.sent.push(chunk, false, limit, &mut |_| {})
+    /// Bytes from the client; `Ok` with the turns they begin (each whole
+    /// `response.create` message of at most [`READ_AT_MOST`]), `Err` with
+    /// the length of a message over `limit`.
+    pub fn client_bytes(&mut self, chunk: &[u8], limit: u64) -> Result<u64, u64> {
+        let mut turns = 0;
+        self.sent.push(chunk, true, limit, &mut |m| {
+            turns += is_event(m, b"\"response.create\"") as u64;
+        })?;
+        Ok(turns)
+    }
+
+    /// The tokens the backend's messages reported so far (prompt and
+    /// completion, every turn of the socket).
+    pub fn used_tokens(&self) -> u64 {
+        self.usage
+            .map_or(0, |u| u.prompt_tokens + u.completion_tokens)
     }
 
     /// Bytes from the backend; `created` gets each response id it announces.
@@ -543,17 +556,37 @@ mod tests {
         // Many messages under the limit: far more than it in all.
         for _ in 0..50 {
             let m = frame(1, true, &[b'a'; 900], mask);
-            assert_eq!(ws.client_bytes(&m, 1000), Ok(()));
+            assert_eq!(ws.client_bytes(&m, 1000), Ok(0));
         }
         // One message over it, in two frames: refused at the second.
         assert_eq!(
             ws.client_bytes(&frame(1, false, &[b'a'; 600], mask), 1000),
-            Ok(())
+            Ok(0)
         );
         assert_eq!(
             ws.client_bytes(&frame(0, true, &[b'a'; 600], mask), 1000),
             Err(1200)
         );
+    }
+
+    #[test]
+    fn a_client_turn_is_a_whole_response_create_message() {
+        let mask = Some([9, 8, 7, 6]);
+        let mut ws = WebSocket::default();
+        let create = br#"{"type": "response.create", "input": "go on"}"#;
+        // Split over two frames (and two reads): one turn, at its end.
+        assert_eq!(
+            ws.client_bytes(&frame(1, false, &create[..10], mask), 1000),
+            Ok(0)
+        );
+        assert_eq!(
+            ws.client_bytes(&frame(0, true, &create[10..], mask), 1000),
+            Ok(1)
+        );
+        // A message that only names the event in its text is no turn.
+        let other =
+            br#"{"type": "conversation.item.create", "text": "\"type\": \"response.create\""}"#;
+        assert_eq!(ws.client_bytes(&frame(1, true, other, mask), 1000), Ok(0));
     }
 
     #[test]
