@@ -20,8 +20,11 @@
 //! has answered anything, [`UNLEARNED`]. The whole backend's silence counts,
 //! not one request's wait: a backend that answers others is slow for that
 //! request, not hung. A prompt the gateway did not read (a keyed turn in
-//! hard mode) is not in the queue; where single prompts take longer than
-//! the floor to prefill, configure the bound.
+//! hard mode) is not in the queue, and a JSON answer's first byte comes
+//! only after its whole generation: a backend with nothing else in flight
+//! that spends longer than the bound on one such request reads as hung
+//! (its peak teaches the bound from then on). Where that is the workload,
+//! configure the bound.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

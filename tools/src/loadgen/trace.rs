@@ -292,15 +292,7 @@ pub fn mooncake_like(conversations: usize, seed: u64, reblock: bool) -> String {
             at += 500.0 + next(2_500) as f64;
         }
     }
-    lines.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
-    let mut out = String::new();
-    for l in &lines {
-        if let Ok(text) = serde_json::to_string(l) {
-            out.push_str(&text);
-            out.push('\n');
-        }
-    }
-    out
+    jsonl(lines)
 }
 
 /// A generated trace in the Mooncake format shaped like a production chat
@@ -357,15 +349,7 @@ pub fn conversation_like(conversations: usize, seed: u64, reblock: bool) -> Stri
             at += 5_000.0 + unit() * 115_000.0;
         }
     }
-    lines.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
-    let mut out = String::new();
-    for l in &lines {
-        if let Ok(text) = serde_json::to_string(l) {
-            out.push_str(&text);
-            out.push('\n');
-        }
-    }
-    out
+    jsonl(lines)
 }
 
 /// SplitMix64's finaliser: the synthetic trace's ids from its seed.
@@ -375,6 +359,19 @@ fn mix(mut x: u64) -> u64 {
     x ^= x >> 27;
     x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
     x ^ (x >> 31)
+}
+
+/// `lines` in time order, one JSON object a line.
+fn jsonl(mut lines: Vec<TraceLine>) -> String {
+    lines.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
+    let mut out = String::new();
+    for l in &lines {
+        if let Ok(text) = serde_json::to_string(l) {
+            out.push_str(&text);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 #[cfg(test)]
