@@ -293,3 +293,63 @@ async fn sessions_leave_a_failing_backend_the_ejection_cap_keeps_in() {
         "sessions rebound"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_its_backend_died_running_is_never_sent_to_another() {
+    let (mut sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let client = client();
+    // The session's first turn leaves a pooled connection to its backend.
+    let first = chat(
+        &client,
+        &gw,
+        &[("x-session-id", "running")],
+        &chat_body("m", 0),
+    )
+    .await;
+    assert_eq!(first.status, 200);
+    let victim = first.backend.unwrap();
+    let v = sims.iter().position(|s| s.id == victim).unwrap();
+    // Its next turn reaches it and runs there (it never answers)...
+    sims[v].set_faults(json!({"hang": true})).await;
+    let mut before = Vec::new();
+    for s in &sims {
+        before.push(s.stats().await["requests"].as_u64().unwrap());
+    }
+    let turn = {
+        let (client, url) = (client.clone(), gw.url("/v1/chat/completions"));
+        tokio::spawn(async move {
+            let r = client
+                .post(url)
+                .header("x-session-id", "running")
+                .json(&chat_body("m", 1))
+                .send()
+                .await
+                .unwrap();
+            reply(r).await
+        })
+    };
+    let mut running = false;
+    for _ in 0..600 {
+        if sims[v].stats().await["requests"].as_u64().unwrap() > before[v] {
+            running = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(running, "the turn never reached it");
+    // ...and the backend dies under it: the client hears so, and no other
+    // backend is sent what may have run.
+    sims[v].kill();
+    let r = turn.await.unwrap();
+    assert_eq!(r.status, 502, "{}", String::from_utf8_lossy(&r.body));
+    for (i, s) in sims.iter().enumerate() {
+        if i != v {
+            assert_eq!(
+                s.stats().await["requests"].as_u64().unwrap(),
+                before[i],
+                "{}",
+                s.id
+            );
+        }
+    }
+}

@@ -32,6 +32,9 @@ pub struct Answer {
     pub(super) ids: Option<IdRewriter>,
     /// The backend switched protocols: the socket's frames, followed.
     pub(super) websocket: Option<Box<WebSocket>>,
+    /// The attempt failed on a pooled connection found closed before the
+    /// request was written: nothing of it reached the backend.
+    pub(super) unsent: bool,
 }
 
 impl Answer {

@@ -116,6 +116,7 @@ impl ProxyHttp for GatewayProxy {
             {
                 if upstream_conn::peer_closed(fd, peer.is_tls()) {
                     upstream_conn::closes_pooled(&b.stats);
+                    ctx.answer.unsent = true;
                     return Err(upstream_conn::closed_in_pool());
                 }
             }

@@ -51,6 +51,10 @@ pub(super) async fn choose(
     let routing = Arc::clone(route.request().routing());
     let admission = routing.config.admission.enabled;
     let prompt = route.request().prompt_tokens();
+    // A replay whose first attempt may have reached its backend (see
+    // `proxy_error`) goes only there: that backend may have begun running
+    // it, so it is never sent to another (gone meanwhile: a 502).
+    let replay_of = route.pinned.then(|| route.backend().map(|b| b.slot));
     let prefill = loop {
         let who = admission.then_some((ctx.who.class, ctx.who.tenant));
         let route = ctx.route.as_mut().expect("routed in request_filter");
@@ -72,6 +76,16 @@ pub(super) async fn choose(
     };
     let route = ctx.route.as_ref().expect("routed in request_filter");
     let backend = route.backend().expect("decided");
+    if let Some(first) = replay_of {
+        if first != Some(backend.slot) {
+            return Err(fail(
+                ctx,
+                GatewayError::upstream_failed(
+                    "the backend closed the connection and went; the request may have run there, so it is not sent to another".into(),
+                ),
+            ));
+        }
+    }
     ctx.answer.in_flight = Some(InFlight::new(
         &backend.stats,
         prefill.unwrap_or_else(|| backend.stats.cost.body_estimate(prompt)),
@@ -276,6 +290,7 @@ pub(super) fn proxy_error(
     e.set_retry(replay);
     if replay {
         route.replayed = true;
+        route.pinned = !std::mem::take(&mut ctx.answer.unsent);
         if let Some(backend) = route.backend() {
             upstream_conn::stop_reusing(&backend.stats);
             gw.metrics
