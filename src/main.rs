@@ -9,6 +9,24 @@ use std::process::ExitCode;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+// mimalloc's options (the v3 sources libmimalloc-sys builds: `mi_option_e`
+// in its mimalloc.h), set through its C API.
+extern "C" {
+    fn mi_option_set(option: std::ffi::c_int, value: std::ffi::c_long);
+}
+const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
+
+/// Memory freed goes back to the system at once, not after mimalloc's
+/// delay (10 ms, retried only when the freeing thread allocates again):
+/// 5,000 idle client connections that closed left 526 MiB held for good.
+fn give_freed_memory_back() {
+    // SAFETY: mimalloc's documented option setters, called before any
+    // thread but this one runs; they take plain integers.
+    unsafe {
+        mi_option_set(MI_OPTION_PURGE_DELAY, 0);
+    }
+}
+
 #[derive(Parser)]
 #[command(
     name = "agent-gateway",
@@ -53,6 +71,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    give_freed_memory_back();
     agent_gateway::logging::init();
     let cli = Cli::parse();
     match cli.command {
