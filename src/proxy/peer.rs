@@ -53,8 +53,22 @@ pub(super) async fn choose(
     let prompt = route.request().prompt_tokens();
     // A replay whose first attempt may have reached its backend (see
     // `proxy_error`) goes only there: that backend may have begun running
-    // it, so it is never sent to another (gone meanwhile: a 502).
+    // it, so it is never sent to another (gone meanwhile: a 502). Every
+    // other backend is left out of its decision.
     let replay_of = route.pinned.then(|| route.backend().map(|b| b.slot));
+    if let Some(first) = replay_of {
+        let route = ctx.route.as_mut().expect("routed in request_filter");
+        let others: Vec<u32> = route
+            .tier()
+            .backends
+            .iter()
+            .map(|b| b.slot)
+            .filter(|&slot| Some(slot) != first)
+            .collect();
+        for slot in others {
+            route.exclude(slot);
+        }
+    }
     let prefill = loop {
         let who = admission.then_some((ctx.who.class, ctx.who.tenant));
         let route = ctx.route.as_mut().expect("routed in request_filter");
