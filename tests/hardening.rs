@@ -770,17 +770,6 @@ async fn a_backend_response_header_over_the_cap_is_a_502() {
     assert!(r.headers.get("x-big").is_none());
 }
 
-/// Polls `ready` (a readiness check, not a timing) up to 30 s.
-async fn until(mut ready: impl AsyncFnMut() -> bool, what: &str) {
-    for _ in 0..600 {
-        if ready().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("never: {what}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_backend_is_ejected_by_its_silence_and_its_sessions_served_elsewhere() {
     // The default read timeout (10 minutes) and first-byte bound (learned:
@@ -836,17 +825,15 @@ async fn a_hung_backend_is_ejected_by_its_silence_and_its_sessions_served_elsewh
     // Two turns take its two slots and hang there (never re-sent: they
     // may be running)...
     let hanging: Vec<_> = sessions[..2].iter().map(|s| send(s, 1)).collect();
-    until(
-        async || gw.admin_backend(&hung).await["awaiting_first_byte"] == 2,
-        "two requests awaiting their first byte",
-    )
+    wait_until("two requests awaiting their first byte", || async {
+        gw.admin_backend(&hung).await["awaiting_first_byte"] == 2
+    })
     .await;
     // ...three more of its sessions' turns wait for a slot there.
     let waiters: Vec<_> = sessions[2..].iter().map(|s| send(s, 1)).collect();
-    until(
-        async || gw.admin_backend(&hung).await["admission"]["waiting"] == 3,
-        "three waiters",
-    )
+    wait_until("three waiters", || async {
+        gw.admin_backend(&hung).await["admission"]["waiting"] == 3
+    })
     .await;
     // Each waiter is served by another backend: not a 429 at its 20 s
     // deadline, nor 10 minutes of read timeout.

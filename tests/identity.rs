@@ -10,27 +10,6 @@ use common::*;
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 
-/// Runs `script` with the engine venv's Python (`scripts/setup.sh` installs
-/// the SDKs there), the gateway's `url` as its argument; its stdout.
-async fn python(script: &str, url: &str) -> String {
-    let python = agent_gateway_tools::engine::default_python();
-    let out = tokio::process::Command::new(&python)
-        .arg("-c")
-        .arg(script)
-        .arg(url)
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap_or_else(|e| panic!("{} (run scripts/setup.sh): {e}", python.display()));
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "the SDK failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
-
 /// 16 keyless conversations × 4 turns through the Anthropic SDK, a large
 /// system prompt every conversation shares: `moving` puts the breakpoint
 /// on each turn's newest message (as clients of Anthropic's prompt caching
@@ -77,25 +56,8 @@ async fn conversations(moving: bool, in_flight: usize) -> Run {
     let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     let mode = if moving { "moving" } else { "fixed" };
     let url = gw.url("");
-    let stdout = {
-        let python = agent_gateway_tools::engine::default_python();
-        let out = tokio::process::Command::new(&python)
-            .arg("-c")
-            .arg(CONVERSATIONS)
-            .arg(&url)
-            .arg(mode)
-            .arg(in_flight.to_string())
-            .kill_on_drop(true)
-            .output()
-            .await
-            .unwrap_or_else(|e| panic!("{} (run scripts/setup.sh): {e}", python.display()));
-        assert!(
-            out.status.success(),
-            "the SDK failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let n = in_flight.to_string();
+    let stdout = python(CONVERSATIONS, &[&url, mode, &n]).await;
     let mut run = Run {
         backends: HashMap::new(),
         later_hits: 0,
@@ -203,7 +165,7 @@ for turn in range(3):
         messages=[{"role": "user", "content": f"unrelated prompt {turn}" + "!" * (turn * 50)}])
     print(raw.headers.get("x-agent-serve-affinity-hit"), raw.parse().model_extra.get("x_agent_serve", {}).get("session"))
 "#;
-    let out = python(script, &gw.url("")).await;
+    let out = python(script, &[&gw.url("")]).await;
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 3, "{out}");
     for (turn, line) in lines.iter().enumerate() {

@@ -328,15 +328,10 @@ async fn a_request_its_backend_died_running_is_never_sent_to_another() {
             reply(r).await
         })
     };
-    let mut running = false;
-    for _ in 0..600 {
-        if sims[v].stats().await["requests"].as_u64().unwrap() > before[v] {
-            running = true;
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    assert!(running, "the turn never reached it");
+    wait_until("the turn reaches it", || async {
+        sims[v].stats().await["requests"].as_u64().unwrap() > before[v]
+    })
+    .await;
     // ...and the backend dies under it: the client hears so, and no other
     // backend is sent what may have run.
     sims[v].kill();

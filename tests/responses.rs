@@ -151,7 +151,7 @@ for turn in range(6):
     print(turn, backend, resp.id, cached, resp.output_text.strip() != "")
     prev = resp.id
 "#;
-    let stdout = python(script, &gw.url("/v1")).await;
+    let stdout = python(script, &[&gw.url("/v1")]).await;
     let turns: Vec<Vec<&str>> = stdout
         .lines()
         .map(|l| l.split_whitespace().collect())
@@ -164,27 +164,6 @@ for turn in range(6):
         assert!(cached > 0, "cached tokens from turn 2: {stdout}");
         assert_eq!(t[4], "True");
     }
-}
-
-/// Runs `script` with the engine venv's Python (`scripts/setup.sh` installs
-/// the SDKs there), the gateway's `url` as its argument; its stdout.
-async fn python(script: &str, url: &str) -> String {
-    let python = agent_gateway_tools::engine::default_python();
-    let out = tokio::process::Command::new(&python)
-        .arg("-c")
-        .arg(script)
-        .arg(url)
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap_or_else(|e| panic!("{} (run scripts/setup.sh): {e}", python.display()));
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "the SDK failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
 }
 
 #[tokio::test]
@@ -206,7 +185,7 @@ for turn in range(4):
     print(turn, backend, u.input_tokens, u.cache_read_input_tokens or 0, u.output_tokens, len(text) > 0)
     messages.append({"role": "assistant", "content": text})
 "#;
-    let stdout = python(script, &gw.url("")).await;
+    let stdout = python(script, &[&gw.url("")]).await;
     let turns: Vec<Vec<&str>> = stdout
         .lines()
         .map(|l| l.split_whitespace().collect())

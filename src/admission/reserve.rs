@@ -147,12 +147,8 @@ impl Reservation {
             return;
         };
         tally.saw(chunk, streamed);
-        let more = tally.projected().saturating_sub(tally.charged);
-        if more < CHARGE_STEP {
-            return;
-        }
-        tally.charged += more;
-        self.charge_now(more);
+        let projected = tally.projected();
+        self.charge_up_to(projected, CHARGE_STEP);
     }
 
     /// Turns begun on a WebSocket after its first (the upgrade was counted
@@ -183,23 +179,20 @@ impl Reservation {
         Ok(())
     }
 
-    /// Charge what a socket's turns reported using so far, `used` tokens in
-    /// all, beyond what it was charged already.
-    pub fn charge_up_to(&mut self, used: u64) {
+    /// Raise its charge to `used` tokens in all, once that outgrows what it
+    /// was charged by at least `step` (a socket's turns: what their usage
+    /// reported so far, step 1), debiting the difference now where the
+    /// request's limits are kept.
+    pub fn charge_up_to(&mut self, used: u64, step: u64) {
         let Some(tally) = self.tally.as_mut() else {
             return;
         };
         let more = used.saturating_sub(tally.charged);
-        if more == 0 {
+        if more < step.max(1) {
             return;
         }
         tally.charged += more;
-        self.charge_now(more);
-    }
-
-    /// Debit `tokens` now, where the request's limits are kept.
-    fn charge_now(&self, tokens: u64) {
-        let tokens = tokens.min(i64::MAX as u64) as i64;
+        let tokens = more.min(i64::MAX as u64) as i64;
         match &self.book {
             Book::None => {}
             Book::Local => self.client.charge_tokens(tokens),

@@ -271,7 +271,7 @@ fn read_chunk(gw: &Gateway, chunk: &Bytes, ctx: &mut RequestCtx) {
     if let Some(r) = ctx.who.reservation.as_mut() {
         match answer.websocket.as_ref() {
             // A socket's turns are charged as their usage comes back.
-            Some(ws) => r.charge_up_to(ws.used_tokens()),
+            Some(ws) => r.charge_up_to(ws.used_tokens(), 1),
             None => r.saw(chunk, answer.streamed),
         }
     }

@@ -51,24 +51,6 @@ pub(super) async fn choose(
     let routing = Arc::clone(route.request().routing());
     let admission = routing.config.admission.enabled;
     let prompt = route.request().prompt_tokens();
-    // A replay whose first attempt may have reached its backend (see
-    // `proxy_error`) goes only there: that backend may have begun running
-    // it, so it is never sent to another (gone meanwhile: a 502). Every
-    // other backend is left out of its decision.
-    let replay_of = route.pinned.then(|| route.backend().map(|b| b.slot));
-    if let Some(first) = replay_of {
-        let route = ctx.route.as_mut().expect("routed in request_filter");
-        let others: Vec<u32> = route
-            .tier()
-            .backends
-            .iter()
-            .map(|b| b.slot)
-            .filter(|&slot| Some(slot) != first)
-            .collect();
-        for slot in others {
-            route.exclude(slot);
-        }
-    }
     let prefill = loop {
         let who = admission.then_some((ctx.who.class, ctx.who.tenant));
         let route = ctx.route.as_mut().expect("routed in request_filter");
@@ -90,16 +72,6 @@ pub(super) async fn choose(
     };
     let route = ctx.route.as_ref().expect("routed in request_filter");
     let backend = route.backend().expect("decided");
-    if let Some(first) = replay_of {
-        if first != Some(backend.slot) {
-            return Err(fail(
-                ctx,
-                GatewayError::upstream_failed(
-                    "the backend closed the connection and went; the request may have run there, so it is not sent to another".into(),
-                ),
-            ));
-        }
-    }
     ctx.answer.in_flight = Some(InFlight::new(
         &backend.stats,
         prefill.unwrap_or_else(|| backend.stats.cost.body_estimate(prompt)),
@@ -304,7 +276,23 @@ pub(super) fn proxy_error(
     e.set_retry(replay);
     if replay {
         route.replayed = true;
-        route.pinned = !std::mem::take(&mut ctx.answer.unsent);
+        // Its first attempt may have reached its backend (it was written):
+        // that backend may have begun running it, so the replay goes there
+        // or nowhere (gone meanwhile: a 502). Every other backend is left
+        // out of its decision.
+        if !std::mem::take(&mut ctx.answer.unsent) {
+            let first = route.backend().map(|b| b.slot);
+            let others: Vec<u32> = route
+                .tier()
+                .backends
+                .iter()
+                .map(|b| b.slot)
+                .filter(|&slot| Some(slot) != first)
+                .collect();
+            for slot in others {
+                route.exclude(slot);
+            }
+        }
         if let Some(backend) = route.backend() {
             upstream_conn::stop_reusing(&backend.stats);
             gw.metrics

@@ -62,9 +62,6 @@ pub struct Route {
     /// It is re-sent on a fresh connection: it reports its first attempt's
     /// hit and reason (its replay finds the binding that attempt made).
     pub replayed: bool,
-    /// Its first attempt may have reached its backend (it failed after the
-    /// request was written): the replay goes there or nowhere.
-    pub pinned: bool,
 }
 
 /// Rotates ties among equally loaded backends for session-less requests.
@@ -77,7 +74,6 @@ impl Route {
             excluded: Vec::new(),
             decision: None,
             replayed: false,
-            pinned: false,
         }
     }
 

@@ -51,13 +51,11 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// A request was sent: it waits for its first byte. Returns true (the
-    /// request now counts as awaiting).
-    pub fn sent(&self, now_ms: u64) -> bool {
+    /// A request was sent: it waits for its first byte.
+    pub fn sent(&self, now_ms: u64) {
         if self.awaiting.fetch_add(1, Ordering::Relaxed) == 0 {
             self.since_ms.store(now_ms, Ordering::Relaxed);
         }
-        true
     }
 
     /// A request's first byte came back, `took_ms` after it was sent.

@@ -90,6 +90,7 @@ impl InFlight {
     /// `tokens` of the `prompt` tokens (estimates) are expected uncached.
     pub fn new(stats: &Arc<BackendStats>, tokens: u64, prompt: u64) -> Self {
         let before = stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        stats.progress.sent(crate::clock::now_ms());
         InFlight {
             stats: Arc::clone(stats),
             alone: before == 0 && stats.engine.requests_if_fresh() == 0,
@@ -101,7 +102,7 @@ impl InFlight {
             },
             sent: Instant::now(),
             tokens,
-            awaiting: stats.progress.sent(crate::clock::now_ms()),
+            awaiting: true,
         }
     }
 

@@ -825,3 +825,24 @@ impl Redis {
         self.child.as_ref().map(|c| c.id()).expect("running")
     }
 }
+
+/// Runs `script` with the engine venv's Python (`scripts/setup.sh` installs
+/// the SDKs there) and `args` (the gateway's URL first); its stdout.
+pub async fn python(script: &str, args: &[&str]) -> String {
+    let python = agent_gateway_tools::engine::default_python();
+    let out = tokio::process::Command::new(&python)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("{} (run scripts/setup.sh): {e}", python.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "the SDK failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}

@@ -1029,21 +1029,17 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
     trace.concurrency = 16;
     let mut tables: Vec<Table> = Vec::new();
     let pair = ["bounded_hrw", "bounded_hrw,ids=none"];
-    for reblock in [true, false] {
-        trace.trace_reblock = reblock;
-        let name = format!(
-            "chat trace ({} conversations, 4 replicas, {} KV blocks each), {}",
-            trace.trace_synthetic.unwrap_or(0),
-            model.cache_blocks,
-            if reblock {
-                "a turn's partial last block re-ided in the next"
-            } else {
-                "each turn extending the one before byte for byte"
-            }
-        );
-        let (runs, _) = run_variants(exe, &model, 4, &trace, "chat trace", &pair, repeats).await?;
-        tables.push((name, pair.to_vec(), runs));
-    }
+    tables.extend(
+        reblocked_and_byte_exact(
+            exe,
+            &model,
+            &mut trace,
+            ("chat trace", "chat trace"),
+            &pair,
+            repeats,
+        )
+        .await?,
+    );
     trace.trace_reblock = true;
     let soft = ["bounded_hrw", "bounded_hrw,mode=soft"];
     let (runs, _) = run_variants(exe, &model, 4, &trace, "chat trace soft", &soft, repeats).await?;
@@ -1064,6 +1060,37 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
 
 /// A study's table: its name, its variants, and each variant's runs.
 type Table<'a> = (String, Vec<&'a str>, Vec<Vec<report::Report>>);
+
+/// `variants` on `trace` over 4 replicas, twice: with each turn's partial
+/// last block given new ids in the next, then with each turn extending the
+/// one before byte for byte. `what` names the trace in the tables' names,
+/// `label` in the runs'.
+async fn reblocked_and_byte_exact<'a>(
+    exe: &PathBuf,
+    model: &Model,
+    trace: &mut BenchArgs,
+    (what, label): (&str, &str),
+    variants: &[&'a str],
+    repeats: usize,
+) -> std::io::Result<Vec<Table<'a>>> {
+    let mut tables = Vec::new();
+    for reblock in [true, false] {
+        trace.trace_reblock = reblock;
+        let name = format!(
+            "{what} ({} conversations, 4 replicas, {} KV blocks each), {}",
+            trace.trace_synthetic.unwrap_or(0),
+            model.cache_blocks,
+            if reblock {
+                "a turn's partial last block re-ided in the next"
+            } else {
+                "each turn extending the one before byte for byte"
+            }
+        );
+        let (runs, _) = run_variants(exe, model, 4, trace, label, variants, repeats).await?;
+        tables.push((name, variants.to_vec(), runs));
+    }
+    Ok(tables)
+}
 
 /// Keyless routing on the shapes users send, each against sticky by
 /// conversation (the same workload with a session id, bounded HRW) in the
@@ -1114,21 +1141,17 @@ async fn keyless_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<re
     let mut trace = BenchArgs::seed_study("");
     trace.trace_synthetic = Some(if args.quick { 60 } else { 300 });
     trace.concurrency = 16;
-    for reblock in [true, false] {
-        trace.trace_reblock = reblock;
-        let name = format!(
-            "Mooncake-style trace ({} conversations, 4 replicas, {} KV blocks each), {}",
-            trace.trace_synthetic.unwrap_or(0),
-            trace_model.cache_blocks,
-            if reblock {
-                "a turn's partial last block re-ided in the next"
-            } else {
-                "each turn extending the one before byte for byte"
-            }
-        );
-        let (runs, _) = run_variants(exe, &trace_model, 4, &trace, "trace", &pair, repeats).await?;
-        tables.push((name, pair.to_vec(), runs));
-    }
+    tables.extend(
+        reblocked_and_byte_exact(
+            exe,
+            &trace_model,
+            &mut trace,
+            ("Mooncake-style trace", "trace"),
+            &pair,
+            repeats,
+        )
+        .await?,
+    );
     // Engines that report no cached tokens.
     let mut agent = BenchArgs::seed_study("");
     agent.sessions = if args.quick { 24 } else { 64 };
