@@ -151,6 +151,11 @@ impl Reservation {
         self.charge_up_to(projected, CHARGE_STEP);
     }
 
+    /// Whether its tenant has per-minute limits its requests count against.
+    pub fn counts_requests(&self) -> bool {
+        !matches!(self.book, Book::None)
+    }
+
     /// Turns begun on a WebSocket after its first (the upgrade was counted
     /// as the first): each one request of its tenant. `Err` (the 429 that
     /// ends the socket) once a per-minute limit refuses one.

@@ -281,8 +281,13 @@ pub(super) async fn body_filter(
         // A socket's turns are held to the limit one message at a time,
         // and each after its first (the upgrade counted that one) is a
         // request of its tenant: over a per-minute limit, the socket ends.
+        let count = ctx
+            .who
+            .reservation
+            .as_ref()
+            .is_some_and(|r| r.counts_requests());
         let (over, turns) = match ctx.answer.websocket.as_mut() {
-            Some(ws) => match ws.client_bytes(chunk, limit) {
+            Some(ws) => match ws.client_bytes(chunk, limit, count) {
                 Ok(turns) => (false, turns),
                 Err(_) => (true, 0),
             },

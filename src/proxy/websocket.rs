@@ -376,12 +376,13 @@ impl WebSocket {
         Some(to_client.push(chunk, &mut edit))
     }
 
-    /// Bytes from the client; `Ok` with the turns they begin (each whole
-    /// `response.create` message of at most [`READ_AT_MOST`]), `Err` with
-    /// the length of a message over `limit`.
-    pub fn client_bytes(&mut self, chunk: &[u8], limit: u64) -> Result<u64, u64> {
+    /// Bytes from the client; `Ok` with the turns they begin when asked to
+    /// `count` them (each whole `response.create` message of at most
+    /// [`READ_AT_MOST`]; messages are read only then), `Err` with the
+    /// length of a message over `limit`.
+    pub fn client_bytes(&mut self, chunk: &[u8], limit: u64, count: bool) -> Result<u64, u64> {
         let mut turns = 0;
-        self.sent.push(chunk, true, limit, &mut |m| {
+        self.sent.push(chunk, count, limit, &mut |m| {
             turns += is_event(m, b"\"response.create\"") as u64;
         })?;
         Ok(turns)
@@ -556,15 +557,15 @@ mod tests {
         // Many messages under the limit: far more than it in all.
         for _ in 0..50 {
             let m = frame(1, true, &[b'a'; 900], mask);
-            assert_eq!(ws.client_bytes(&m, 1000), Ok(0));
+            assert_eq!(ws.client_bytes(&m, 1000, false), Ok(0));
         }
         // One message over it, in two frames: refused at the second.
         assert_eq!(
-            ws.client_bytes(&frame(1, false, &[b'a'; 600], mask), 1000),
+            ws.client_bytes(&frame(1, false, &[b'a'; 600], mask), 1000, false),
             Ok(0)
         );
         assert_eq!(
-            ws.client_bytes(&frame(0, true, &[b'a'; 600], mask), 1000),
+            ws.client_bytes(&frame(0, true, &[b'a'; 600], mask), 1000, false),
             Err(1200)
         );
     }
@@ -576,17 +577,26 @@ mod tests {
         let create = br#"{"type": "response.create", "input": "go on"}"#;
         // Split over two frames (and two reads): one turn, at its end.
         assert_eq!(
-            ws.client_bytes(&frame(1, false, &create[..10], mask), 1000),
+            ws.client_bytes(&frame(1, false, &create[..10], mask), 1000, true),
             Ok(0)
         );
         assert_eq!(
-            ws.client_bytes(&frame(0, true, &create[10..], mask), 1000),
+            ws.client_bytes(&frame(0, true, &create[10..], mask), 1000, true),
             Ok(1)
+        );
+        // Not asked to count (no per-minute limits): not read, no turn.
+        let mut unread = WebSocket::default();
+        assert_eq!(
+            unread.client_bytes(&frame(1, true, create, mask), 1000, false),
+            Ok(0)
         );
         // A message that only names the event in its text is no turn.
         let other =
             br#"{"type": "conversation.item.create", "text": "\"type\": \"response.create\""}"#;
-        assert_eq!(ws.client_bytes(&frame(1, true, other, mask), 1000), Ok(0));
+        assert_eq!(
+            ws.client_bytes(&frame(1, true, other, mask), 1000, true),
+            Ok(0)
+        );
     }
 
     #[test]
