@@ -298,7 +298,16 @@ impl Learned {
         if self.source != LimitSource::Learned {
             return false;
         }
-        if waiting > 0 && running > 0 {
+        // Whose requests wait inside the engine. Alone, only this gateway's
+        // own count: the engine runs fewer than it has there. Requests it
+        // runs all of wait for nobody here; another client's queue (or a
+        // gauge that reports one whatever runs) is not made shorter by
+        // holding this gateway's back, and an honest engine with room would
+        // be slowed for nothing. In a fleet, the other gateways' requests
+        // count too (below: this one's share).
+        let ours_queue =
+            waiting > 0 && running > 0 && (here.fleet || here.running as u64 > running);
+        if ours_queue {
             // What the engine runs, of which this gateway's share: in a
             // fleet, whose other gateways send to the engine too, what this
             // one may run is its part of the batch, in proportion to what it
@@ -331,16 +340,21 @@ impl Learned {
             (self.limit, self.slow_start, self.changed_ms) = (SLOW_START, true, now_ms);
             return false;
         }
-        let reached = waiting == 0 && here.running >= self.limit && here.waiting;
+        let reached = here.running >= self.limit && here.waiting;
         if reached
             && self.slow_start
             && self.probing
             && running < self.limit
+            && running * 2 >= here.running
             && now_ms < self.changed_ms + 1_000
         {
             // The one over is not running inside the engine yet (on its way,
             // or not scheduled): no evidence either way, for a second at
             // most (an engine whose gauge never shows it is read as before).
+            // A gauge that counts fewer than half of what this gateway has
+            // there, with nothing waiting, does not count its requests at
+            // all (it reads 0, say, whatever runs): the one over cannot be
+            // seen there, and the engine's empty queue is the evidence.
             return false;
         }
         if reached && self.slow_start {
@@ -368,17 +382,19 @@ impl Learned {
     }
 
     /// Whether the learned limit is being tried, this gateway running
-    /// `running` there: raised by one to see whether the engine runs the
-    /// request, or a scrape found the engine queueing below the limit and
-    /// the next one is to confirm it (an engine that queues at the limit,
+    /// `running` there (`waiters`: and keeping requests waiting for it):
+    /// raised by one to see whether the engine runs the request, in slow
+    /// start held at the limit (the next step is due), or a scrape found
+    /// the engine queueing below the limit and the next one is to confirm it (an engine that queues at the limit,
     /// other clients' requests beside this gateway's, changes nothing and
     /// is not read sooner). Until the next scrape, a request the engine
     /// cannot run yet waits inside it, ahead of whatever this gateway would
     /// send first: the scraper reads such a backend again sooner
     /// ([`LEARN_SCRAPE_MS`]).
-    pub(super) fn learning(&self, running: u32) -> bool {
+    pub(super) fn learning(&self, running: u32, waiters: bool) -> bool {
         self.source == LimitSource::Learned
             && ((self.probing && running >= self.limit)
+                || (self.slow_start && waiters && running >= self.limit)
                 || (self.queued_at > 0 && self.queued_at < self.limit))
     }
 }

@@ -425,16 +425,19 @@ impl Admission {
 
     /// The engine behind `backend` reported `running` requests and
     /// `waiting` ones in its own queue (a scrape, at `now_ms`). A learned
-    /// limit is what the engine runs once it queues: two scrapes in a row
-    /// that find requests waiting inside it set the limit to the larger
+    /// limit is what the engine runs once it queues this gateway's requests
+    /// (alone: it runs fewer than this gateway has there; in a fleet, any
+    /// queue, and the limit is this gateway's share): two scrapes in a row
+    /// that find them waiting inside it set the limit to the larger
     /// running count of the two (one alone may catch a request the engine
     /// has not scheduled yet; in slow start, at the limit, one does), never
     /// above what it was. Until the engine
     /// first queues, the limit starts at `SLOW_START` with the first
     /// gauges read and, at each scrape that finds it reached with requests
-    /// waiting here and none inside the engine, goes one over, then (the
+    /// waiting here and none of its own inside the engine, goes one over, then (the
     /// engine running that one too) doubles (an engine whose gauges cannot
-    /// be read is never limited). After that, it is raised
+    /// be read is never limited; one that queues only others' requests, or
+    /// says it does whatever runs, is not limited for it). After that, it is raised
     /// by one at most every `PROBE_MS`, on the same condition.
     pub fn observe(&self, backend: u32, running: u64, waiting: u64, now_ms: u64) {
         let mut st = self.state.lock();
@@ -621,7 +624,7 @@ impl Admission {
         let st = self.state.lock();
         st.backends
             .get(&backend)
-            .is_some_and(|b| b.learned.learning(b.running))
+            .is_some_and(|b| b.learned.learning(b.running, !b.waiting.is_empty()))
     }
 
     /// Requests waiting for `backend`, and running there.
@@ -905,6 +908,59 @@ mod tests {
 
     /// Two gateways in front of one engine that runs 8: each learns its
     /// part of the batch, in proportion to what it has there, not the whole
+    /// Alone, a queue inside the engine that holds none of this gateway's
+    /// requests (another client's, or a gauge that reports 100,000 waiting
+    /// whatever runs) does not hold this gateway's back: every request it
+    /// sends runs, so the limit grows as it would with no queue there.
+    #[tokio::test]
+    async fn alone_a_queue_of_others_requests_does_not_lower_the_limit() {
+        let a = Admission::new(100);
+        a.set_limit(0, Limit::Learn, Prefill::None);
+        a.observe(0, 0, 100_000, 1_000);
+        assert_eq!(limit_of(&a, 0).0, SLOW_START);
+        let running: Vec<Permit> = (0..SLOW_START)
+            .map(|_| now(a.admit(0, Class::Normal, t("t"), 1, 10)))
+            .collect();
+        // (Waiters let in by a raised limit count as running here at once.)
+        let _waiters: Vec<Ticket> = (0..40)
+            .map(|_| waits(a.admit(0, Class::Normal, t("t"), 1, 10)))
+            .collect();
+        assert!(a.learning(0), "held at its limit in slow start: read soon");
+        // The engine runs every one of them (and says 100,000 wait): one
+        // over is tried, then the limit doubles.
+        a.observe(0, 4, 100_000, 1_100);
+        assert_eq!(limit_of(&a, 0).0, SLOW_START + 1);
+        a.observe(0, 5, 100_000, 1_200);
+        assert_eq!(limit_of(&a, 0), (2 * SLOW_START, LimitSource::Learned));
+        // Once it runs fewer than this gateway has there, the requests
+        // waiting inside it are this gateway's own: the limit is what it runs.
+        a.observe(0, 6, 100_000, 1_300);
+        assert_eq!(limit_of(&a, 0).0, 6);
+        drop(running);
+    }
+
+    /// A gauge that reads 0 running whatever runs, and nothing waiting:
+    /// the one over cannot be seen running, and the engine's empty queue
+    /// is evidence enough to double (not a second's wait at each step).
+    #[tokio::test]
+    async fn a_gauge_that_counts_none_of_its_requests_does_not_hold_slow_start_back() {
+        let a = Admission::new(100);
+        a.set_limit(0, Limit::Learn, Prefill::None);
+        a.observe(0, 0, 0, 1_000);
+        let _running: Vec<Permit> = (0..SLOW_START)
+            .map(|_| now(a.admit(0, Class::Normal, t("t"), 1, 10)))
+            .collect();
+        let _waiters: Vec<Ticket> = (0..40)
+            .map(|_| waits(a.admit(0, Class::Normal, t("t"), 1, 10)))
+            .collect();
+        a.observe(0, 0, 0, 1_100);
+        assert_eq!(limit_of(&a, 0).0, SLOW_START + 1);
+        a.observe(0, 0, 0, 1_200);
+        assert_eq!(limit_of(&a, 0).0, 2 * SLOW_START);
+        // (One that counts them, and not the one over yet, is waited for:
+        // see `a_learned_limit_is_what_the_engine_runs_once_it_queues`.)
+    }
+
     /// batch each (which queued as much again inside the engine).
     #[tokio::test]
     async fn beside_another_gateway_a_learned_limit_is_its_share_of_the_batch() {
@@ -963,17 +1019,19 @@ mod tests {
         running.truncate(6);
         let ticket = waits(a.admit(0, Class::Normal, t("t"), 1, 10));
         // After it, one scrape may have caught a request the engine had not
-        // scheduled yet: no change; and a queue at a higher count does not
-        // raise it.
+        // scheduled yet: no change; and a queue at a higher count (another
+        // client's: the engine runs all this gateway has there) neither
+        // raises nor lowers it.
         a.observe(0, 5, 1, 4_000);
         assert_eq!(limit_of(&a, 0).0, 6);
         a.observe(0, 7, 0, 5_000);
         a.observe(0, 7, 1, 5_500);
         a.observe(0, 7, 1, 6_000);
         assert_eq!(limit_of(&a, 0).0, 6);
-        // At the limit with a waiter here and none inside the engine: after
-        // PROBE_MS it tries one more, and the waiter goes in.
-        a.observe(0, 6, 0, 6_000 + PROBE_MS - 1);
+        // At the limit with a waiter here and none of its own inside the
+        // engine: PROBE_MS after the last change it tries one more, and the
+        // waiter goes in.
+        a.observe(0, 6, 0, 4_000 + PROBE_MS - 1);
         assert_eq!(limit_of(&a, 0).0, 6);
         a.observe(0, 6, 0, 6_000 + PROBE_MS);
         assert_eq!(limit_of(&a, 0).0, 7);

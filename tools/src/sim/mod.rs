@@ -103,6 +103,11 @@ pub struct Faults {
     pub hold_streams: bool,
     /// Multiplies prefill and decode times; 0 is taken as 1.
     pub slowdown: f64,
+    /// `/metrics` reports this many requests running, whatever runs (an
+    /// engine whose gauges lie).
+    pub gauge_running: Option<u64>,
+    /// `/metrics` reports this many requests waiting, whatever waits.
+    pub gauge_waiting: Option<u64>,
 }
 
 struct Sim {
@@ -1061,6 +1066,7 @@ impl Sim {
     }
 
     fn metrics_text(&self) -> String {
+        let lies = self.faults.lock().clone();
         let c = self.cache.lock();
         let mut out = String::new();
         for m in &self.cfg.models {
@@ -1071,8 +1077,10 @@ impl Sim {
                  # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{l} {}\n\
                  # TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{l} {}\n\
                  # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{l} {}\n",
-                self.running.load(Ordering::Relaxed),
-                self.waiting.load(Ordering::Relaxed),
+                lies.gauge_running
+                    .unwrap_or_else(|| self.running.load(Ordering::Relaxed)),
+                lies.gauge_waiting
+                    .unwrap_or_else(|| self.waiting.load(Ordering::Relaxed)),
                 c.usage(),
                 c.queries_tokens,
                 c.hit_tokens,

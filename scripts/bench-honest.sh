@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Learned admission in front of an honest engine (issue 49): one simulated
+# replica that runs 40 requests side by side (--max-batch 40), each a
+# one-second JSON answer (100 tokens at 10 ms), behind one gateway. Rounds of
+# 40 parallel requests, each round after the one before has ended; the time
+# of each round, with admission off (the baseline) and learned (admission on
+# and nothing else), on an engine whose gauges tell the truth and on two
+# whose gauges lie (always 0 running; always 100,000 waiting). Replica and
+# gateway are started afresh for each mode, so round 1 includes the
+# gateway's start.
+#
+#   scripts/bench-honest.sh
+#   BIN=target/debug/agent-gateway ROUNDS=8 scripts/bench-honest.sh
+#
+# Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${BIN:-}" ]; then
+  cargo build --profile demo --quiet
+  BIN=target/demo/agent-gateway
+fi
+ROUNDS="${ROUNDS:-6}"
+PARALLEL="${PARALLEL:-40}"
+MODES="${MODES:-off learned lie-idle lie-busy}"
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 1 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+
+run_mode() {  # mode: prints one JSON line {mode, rounds: [s...]}
+  local mode=$1 sp gp ap mp section="" faults=""
+  sp=$(port); gp=$(port); ap=$(port); mp=$(port)
+  "$BIN" sim-backend --listen "127.0.0.1:$sp" --id vllm-0 --max-batch "$PARALLEL" \
+    --prefill-us-per-token 0 --decode-us-per-token 10000 >/dev/null &
+  local sim=$!; PIDS+=($sim)
+  case "$mode" in
+    off) ;;
+    learned) section="admission: { enabled: true, max_wait_ms: 120000 }" ;;
+    lie-idle) section="admission: { enabled: true, max_wait_ms: 120000 }"; faults='{"gauge_running": 0}' ;;
+    lie-busy) section="admission: { enabled: true, max_wait_ms: 120000 }"; faults='{"gauge_waiting": 100000}' ;;
+  esac
+  wait_port "$sp"
+  [ -n "$faults" ] && curl -s -X POST "http://127.0.0.1:$sp/sim/config" -d "$faults" >/dev/null
+  cat > "$WORK/gw.yaml" <<YAML
+server:
+  listen: ["127.0.0.1:$gp"]
+  pid_file: "$WORK/gw.pid"
+  upgrade_sock: "$WORK/gw.sock"
+tiers:
+  default:
+    default: true
+    backends:
+      - { id: vllm-0, addr: "127.0.0.1:$sp" }
+affinity: { hash_key: "honest-bench" }
+health: { interval_ms: 500 }
+metrics: { listen: "127.0.0.1:$mp" }
+admin: { listen: "127.0.0.1:$ap" }
+$section
+YAML
+  RUST_LOG=error "$BIN" run --config "$WORK/gw.yaml" >/dev/null 2>&1 &
+  local gw=$!; PIDS+=($gw)
+  wait_port "$gp"
+  python3 - "$mode" "http://127.0.0.1:$gp" "$ROUNDS" "$PARALLEL" <<'PY'
+import json, sys, time, threading, urllib.request
+mode, url, rounds, parallel = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+def one(r, i, errors):
+    body = json.dumps({"model": "qwen3-8b", "max_tokens": 100,
+                       "messages": [{"role": "user", "content": f"round {r} request {i}: a question of its own"}]}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"content-type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=300).read()
+    except Exception as e:
+        errors.append(str(e))
+times, errors = [], []
+for r in range(rounds):
+    t = time.monotonic()
+    ts = [threading.Thread(target=one, args=(r, i, errors)) for i in range(parallel)]
+    for th in ts: th.start()
+    for th in ts: th.join()
+    times.append(time.monotonic() - t)
+print(json.dumps({"mode": mode, "rounds": times, "errors": len(errors)}))
+PY
+  curl -s "http://127.0.0.1:$ap/admin/backends" > "$WORK/admin-$mode.json" || true
+  kill "$gw" "$sim" 2>/dev/null || true
+  wait "$gw" "$sim" 2>/dev/null || true
+}
+
+echo "honest-engine bench: 1 replica running $PARALLEL side by side, 1 s JSON answers, $ROUNDS rounds of $PARALLEL"
+for mode in $MODES; do run_mode "$mode"; done > "$WORK/results"
+python3 - "$WORK/results" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+off = next((r for r in rows if r["mode"] == "off"), None)
+base = sum(off["rounds"][1:]) / max(len(off["rounds"]) - 1, 1) if off else None
+print("\n| admission | round times, s | worst round after the first ÷ off's mean | errors |")
+print("|---|---|---|---|")
+for r in rows:
+    later = r["rounds"][1:]
+    worst = max(later) / base if base and later else float("nan")
+    print(f"| {r['mode']} | {' / '.join(f'{t:.2f}' for t in r['rounds'])} | **{worst:.2f}×** | {r['errors']} |")
+PY
