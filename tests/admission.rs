@@ -896,6 +896,51 @@ async fn turned_on_with_nothing_else_it_learns_what_the_engine_runs_and_queues_t
     }
 }
 
+/// An engine with room for 16 that runs all 16 held streams, its gauges
+/// honest or saying 100,000 wait whatever runs: learned admission lets all
+/// 16 in side by side (it holds back only requests of its own that wait
+/// inside the engine). Nothing completes meanwhile: the limit grows on the
+/// gauges alone.
+#[tokio::test]
+async fn learned_admission_lets_an_engine_with_room_run_all_it_can() {
+    for lie in [json!({}), json!({"gauge_waiting": 100_000})] {
+        let sims = [SimBackend::start("vllm-0", &["--max-batch", "16"])];
+        sims[0].set_faults(lie.clone()).await;
+        let gw = Gateway::start(
+            &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+            &format!(
+                "{FAST_HEALTH}{}admission:\n  enabled: true\nload:\n  interval_ms: 100\n",
+                affinity_yaml(600)
+            ),
+        )
+        .await;
+        // Its first gauges read: a slow start, so the burst is limited.
+        wait_until("the first gauges read", || async {
+            admission_view(&gw).await["backends"][0]["max_in_flight"] != 0
+        })
+        .await;
+        let mut faults = lie.clone();
+        faults["hold_streams"] = json!(true);
+        sims[0].set_faults(faults).await;
+        let streams: Vec<_> = (0..16)
+            .map(|i| {
+                let mut body = chat_body("qwen3-8b", 100 + i);
+                body["stream"] = json!(true);
+                send_chat(&gw, &[("x-session-id", format!("room-{i}"))], &body)
+            })
+            .collect();
+        wait_until(&format!("all 16 running in the engine ({lie})"), || async {
+            sims[0].stats().await["running"] == 16
+        })
+        .await;
+        assert_eq!(admission_view(&gw).await["queued"], 0, "{lie}");
+        sims[0].release_streams().await;
+        for s in streams {
+            assert_eq!(s.await.unwrap(), 200);
+        }
+    }
+}
+
 #[tokio::test]
 async fn answers_that_do_not_stream_do_not_hold_the_prefill_slot_through_their_decode() {
     // Slow decode: each answer takes about two seconds after its prefill.
