@@ -48,8 +48,7 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; [ -n "${KEEP:-}" ] && cp -r "$WORK"/. "$KEEP"/; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 1 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+. scripts/lib/ports.sh
 
 QUIET_KEY=sk-bench-quiet
 NOISY_KEY=sk-bench-noisy

@@ -2,9 +2,9 @@
 # measure the same thing: the simulated replica, the wrk request script and
 # the gateway's configuration are written here once. Expects WORK and BIN.
 
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. scripts/lib/ports.sh
 # Up to a minute: a proxy under valgrind starts slowly.
-wait_port() { for _ in $(seq 1 1200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+WAIT_PORT_TRIES=1200
 
 # start_sim: ${BACKENDS:-1} simulated replicas with zero model latency; sets
 # SIM_PORT (the first, which the bare proxy and nginx use), SIM_PORTS and
