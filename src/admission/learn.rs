@@ -385,9 +385,10 @@ impl Learned {
     /// `running` there (`waiters`: and keeping requests waiting for it):
     /// raised by one to see whether the engine runs the request, in slow
     /// start held at the limit (the next step is due), or a scrape found
-    /// the engine queueing below the limit and the next one is to confirm it (an engine that queues at the limit,
-    /// other clients' requests beside this gateway's, changes nothing and
-    /// is not read sooner). Until the next scrape, a request the engine
+    /// the engine queueing below the limit and the next one is to confirm
+    /// it (an engine that queues at the limit, other clients' requests
+    /// beside this gateway's, changes nothing and is not read sooner).
+    /// Until the next scrape, a request the engine
     /// cannot run yet waits inside it, ahead of whatever this gateway would
     /// send first: the scraper reads such a backend again sooner
     /// ([`LEARN_SCRAPE_MS`]).
