@@ -1335,3 +1335,58 @@ async fn a_stream_spends_its_tenants_tokens_while_it_runs() {
         "{statuses:?}"
     );
 }
+
+/// `auth.stream_over_limit: cut`: a stream that spends its tenant's
+/// `tokens_per_minute` past zero (counted at what it used, not at its
+/// `max_tokens`) ends there with an SSE error event. (The default, `finish`, runs it to its end: see
+/// `a_stream_spends_its_tenants_tokens_while_it_runs`.)
+#[tokio::test]
+async fn a_stream_past_its_tenants_tokens_is_cut_where_the_operator_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.yaml");
+    std::fs::write(
+        &keys,
+        keys_file(&[("sk-metered", "metered", "    tokens_per_minute: 1000\n")]),
+    )
+    .unwrap();
+    let sim = SimBackend::start("vllm-0", &["--decode-us-per-token", "1000"]);
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &[&sim])],
+        &format!(
+            "{FAST_HEALTH}{}auth:\n  keys_file: \"{}\"\n  required: true\n  stream_over_limit: cut\n",
+            affinity_yaml(1800),
+            keys.display()
+        ),
+    )
+    .await;
+    let key = ("authorization", "Bearer sk-metered");
+    let resp = client()
+        .post(gw.url("/v1/chat/completions"))
+        .header(key.0, key.1)
+        .json(&long_stream(0, 3000))
+        .send()
+        .await
+        .expect("stream starts");
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut got = Vec::new();
+    // The response ends where it is cut (its connection with it).
+    while let Some(Ok(chunk)) = stream.next().await {
+        got.extend_from_slice(&chunk);
+    }
+    let text = String::from_utf8_lossy(&got);
+    let events = text.matches("\"delta\"").count();
+    println!("{events} tokens streamed before the cut");
+    assert!((500..1_500).contains(&events), "{events} tokens streamed");
+    let tail = text.rsplit("\n\n").find(|e| !e.is_empty()).unwrap_or("");
+    assert!(
+        tail.starts_with("event: error\ndata: "),
+        "ends with {tail:?}"
+    );
+    let error: Value = serde_json::from_str(&tail["event: error\ndata: ".len()..]).unwrap();
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded", "{error}");
+    // Counted where a tenant's refusals are, and its tokens settled at
+    // what it used: the tenant may go on as its budget refills.
+    let cut = "agentserve_client_rejected_total{reason=\"tokens_per_minute\",tenant=\"metered\"}";
+    assert_eq!(gw.metric(cut).await, 1.0);
+}

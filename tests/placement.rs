@@ -282,8 +282,12 @@ async fn a_first_turn_goes_one_session_over_the_bound_rather_than_behind_a_long_
         .await;
         assert_eq!(r.backend.as_deref(), Some("vllm-1"));
     }
-    let learned = gw.admin_backend("vllm-1").await["learned"]["prefill_us_per_token"].clone();
-    assert!(learned.is_number(), "vllm-1's cost is learned: {learned}");
+    // (Learned as each answer's request ends, which may be just after the
+    // client has read it.)
+    wait_until("vllm-1's cost learned", || async {
+        gw.admin_backend("vllm-1").await["learned"]["prefill_us_per_token"].is_number()
+    })
+    .await;
     for s in &sessions[1..4] {
         went.push(first_turn(&c, &gw, s).await);
     }

@@ -30,8 +30,9 @@ pub trait FleetRates: Send + Sync {
         charge: u64,
     ) -> Result<Result<(), OverLimit>, Unreachable>;
     /// Debit `tokens` from the tenant's tokens (a negative amount gives
-    /// them back).
-    async fn charge(&self, client: &Client, tokens: i64) -> Result<(), Unreachable>;
+    /// them back): the bucket's level after (`None`: its tokens are not
+    /// counted).
+    async fn charge(&self, client: &Client, tokens: i64) -> Result<Option<f64>, Unreachable>;
 }
 
 /// Where a tenant's per-minute limits are kept for one request.
@@ -53,7 +54,19 @@ pub struct Reservation {
     tally: Option<TokenTally>,
     /// A WebSocket's turns so far (`response.create` messages).
     socket_turns: u64,
+    /// The fleet's bucket level for the tenant's tokens as the last charge
+    /// found it (`f64` bits; NaN: not known yet), for [`Reservation::spent`].
+    fleet_level: Arc<std::sync::atomic::AtomicU64>,
+    /// What it had used when the fleet's level was last asked for.
+    asked_at: u64,
+    /// A stream that spends its tenant's tokens past zero is cut
+    /// (`auth.stream_over_limit: cut`): see [`Reservation::spent`].
+    pub cuts_streams: bool,
 }
+
+/// How often (tokens used) a stream that may be cut asks the fleet's store
+/// for its tenant's level when no charge did.
+const LEVEL_STEP: u64 = 64;
 
 impl OverLimit {
     /// The 429 that says which limit, counted by tenant.
@@ -95,6 +108,9 @@ impl Reservation {
             _slot: slot,
             tally: None,
             socket_turns: 0,
+            fleet_level: Arc::new(std::sync::atomic::AtomicU64::new(f64::NAN.to_bits())),
+            asked_at: 0,
+            cuts_streams: false,
         })
     }
 
@@ -201,15 +217,57 @@ impl Reservation {
         match &self.book {
             Book::None => {}
             Book::Local => self.client.charge_tokens(tokens),
-            Book::Fleet(store) => {
-                let (store, client) = (Arc::clone(store), Arc::clone(&self.client));
-                tokio::spawn(async move {
-                    if store.charge(&client, tokens).await.is_err() {
-                        client.charge_tokens(tokens);
-                    }
-                });
-            }
+            Book::Fleet(_) => self.charge_fleet(tokens),
         }
+    }
+
+    /// Debit `tokens` in the fleet's store, off the request's path, noting
+    /// the level it leaves (this gateway's own bucket takes them when the
+    /// store cannot).
+    fn charge_fleet(&self, tokens: i64) {
+        let Book::Fleet(store) = &self.book else {
+            return;
+        };
+        let (store, client) = (Arc::clone(store), Arc::clone(&self.client));
+        let level = Arc::clone(&self.fleet_level);
+        tokio::spawn(async move {
+            match store.charge(&client, tokens).await {
+                Ok(Some(l)) => level.store(l.to_bits(), std::sync::atomic::Ordering::Relaxed),
+                Ok(None) => {}
+                Err(_) => client.charge_tokens(tokens),
+            }
+        });
+    }
+
+    /// With [`Reservation::cuts_streams`], whether its tenant's
+    /// `tokens_per_minute` is spent past zero with this request counted at
+    /// what it has used so far (not at what it was reserved, nor at its
+    /// projection): the limit a stream that is cut for it crossed. In the
+    /// fleet's store, as of the last level a charge found there (asked for
+    /// anew every [`LEVEL_STEP`] tokens).
+    pub fn spent(&mut self) -> Option<OverLimit> {
+        let tally = self.tally.as_ref().filter(|_| self.cuts_streams)?;
+        let used = tally.used(None, true);
+        let ahead = tally.charged as f64 - used as f64;
+        let level = match &self.book {
+            Book::None => return None,
+            Book::Local => self.client.tokens_level(),
+            Book::Fleet(_) => {
+                if used >= self.asked_at + LEVEL_STEP {
+                    self.asked_at = used;
+                    self.charge_fleet(0);
+                }
+                f64::from_bits(self.fleet_level.load(std::sync::atomic::Ordering::Relaxed))
+            }
+        };
+        let per_minute = self.client.limits.tokens_per_minute as f64;
+        (level + ahead < 0.0)
+            .then(|| OverLimit::waiting("tokens_per_minute", level + ahead, 0.0, per_minute))
+    }
+
+    /// The client whose key it holds.
+    pub fn client(&self) -> &Client {
+        &self.client
     }
 
     /// Settle the reserved tokens by what the request used: its `usage`
@@ -222,6 +280,7 @@ impl Reservation {
         };
         let settle = tally.settle(usage, answered);
         let settled = match &self.book {
+            Book::Fleet(_) if settle == 0 => true,
             Book::Fleet(store) => store.charge(&self.client, settle).await.is_ok(),
             _ => false,
         };
@@ -343,5 +402,37 @@ mod tests {
             -1_000,
             "nothing came back: nothing billed"
         );
+    }
+
+    /// A stream that may be cut is spent once its tenant's tokens would be
+    /// below zero with it counted at what it used so far: not at once for
+    /// the `max_tokens` reserved up front.
+    #[tokio::test]
+    async fn a_stream_is_spent_by_what_it_used_not_by_what_it_reserved() {
+        let client = Arc::new(Client {
+            tenant: Arc::new(super::super::tenant::Tenant::new("t")),
+            class: None,
+            weight: 1,
+            limits: super::super::tenant::Limits {
+                tokens_per_minute: 1_000,
+                ..Default::default()
+            },
+        });
+        let metrics = Metrics::new();
+        let mut r = Reservation::open(Arc::clone(&client), None, &metrics).unwrap();
+        r.cuts_streams = true;
+        // 100 prompt tokens and max_tokens 3,000: the bucket goes far below
+        // zero at once, and the stream is not spent for it.
+        r.reserve(100, Some(3_000), &metrics).await.unwrap();
+        assert!(client.tokens_level() < -2_000.0);
+        let events = |n: usize| "data: {}\n\n".repeat(n).into_bytes();
+        r.saw(&events(850), true);
+        assert!(r.spent().is_none(), "950 of 1,000 used");
+        r.saw(&events(60), true);
+        let over = r.spent().expect("1,010 of 1,000 used");
+        assert_eq!(over.limit, "tokens_per_minute");
+        // Where streams are not cut, never.
+        r.cuts_streams = false;
+        assert!(r.spent().is_none());
     }
 }

@@ -178,6 +178,19 @@ impl Client {
         self.limits.tokens_per_minute > 0
     }
 
+    /// This gateway's level of the tenant's `tokens_per_minute` now
+    /// (infinite when its tokens are not counted).
+    pub fn tokens_level(&self) -> f64 {
+        match self.counts_tokens() {
+            true => *self
+                .tenant
+                .tokens
+                .lock()
+                .refill(self.limits.tokens_per_minute as f64, Instant::now()),
+            false => f64::INFINITY,
+        }
+    }
+
     /// Debit `tokens` from the tenant's `tokens_per_minute` (a negative
     /// amount gives them back): an estimate when a request is admitted, so
     /// that requests sent together cannot all pass while the bucket is

@@ -120,6 +120,8 @@ pub(crate) struct FileAuth {
     pub(crate) upstream_authorization: Option<String>,
     /// The header value sent upstream with `upstream_authorization: set`.
     pub(crate) upstream_key: Option<String>,
+    /// `finish` (default) | `cut`.
+    pub(crate) stream_over_limit: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -186,6 +186,19 @@ metrics:
     }
 
     #[test]
+    fn a_stream_over_its_tenants_limit_finishes_unless_cut_is_asked_for() {
+        let auth = |v: &str| format!("{GOOD}auth:\n  stream_over_limit: {v}\n");
+        let c = Config::from_yaml(GOOD).unwrap();
+        assert_eq!(c.auth.stream_over_limit, StreamOverLimit::Finish);
+        let c = Config::from_yaml(&auth("cut")).unwrap();
+        assert_eq!(c.auth.stream_over_limit, StreamOverLimit::Cut);
+        assert_eq!(
+            keys(&auth("stop")),
+            vec!["auth.stream_over_limit".to_string()]
+        );
+    }
+
+    #[test]
     fn telemetry_takes_the_files_endpoint_else_the_otel_variables() {
         let run = |yaml: &str, vars: &[(&str, &str)]| {
             let file: file::FileTelemetry = serde_yaml::from_str(yaml).unwrap();

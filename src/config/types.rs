@@ -213,6 +213,21 @@ pub struct AuthConfig {
     pub required: bool,
     /// What goes upstream as `Authorization`.
     pub upstream_authorization: UpstreamAuthorization,
+    /// What happens to a stream whose tenant's `tokens_per_minute` it
+    /// spends past zero.
+    pub stream_over_limit: StreamOverLimit,
+}
+
+/// `auth.stream_over_limit`: a stream that takes its tenant over its
+/// `tokens_per_minute` (the tenant's next requests get 429 either way).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StreamOverLimit {
+    /// It runs to its end.
+    #[default]
+    Finish,
+    /// It is ended: an SSE error event (`rate_limit_exceeded`), then the
+    /// response ends and the backend's request with it.
+    Cut,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -524,9 +524,21 @@ pub(super) fn validate_auth(a: &FileAuth, errors: &mut Vec<ConfigError>) -> Auth
     if a.keys_file.as_deref() == Some("") {
         errors.push(err("auth.keys_file", "must not be empty"));
     }
+    let stream_over_limit = match a.stream_over_limit.as_deref() {
+        None | Some("finish") => StreamOverLimit::Finish,
+        Some("cut") => StreamOverLimit::Cut,
+        Some(other) => {
+            errors.push(err(
+                "auth.stream_over_limit",
+                format!("`{other}`: must be `finish` or `cut`"),
+            ));
+            StreamOverLimit::Finish
+        }
+    };
     AuthConfig {
         keys_file: a.keys_file.as_ref().map(std::path::PathBuf::from),
         required: a.required,
+        stream_over_limit,
         upstream_authorization: upstream_authorization(
             "auth",
             a.upstream_authorization.as_deref(),

@@ -47,25 +47,28 @@ impl FleetRates for SharedStore {
             return Ok(Ok(()));
         }
         let taken = self.limits(&buckets).await.map_err(|_| Unreachable)?;
-        Ok(taken.map_err(|(i, level)| {
+        Ok(taken.map(|_| ()).map_err(|(i, level)| {
             let (limit, need, rate) = which[i];
             OverLimit::waiting(limit, level, need, rate)
         }))
     }
 
     /// Debit `tokens` from the tenant's bucket (a negative amount gives
-    /// them back).
-    async fn charge(&self, client: &Client, tokens: i64) -> Result<(), Unreachable> {
-        if client.counts_tokens() && tokens != 0 {
-            let name = format!("{}:tpm", client.tenant.name);
-            let bucket = Bucket {
-                name: &name,
-                per_minute: client.limits.tokens_per_minute,
-                need: None,
-                cost: tokens as f64,
-            };
-            let _ = self.limits(&[bucket]).await.map_err(|_| Unreachable)?;
+    /// them back; none reads its level): its level after.
+    async fn charge(&self, client: &Client, tokens: i64) -> Result<Option<f64>, Unreachable> {
+        if !client.counts_tokens() {
+            return Ok(None);
         }
-        Ok(())
+        let name = format!("{}:tpm", client.tenant.name);
+        let bucket = Bucket {
+            name: &name,
+            per_minute: client.limits.tokens_per_minute,
+            need: None,
+            cost: tokens as f64,
+        };
+        match self.limits(&[bucket]).await.map_err(|_| Unreachable)? {
+            Ok(level) => Ok(Some(level)),
+            Err((_, level)) => Ok(Some(level)),
+        }
     }
 }

@@ -188,7 +188,8 @@ return ARGV[1]";
 /// A tenant's token bucket, shared by the fleet, on Redis's clock: refill
 /// it at ARGV[1] a minute (up to ARGV[1]; full when new), then take ARGV[3]
 /// if it holds at least ARGV[2] (always, when ARGV[2] is `-inf`: a charge
-/// settled after the fact). Returns {taken (0/1), level after}.
+/// settled after the fact). Returns {0, the first bucket's level after}, or
+/// {the first that refused (1-based), its level}.
 const LIMIT: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -209,7 +210,7 @@ for i, k in ipairs(KEYS) do
   redis.call('HSET', k, 'l', tostring(levels[i] - tonumber(ARGV[3 * i])), 't', now)
   redis.call('PEXPIRE', k, 120000)
 end
-return {0, '0'}";
+return {0, tostring(levels[1] - tonumber(ARGV[3]))}";
 
 /// The longest a connection attempt may take (at least `timeout_ms`).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -423,12 +424,13 @@ impl SharedStore {
     }
 
     /// Take each bucket's `cost` from the fleet's buckets, all or none, in
-    /// one call on Redis's clock: all if each holds at least its `need`;
-    /// else `Err` with the first that does not, and its level.
+    /// one call on Redis's clock: all if each holds at least its `need`
+    /// (the first bucket's level after); else `Err` with the first that
+    /// does not, and its level.
     pub async fn limits(
         &self,
         buckets: &[Bucket<'_>],
-    ) -> Result<Result<(), (usize, f64)>, StoreError> {
+    ) -> Result<Result<f64, (usize, f64)>, StoreError> {
         let keys: Vec<String> = buckets
             .iter()
             .map(|b| format!("{}limit:{}", self.cfg.key_prefix, b.name))
@@ -444,9 +446,10 @@ impl SharedStore {
                 async move { call.invoke_async(&mut c).await }
             })
             .await?;
+        let level = level.parse().unwrap_or(0.0);
         Ok(match refused {
-            0 => Ok(()),
-            i => Err((i - 1, level.parse().unwrap_or(0.0))),
+            0 => Ok(level),
+            i => Err((i - 1, level)),
         })
     }
 

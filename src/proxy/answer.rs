@@ -35,6 +35,27 @@ pub struct Answer {
     /// The attempt failed on a pooled connection found closed before the
     /// request was written: nothing of it reached the backend.
     pub(super) unsent: bool,
+    /// A stream that spent its tenant's tokens past zero, to be cut
+    /// (`auth.stream_over_limit: cut`).
+    pub(super) cut: Cut,
+    /// Body bytes handed on to the client so far (through the last
+    /// chunk's filter; some may not be written yet).
+    pub(super) emitted: usize,
+}
+
+/// Where a stream to be cut stands.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) enum Cut {
+    #[default]
+    No,
+    /// Its tenant's tokens are spent: the error event goes out at the next
+    /// event boundary.
+    Due,
+    /// The error event went out with the first this many body bytes: the
+    /// response ends once they are written (Pingora filters a batch of
+    /// chunks before it writes any: an error in the same batch would lose
+    /// the event), what comes meanwhile dropped.
+    Sent(usize),
 }
 
 impl Answer {

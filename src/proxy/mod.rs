@@ -170,12 +170,13 @@ impl ProxyHttp for GatewayProxy {
 
     fn response_body_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         body: &mut Option<Bytes>,
         end_of_stream: bool,
         ctx: &mut RequestCtx,
     ) -> Result<Option<std::time::Duration>> {
-        modify::response_body(&self.gw, body, end_of_stream, ctx);
+        let written = session.downstream_session.body_bytes_sent();
+        modify::response_body(&self.gw, body, end_of_stream, written, ctx)?;
         Ok(None)
     }
 

@@ -2,6 +2,7 @@
 //! metadata (headers and the `x_agent_serve` member), usage and a stored
 //! response's id read on the way.
 
+use super::answer::{Answer, Cut};
 use super::ctx::RequestCtx;
 use super::request::fields_bytes;
 use super::response::{IdRewriter, JsonAppender, ResponseIdScanner, UsageScanner};
@@ -201,8 +202,21 @@ pub(super) fn response_body(
     gw: &Gateway,
     body: &mut Option<Bytes>,
     end_of_stream: bool,
+    written: usize,
     ctx: &mut RequestCtx,
-) {
+) -> pingora_core::Result<()> {
+    if let Cut::Sent(through) = ctx.answer.cut {
+        *body = None;
+        if written >= through && !end_of_stream {
+            // Its error event is written: the response ends here, and the
+            // backend's request with its connection.
+            return Err(pingora_core::Error::explain(
+                pingora_core::ErrorType::Custom("stream_over_limit"),
+                "a stream past its tenant's tokens_per_minute, cut",
+            ));
+        }
+        return Ok(());
+    }
     if let Some(chunk) = body.as_ref() {
         read_chunk(gw, chunk, ctx);
         ctx.answer.upstream_body_seen += chunk.len();
@@ -241,6 +255,32 @@ pub(super) fn response_body(
         }
         *body = (!out.is_empty()).then_some(out);
     }
+    if answer.cut == Cut::Due {
+        cut_after(body, answer, ctx.record.error.as_ref());
+    }
+    answer.emitted += body.as_ref().map_or(0, Bytes::len);
+    Ok(())
+}
+
+/// A stream to be cut: once what goes out ends at an event boundary, the
+/// error that cuts it (`error`, the 429 recorded) follows as an SSE `error`
+/// event (the OpenAI and Anthropic SDKs raise it), and the next chunk ends
+/// the response.
+fn cut_after(body: &mut Option<Bytes>, answer: &mut Answer, error: Option<&GatewayError>) {
+    let (Some(out), Some(error)) = (body.as_ref(), error) else {
+        return;
+    };
+    if !(out.ends_with(b"\n\n") || out.ends_with(b"\r\n\r\n")) {
+        return;
+    }
+    let event = error.body();
+    let mut joined = Vec::with_capacity(out.len() + event.len() + 22);
+    joined.extend_from_slice(out);
+    joined.extend_from_slice(b"event: error\ndata: ");
+    joined.extend_from_slice(&event);
+    joined.extend_from_slice(b"\n\n");
+    answer.cut = Cut::Sent(answer.emitted + joined.len());
+    *body = Some(Bytes::from(joined));
 }
 
 /// What one chunk of the answer tells, before it goes on.
@@ -273,6 +313,12 @@ fn read_chunk(gw: &Gateway, chunk: &Bytes, ctx: &mut RequestCtx) {
             // A socket's turns are charged as their usage comes back.
             Some(ws) => r.charge_up_to(ws.used_tokens(), 1),
             None => r.saw(chunk, answer.streamed),
+        }
+        if answer.streamed && answer.websocket.is_none() && answer.cut == Cut::No {
+            if let Some(over) = r.spent() {
+                ctx.record.error = Some(over.answer(r.client(), &gw.metrics));
+                answer.cut = Cut::Due;
+            }
         }
     }
     let Some(scanner) = answer.response_id.as_mut() else {

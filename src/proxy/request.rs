@@ -136,7 +136,8 @@ fn identify(
         return Err(GatewayError::unauthorized());
     }
     if let Some(c) = &client {
-        let r = Reservation::open(Arc::clone(c), gw.fleet_rates.as_ref(), &gw.metrics)?;
+        let mut r = Reservation::open(Arc::clone(c), gw.fleet_rates.as_ref(), &gw.metrics)?;
+        r.cuts_streams = cfg.auth.stream_over_limit == crate::config::StreamOverLimit::Cut;
         ctx.who.reservation = Some(Box::new(r));
     }
     ctx.who.client = client;

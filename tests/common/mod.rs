@@ -181,6 +181,8 @@ pub struct Gateway {
     pub dir: tempfile::TempDir,
     pub config_path: PathBuf,
     child: Option<Child>,
+    /// Its config has the admin listener (ready once it accepts too).
+    admin: bool,
 }
 
 /// A tier for [`config_yaml`]: name, default?, models, backends (id, addr, weight).
@@ -334,18 +336,20 @@ impl Gateway {
             dir,
             config_path,
             child: Some(child),
+            admin: yaml.contains(&format!("127.0.0.1:{}\"", metrics_port + 1)),
         };
         gw.wait_ready().await;
         gw
     }
 
     pub async fn wait_ready(&self) {
-        let port = self.port;
+        let (port, admin) = (self.port, self.admin.then_some(self.admin_port));
         let metrics = self.metrics_url("/healthz");
         wait_until("gateway listeners", || {
             let metrics = metrics.clone();
             async move {
                 TcpStream::connect(("127.0.0.1", port)).is_ok()
+                    && admin.is_none_or(|a| TcpStream::connect(("127.0.0.1", a)).is_ok())
                     && reqwest::get(&metrics)
                         .await
                         .is_ok_and(|r| r.status().is_success())
