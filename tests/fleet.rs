@@ -1543,3 +1543,70 @@ async fn a_store_that_lost_its_data_is_reseeded_and_the_fleet_agrees_in_the_next
         .collect();
     assert!(moved.is_empty(), "{} of 48 moved: {moved:?}", moved.len());
 }
+
+/// `auth.stream_over_limit: cut` in a fleet: a stream is cut by its
+/// tenant's fleet-wide budget, which another gateway's answers spent too,
+/// not by what this gateway alone has seen.
+#[tokio::test]
+async fn a_stream_is_cut_by_its_tenants_budget_across_the_fleet() {
+    use futures_util::StreamExt;
+    let redis = Redis::start_on(free_port());
+    let sims = [SimBackend::start(
+        "vllm-0",
+        &["--decode-us-per-token", "1000"],
+    )];
+    let keys = tempfile::tempdir().unwrap();
+    let keys_path = keys.path().join("keys.yaml");
+    std::fs::write(
+        &keys_path,
+        keys_file(&[("sk-cut", "metered", "    tokens_per_minute: 1000\n")]),
+    )
+    .unwrap();
+    let mut gws = Vec::new();
+    for _ in 0..2 {
+        gws.push(
+            Gateway::start(
+                &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+                &format!(
+                    "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{}\"\n    timeout_ms: 200\nauth:\n  keys_file: \"{}\"\n  stream_over_limit: cut\n",
+                    affinity_yaml(1800),
+                    redis.port,
+                    keys_path.display()
+                ),
+            )
+            .await,
+        );
+    }
+    for gw in &gws {
+        store_connected(gw).await;
+    }
+    let key = ("authorization", "Bearer sk-cut");
+    // Through the second gateway, an answer of 500 tokens.
+    let mut spend = chat_body("qwen3-8b", 0);
+    spend["max_tokens"] = serde_json::json!(500);
+    let r = chat(&client(), &gws[1], &[key], &spend).await;
+    assert_eq!(r.status, 200);
+    // Through the first, a stream asking for 3,000: cut where the tenant's
+    // 1,000 are spent, the other gateway's 500 counted.
+    let mut body = chat_body("qwen3-8b", 1);
+    body["stream"] = serde_json::json!(true);
+    body["max_tokens"] = serde_json::json!(3000);
+    let resp = client()
+        .post(gws[0].url("/v1/chat/completions"))
+        .header(key.0, key.1)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut got = Vec::new();
+    while let Some(Ok(chunk)) = stream.next().await {
+        got.extend_from_slice(&chunk);
+    }
+    let text = String::from_utf8_lossy(&got);
+    let tokens = text.matches("\"delta\"").count();
+    println!("{tokens} tokens streamed before the cut");
+    assert!((100..700).contains(&tokens), "{tokens} tokens streamed");
+    assert!(text.contains("event: error\ndata: "), "no error event");
+}
