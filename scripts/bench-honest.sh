@@ -4,8 +4,10 @@
 # one-second JSON answer (100 tokens at 10 ms), behind one gateway. Rounds of
 # 40 parallel requests, each round after the one before has ended; the time
 # of each round, with admission off (the baseline) and learned (admission on
-# and nothing else), on an engine whose gauges tell the truth and on two
-# whose gauges lie (always 0 running; always 100,000 waiting). Replica and
+# and nothing else), on an engine whose gauges tell the truth and on three
+# whose gauges lie (always 0 running; always 100,000 waiting; always 1
+# running and 10 waiting, which says the gateway's own requests queue inside
+# it: only what the engine completes tells otherwise). Replica and
 # gateway are started afresh for each mode, so round 1 includes the
 # gateway's start.
 #
@@ -21,7 +23,7 @@ if [ -z "${BIN:-}" ]; then
 fi
 ROUNDS="${ROUNDS:-6}"
 PARALLEL="${PARALLEL:-40}"
-MODES="${MODES:-off learned lie-idle lie-busy}"
+MODES="${MODES:-off learned lie-idle lie-busy lie-both}"
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
@@ -40,6 +42,7 @@ run_mode() {  # mode: prints one JSON line {mode, rounds: [s...]}
     learned) section="admission: { enabled: true, max_wait_ms: 120000 }" ;;
     lie-idle) section="admission: { enabled: true, max_wait_ms: 120000 }"; faults='{"gauge_running": 0}' ;;
     lie-busy) section="admission: { enabled: true, max_wait_ms: 120000 }"; faults='{"gauge_waiting": 100000}' ;;
+    lie-both) section="admission: { enabled: true, max_wait_ms: 120000 }"; faults='{"gauge_running": 1, "gauge_waiting": 10}' ;;
   esac
   wait_port "$sp"
   [ -n "$faults" ] && curl -s -X POST "http://127.0.0.1:$sp/sim/config" -d "$faults" >/dev/null

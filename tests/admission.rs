@@ -941,6 +941,79 @@ async fn learned_admission_lets_an_engine_with_room_run_all_it_can() {
     }
 }
 
+/// Gauges that say this gateway's own requests queue inside the engine
+/// (1 running, 10 waiting, whatever runs) on an engine with room for 16:
+/// the limit they lower to 1 is checked against what the engine completes,
+/// which doubles at twice the limit, and gives way: the engine ends up
+/// running many at once.
+#[tokio::test]
+async fn a_limit_lying_gauges_lowered_gives_way_to_what_the_engine_completes() {
+    let sims = [SimBackend::start(
+        "vllm-0",
+        &[
+            "--max-batch",
+            "16",
+            "--prefill-us-per-token",
+            "0",
+            "--decode-us-per-token",
+            "10000",
+        ],
+    )];
+    sims[0]
+        .set_faults(json!({"gauge_running": 1, "gauge_waiting": 10}))
+        .await;
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}admission:\n  enabled: true\n  max_wait_ms: 60000\nload:\n  interval_ms: 100\n",
+            affinity_yaml(600)
+        ),
+    )
+    .await;
+    wait_until("the first gauges read", || async {
+        admission_view(&gw).await["backends"][0]["max_in_flight"] != 0
+    })
+    .await;
+    // Rounds of 16 short streams (16 tokens, 160 ms), one after another.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (stop, url) = (stop.clone(), gw.url("/v1/chat/completions"));
+        tokio::spawn(async move {
+            let mut round = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let sent: Vec<_> = (0..16)
+                    .map(|i| {
+                        let mut body = chat_body("qwen3-8b", round * 16 + i);
+                        body["stream"] = json!(true);
+                        let req = client().post(&url).json(&body);
+                        tokio::spawn(async move {
+                            let r = req.send().await?;
+                            let status = r.status().as_u16();
+                            r.bytes().await.map(|_| status)
+                        })
+                    })
+                    .collect();
+                for s in sent {
+                    assert_eq!(s.await.unwrap().expect("answered"), 200);
+                }
+                round += 1;
+            }
+        })
+    };
+    wait_until("12 running at once in the engine", || async {
+        sims[0].stats().await["running"].as_u64().unwrap_or(0) >= 12
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    load.await.unwrap();
+    assert!(
+        admission_view(&gw).await["backends"][0]["max_in_flight"]
+            .as_u64()
+            .unwrap()
+            >= 12
+    );
+}
+
 #[tokio::test]
 async fn answers_that_do_not_stream_do_not_hold_the_prefill_slot_through_their_decode() {
     // Slow decode: each answer takes about two seconds after its prefill.

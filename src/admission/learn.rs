@@ -135,6 +135,9 @@ pub(super) struct Learned {
     /// One request over the limit is being tried (in slow start, an engine
     /// that runs it has room to double into).
     probing: bool,
+    /// What the engine completes, against which a limit its gauges lowered
+    /// is kept or undone.
+    check: super::check::Check,
 }
 
 /// What this gateway runs at a backend and keeps waiting for it, as the
@@ -225,9 +228,13 @@ impl Learned {
         (self.prefill_probe, self.probe_out) = (false, true);
     }
 
-    /// A request ended (`probe`: the probe).
-    pub(super) fn ended(&mut self, probe: bool) {
+    /// A request ended (`probe`: the probe; `ran`: it held its slot, not
+    /// one handed to it and passed on unused).
+    pub(super) fn ended(&mut self, probe: bool, ran: bool) {
         self.probe_out &= !probe;
+        if ran {
+            self.check.completed();
+        }
     }
 
     /// The first answer taught what one prefill costs: until then no probe
@@ -298,6 +305,36 @@ impl Learned {
         if self.source != LimitSource::Learned {
             return false;
         }
+        let before = self.limit;
+        let raised = self.checked(here.running >= self.limit && here.waiting, now_ms)
+            || self.gauge_step(running, waiting, now_ms, here);
+        if self.limit != before {
+            self.check.limit_set(self.limit, now_ms);
+        }
+        raised
+    }
+
+    /// The check against what the engine completes, at a reading
+    /// (`bound`: the limit holds requests back now): whether it raised the
+    /// limit. A lowering it undoes restarts slow start (the limit was set
+    /// by gauges that were wrong).
+    fn checked(&mut self, bound: bool, now_ms: u64) -> bool {
+        use super::check::Verdict;
+        let limit = match self.check.scraped(self.limit, bound, now_ms) {
+            Verdict::None => return false,
+            Verdict::Undo(limit) => {
+                (self.slow_start, self.probing, self.queued_at) = (true, false, 0);
+                limit
+            }
+            Verdict::Try(limit) | Verdict::Confirm(limit) => limit,
+        };
+        let raised = limit > self.limit;
+        (self.limit, self.changed_ms) = (limit, now_ms);
+        raised
+    }
+
+    /// What the gauges teach at a reading (see [`Learned::limit_gauged`]).
+    fn gauge_step(&mut self, running: u64, waiting: u64, now_ms: u64, here: Here) -> bool {
         // Whose requests wait inside the engine. Alone, only this gateway's
         // own count: the engine runs fewer than it has there. Requests it
         // runs all of wait for nobody here; another client's queue (or a
@@ -305,8 +342,10 @@ impl Learned {
         // holding this gateway's back, and an honest engine with room would
         // be slowed for nothing. In a fleet, the other gateways' requests
         // count too (below: this one's share).
-        let ours_queue =
-            waiting > 0 && running > 0 && (here.fleet || here.running as u64 > running);
+        let ours_queue = waiting > 0
+            && running > 0
+            && (here.fleet || here.running as u64 > running)
+            && !self.check.gauges_held(now_ms);
         if ours_queue {
             // What the engine runs, of which this gateway's share: in a
             // fleet, whose other gateways send to the engine too, what this
@@ -326,6 +365,7 @@ impl Learned {
             if self.queued_at > 0 || (self.slow_start && here.running >= self.limit) {
                 let seen = self.queued_at.max(running);
                 if self.limit == 0 || seen < self.limit {
+                    self.check.lowered(self.limit, seen);
                     self.limit = seen;
                 }
                 self.changed_ms = now_ms;
@@ -395,7 +435,7 @@ impl Learned {
     pub(super) fn learning(&self, running: u32, waiters: bool) -> bool {
         self.source == LimitSource::Learned
             && ((self.probing && running >= self.limit)
-                || (self.slow_start && waiters && running >= self.limit)
+                || ((self.slow_start || self.check.pending()) && waiters && running >= self.limit)
                 || (self.queued_at > 0 && self.queued_at < self.limit))
     }
 }

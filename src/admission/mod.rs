@@ -27,6 +27,8 @@
 //! against it (see [`Admission::vote_prefill`]).
 //!
 //! The module's parts: [`queue`] (slots, limits, the order of waiters),
+//! [`learn`] (limits learned from the engines' gauges and answers), [`check`]
+//! (a learned limit checked against what the engine completes),
 //! [`class`] (priority classes), [`tenant`] (a client key's tenant and its
 //! limits: in flight, requests and tokens a minute, locally or across the
 //! fleet), [`who`] (who a request is and how it waits: tenant, class and its
@@ -35,6 +37,7 @@
 //! gateway's own) and [`wait`] (the wait for a slot: deadline, a client or
 //! backend that goes, the 429s that end it).
 
+pub mod check;
 pub mod class;
 mod fair;
 pub mod learn;

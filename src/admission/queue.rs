@@ -537,7 +537,7 @@ impl Admission {
     fn release(&self, backend: u32, held_ms: Option<f64>, prefilling: Option<u64>, probe: bool) {
         let mut st = self.state.lock();
         if let Some(b) = st.backends.get_mut(&backend) {
-            b.learned.ended(probe);
+            b.learned.ended(probe, held_ms.is_some());
             if let Some(ms) = held_ms {
                 b.hold_ms = match b.hold_ms {
                     0.0 => ms,
