@@ -32,6 +32,9 @@ pub(super) const DISTRUST_MAX_MS: u64 = 600_000;
 /// Completions at one limit since a moment.
 #[derive(Default)]
 struct Window {
+    /// Which window: a request counts in the one it started in (one that
+    /// started under another limit tells nothing of this one's).
+    era: u32,
     since_ms: u64,
     limit: u32,
     /// Completions since the last reading.
@@ -42,6 +45,8 @@ struct Window {
     /// Time between readings both bound, and the completions in it.
     bound_ms: u64,
     bound_done: u32,
+    /// Completions since the window began, bound or not.
+    all_done: u32,
 }
 
 /// What is being checked.
@@ -80,9 +85,17 @@ pub(super) struct Check {
 }
 
 impl Check {
-    /// A request ended there.
-    pub(super) fn completed(&mut self) {
-        self.window.done += 1;
+    /// A request that started in window `era` ended there.
+    pub(super) fn completed(&mut self, era: u32) {
+        if era == self.window.era {
+            self.window.done += 1;
+            self.window.all_done += 1;
+        }
+    }
+
+    /// The window a request starting now starts in.
+    pub(super) fn era(&self) -> u32 {
+        self.window.era
     }
 
     /// The gauges are not followed now (they lowered a limit wrongly), or a
@@ -100,6 +113,7 @@ impl Check {
     /// before the next reading ran under the change, and is not counted).
     pub(super) fn limit_set(&mut self, limit: u32, now_ms: u64) {
         self.window = Window {
+            era: self.window.era.wrapping_add(1),
             since_ms: now_ms,
             limit,
             last_ms: now_ms,
@@ -107,13 +121,39 @@ impl Check {
         };
     }
 
-    /// The gauges lowered the limit `from` -> `to`: checked when by more
-    /// than a step (a step costs less than [`GAIN`] could tell).
-    pub(super) fn lowered(&mut self, from: u32, to: u32) {
-        if from >= to + (to / 4).max(2) {
-            let before = self.last.filter(|(l, _)| *l == from).map(|(_, r)| r);
-            self.pending = Some(Pending::Lowered { from, to, before });
+    /// A new window at the same limit (requests that started in the one
+    /// before still count).
+    fn next_window(&mut self, now_ms: u64) {
+        self.window = Window {
+            era: self.window.era,
+            since_ms: now_ms,
+            limit: self.window.limit,
+            last_ms: now_ms,
+            last_bound: self.window.last_bound,
+            ..Window::default()
+        };
+    }
+
+    /// The gauges lowered the limit `from` -> `to` at `now_ms`: checked
+    /// when by more than a step (a step costs less than [`GAIN`] could
+    /// tell). What the engine completed at `from` is the last bound
+    /// window's, or, more, what the window running now saw whether bound
+    /// or not (less than the engine could, never more: enough to show a
+    /// lowering cut it).
+    pub(super) fn lowered(&mut self, from: u32, to: u32, now_ms: u64) {
+        if from < to + (to / 4).max(2) {
+            return;
         }
+        let w = &self.window;
+        let age = now_ms.saturating_sub(w.since_ms);
+        let now = (w.limit == from && age >= WINDOW_MS && w.all_done >= WINDOW_DONE)
+            .then(|| w.all_done as f64 * 1_000.0 / age as f64);
+        let bound = self.last.filter(|(l, _)| *l == from).map(|(_, r)| r);
+        let before = match (bound, now) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        self.pending = Some(Pending::Lowered { from, to, before });
     }
 
     /// A reading at `now_ms`, the limit `limit` (`bound`: holding requests
@@ -129,12 +169,29 @@ impl Check {
             w.bound_done += w.done;
         }
         (w.done, w.last_ms, w.last_bound) = (0, now_ms, bound);
+        // Far below what the higher limit completed: one more completion
+        // would not change the verdict, and each one waited for is slow.
+        let (bound_ms, bound_done) = (w.bound_ms, w.bound_done);
+        if let Some(Pending::Lowered {
+            from,
+            to,
+            before: Some(b),
+        }) = self.pending
+        {
+            let at_most = (bound_done + 1) as f64 * 1_000.0 / bound_ms.max(1) as f64;
+            if to == limit && bound_ms >= WINDOW_MS && at_most * GAIN <= b {
+                self.pending = None;
+                self.next_window(now_ms);
+                return self.undo(from, now_ms);
+            }
+        }
+        let w = &mut self.window;
         let judged = w.bound_ms >= WINDOW_MS && w.bound_done >= WINDOW_DONE;
         if !judged && now_ms - w.since_ms < WINDOW_MAX_MS {
             return Verdict::None;
         }
         let rate = w.bound_done as f64 * 1_000.0 / w.bound_ms.max(1) as f64;
-        self.limit_set(limit, now_ms);
+        self.next_window(now_ms);
         if !judged {
             return Verdict::None;
         }
@@ -188,7 +245,7 @@ mod tests {
     fn window(c: &mut Check, limit: u32, at: u64, ms: u64, n: u32) -> Verdict {
         assert_eq!(c.scraped(limit, true, at + 1), Verdict::None);
         for _ in 0..n {
-            c.completed();
+            c.completed(c.era());
         }
         c.scraped(limit, true, at + 1 + ms)
     }
@@ -199,7 +256,7 @@ mod tests {
         c.limit_set(16, 0);
         // 16 at a time completed 32 in 2 s.
         assert_eq!(window(&mut c, 16, 0, 2_000, 32), Verdict::None);
-        c.lowered(16, 4);
+        c.lowered(16, 4, 2_000);
         c.limit_set(4, 2_000);
         // At 4, 8 in 2 s: a quarter. Undone.
         assert_eq!(window(&mut c, 4, 2_000, 2_000, 8), Verdict::Undo(16));
@@ -212,7 +269,7 @@ mod tests {
         let mut c = Check::default();
         c.limit_set(16, 0);
         assert_eq!(window(&mut c, 16, 0, 2_000, 32), Verdict::None);
-        c.lowered(16, 8);
+        c.lowered(16, 8, 2_000);
         c.limit_set(8, 2_000);
         // The engine ran 8: as many complete at 8 as at 16.
         assert_eq!(window(&mut c, 8, 2_000, 2_000, 30), Verdict::None);
@@ -221,9 +278,26 @@ mod tests {
     }
 
     #[test]
+    fn what_the_higher_limit_completed_unbound_is_enough_to_undo_a_lowering() {
+        let mut c = Check::default();
+        c.limit_set(64, 0);
+        // 40 a second at 64, never bound (40 asked at a time).
+        assert_eq!(c.scraped(64, false, 1), Verdict::None);
+        for _ in 0..120 {
+            c.completed(c.era());
+        }
+        assert_eq!(c.scraped(64, false, 3_000), Verdict::None);
+        c.lowered(64, 1, 3_000);
+        c.limit_set(1, 3_000);
+        // At 1, one a second: undone once the time bound shows it, with
+        // no trial and before eight have come back.
+        assert_eq!(window(&mut c, 1, 3_000, 2_000, 2), Verdict::Undo(64));
+    }
+
+    #[test]
     fn with_nothing_measured_above_it_a_lowering_is_tried_at_twice() {
         let mut c = Check::default();
-        c.lowered(4, 1);
+        c.lowered(4, 1, 0);
         c.limit_set(1, 0);
         assert_eq!(window(&mut c, 1, 0, 8_000, 8), Verdict::Try(2));
         assert!(c.gauges_held(8_000), "not cut short by the gauges");
@@ -232,7 +306,7 @@ mod tests {
         assert_eq!(window(&mut c, 2, 8_000, 4_000, 8), Verdict::Undo(2));
         // Another, whose trial gains nothing, stands.
         let mut c = Check::default();
-        c.lowered(8, 4);
+        c.lowered(8, 4, 0);
         c.limit_set(4, 0);
         assert_eq!(window(&mut c, 4, 0, 2_000, 8), Verdict::Try(8));
         c.limit_set(8, 2_000);
@@ -242,13 +316,13 @@ mod tests {
     #[test]
     fn only_time_that_held_requests_back_counts_and_too_few_judge_nothing() {
         let mut c = Check::default();
-        c.lowered(16, 4);
+        c.lowered(16, 4, 2_000);
         c.limit_set(4, 0);
         assert_eq!(c.scraped(4, true, 1), Verdict::None);
         // Between bursts (not bound at the next reading): 20 completions
         // and 2.5 s that do not count.
         for _ in 0..20 {
-            c.completed();
+            c.completed(c.era());
         }
         assert_eq!(c.scraped(4, false, 2_500), Verdict::None);
         assert_eq!(c.scraped(4, true, 2_600), Verdict::None);
@@ -256,23 +330,34 @@ mod tests {
         // Bound again: 2 s, 8 completions (4 a second: a quarter of the 16
         // it was lowered from is not known, so a trial at 8).
         for _ in 0..8 {
-            c.completed();
+            c.completed(c.era());
         }
         assert_eq!(c.scraped(4, true, 4_600), Verdict::Try(8));
         // Bound, too few completions: by the longest window, nothing.
         let mut c = Check::default();
-        c.lowered(16, 4);
+        c.lowered(16, 4, 2_000);
         c.limit_set(4, 0);
         assert_eq!(c.scraped(4, true, 1), Verdict::None);
-        c.completed();
+        c.completed(c.era());
         assert_eq!(
             c.scraped(4, true, WINDOW_MAX_MS),
             Verdict::None,
             "one completed"
         );
+        // Requests that started under the limit before do not count.
+        let mut c = Check::default();
+        c.lowered(16, 4, 2_000);
+        c.limit_set(4, 0);
+        let before = c.era();
+        c.limit_set(4, 0);
+        assert_eq!(c.scraped(4, true, 1), Verdict::None);
+        for _ in 0..20 {
+            c.completed(before);
+        }
+        assert_eq!(c.scraped(4, true, 3_000), Verdict::None);
         // A step (4 -> 3) is not checked.
         let mut c = Check::default();
-        c.lowered(4, 3);
+        c.lowered(4, 3, 0);
         assert!(!c.pending());
     }
 }

@@ -228,13 +228,19 @@ impl Learned {
         (self.prefill_probe, self.probe_out) = (false, true);
     }
 
-    /// A request ended (`probe`: the probe; `ran`: it held its slot, not
-    /// one handed to it and passed on unused).
-    pub(super) fn ended(&mut self, probe: bool, ran: bool) {
+    /// A request ended (`probe`: the probe; `ran`: it held its slot, from
+    /// the learned limit's window `era`, not one handed to it and passed on
+    /// unused).
+    pub(super) fn ended(&mut self, probe: bool, ran: Option<u32>) {
         self.probe_out &= !probe;
-        if ran {
-            self.check.completed();
+        if let Some(era) = ran {
+            self.check.completed(era);
         }
+    }
+
+    /// The learned limit's window a request starting now starts in.
+    pub(super) fn era(&self) -> u32 {
+        self.check.era()
     }
 
     /// The first answer taught what one prefill costs: until then no probe
@@ -365,7 +371,7 @@ impl Learned {
             if self.queued_at > 0 || (self.slow_start && here.running >= self.limit) {
                 let seen = self.queued_at.max(running);
                 if self.limit == 0 || seen < self.limit {
-                    self.check.lowered(self.limit, seen);
+                    self.check.lowered(self.limit, seen, now_ms);
                     self.limit = seen;
                 }
                 self.changed_ms = now_ms;

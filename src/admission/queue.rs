@@ -68,6 +68,10 @@ struct Start {
     clock: bool,
     /// Under a learned cap, its prefill is shorter than the slack.
     short: bool,
+    /// The learned limit's window it started in ([`super::check`]): only
+    /// a request that ran wholly under a limit tells what the engine
+    /// completes at it.
+    era: u32,
 }
 
 /// A backend's room for prefills as of a request ([`Admission::admit_within`]),
@@ -120,6 +124,7 @@ impl Backend {
         let short = self.learned.prefill_learned() && tokens < self.prefill_slack;
         let counted = !(json && short);
         Start {
+            era: self.learned.era(),
             probe: counted && self.learned.next_is_probe(self.prefilling),
             counted,
             clock: counted && (self.learned.max_prefilling() > 0 || self.prefill_budget > 0),
@@ -198,6 +203,8 @@ pub struct Permit {
     /// for the hold times `Retry-After` is estimated from, and cheaper
     /// than `Instant` twice a request).
     since_ms: u64,
+    /// The learned limit's window it started in.
+    era: u32,
     /// Its estimated prefill, tokens.
     tokens: u64,
     /// Let by as a second prefill under a learned cap of one: its answer
@@ -223,6 +230,7 @@ impl Permit {
             admission: Arc::clone(admission),
             backend,
             since_ms: crate::clock::now_ms(),
+            era: s.era,
             tokens,
             probe: s.probe,
             needs_clock: s.clock,
@@ -285,7 +293,7 @@ impl Drop for Permit {
         };
         self.admission.release(
             self.backend,
-            Some(held_ms),
+            Some((held_ms, self.era)),
             (!prefilled).then_some(self.tokens),
             self.probe,
         );
@@ -531,14 +539,21 @@ impl Admission {
         })
     }
 
-    /// A slot of `backend` is free (after `held_ms` in use, when it was;
-    /// `prefilling`: the tokens of a request whose prefill was not over):
-    /// hand it on to the best waiters there is room for.
-    fn release(&self, backend: u32, held_ms: Option<f64>, prefilling: Option<u64>, probe: bool) {
+    /// A slot of `backend` is free (after `held` ms in use, when it was,
+    /// and the learned limit's window it started in; `prefilling`: the
+    /// tokens of a request whose prefill was not over): hand it on to the
+    /// best waiters there is room for.
+    fn release(
+        &self,
+        backend: u32,
+        held: Option<(f64, u32)>,
+        prefilling: Option<u64>,
+        probe: bool,
+    ) {
         let mut st = self.state.lock();
         if let Some(b) = st.backends.get_mut(&backend) {
-            b.learned.ended(probe, held_ms.is_some());
-            if let Some(ms) = held_ms {
+            b.learned.ended(probe, held.map(|(_, era)| era));
+            if let Some((ms, _)) = held {
                 b.hold_ms = match b.hold_ms {
                     0.0 => ms,
                     avg => avg + HOLD_ALPHA * (ms - avg),
