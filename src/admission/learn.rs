@@ -371,7 +371,11 @@ impl Learned {
             if self.queued_at > 0 || (self.slow_start && here.running >= self.limit) {
                 let seen = self.queued_at.max(running);
                 if self.limit == 0 || seen < self.limit {
-                    self.check.lowered(self.limit, seen, now_ms);
+                    // (In a fleet the limit is this gateway's share: what it
+                    // completes falls by design, the others' rises, unseen.)
+                    if !here.fleet {
+                        self.check.lowered(self.limit, seen, now_ms);
+                    }
                     self.limit = seen;
                 }
                 self.changed_ms = now_ms;
@@ -443,5 +447,33 @@ impl Learned {
             && ((self.probing && running >= self.limit)
                 || ((self.slow_start || self.check.pending()) && waiters && running >= self.limit)
                 || (self.queued_at > 0 && self.queued_at < self.limit))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// In a fleet a limit lowered to this gateway's share of the batch is
+    /// not checked against what this gateway completes (that falls by
+    /// design; the other gateways' rises, unseen); alone, a lowering by
+    /// more than a step is.
+    #[test]
+    fn only_a_lone_gateways_lowering_is_checked_against_completions() {
+        for fleet in [true, false] {
+            let mut l = Learned::default();
+            l.configure(Limit::Learn, Prefill::None);
+            let here = |running| Here {
+                running,
+                waiting: true,
+                fleet,
+            };
+            l.limit_gauged(0, 0, 1_000, here(0));
+            assert_eq!(l.limit, SLOW_START);
+            // This gateway's 4 there; the engine runs 1 and queues 8.
+            l.limit_gauged(1, 8, 1_100, here(4));
+            assert_eq!(l.limit, 1);
+            assert_eq!(l.check.pending(), !fleet, "fleet: {fleet}");
+        }
     }
 }
