@@ -1344,10 +1344,9 @@ async fn turned_on_it_prefills_one_at_a_time_only_where_the_engine_queues_prefil
     assert_eq!(b["max_prefilling"], 0, "after {round} rounds: {b}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_spends_its_tenants_tokens_while_it_runs() {
-    // 1,000 tokens a minute; a session's later turn streams 3,000 tokens
-    // without usage, its body unread (its max_tokens unknown up front).
+/// One replica at 1 ms a token behind a gateway whose only key,
+/// `sk-metered`, has 1,000 tokens a minute (`auth` lines added as given).
+async fn metered(auth: &str) -> (tempfile::TempDir, SimBackend, Gateway) {
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.yaml");
     std::fs::write(
@@ -1359,12 +1358,20 @@ async fn a_stream_spends_its_tenants_tokens_while_it_runs() {
     let gw = Gateway::start(
         &[tier("default", true, &[], &[&sim])],
         &format!(
-            "{FAST_HEALTH}{}auth:\n  keys_file: \"{}\"\n  required: true\n",
+            "{FAST_HEALTH}{}auth:\n  keys_file: \"{}\"\n  required: true\n{auth}",
             affinity_yaml(1800),
             keys.display()
         ),
     )
     .await;
+    (dir, sim, gw)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_spends_its_tenants_tokens_while_it_runs() {
+    // 1,000 tokens a minute; a session's later turn streams 3,000 tokens
+    // without usage, its body unread (its max_tokens unknown up front).
+    let (_dir, _sim, gw) = metered("").await;
     let key = ("authorization", "Bearer sk-metered");
     let session = ("x-session-id", "long-answers");
     let first = chat(&client(), &gw, &[key, session], &chat_body("qwen3-8b", 0)).await;
@@ -1415,23 +1422,7 @@ async fn a_stream_spends_its_tenants_tokens_while_it_runs() {
 /// `a_stream_spends_its_tenants_tokens_while_it_runs`.)
 #[tokio::test]
 async fn a_stream_past_its_tenants_tokens_is_cut_where_the_operator_says_so() {
-    let dir = tempfile::tempdir().unwrap();
-    let keys = dir.path().join("keys.yaml");
-    std::fs::write(
-        &keys,
-        keys_file(&[("sk-metered", "metered", "    tokens_per_minute: 1000\n")]),
-    )
-    .unwrap();
-    let sim = SimBackend::start("vllm-0", &["--decode-us-per-token", "1000"]);
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &[&sim])],
-        &format!(
-            "{FAST_HEALTH}{}auth:\n  keys_file: \"{}\"\n  required: true\n  stream_over_limit: cut\n",
-            affinity_yaml(1800),
-            keys.display()
-        ),
-    )
-    .await;
+    let (_dir, _sim, gw) = metered("  stream_over_limit: cut\n").await;
     let key = ("authorization", "Bearer sk-metered");
     let resp = client()
         .post(gw.url("/v1/chat/completions"))
@@ -1441,13 +1432,8 @@ async fn a_stream_past_its_tenants_tokens_is_cut_where_the_operator_says_so() {
         .await
         .expect("stream starts");
     assert_eq!(resp.status(), 200);
-    let mut stream = resp.bytes_stream();
-    let mut got = Vec::new();
     // The response ends where it is cut (its connection with it).
-    while let Some(Ok(chunk)) = stream.next().await {
-        got.extend_from_slice(&chunk);
-    }
-    let text = String::from_utf8_lossy(&got);
+    let text = read_until_cut(resp).await;
     let events = text.matches("\"delta\"").count();
     println!("{events} tokens streamed before the cut");
     assert!((500..1_500).contains(&events), "{events} tokens streamed");

@@ -1549,7 +1549,6 @@ async fn a_store_that_lost_its_data_is_reseeded_and_the_fleet_agrees_in_the_next
 /// not by what this gateway alone has seen.
 #[tokio::test]
 async fn a_stream_is_cut_by_its_tenants_budget_across_the_fleet() {
-    use futures_util::StreamExt;
     let redis = Redis::start_on(free_port());
     let sims = [SimBackend::start(
         "vllm-0",
@@ -1599,12 +1598,7 @@ async fn a_stream_is_cut_by_its_tenants_budget_across_the_fleet() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
-    let mut stream = resp.bytes_stream();
-    let mut got = Vec::new();
-    while let Some(Ok(chunk)) = stream.next().await {
-        got.extend_from_slice(&chunk);
-    }
-    let text = String::from_utf8_lossy(&got);
+    let text = read_until_cut(resp).await;
     let tokens = text.matches("\"delta\"").count();
     println!("{tokens} tokens streamed before the cut");
     assert!((100..700).contains(&tokens), "{tokens} tokens streamed");

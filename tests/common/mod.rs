@@ -850,3 +850,15 @@ pub async fn python(script: &str, args: &[&str]) -> String {
     );
     stdout
 }
+
+/// A streamed answer's body as text, up to its end or to where the
+/// connection was cut (a stream ended by the gateway mid-way).
+pub async fn read_until_cut(resp: reqwest::Response) -> String {
+    use futures_util::StreamExt;
+    let mut stream = resp.bytes_stream();
+    let mut got = Vec::new();
+    while let Some(Ok(chunk)) = stream.next().await {
+        got.extend_from_slice(&chunk);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
