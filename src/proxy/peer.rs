@@ -276,6 +276,9 @@ pub(super) fn proxy_error(
     e.set_retry(replay);
     if replay {
         route.replayed = true;
+        if upstream_conn::reset_unread(&e) {
+            ctx.answer.unsent = true;
+        }
         // Its first attempt may have reached its backend (it was written):
         // that backend may have begun running it, so the replay goes there
         // or nowhere (gone meanwhile: a 502). Every other backend is left

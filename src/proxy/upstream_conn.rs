@@ -139,6 +139,27 @@ pub fn should_replay(
         && *e.esource() == ErrorSource::Upstream
 }
 
+/// The backend's kernel reset the connection before any answer (or the
+/// request's write found it reset): the request sat unread in its socket
+/// and nothing of it ran. A process that read a request and then died
+/// closes with a FIN (EOF here); one killed with the request still unread,
+/// or a socket already closed when the request arrived, answers with a
+/// reset. Such a request may be placed afresh, on another backend too.
+pub fn reset_unread(e: &Error) -> bool {
+    matches!(
+        e.etype(),
+        ErrorType::ReadError | ErrorType::WriteError | ErrorType::ConnectionClosed
+    ) && e
+        .root_cause()
+        .downcast_ref::<std::io::Error>()
+        .is_some_and(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+            )
+        })
+}
+
 /// A pool key no pooled connection has: the replay connects afresh.
 pub fn fresh_group_key() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -181,6 +202,28 @@ mod tests {
             !should_replay(&downstream, true, false, true),
             "client's error"
         );
+    }
+
+    #[test]
+    fn only_a_reset_before_the_answer_says_the_request_was_never_read() {
+        let with = |etype, kind| {
+            let mut e = Error::because(etype, "reading", std::io::Error::from(kind));
+            e.esource = ErrorSource::Upstream;
+            e
+        };
+        use std::io::ErrorKind::*;
+        assert!(reset_unread(&with(ErrorType::ReadError, ConnectionReset)));
+        assert!(reset_unread(&with(ErrorType::WriteError, BrokenPipe)));
+        // EOF: the backend may have read it, then closed (or died).
+        assert!(!reset_unread(&with(
+            ErrorType::ConnectionClosed,
+            UnexpectedEof
+        )));
+        assert!(!reset_unread(&upstream(
+            ErrorType::ConnectionClosed,
+            RetryType::ReusedOnly
+        )));
+        assert!(!reset_unread(&with(ErrorType::ReadTimedout, TimedOut)));
     }
 
     #[test]
