@@ -896,6 +896,27 @@ async fn turned_on_with_nothing_else_it_learns_what_the_engine_runs_and_queues_t
     }
 }
 
+/// One replica (`args`), its gauges as `faults` make them, behind a gateway
+/// with admission on (and `admission` lines added) that reads them every
+/// 100 ms, once it has read them first (its learned limit in slow start).
+async fn learning(args: &[&str], faults: &Value, admission: &str) -> (Vec<SimBackend>, Gateway) {
+    let sims = vec![SimBackend::start("vllm-0", args)];
+    sims[0].set_faults(faults.clone()).await;
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!(
+            "{FAST_HEALTH}{}admission:\n  enabled: true\n{admission}load:\n  interval_ms: 100\n",
+            affinity_yaml(600)
+        ),
+    )
+    .await;
+    wait_until("the first gauges read", || async {
+        admission_view(&gw).await["backends"][0]["max_in_flight"] != 0
+    })
+    .await;
+    (sims, gw)
+}
+
 /// An engine with room for 16 that runs all 16 held streams, its gauges
 /// honest or saying 100,000 wait whatever runs: learned admission lets all
 /// 16 in side by side (it holds back only requests of its own that wait
@@ -904,21 +925,7 @@ async fn turned_on_with_nothing_else_it_learns_what_the_engine_runs_and_queues_t
 #[tokio::test]
 async fn learned_admission_lets_an_engine_with_room_run_all_it_can() {
     for lie in [json!({}), json!({"gauge_waiting": 100_000})] {
-        let sims = [SimBackend::start("vllm-0", &["--max-batch", "16"])];
-        sims[0].set_faults(lie.clone()).await;
-        let gw = Gateway::start(
-            &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-            &format!(
-                "{FAST_HEALTH}{}admission:\n  enabled: true\nload:\n  interval_ms: 100\n",
-                affinity_yaml(600)
-            ),
-        )
-        .await;
-        // Its first gauges read: a slow start, so the burst is limited.
-        wait_until("the first gauges read", || async {
-            admission_view(&gw).await["backends"][0]["max_in_flight"] != 0
-        })
-        .await;
+        let (sims, gw) = learning(&["--max-batch", "16"], &lie, "").await;
         let mut faults = lie.clone();
         faults["hold_streams"] = json!(true);
         sims[0].set_faults(faults).await;
@@ -948,32 +955,16 @@ async fn learned_admission_lets_an_engine_with_room_run_all_it_can() {
 /// running many at once.
 #[tokio::test]
 async fn a_limit_lying_gauges_lowered_gives_way_to_what_the_engine_completes() {
-    let sims = [SimBackend::start(
-        "vllm-0",
-        &[
-            "--max-batch",
-            "16",
-            "--prefill-us-per-token",
-            "0",
-            "--decode-us-per-token",
-            "10000",
-        ],
-    )];
-    sims[0]
-        .set_faults(json!({"gauge_running": 1, "gauge_waiting": 10}))
-        .await;
-    let gw = Gateway::start(
-        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-        &format!(
-            "{FAST_HEALTH}{}admission:\n  enabled: true\n  max_wait_ms: 60000\nload:\n  interval_ms: 100\n",
-            affinity_yaml(600)
-        ),
-    )
-    .await;
-    wait_until("the first gauges read", || async {
-        admission_view(&gw).await["backends"][0]["max_in_flight"] != 0
-    })
-    .await;
+    let args = [
+        "--max-batch",
+        "16",
+        "--prefill-us-per-token",
+        "0",
+        "--decode-us-per-token",
+        "10000",
+    ];
+    let lie = json!({"gauge_running": 1, "gauge_waiting": 10});
+    let (sims, gw) = learning(&args, &lie, "  max_wait_ms: 60000\n").await;
     // Rounds of 16 short streams (16 tokens, 160 ms), one after another.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let load = {
@@ -1347,13 +1338,7 @@ async fn turned_on_it_prefills_one_at_a_time_only_where_the_engine_queues_prefil
 /// One replica at 1 ms a token behind a gateway whose only key,
 /// `sk-metered`, has 1,000 tokens a minute (`auth` lines added as given).
 async fn metered(auth: &str) -> (tempfile::TempDir, SimBackend, Gateway) {
-    let dir = tempfile::tempdir().unwrap();
-    let keys = dir.path().join("keys.yaml");
-    std::fs::write(
-        &keys,
-        keys_file(&[("sk-metered", "metered", "    tokens_per_minute: 1000\n")]),
-    )
-    .unwrap();
+    let (dir, keys) = write_keys(&[("sk-metered", "metered", "    tokens_per_minute: 1000\n")]);
     let sim = SimBackend::start("vllm-0", &["--decode-us-per-token", "1000"]);
     let gw = Gateway::start(
         &[tier("default", true, &[], &[&sim])],

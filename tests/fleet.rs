@@ -1401,15 +1401,45 @@ async fn a_chain_of_stored_responses_alternating_between_gateways_never_meets_a_
     assert!(split(&homes).is_empty(), "{:?}", split(&homes));
 }
 
+/// Two gateways in front of `sims` sharing `redis`, checking client keys
+/// (`entries` as `keys_file` takes them; `auth` lines added), each
+/// connected to the store: the keys' directory (keep it) and the gateways.
+async fn keyed_pair(
+    redis: &Redis,
+    sims: &[SimBackend],
+    entries: &[(&str, &str, &str)],
+    auth: &str,
+) -> (tempfile::TempDir, Vec<Gateway>) {
+    let (dir, keys) = write_keys(entries);
+    let mut gws = Vec::new();
+    for _ in 0..2 {
+        gws.push(
+            Gateway::start(
+                &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+                &format!(
+                    "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{}\"\n    timeout_ms: 200\nauth:\n  keys_file: \"{}\"\n{auth}",
+                    affinity_yaml(1800),
+                    redis.port,
+                    keys.display()
+                ),
+            )
+            .await,
+        );
+    }
+    for gw in &gws {
+        store_connected(gw).await;
+    }
+    (dir, gws)
+}
+
 #[tokio::test]
 async fn a_tenants_limits_hold_across_the_fleet_and_each_gateway_keeps_them_without_the_store() {
     let mut redis = Redis::start_on(free_port());
     let sims = [SimBackend::start("vllm-0", &[])];
-    let keys = tempfile::tempdir().unwrap();
-    let keys_path = keys.path().join("keys.yaml");
-    std::fs::write(
-        &keys_path,
-        keys_file(&[
+    let (_keys, gws) = keyed_pair(
+        &redis,
+        &sims,
+        &[
             ("sk-fleet-tenant", "fleet", "    requests_per_minute: 10\n"),
             (
                 "sk-fleet-tokens",
@@ -1421,27 +1451,10 @@ async fn a_tenants_limits_hold_across_the_fleet_and_each_gateway_keeps_them_with
                 "both",
                 "    requests_per_minute: 10\n    tokens_per_minute: 1000000\n",
             ),
-        ]),
+        ],
+        "",
     )
-    .unwrap();
-    let mut gws = Vec::new();
-    for _ in 0..2 {
-        gws.push(
-            Gateway::start(
-                &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-                &format!(
-                    "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{}\"\n    timeout_ms: 200\nauth:\n  keys_file: \"{}\"\n",
-                    affinity_yaml(1800),
-                    redis.port,
-                    keys_path.display()
-                ),
-            )
-            .await,
-        );
-    }
-    for gw in &gws {
-        store_connected(gw).await;
-    }
+    .await;
     let key = [("authorization", "Bearer sk-fleet-tenant")];
     let mut refused = 0;
     for i in 0..16 {
@@ -1554,31 +1567,13 @@ async fn a_stream_is_cut_by_its_tenants_budget_across_the_fleet() {
         "vllm-0",
         &["--decode-us-per-token", "1000"],
     )];
-    let keys = tempfile::tempdir().unwrap();
-    let keys_path = keys.path().join("keys.yaml");
-    std::fs::write(
-        &keys_path,
-        keys_file(&[("sk-cut", "metered", "    tokens_per_minute: 1000\n")]),
+    let (_keys, gws) = keyed_pair(
+        &redis,
+        &sims,
+        &[("sk-cut", "metered", "    tokens_per_minute: 1000\n")],
+        "  stream_over_limit: cut\n",
     )
-    .unwrap();
-    let mut gws = Vec::new();
-    for _ in 0..2 {
-        gws.push(
-            Gateway::start(
-                &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-                &format!(
-                    "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{}\"\n    timeout_ms: 200\nauth:\n  keys_file: \"{}\"\n  stream_over_limit: cut\n",
-                    affinity_yaml(1800),
-                    redis.port,
-                    keys_path.display()
-                ),
-            )
-            .await,
-        );
-    }
-    for gw in &gws {
-        store_connected(gw).await;
-    }
+    .await;
     let key = ("authorization", "Bearer sk-cut");
     // Through the second gateway, an answer of 500 tokens.
     let mut spend = chat_body("qwen3-8b", 0);

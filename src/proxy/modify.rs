@@ -273,10 +273,11 @@ fn cut_after(body: &mut Option<Bytes>, answer: &mut Answer, error: Option<&Gatew
     if !(out.ends_with(b"\n\n") || out.ends_with(b"\r\n\r\n")) {
         return;
     }
+    const HEAD: &[u8] = b"event: error\ndata: ";
     let event = error.body();
-    let mut joined = Vec::with_capacity(out.len() + event.len() + 22);
+    let mut joined = Vec::with_capacity(out.len() + HEAD.len() + event.len() + 2);
     joined.extend_from_slice(out);
-    joined.extend_from_slice(b"event: error\ndata: ");
+    joined.extend_from_slice(HEAD);
     joined.extend_from_slice(&event);
     joined.extend_from_slice(b"\n\n");
     answer.cut = Cut::Sent(answer.emitted + joined.len());

@@ -738,14 +738,21 @@ pub fn keys_file(entries: &[(&str, &str, &str)]) -> String {
     s
 }
 
+/// A keys file of `entries` (as [`keys_file`] takes them) in a directory of
+/// its own: the directory (keep it) and the file's path.
+pub fn write_keys(entries: &[(&str, &str, &str)]) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.yaml");
+    std::fs::write(&keys, keys_file(entries)).unwrap();
+    (dir, keys)
+}
+
 /// One replica behind a gateway that requires client keys: `entries` as
 /// [`keys_file`] takes them. The directory holds the keys file.
 pub async fn fleet_with_keys(
     entries: &[(&str, &str, &str)],
 ) -> (tempfile::TempDir, Vec<SimBackend>, Gateway) {
-    let dir = tempfile::tempdir().unwrap();
-    let keys = dir.path().join("keys.yaml");
-    std::fs::write(&keys, keys_file(entries)).unwrap();
+    let (dir, keys) = write_keys(entries);
     let (sims, gw) = fleet(
         1,
         &format!(
