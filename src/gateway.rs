@@ -198,6 +198,9 @@ impl Gateway {
             responses_ttl_ms(&config),
         );
         let admission = crate::admission::Admission::new(config.admission.max_queued);
+        if let Some(store) = &store {
+            admission.set_fleet_slots(Arc::clone(store) as _);
+        }
         configure_admission(&admission, &routing);
         let auth = crate::auth::Auth::default();
         if let Some(path) = &config.auth.keys_file {

@@ -321,7 +321,8 @@ impl BackgroundService for Lifecycle {
     }
 }
 
-/// The shared binding store's subscription and outage recovery.
+/// The shared binding store's subscription and outage recovery, and the
+/// fleet's queue's background work.
 struct StoreService(Arc<Gateway>, Arc<crate::fleet::store::SharedStore>);
 
 #[async_trait]
@@ -331,8 +332,10 @@ impl BackgroundService for StoreService {
             store: Arc::clone(&self.1),
         };
         let tiers: Arc<dyn crate::affinity::shared::Tiers> = Arc::clone(&self.0) as _;
+        let slots = Arc::clone(&self.1).run_slots(Arc::clone(&self.0.admission));
         tokio::select! {
             _ = fleet.run(Arc::clone(&self.0.affinity) as Arc<dyn crate::affinity::shared::LocalBindings>, tiers) => {}
+            _ = slots => {}
             _ = shutdown.changed() => {}
         }
     }

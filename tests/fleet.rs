@@ -1599,3 +1599,104 @@ async fn a_stream_is_cut_by_its_tenants_budget_across_the_fleet() {
     assert!((100..700).contains(&tokens), "{tokens} tokens streamed");
     assert!(text.contains("event: error\ndata: "), "no error event");
 }
+
+/// A streamed chat completion of `key`'s tenant through `gw`, in the
+/// background: done once its whole answer is read, then its label pushed
+/// to `order`.
+fn stream_in_order(
+    gw: &Gateway,
+    key: &str,
+    session: &str,
+    order: &std::sync::Arc<parking_lot::Mutex<Vec<String>>>,
+) -> tokio::task::JoinHandle<u16> {
+    let mut body = chat_body("m", 0);
+    body["stream"] = serde_json::json!(true);
+    let req = client()
+        .post(gw.url("/v1/chat/completions"))
+        .header("authorization", format!("Bearer {key}"))
+        .header("x-session-id", session)
+        .json(&body);
+    let (order, label) = (std::sync::Arc::clone(order), session.to_string());
+    tokio::spawn(async move {
+        let r = req.send().await.expect("answered");
+        let status = r.status().as_u16();
+        let _ = r.bytes().await;
+        order.lock().push(label);
+        status
+    })
+}
+
+/// Requests waiting for a slot, over both gateways.
+async fn queued_in(gws: &[Gateway]) -> f64 {
+    let mut n = 0.0;
+    for gw in gws {
+        n += gw
+            .metric("agentserve_admission_queued{class=\"normal\",tier=\"default\"}")
+            .await;
+    }
+    n
+}
+
+/// Issue 46: two gateways in front of one engine keep one queue for it:
+/// the engine runs its `max_in_flight` over both gateways' requests (not
+/// that many from each), and a freed slot goes to the fleet's best waiter,
+/// whichever gateway holds it: a quiet tenant's turn through one gateway
+/// goes before the noisy tenant's requests that waited longer at the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_keep_one_queue_for_an_engine() {
+    let redis = Redis::start_on(free_port());
+    let sims = [SimBackend::start("vllm-0", &[])];
+    let (_keys, gws) = keyed_pair(
+        &redis,
+        &sims,
+        &[("sk-noisy", "noisy", ""), ("sk-quiet", "quiet", "")],
+        "admission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: 120000\n",
+    )
+    .await;
+    sims[0]
+        .set_faults(serde_json::json!({"hold_streams": true}))
+        .await;
+    let order = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    // The noisy tenant's first stream takes the engine's one slot...
+    let first = stream_in_order(&gws[0], "sk-noisy", "noisy-0", &order);
+    wait_until("the first stream runs", || async {
+        sims[0].stats().await["running"].as_u64() == Some(1)
+    })
+    .await;
+    // ...and its next ones wait, at both gateways: the second gateway has
+    // no slot of its own to give.
+    let mut noisy = Vec::new();
+    for (i, gw) in [&gws[0], &gws[0], &gws[1]].into_iter().enumerate() {
+        noisy.push(stream_in_order(
+            gw,
+            "sk-noisy",
+            &format!("noisy-{}", i + 1),
+            &order,
+        ));
+        let want = (i + 1) as f64;
+        wait_until("the noisy stream waits", || async {
+            queued_in(&gws).await == want
+        })
+        .await;
+    }
+    assert_eq!(
+        sims[0].stats().await["running"],
+        1,
+        "the engine runs one, over both gateways"
+    );
+    let quiet = stream_in_order(&gws[1], "sk-quiet", "quiet", &order);
+    wait_until("the quiet stream waits", || async {
+        queued_in(&gws).await == 4.0
+    })
+    .await;
+    // The slot frees: one at a time, the quiet turn first.
+    sims[0].release_streams().await;
+    assert_eq!(first.await.unwrap(), 200);
+    assert_eq!(quiet.await.unwrap(), 200);
+    for n in noisy {
+        assert_eq!(n.await.unwrap(), 200);
+    }
+    let order = order.lock().clone();
+    assert_eq!(order[1], "quiet", "the quiet turn went first: {order:?}");
+    assert_eq!(queued_in(&gws).await, 0.0);
+}

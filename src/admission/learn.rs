@@ -140,13 +140,24 @@ pub(super) struct Learned {
     check: super::check::Check,
 }
 
-/// What this gateway runs at a backend and keeps waiting for it, as the
-/// learning of its limit reads them.
+/// What this gateway (or its fleet) runs at a backend and keeps waiting
+/// for it, as the learning of its limit reads them.
 pub(super) struct Here {
     pub(super) running: u32,
     pub(super) waiting: bool,
-    /// It is one gateway of a fleet (which shares the engines).
-    pub(super) fleet: bool,
+    pub(super) fleet: Fleet,
+}
+
+/// Whose requests [`Here`] counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Fleet {
+    /// This gateway's, the only one sending to the engine through a gateway.
+    Alone,
+    /// This gateway's, one of a fleet whose queue cannot be reached: its
+    /// limit is its share of the engine's batch.
+    Share,
+    /// The fleet's (its one queue, in the store): the limit is the engine's.
+    Queue,
 }
 
 impl Learned {
@@ -174,6 +185,15 @@ impl Learned {
     pub(super) fn max_prefilling(&self) -> u32 {
         match self.max_prefilling {
             0 if self.prefills_queue() => 1 + self.prefill_probe as u32,
+            n => n,
+        }
+    }
+
+    /// The cap on prefills the fleet's queue applies (0: none):
+    /// configured, or learned (one; it lets no probe by).
+    pub(super) fn fleet_cap(&self) -> u32 {
+        match self.max_prefilling {
+            0 if self.prefills_queue() => 1,
             n => n,
         }
     }
@@ -350,7 +370,7 @@ impl Learned {
         // count too (below: this one's share).
         let ours_queue = waiting > 0
             && running > 0
-            && (here.fleet || here.running as u64 > running)
+            && (here.fleet == Fleet::Share || here.running as u64 > running)
             && !self.check.gauges_held(now_ms);
         if ours_queue {
             // What the engine runs, of which this gateway's share: in a
@@ -361,7 +381,9 @@ impl Learned {
             // not its to make room for: it keeps the engine's count.)
             let holds = running + waiting;
             let mine = match here.running as u64 {
-                r if here.fleet && r > 0 && r < holds => (running * r / holds).max(1),
+                r if here.fleet == Fleet::Share && r > 0 && r < holds => {
+                    (running * r / holds).max(1)
+                }
                 _ => running,
             };
             let running = mine.min(u32::MAX as u64) as u32;
@@ -371,9 +393,9 @@ impl Learned {
             if self.queued_at > 0 || (self.slow_start && here.running >= self.limit) {
                 let seen = self.queued_at.max(running);
                 if self.limit == 0 || seen < self.limit {
-                    // (In a fleet the limit is this gateway's share: what it
-                    // completes falls by design, the others' rises, unseen.)
-                    if !here.fleet {
+                    // (In a fleet what this gateway completes is part of
+                    // what the engine does: sharing, it falls by design.)
+                    if here.fleet == Fleet::Alone {
                         self.check.lowered(self.limit, seen, now_ms);
                     }
                     self.limit = seen;
@@ -460,7 +482,7 @@ mod tests {
     /// more than a step is.
     #[test]
     fn only_a_lone_gateways_lowering_is_checked_against_completions() {
-        for fleet in [true, false] {
+        for fleet in [Fleet::Share, Fleet::Queue, Fleet::Alone] {
             let mut l = Learned::default();
             l.configure(Limit::Learn, Prefill::None);
             let here = |running| Here {
@@ -470,10 +492,11 @@ mod tests {
             };
             l.limit_gauged(0, 0, 1_000, here(0));
             assert_eq!(l.limit, SLOW_START);
-            // This gateway's 4 there; the engine runs 1 and queues 8.
+            // This gateway's (or fleet's) 4 there; the engine runs 1 and queues 8.
             l.limit_gauged(1, 8, 1_100, here(4));
             assert_eq!(l.limit, 1);
-            assert_eq!(l.check.pending(), !fleet, "fleet: {fleet}");
+            let alone = fleet == Fleet::Alone;
+            assert_eq!(l.check.pending(), alone, "fleet: {fleet:?}");
         }
     }
 }

@@ -27,6 +27,7 @@
 //! against it (see [`Admission::vote_prefill`]).
 //!
 //! The module's parts: [`queue`] (slots, limits, the order of waiters),
+//! [`fleet`] (one queue for a fleet's gateways, in its store),
 //! [`learn`] (limits learned from the engines' gauges and answers), [`check`]
 //! (a learned limit checked against what the engine completes),
 //! [`class`] (priority classes), [`tenant`] (a client key's tenant and its
@@ -40,6 +41,7 @@
 pub mod check;
 pub mod class;
 mod fair;
+pub mod fleet;
 pub mod learn;
 pub mod queue;
 pub mod reserve;

@@ -6,7 +6,8 @@
 
 use super::class::Class;
 use super::fair::Fair;
-use super::learn::{Here, Learned, Limit, LimitSource, Prefill};
+use super::fleet::{Caps, Ended, FleetAsk, FleetSlots, FleetWait, Hold, Op, Seat, Seen};
+use super::learn::{Fleet, Here, Learned, Limit, LimitSource, Prefill};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -52,6 +53,14 @@ struct Backend {
     /// the engine's order (short prompts are not held back), as of the
     /// last request admitted.
     prefill_slack: u64,
+    /// Its id, once a request asked the fleet's queue for it.
+    fleet_id: Option<Arc<str>>,
+    /// The fleet's counts here, as the store's last answer left them.
+    fleet_seen: Option<Seen>,
+    /// Of `running`, slots held from the fleet's queue, and of
+    /// `prefilling`, those counted there as prefilling.
+    fleet_running: u32,
+    fleet_prefilling: u32,
 }
 
 /// How a request starts at its backend.
@@ -190,8 +199,21 @@ pub struct Admission {
     /// its subagents inherit when they name none.
     classes: Mutex<HashMap<u128, Class>>,
     /// This gateway is one of a fleet, whose other gateways send to the
-    /// same engines: learned limits are its share of them.
+    /// same engines: learned limits are the fleet's (its share of them while
+    /// the fleet's queue cannot be reached).
     fleet: std::sync::atomic::AtomicBool,
+    /// The fleet's queue ([`super::fleet`]), in a fleet.
+    fleet_slots: parking_lot::RwLock<Option<Arc<dyn FleetSlots>>>,
+    /// This gateway's requests waiting in the fleet's queue, by seat id:
+    /// told when the store hands one a slot.
+    fleet_waiters: Mutex<HashMap<u64, (u32, tokio::sync::mpsc::UnboundedSender<()>)>>,
+    fleet_seq: std::sync::atomic::AtomicU64,
+    /// Calls to the fleet's queue under way, and begun so far ([`Op`]).
+    fleet_ops: std::sync::atomic::AtomicU32,
+    fleet_ops_begun: std::sync::atomic::AtomicU64,
+    /// A call failed: the store's counts of this gateway's may be wrong
+    /// until set again from its own.
+    fleet_unsure: std::sync::atomic::AtomicBool,
 }
 
 /// A running request's slot at its backend; dropping it frees the slot for
@@ -222,6 +244,8 @@ pub struct Permit {
     prefilled: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// Its prefill counted off here (the clock's flag says so once it runs).
     done: bool,
+    /// Its slot is the fleet's, given back there too.
+    fleet: Option<Hold>,
 }
 
 impl Permit {
@@ -237,6 +261,7 @@ impl Permit {
             short: s.short,
             prefilled: None,
             done: !s.counted,
+            fleet: None,
         }
     }
 
@@ -247,7 +272,12 @@ impl Permit {
             None => !std::mem::replace(&mut self.done, true),
         };
         if first {
-            prefill_over(&self.admission, self.backend, self.tokens);
+            prefill_over(
+                &self.admission,
+                self.backend,
+                self.tokens,
+                self.fleet.as_ref(),
+            );
         }
     }
 
@@ -265,27 +295,41 @@ impl Permit {
         let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
         self.prefilled = Some(Arc::clone(&flag));
         let admission = Arc::clone(&self.admission);
-        let (backend, tokens) = (self.backend, self.tokens);
+        let (backend, tokens, fleet) = (self.backend, self.tokens, self.fleet.clone());
         tokio::spawn(async move {
             tokio::time::sleep(within).await;
             if !flag.swap(true, std::sync::atomic::Ordering::AcqRel) {
-                prefill_over(&admission, backend, tokens);
+                prefill_over(&admission, backend, tokens, fleet.as_ref());
             }
         });
     }
 }
 
-/// A request's prefill is over: its room goes to a waiter.
-fn prefill_over(admission: &Admission, backend: u32, tokens: u64) {
+/// A request's prefill is over: its room goes to a waiter (the fleet's,
+/// for a fleet slot).
+fn prefill_over(admission: &Arc<Admission>, backend: u32, tokens: u64, fleet: Option<&Hold>) {
+    let op = fleet.map(|_| admission.fleet_op());
     let mut st = admission.state.lock();
     if let Some(b) = st.backends.get_mut(&backend) {
         b.prefill_over(tokens);
+        if fleet.is_some() {
+            b.fleet_prefilling = b.fleet_prefilling.saturating_sub(1);
+        }
     }
     fill(&mut st, backend);
+    drop(st);
+    if let (Some(hold), Some(op)) = (fleet, op) {
+        let ended = Ended {
+            ran: false,
+            prefilling: true,
+        };
+        hold.release(op, backend, ended);
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
+        let op = self.fleet.as_ref().map(|_| self.admission.fleet_op());
         let held_ms = crate::clock::now_ms().saturating_sub(self.since_ms) as f64;
         let prefilled = match &self.prefilled {
             Some(flag) => flag.swap(true, std::sync::atomic::Ordering::AcqRel),
@@ -297,6 +341,14 @@ impl Drop for Permit {
             (!prefilled).then_some(self.tokens),
             self.probe,
         );
+        if let (Some(hold), Some(op)) = (&self.fleet, op) {
+            self.admission.fleet_ended(self.backend, !prefilled);
+            let ended = Ended {
+                ran: true,
+                prefilling: !prefilled,
+            };
+            hold.release(op, self.backend, ended);
+        }
     }
 }
 
@@ -308,11 +360,34 @@ pub struct Ticket {
     place: Place,
     tokens: u64,
     woken: Option<oneshot::Receiver<Start>>,
+    /// It waits in the fleet's queue, not this gateway's.
+    fleet: Option<FleetWait>,
 }
 
 impl Ticket {
-    /// The permit, once a slot has been handed to this request.
-    pub async fn wait(mut self) -> Permit {
+    /// The permit, once a slot has been handed to this request; `None`: it
+    /// waited in the fleet's queue and the store stopped answering (it is
+    /// to be placed again).
+    pub(super) async fn settle(mut self) -> Option<Permit> {
+        if let Some(wait) = self.fleet.as_mut() {
+            let _op = self.admission.fleet_op();
+            if !wait.taken().await {
+                return None;
+            }
+            let wait = self.fleet.take()?;
+            return Some(self.admission.fleet_taken(self.backend, self.tokens, &wait));
+        }
+        Some(self.wait_here().await)
+    }
+
+    /// The permit, once a slot has been handed to this request (one waiting
+    /// in this gateway's queue).
+    #[cfg(test)]
+    pub async fn wait(self) -> Permit {
+        self.wait_here().await
+    }
+
+    async fn wait_here(mut self) -> Permit {
         // Awaited in place: if this wait is dropped (client gone, deadline
         // past), the ticket's drop still sees whether a slot came and
         // passes it on. The sender goes only after handing the slot over.
@@ -327,6 +402,10 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
+        if let Some(mut wait) = self.fleet.take() {
+            self.admission.fleet_queued(self.backend, -1);
+            return wait.leave(&self.admission, self.backend);
+        }
         if let Some(mut woken) = self.woken.take() {
             let mut st = self.admission.state.lock();
             let left = st
@@ -362,6 +441,12 @@ impl Admission {
             max_queued,
             classes: Mutex::new(HashMap::new()),
             fleet: Default::default(),
+            fleet_slots: Default::default(),
+            fleet_waiters: Default::default(),
+            fleet_seq: Default::default(),
+            fleet_ops: Default::default(),
+            fleet_ops_begun: Default::default(),
+            fleet_unsure: Default::default(),
         })
     }
 
@@ -458,10 +543,20 @@ impl Admission {
         let Some(b) = st.backends.get_mut(&backend) else {
             return;
         };
-        let here = Here {
-            running: b.running,
-            waiting: !b.waiting.is_empty(),
-            fleet: self.fleet.load(std::sync::atomic::Ordering::Relaxed),
+        let here = match (self.fleet_live(), b.fleet_seen) {
+            (true, Some(seen)) => Here {
+                running: seen.running,
+                waiting: seen.waiting > 0,
+                fleet: Fleet::Queue,
+            },
+            _ => Here {
+                running: b.running,
+                waiting: !b.waiting.is_empty(),
+                fleet: match self.fleet.load(std::sync::atomic::Ordering::Relaxed) {
+                    true => Fleet::Share,
+                    false => Fleet::Alone,
+                },
+            },
         };
         if b.learned.limit_gauged(running, waiting, now_ms, here) {
             fill(&mut st, backend);
@@ -536,6 +631,7 @@ impl Admission {
             place,
             tokens,
             woken: Some(woken),
+            fleet: None,
         })
     }
 
@@ -580,7 +676,13 @@ impl Admission {
         } else {
             HOLD_PRIOR_MS
         };
-        let rounds = (b.waiting.len() + 1) as f64 / b.learned.limit.max(1) as f64;
+        let waiting = match b.fleet_seen {
+            Some(seen) if self.fleet.load(std::sync::atomic::Ordering::Relaxed) => {
+                seen.waiting as usize
+            }
+            _ => b.waiting.len(),
+        };
+        let rounds = (waiting + 1) as f64 / b.learned.limit.max(1) as f64;
         ((rounds * hold / 1000.0).ceil() as u64).clamp(1, 3600)
     }
 
@@ -591,9 +693,18 @@ impl Admission {
     /// of a higher class, or of its own whose finish tag is no later than
     /// where its own would start; at most [`AHEAD_COUNTED`]).
     pub fn mark(&self, candidates: &mut [crate::affinity::Candidate], class: Class, tenant: u64) {
+        let fleet = self.fleet_live();
         let st = self.state.lock();
         for c in candidates {
             if let Some(b) = st.backends.get(&c.slot) {
+                if let Some(seen) = b.fleet_seen.filter(|_| fleet) {
+                    // The fleet's queue: the fleet's counts.
+                    let limit = b.learned.limit;
+                    c.full = (limit > 0 && seen.running >= limit) || seen.waiting > 0;
+                    c.in_flight += seen.waiting as u64;
+                    c.ahead = seen.waiting.min(AHEAD_COUNTED as u32) as u64;
+                    continue;
+                }
                 c.full = !b.has_room(0) || !b.waiting.is_empty();
                 c.in_flight += b.waiting.len() as u64;
                 // Only read when no candidate has room.
@@ -636,10 +747,14 @@ impl Admission {
     /// Whether `backend`'s learned limit is being tried (see
     /// [`Learned::learning`]): the scraper reads it again sooner.
     pub fn learning(&self, backend: u32) -> bool {
+        let fleet = self.fleet_live();
         let st = self.state.lock();
         st.backends
             .get(&backend)
-            .is_some_and(|b| b.learned.learning(b.running, !b.waiting.is_empty()))
+            .is_some_and(|b| match b.fleet_seen {
+                Some(seen) if fleet => b.learned.learning(seen.running, seen.waiting > 0),
+                _ => b.learned.learning(b.running, !b.waiting.is_empty()),
+            })
     }
 
     /// Requests waiting for `backend`, and running there.
@@ -648,6 +763,225 @@ impl Admission {
         st.backends
             .get(&backend)
             .map_or((0, 0), |b| (b.waiting.len(), b.running))
+    }
+}
+
+/// The fleet's queue, as admission uses it ([`super::fleet`]).
+impl Admission {
+    /// This gateway's fleet keeps its queue in `slots`.
+    pub fn set_fleet_slots(&self, slots: Arc<dyn FleetSlots>) {
+        *self.fleet_slots.write() = Some(slots);
+    }
+
+    /// The fleet's queue, when this gateway is one of a fleet and its store
+    /// answers.
+    pub(super) fn fleet_slots(&self) -> Option<Arc<dyn FleetSlots>> {
+        if !self.fleet.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        self.fleet_slots.read().clone().filter(|s| s.healthy())
+    }
+
+    fn fleet_live(&self) -> bool {
+        self.fleet_slots().is_some()
+    }
+
+    /// A seat in the fleet's queue for `ask`, told of a slot by the
+    /// receiver; `None` for a backend admission does not limit.
+    pub(super) fn fleet_seat(
+        &self,
+        ask: &FleetAsk<'_>,
+    ) -> Option<(Seat, tokio::sync::mpsc::UnboundedReceiver<()>)> {
+        let mut st = self.state.lock();
+        let b = st.backends.entry(ask.backend);
+        if b.learned.source == LimitSource::None {
+            return None;
+        }
+        let backend = match &b.fleet_id {
+            Some(id) if **id == *ask.backend_id => Arc::clone(id),
+            _ => {
+                let id: Arc<str> = ask.backend_id.into();
+                b.fleet_id = Some(Arc::clone(&id));
+                id
+            }
+        };
+        let counted = b.next_start(ask.tokens, ask.json).counted;
+        drop(st);
+        let id = self
+            .fleet_seq
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (tell, told) = tokio::sync::mpsc::unbounded_channel();
+        self.fleet_waiters.lock().insert(id, (ask.backend, tell));
+        let seat = Seat {
+            backend,
+            id,
+            tenant: ask.tenant,
+            weight: ask.weight,
+            class: ask.class,
+            counted,
+        };
+        Some((seat, told))
+    }
+
+    /// The seat `id` no longer waits.
+    pub(super) fn fleet_forget(&self, id: u64) {
+        self.fleet_waiters.lock().remove(&id);
+    }
+
+    /// The store handed seat `id` a slot.
+    pub fn fleet_woken(&self, id: u64) {
+        if let Some((_, tell)) = self.fleet_waiters.lock().get(&id) {
+            let _ = tell.send(());
+        }
+    }
+
+    /// The seats of this gateway waiting in the fleet's queue for `backend`.
+    pub fn fleet_waiting(&self, backend: u32) -> Vec<u64> {
+        let w = self.fleet_waiters.lock();
+        w.iter()
+            .filter(|(_, (b, _))| *b == backend)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// `backend`'s limits as the fleet's queue applies them: its limit,
+    /// and its cap on prefills (one where learned; no probe: the queue
+    /// lets none by).
+    pub fn fleet_caps(&self, backend: u32) -> Caps {
+        let st = self.state.lock();
+        st.backends.get(&backend).map_or(Caps::default(), |b| Caps {
+            limit: b.learned.limit,
+            prefilling: b.learned.fleet_cap(),
+        })
+    }
+
+    /// The fleet's counts at `backend` as the store last answered.
+    pub fn fleet_seen(&self, backend: u32, seen: Seen) {
+        if let Some(b) = self.state.lock().backends.get_mut(&backend) {
+            b.fleet_seen = Some(seen);
+        }
+    }
+
+    /// Backends that asked the fleet's queue: slot, id, slots held from it
+    /// here, and of those, prefilling.
+    pub fn fleet_backends(&self) -> Vec<(u32, Arc<str>, u32, u32)> {
+        let st = self.state.lock();
+        let with_id = st.backends.0.iter().enumerate();
+        with_id
+            .filter_map(|(slot, b)| {
+                let id = b.fleet_id.clone()?;
+                Some((slot as u32, id, b.fleet_running, b.fleet_prefilling))
+            })
+            .collect()
+    }
+
+    /// A call to the fleet's queue begins.
+    pub(super) fn fleet_op(self: &Arc<Self>) -> Op {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.fleet_ops.fetch_add(1, SeqCst);
+        self.fleet_ops_begun.fetch_add(1, SeqCst);
+        Op(Arc::clone(self))
+    }
+
+    pub(super) fn fleet_op_over(&self) {
+        self.fleet_ops
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A call to the fleet's queue failed (or could not be made).
+    pub fn fleet_dirty(&self) {
+        self.fleet_unsure
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether this gateway's counts in the store are to be set again from
+    /// its own now (a call failed, and none is under way): the calls begun
+    /// so far, for [`Admission::fleet_reconciled`].
+    pub fn fleet_reconcile_due(&self) -> Option<u64> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let due = self.fleet_unsure.load(SeqCst) && self.fleet_ops.load(SeqCst) == 0;
+        due.then(|| self.fleet_ops_begun.load(SeqCst))
+    }
+
+    /// The counts were set again (`clean`: at every backend) from what
+    /// this gateway held when `begun` calls had begun: sure again unless
+    /// another began meanwhile (the store may have counted it before them).
+    pub fn fleet_reconciled(&self, begun: u64, clean: bool) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if clean && self.fleet_ops_begun.load(SeqCst) == begun {
+            self.fleet_unsure.store(false, SeqCst);
+        }
+    }
+
+    /// Every seat waiting here asks whether a slot was handed to it (grants
+    /// may have been missed).
+    pub fn fleet_wake_all(&self) {
+        for (_, tell) in self.fleet_waiters.lock().values() {
+            let _ = tell.send(());
+        }
+    }
+
+    /// A fleet slot for a request of `tokens` at `backend`: counted here
+    /// too (the learning and the admin view read it).
+    pub(super) fn fleet_permit(
+        self: &Arc<Self>,
+        backend: u32,
+        tokens: u64,
+        counted: bool,
+        hold: Hold,
+    ) -> Permit {
+        let mut st = self.state.lock();
+        let b = st.backends.entry(backend);
+        let mut s = b.next_start(tokens, false);
+        (s.probe, s.counted) = (false, counted);
+        s.clock &= counted;
+        b.start(tokens, s);
+        b.fleet_running += 1;
+        b.fleet_prefilling += counted as u32;
+        drop(st);
+        let mut p = Permit::new(self, backend, tokens, s);
+        p.fleet = Some(hold);
+        p
+    }
+
+    /// A fleet slot held here was given back (`prefilling`: it still
+    /// counted as prefilling).
+    pub(super) fn fleet_ended(&self, backend: u32, prefilling: bool) {
+        if let Some(b) = self.state.lock().backends.get_mut(&backend) {
+            b.fleet_running = b.fleet_running.saturating_sub(1);
+            if prefilling {
+                b.fleet_prefilling = b.fleet_prefilling.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Requests waiting here in the fleet's queue: `by` more (or fewer).
+    pub(super) fn fleet_queued(&self, _backend: u32, by: isize) {
+        let mut st = self.state.lock();
+        st.queued = st.queued.saturating_add_signed(by);
+    }
+
+    /// Whether one more request may wait here (`max_queued`).
+    pub(super) fn room_to_queue(&self) -> bool {
+        self.state.lock().queued < self.max_queued
+    }
+
+    /// The ticket of a request waiting in the fleet's queue.
+    pub(super) fn fleet_ticket(
+        self: &Arc<Self>,
+        backend: u32,
+        tokens: u64,
+        wait: FleetWait,
+    ) -> Ticket {
+        self.fleet_queued(backend, 1);
+        Ticket {
+            admission: Arc::clone(self),
+            backend,
+            place: (Class::Normal, 0, 0),
+            tokens,
+            woken: None,
+            fleet: Some(wait),
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //! and then), or its backend can no longer take it (unhealthy, ejected,
 //! gone from the configuration: its waiters are placed again elsewhere).
 
+use super::fleet::FleetAsk;
 use super::queue::{Admission, Admit, Permit, PrefillRoom, Ticket};
 use super::who::Admittance;
 use crate::errors::{GatewayError, Refusal};
@@ -50,7 +51,7 @@ impl Ticket {
         mut client_gone: impl FnMut() -> bool,
         mut backend_gone: impl FnMut() -> bool,
     ) -> Waited {
-        let wait = self.wait();
+        let wait = self.settle();
         tokio::pin!(wait);
         let deadline = tokio::time::sleep(max_wait);
         tokio::pin!(deadline);
@@ -58,7 +59,11 @@ impl Ticket {
         loop {
             let closing = futures_util::future::OptionFuture::from(closed.as_mut());
             tokio::select! {
-                p = &mut wait => return Waited::Admitted(p),
+                p = &mut wait => return match p {
+                    Some(p) => Waited::Admitted(p),
+                    // The fleet's store stopped answering: placed again.
+                    None => Waited::BackendGone,
+                },
                 _ = &mut deadline => return Waited::Deadline,
                 Some(_) = closing => return Waited::ClientGone,
                 _ = look.tick() => {
@@ -117,14 +122,27 @@ impl Admittance {
     {
         let class = self.class.as_str();
         let weight = self.client.as_ref().map_or(1, |c| c.weight);
-        let ticket = match adm.admit_within(
-            ask.backend,
-            self.class,
-            self.tenant,
+        let fleet = FleetAsk {
+            backend: ask.backend,
+            backend_id: ask.backend_id,
+            class: self.class,
+            tenant: self.tenant,
             weight,
-            ask.tokens,
-            ask.room,
-        ) {
+            tokens: ask.tokens,
+            json: ask.room.json,
+        };
+        let admitted = match adm.admit_fleet(fleet).await {
+            Some(a) => a,
+            None => adm.admit_within(
+                ask.backend,
+                self.class,
+                self.tenant,
+                weight,
+                ask.tokens,
+                ask.room,
+            ),
+        };
+        let ticket = match admitted {
             Admit::Now(p) => {
                 ask.tier_metrics.admitted_now[self.class.index()].inc();
                 self.permit = Some(p);

@@ -8,11 +8,14 @@
 //! - [`conversations`]: where keyless conversations' turns ended, so that
 //!   any gateway continues a conversation another routed;
 //! - [`limits`]: tenants' per-minute limits as one bucket per tenant for the
-//!   whole fleet (admission's `FleetRates`).
+//!   whole fleet (admission's `FleetRates`);
+//! - [`slots`]: each backend's slots and the one queue for them, for the
+//!   whole fleet (admission's `FleetSlots`).
 
 pub mod bindings;
 pub mod conversations;
 pub mod limits;
+pub mod slots;
 pub mod store;
 
 pub use bindings::Fleet;

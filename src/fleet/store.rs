@@ -381,6 +381,10 @@ impl SharedStore {
         }))
     }
 
+    pub(super) fn client(&self) -> &redis::Client {
+        &self.client
+    }
+
     pub fn config(&self) -> &StoreConfig {
         &self.cfg
     }

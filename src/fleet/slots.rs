@@ -1,0 +1,420 @@
+//! The fleet's one queue for each backend's slots, in Redis (admission's
+//! [`FleetSlots`]; see `crate::admission::fleet` for what it does).
+//!
+//! Per backend, under `<prefix>adm:<backend id>:`: `run` and `pre` (each
+//! gateway's requests running there, and prefilling), `q` (the waiters, a
+//! sorted set of `<gateway>:<seat>` scored class, then their tenant's count,
+//! then arrival), `m` (each waiter's `<gateway> <tenant> <counted>`), `g`
+//! (waiters handed a slot and not taken yet), `t` (each gateway's tenant's
+//! requests running or waiting there), `n` (arrivals). A gateway is alive
+//! while `<prefix>adm:live:<gateway>` is (refreshed every second, kept
+//! ten): a dead one's counts and waiters are dropped by the next call. A
+//! slot handed over is published on `<prefix>adm:gw:<gateway>`.
+//!
+//! Scripts only, each one atomic; they name keys from their arguments, so
+//! the store is one Redis server (or a primary), not a cluster, as for the
+//! bindings.
+
+use super::store::SharedStore;
+use crate::admission::fleet::{Caps, Ended, FleetSlots, Seat, Seen};
+use crate::admission::reserve::Unreachable;
+use crate::admission::Admission;
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+/// What every script starts with. ARGV: 1 the backend's key base, 2 the
+/// store's prefix, 3 this gateway, 4 the limit, 5 the cap on prefills
+/// (0: none), then the script's own.
+const PRELUDE: &str = r"
+local base, prefix, gw = ARGV[1], ARGV[2], ARGV[3]
+local limit, cap = tonumber(ARGV[4]), tonumber(ARGV[5])
+local RUN, PRE, Q, META, GRANTED, TEN = base..'run', base..'pre', base..'q', base..'m', base..'g', base..'t'
+
+local function live(g)
+  return g == gw or redis.call('EXISTS', prefix..'adm:live:'..g) == 1
+end
+
+-- The fleet's counts; a dead gateway's are dropped (it runs nothing now).
+local function totals()
+  local run, pre = 0, 0
+  local r = redis.call('HGETALL', RUN)
+  for i = 1, #r, 2 do
+    local g = r[i]
+    if live(g) then
+      run = run + tonumber(r[i + 1])
+      pre = pre + (tonumber(redis.call('HGET', PRE, g)) or 0)
+    else
+      redis.call('HDEL', RUN, g)
+      redis.call('HDEL', PRE, g)
+      for _, f in ipairs(redis.call('HKEYS', TEN)) do
+        if string.sub(f, 1, #g + 1) == g..' ' then redis.call('HDEL', TEN, f) end
+      end
+    end
+  end
+  return run, pre
+end
+
+local function room(run, pre, counted)
+  return (limit == 0 or run < limit) and (cap == 0 or counted ~= '1' or pre < cap)
+end
+
+local function tenant_less(g, t)
+  local f = g..' '..t
+  if redis.call('HINCRBY', TEN, f, -1) <= 0 then redis.call('HDEL', TEN, f) end
+end
+
+local function less(h, g)
+  if (tonumber(redis.call('HGET', h, g)) or 0) > 0 then redis.call('HINCRBY', h, g, -1) end
+end
+
+-- Hand the room there is to the best waiters, in order.
+local function fill(run, pre)
+  while true do
+    local best = redis.call('ZRANGE', Q, 0, 0)
+    if #best == 0 then return run, pre end
+    local id = best[1]
+    local meta = redis.call('HGET', META, id) or ''
+    local g, t, c = string.match(meta, '^(%S+) (%S+) (%S+)$')
+    if g and live(g) then
+      if not room(run, pre, c) then return run, pre end
+      redis.call('HINCRBY', RUN, g, 1)
+      run = run + 1
+      if c == '1' then
+        redis.call('HINCRBY', PRE, g, 1)
+        pre = pre + 1
+      end
+      redis.call('HSET', GRANTED, id, meta)
+      redis.call('PUBLISH', prefix..'adm:gw:'..g, id)
+    end
+    redis.call('ZREM', Q, id)
+    redis.call('HDEL', META, id)
+  end
+end
+
+local function answer(granted, run)
+  return {granted, run, redis.call('ZCARD', Q)}
+end
+";
+
+/// A slot now, or a place in the queue. ARGV 6: the seat, 7 its tenant,
+/// 8 its weight, 9 its class, 10 whether it counts as prefilling, 11 how
+/// long this gateway is alive without a word (ms).
+const ACQUIRE: &str = r"
+redis.call('SET', prefix..'adm:live:'..gw, '1', 'PX', ARGV[11])
+redis.call('HSETNX', RUN, gw, 0)
+local seat, t, counted = ARGV[6], ARGV[7], ARGV[10]
+local run, pre = totals()
+if redis.call('ZCARD', Q) == 0 and room(run, pre, counted) then
+  redis.call('HINCRBY', RUN, gw, 1)
+  if counted == '1' then redis.call('HINCRBY', PRE, gw, 1) end
+  redis.call('HINCRBY', TEN, gw..' '..t, 1)
+  return answer(1, run + 1)
+end
+local n = 0
+for _, g in ipairs(redis.call('HKEYS', RUN)) do
+  n = n + (tonumber(redis.call('HGET', TEN, g..' '..t)) or 0)
+end
+redis.call('HINCRBY', TEN, gw..' '..t, 1)
+local seq = redis.call('INCR', base..'n') % 268435456
+local share = math.min(math.floor(n * 64 / math.max(1, tonumber(ARGV[8]))), 65535)
+redis.call('ZADD', Q, tonumber(ARGV[9]) * 17592186044416 + share * 268435456 + seq, seat)
+redis.call('HSET', META, seat, gw..' '..t..' '..counted)
+run, pre = fill(run, pre)
+if redis.call('HDEL', GRANTED, seat) == 1 then return answer(1, run) end
+return answer(0, run)
+";
+
+/// A seat leaves the queue; one handed a slot meanwhile gives it back.
+/// ARGV 6: the seat. Returns 1 when it had been handed one.
+const LEAVE: &str = r"
+local seat = ARGV[6]
+local had = 0
+local meta = redis.call('HGET', META, seat)
+if meta then
+  redis.call('ZREM', Q, seat)
+  redis.call('HDEL', META, seat)
+  local g, t = string.match(meta, '^(%S+) (%S+)')
+  tenant_less(g, t)
+else
+  meta = redis.call('HGET', GRANTED, seat)
+  if meta then
+    had = 1
+    redis.call('HDEL', GRANTED, seat)
+    local g, t, c = string.match(meta, '^(%S+) (%S+) (%S+)$')
+    less(RUN, g)
+    if c == '1' then less(PRE, g) end
+    tenant_less(g, t)
+  end
+end
+local run, pre = totals()
+run, pre = fill(run, pre)
+return answer(had, run)
+";
+
+/// A request ended, or its prefill did. ARGV 6: its tenant, 7 whether it
+/// ran (its slot is given back), 8 whether it still counted as prefilling.
+const RELEASE: &str = r"
+if ARGV[7] == '1' then
+  less(RUN, gw)
+  tenant_less(gw, ARGV[6])
+end
+if ARGV[8] == '1' then less(PRE, gw) end
+local run, pre = totals()
+run, pre = fill(run, pre)
+return answer(0, run)
+";
+
+/// This gateway's counts set to what it holds (after the store missed a
+/// call). ARGV 6: its requests running, 7 prefilling, 8 how long it is
+/// alive without a word, 9 on: its seats still waiting.
+const SYNC: &str = r"
+redis.call('SET', prefix..'adm:live:'..gw, '1', 'PX', ARGV[8])
+local keep = {}
+for i = 9, #ARGV do keep[ARGV[i]] = true end
+local run_here, pre_here = tonumber(ARGV[6]), tonumber(ARGV[7])
+local mine = gw..':'
+for _, s in ipairs(redis.call('HKEYS', META)) do
+  if string.sub(s, 1, #mine) == mine and not keep[s] then
+    local g, t = string.match(redis.call('HGET', META, s), '^(%S+) (%S+)')
+    redis.call('ZREM', Q, s)
+    redis.call('HDEL', META, s)
+    tenant_less(g, t)
+  end
+end
+for _, s in ipairs(redis.call('HKEYS', GRANTED)) do
+  if string.sub(s, 1, #mine) == mine then
+    local meta = redis.call('HGET', GRANTED, s)
+    local g, t, c = string.match(meta, '^(%S+) (%S+) (%S+)$')
+    if keep[s] then
+      run_here = run_here + 1
+      if c == '1' then pre_here = pre_here + 1 end
+    else
+      redis.call('HDEL', GRANTED, s)
+      tenant_less(g, t)
+    end
+  end
+end
+redis.call('HSET', RUN, gw, run_here)
+redis.call('HSET', PRE, gw, pre_here)
+local run, pre = totals()
+run, pre = fill(run, pre)
+return answer(0, run)
+";
+
+struct Scripts {
+    acquire: redis::Script,
+    leave: redis::Script,
+    release: redis::Script,
+    sync: redis::Script,
+}
+
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    acquire: redis::Script::new(&format!("{PRELUDE}{ACQUIRE}")),
+    leave: redis::Script::new(&format!("{PRELUDE}{LEAVE}")),
+    release: redis::Script::new(&format!("{PRELUDE}{RELEASE}")),
+    sync: redis::Script::new(&format!("{PRELUDE}{SYNC}")),
+});
+
+/// How long a gateway counts as alive without a word from it, and how
+/// often it says one.
+const ALIVE: Duration = Duration::from_secs(10);
+const REFRESH: Duration = Duration::from_secs(1);
+
+impl SharedStore {
+    fn slot_base(&self, backend: &str) -> String {
+        format!("{}adm:{backend}:", self.config().key_prefix)
+    }
+
+    fn seat_name(&self, id: u64) -> String {
+        format!("{}:{id}", self.instance)
+    }
+
+    /// The grants channel of this gateway.
+    fn grants(&self) -> String {
+        format!("{}adm:gw:{}", self.config().key_prefix, self.instance)
+    }
+
+    /// Run one of the scripts for `backend` with the prelude's arguments,
+    /// then `rest`: `(handed a slot, the fleet's counts)`.
+    async fn slots_call(
+        &self,
+        op: &'static str,
+        script: &'static redis::Script,
+        backend: &str,
+        caps: Caps,
+        rest: Vec<String>,
+    ) -> Result<(bool, Seen), Unreachable> {
+        let base = self.slot_base(backend);
+        let prefix = self.config().key_prefix.clone();
+        let gw = self.instance.clone();
+        let (granted, running, waiting): (u32, u32, u32) = self
+            .run(op, |mut c| {
+                let mut call = script.prepare_invoke();
+                call.arg(base).arg(prefix).arg(gw);
+                call.arg(caps.limit).arg(caps.prefilling);
+                for a in rest {
+                    call.arg(a);
+                }
+                async move { call.invoke_async(&mut c).await }
+            })
+            .await
+            .map_err(|_| Unreachable)?;
+        Ok((granted == 1, Seen { running, waiting }))
+    }
+
+    /// This gateway's counts at `backend` set to what it holds: `running`
+    /// and `prefilling` slots, seats `waiting`.
+    async fn sync_slots(
+        &self,
+        backend: &str,
+        running: u32,
+        prefilling: u32,
+        waiting: &[u64],
+        caps: Caps,
+    ) -> Result<Seen, Unreachable> {
+        let mut rest = vec![
+            running.to_string(),
+            prefilling.to_string(),
+            ALIVE.as_millis().to_string(),
+        ];
+        rest.extend(waiting.iter().map(|id| self.seat_name(*id)));
+        let s = &SCRIPTS.sync;
+        Ok(self.slots_call("slots", s, backend, caps, rest).await?.1)
+    }
+
+    /// Say this gateway is alive.
+    async fn alive(&self) -> Result<(), Unreachable> {
+        let k = format!("{}adm:live:{}", self.config().key_prefix, self.instance);
+        self.run("slots", |mut c| async move {
+            redis::cmd("SET")
+                .arg(k)
+                .arg("1")
+                .arg("PX")
+                .arg(ALIVE.as_millis() as u64)
+                .query_async::<()>(&mut c)
+                .await
+        })
+        .await
+        .map_err(|_| Unreachable)
+    }
+
+    /// The fleet queue's background work for `admission`: this gateway's
+    /// word that it is alive, the grants published to it, and its counts
+    /// set again after the store missed a call.
+    pub async fn run_slots(self: Arc<Self>, admission: Arc<Admission>) {
+        tokio::spawn(Arc::clone(&self).run_grants(Arc::clone(&admission)));
+        let mut tick = tokio::time::interval(REFRESH);
+        loop {
+            tick.tick().await;
+            if !self.healthy() || self.alive().await.is_err() {
+                admission.fleet_dirty();
+                continue;
+            }
+            if let Some(since) = admission.fleet_reconcile_due() {
+                let mut clean = true;
+                for (slot, id, running, prefilling) in admission.fleet_backends() {
+                    let waiting = admission.fleet_waiting(slot);
+                    let caps = admission.fleet_caps(slot);
+                    match self
+                        .sync_slots(&id, running, prefilling, &waiting, caps)
+                        .await
+                    {
+                        Ok(seen) => admission.fleet_seen(slot, seen),
+                        Err(_) => clean = false,
+                    }
+                }
+                admission.fleet_reconciled(since, clean);
+            }
+        }
+    }
+
+    /// Hand the grants published to this gateway to its waiters; after a
+    /// new subscription every waiter asks (grants may have been missed).
+    async fn run_grants(self: Arc<Self>, admission: Arc<Admission>) {
+        use futures_util::StreamExt;
+        let channel = self.grants();
+        let mine = format!("{}:", self.instance);
+        loop {
+            let sub = async {
+                let mut ps = self.client().get_async_pubsub().await?;
+                ps.subscribe(&channel).await?;
+                Ok::<_, redis::RedisError>(ps)
+            };
+            let timeout = self.config().timeout.max(Duration::from_secs(1));
+            if let Ok(Ok(mut ps)) = tokio::time::timeout(timeout, sub).await {
+                admission.fleet_wake_all();
+                let mut messages = ps.on_message();
+                while let Some(msg) = messages.next().await {
+                    let Ok(seat) = msg.get_payload::<String>() else {
+                        continue;
+                    };
+                    if let Some(id) = seat.strip_prefix(&mine).and_then(|i| i.parse().ok()) {
+                        admission.fleet_woken(id);
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl FleetSlots for SharedStore {
+    fn healthy(&self) -> bool {
+        SharedStore::healthy(self)
+    }
+
+    async fn acquire(&self, seat: &Seat, caps: Caps) -> Result<(bool, Seen), Unreachable> {
+        let rest = vec![
+            self.seat_name(seat.id),
+            format!("{:x}", seat.tenant),
+            seat.weight.to_string(),
+            seat.class.index().to_string(),
+            (seat.counted as u8).to_string(),
+            ALIVE.as_millis().to_string(),
+        ];
+        let s = &SCRIPTS.acquire;
+        self.slots_call("slots", s, &seat.backend, caps, rest).await
+    }
+
+    async fn take(&self, seat: &Seat) -> Result<bool, Unreachable> {
+        let k = format!("{}g", self.slot_base(&seat.backend));
+        let name = self.seat_name(seat.id);
+        let taken: u32 = self
+            .run("slots", |mut c| async move {
+                redis::cmd("HDEL")
+                    .arg(k)
+                    .arg(name)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await
+            .map_err(|_| Unreachable)?;
+        Ok(taken == 1)
+    }
+
+    async fn leave(&self, seat: &Seat, caps: Caps) -> Result<Seen, Unreachable> {
+        let rest = vec![self.seat_name(seat.id)];
+        let s = &SCRIPTS.leave;
+        Ok(self
+            .slots_call("slots", s, &seat.backend, caps, rest)
+            .await?
+            .1)
+    }
+
+    async fn release(
+        &self,
+        backend: &str,
+        tenant: u64,
+        ended: Ended,
+        caps: Caps,
+    ) -> Result<Seen, Unreachable> {
+        let rest = vec![
+            format!("{tenant:x}"),
+            (ended.ran as u8).to_string(),
+            (ended.prefilling as u8).to_string(),
+        ];
+        let s = &SCRIPTS.release;
+        Ok(self.slots_call("slots", s, backend, caps, rest).await?.1)
+    }
+}
