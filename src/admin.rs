@@ -161,6 +161,9 @@ impl AdminApp {
                     "prefill_budget_tokens": s.prefill_budget,
                     "running": s.running,
                     "waiting": s.waiting,
+                    // One of a fleet whose queue is in its store: the
+                    // fleet's counts there (null otherwise).
+                    "fleet": s.fleet.map(|f| json!({"running": f.running, "waiting": f.waiting})),
                 })
             })
             .collect();

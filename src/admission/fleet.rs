@@ -43,6 +43,18 @@ pub struct Caps {
     pub limit: u32,
     /// Requests prefilling at once (0: none).
     pub prefilling: u32,
+    /// The cap on prefills is learned: a probe may go by it now and then.
+    pub learned: bool,
+}
+
+/// What the fleet's queue handed a seat.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handed {
+    None,
+    Slot,
+    /// A slot, let by as a second prefill under a learned cap of one: its
+    /// answer votes on the cap.
+    Probe,
 }
 
 /// The fleet's counts at one backend, as a store call left them.
@@ -66,10 +78,10 @@ pub struct Ended {
 pub trait FleetSlots: Send + Sync {
     /// Whether it answers now.
     fn healthy(&self) -> bool;
-    /// A slot for `seat` now (`true`), or its place in the queue.
-    async fn acquire(&self, seat: &Seat, caps: Caps) -> Result<(bool, Seen), Unreachable>;
-    /// Take the slot handed to `seat`, if one was: `false` if none was.
-    async fn take(&self, seat: &Seat) -> Result<bool, Unreachable>;
+    /// A slot for `seat` now, or its place in the queue (`Handed::None`).
+    async fn acquire(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable>;
+    /// Take the slot handed to `seat`, if one was.
+    async fn take(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable>;
     /// `seat` leaves the queue (a slot handed to it meanwhile is passed on).
     async fn leave(&self, seat: &Seat, caps: Caps) -> Result<Seen, Unreachable>;
     /// A request of `tenant` at `backend` ended (or its prefill did): its
@@ -137,13 +149,21 @@ pub(super) struct FleetWait {
     /// Its wait is over (a slot taken, or the queue left): nothing to
     /// leave when it drops.
     pub(super) over: bool,
+    /// A take is under way: one dropped meanwhile may have taken a slot
+    /// it never uses.
+    pub(super) taking: bool,
 }
 
 impl FleetWait {
-    /// Until a slot is handed over and taken: `false` when the store
-    /// stopped answering (it is to be placed again, here). Taken, the
-    /// caller's `Op` covers the permit's making.
-    pub(super) async fn taken(&mut self) -> bool {
+    /// Until a slot is handed over to it at `slot` and taken (whether as
+    /// a probe); `Unreachable` when the store stopped answering (it is to
+    /// be placed again, here; its seat is left to setting the counts
+    /// again). Taken, the caller's `Op` covers the permit's making.
+    pub(super) async fn taken(
+        &mut self,
+        admission: &Admission,
+        slot: u32,
+    ) -> Result<bool, Unreachable> {
         let mut ask = tokio::time::interval(ASK_EVERY);
         ask.tick().await;
         loop {
@@ -151,14 +171,17 @@ impl FleetWait {
                 _ = self.woken.recv() => {}
                 _ = ask.tick() => {}
             }
-            match self.slots.take(&self.seat).await {
-                Ok(true) => {
-                    self.over = true;
-                    return true;
-                }
-                Ok(false) => {}
-                // Its place is left to setting the counts again.
-                Err(Unreachable) => return false,
+            self.taking = true;
+            let taken = self
+                .slots
+                .take(&self.seat, admission.fleet_caps(slot))
+                .await;
+            self.taking = false;
+            let (handed, seen) = taken?;
+            admission.fleet_seen(slot, seen);
+            if handed != Handed::None {
+                self.over = true;
+                return Ok(handed == Handed::Probe);
             }
         }
     }
@@ -169,8 +192,11 @@ impl FleetWait {
             return;
         }
         admission.fleet_forget(self.seat.id);
+        if self.taking {
+            admission.fleet_dirty();
+        }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
+            return admission.fleet_dirty();
         };
         let (slots, seat, op) = (
             Arc::clone(&self.slots),
@@ -210,7 +236,7 @@ impl Admission {
         let caps = self.fleet_caps(ask.backend);
         let _op = self.fleet_op();
         match slots.acquire(&seat, caps).await {
-            Ok((true, seen)) => {
+            Ok((handed @ (Handed::Slot | Handed::Probe), seen)) => {
                 self.fleet_forget(seat.id);
                 self.fleet_seen(ask.backend, seen);
                 let hold = Hold {
@@ -218,20 +244,23 @@ impl Admission {
                     backend: seat.backend,
                     tenant: seat.tenant,
                 };
+                let probe = handed == Handed::Probe;
+                let s = (seat.counted, probe);
                 Some(Admit::Now(self.fleet_permit(
                     ask.backend,
                     ask.tokens,
-                    seat.counted,
+                    s,
                     hold,
                 )))
             }
-            Ok((false, seen)) => {
+            Ok((Handed::None, seen)) => {
                 self.fleet_seen(ask.backend, seen);
                 let mut wait = FleetWait {
                     slots,
                     seat,
                     woken,
                     over: false,
+                    taking: false,
                 };
                 if !self.room_to_queue() {
                     wait.leave(self, ask.backend);
@@ -252,12 +281,14 @@ impl Admission {
         }
     }
 
-    /// The permit for a slot the fleet's queue handed to `wait`.
+    /// The permit for a slot the fleet's queue handed to `wait` (`probe`:
+    /// as a probe).
     pub(super) fn fleet_taken(
         self: &Arc<Self>,
         slot: u32,
         tokens: u64,
         wait: &FleetWait,
+        probe: bool,
     ) -> Permit {
         self.fleet_queued(slot, -1);
         self.fleet_forget(wait.seat.id);
@@ -266,6 +297,6 @@ impl Admission {
             backend: Arc::clone(&wait.seat.backend),
             tenant: wait.seat.tenant,
         };
-        self.fleet_permit(slot, tokens, wait.seat.counted, hold)
+        self.fleet_permit(slot, tokens, (wait.seat.counted, probe), hold)
     }
 }

@@ -371,11 +371,12 @@ impl Ticket {
     pub(super) async fn settle(mut self) -> Option<Permit> {
         if let Some(wait) = self.fleet.as_mut() {
             let _op = self.admission.fleet_op();
-            if !wait.taken().await {
-                return None;
-            }
+            let probe = wait.taken(&self.admission, self.backend).await.ok()?;
             let wait = self.fleet.take()?;
-            return Some(self.admission.fleet_taken(self.backend, self.tokens, &wait));
+            let p = self
+                .admission
+                .fleet_taken(self.backend, self.tokens, &wait, probe);
+            return Some(p);
         }
         Some(self.wait_here().await)
     }
@@ -723,6 +724,7 @@ impl Admission {
 
     /// Each backend's slots, for the admin view and the gauges.
     pub fn snapshot(&self) -> Vec<Slots> {
+        let fleet = self.fleet_live();
         let st = self.state.lock();
         st.backends
             .0
@@ -740,6 +742,7 @@ impl Admission {
                 prefilling: b.prefilling,
                 prefill_tokens: b.prefill_tokens,
                 prefill_budget: b.prefill_budget,
+                fleet: b.fleet_seen.filter(|_| fleet),
             })
             .collect()
     }
@@ -852,6 +855,7 @@ impl Admission {
         st.backends.get(&backend).map_or(Caps::default(), |b| Caps {
             limit: b.learned.limit,
             prefilling: b.learned.fleet_cap(),
+            learned: b.learned.prefill_learned(),
         })
     }
 
@@ -921,19 +925,20 @@ impl Admission {
         }
     }
 
-    /// A fleet slot for a request of `tokens` at `backend`: counted here
-    /// too (the learning and the admin view read it).
+    /// A fleet slot for a request of `tokens` at `backend` (whether it
+    /// counts as prefilling, whether it went as a probe): counted here too
+    /// (the learning and the admin view read it).
     pub(super) fn fleet_permit(
         self: &Arc<Self>,
         backend: u32,
         tokens: u64,
-        counted: bool,
+        (counted, probe): (bool, bool),
         hold: Hold,
     ) -> Permit {
         let mut st = self.state.lock();
         let b = st.backends.entry(backend);
         let mut s = b.next_start(tokens, false);
-        (s.probe, s.counted) = (false, counted);
+        (s.probe, s.counted) = (probe, counted);
         s.clock &= counted;
         b.start(tokens, s);
         b.fleet_running += 1;
@@ -1007,6 +1012,9 @@ pub struct Slots {
     /// Prefill tokens it may have sent and not answered beyond one request
     /// (`admission.prefill_queue_ms` at its learned cost; 0: none).
     pub prefill_budget: u64,
+    /// In a fleet whose queue is in its store: the fleet's requests running
+    /// there and waiting for it, as the store last answered.
+    pub fleet: Option<Seen>,
 }
 
 /// Give the room `backend` has to its best waiters still there (one whose

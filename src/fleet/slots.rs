@@ -16,7 +16,7 @@
 //! bindings.
 
 use super::store::SharedStore;
-use crate::admission::fleet::{Caps, Ended, FleetSlots, Seat, Seen};
+use crate::admission::fleet::{Caps, Ended, FleetSlots, Handed, Seat, Seen};
 use crate::admission::reserve::Unreachable;
 use crate::admission::Admission;
 use std::sync::{Arc, LazyLock};
@@ -24,15 +24,38 @@ use std::time::Duration;
 
 /// What every script starts with. ARGV: 1 the backend's key base, 2 the
 /// store's prefix, 3 this gateway, 4 the limit, 5 the cap on prefills
-/// (0: none), then the script's own.
+/// (0: none), 6 whether that cap is learned (probes let by), then the
+/// script's own.
+///
+/// The cap in force is the strictest any live gateway holds (`c`): one
+/// whose answers showed the engine's prefills queue caps them for all.
+/// Under a learned cap of one, one request at most every ten seconds over
+/// the fleet may start as a second prefill (`p`: when the last did), and
+/// is told so: its answer votes on the cap, as a lone gateway's probe does.
 const PRELUDE: &str = r"
 local base, prefix, gw = ARGV[1], ARGV[2], ARGV[3]
-local limit, cap = tonumber(ARGV[4]), tonumber(ARGV[5])
+local limit, learned = tonumber(ARGV[4]), ARGV[6] == '1'
 local RUN, PRE, Q, META, GRANTED, TEN = base..'run', base..'pre', base..'q', base..'m', base..'g', base..'t'
+local CAPS, PROBED = base..'c', base..'p'
 
 local function live(g)
   return g == gw or redis.call('EXISTS', prefix..'adm:live:'..g) == 1
 end
+
+redis.call('HSET', CAPS, gw, ARGV[5])
+local cap = 0
+local caps = redis.call('HGETALL', CAPS)
+for i = 1, #caps, 2 do
+  local c = tonumber(caps[i + 1])
+  if not live(caps[i]) then
+    redis.call('HDEL', CAPS, caps[i])
+  elseif c > 0 and (cap == 0 or c < cap) then
+    cap = c
+  end
+end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local probe_due = learned and cap == 1 and now >= (tonumber(redis.call('GET', PROBED)) or 0) + 10000
 
 -- The fleet's counts; a dead gateway's are dropped (it runs nothing now).
 local function totals()
@@ -54,8 +77,18 @@ local function totals()
   return run, pre
 end
 
+-- Whether a request may start: false, true, or 'probe' (as the second
+-- prefill under a learned cap of one).
 local function room(run, pre, counted)
-  return (limit == 0 or run < limit) and (cap == 0 or counted ~= '1' or pre < cap)
+  if limit > 0 and run >= limit then return false end
+  if cap == 0 or counted ~= '1' or pre < cap then return true end
+  if probe_due and pre == 1 then return 'probe' end
+  return false
+end
+
+local function probed()
+  redis.call('SET', PROBED, now, 'PX', 60000)
+  probe_due = false
 end
 
 local function tenant_less(g, t)
@@ -76,14 +109,20 @@ local function fill(run, pre)
     local meta = redis.call('HGET', META, id) or ''
     local g, t, c = string.match(meta, '^(%S+) (%S+) (%S+)$')
     if g and live(g) then
-      if not room(run, pre, c) then return run, pre end
+      local r = room(run, pre, c)
+      if not r then return run, pre end
       redis.call('HINCRBY', RUN, g, 1)
       run = run + 1
       if c == '1' then
         redis.call('HINCRBY', PRE, g, 1)
         pre = pre + 1
       end
-      redis.call('HSET', GRANTED, id, meta)
+      local probe = '0'
+      if r == 'probe' then
+        probed()
+        probe = '1'
+      end
+      redis.call('HSET', GRANTED, id, meta..' '..probe)
       redis.call('PUBLISH', prefix..'adm:gw:'..g, id)
     end
     redis.call('ZREM', Q, id)
@@ -91,43 +130,63 @@ local function fill(run, pre)
   end
 end
 
-local function answer(granted, run)
-  return {granted, run, redis.call('ZCARD', Q)}
+local function answer(granted, run, probe)
+  return {granted, run, redis.call('ZCARD', Q), probe or 0}
 end
 ";
 
-/// A slot now, or a place in the queue. ARGV 6: the seat, 7 its tenant,
-/// 8 its weight, 9 its class, 10 whether it counts as prefilling, 11 how
-/// long this gateway is alive without a word (ms).
+/// A slot now, or a place in the queue. ARGV 7: the seat, 8 its tenant,
+/// 9 its weight, 10 its class, 11 whether it counts as prefilling, 12 how
+/// long this gateway is alive without a word (ms). Returns {handed a slot,
+/// the fleet's running, its waiting, let by as a probe}.
 const ACQUIRE: &str = r"
-redis.call('SET', prefix..'adm:live:'..gw, '1', 'PX', ARGV[11])
+redis.call('SET', prefix..'adm:live:'..gw, '1', 'PX', ARGV[12])
 redis.call('HSETNX', RUN, gw, 0)
-local seat, t, counted = ARGV[6], ARGV[7], ARGV[10]
+local seat, tenant, counted = ARGV[7], ARGV[8], ARGV[11]
 local run, pre = totals()
-if redis.call('ZCARD', Q) == 0 and room(run, pre, counted) then
+local r = redis.call('ZCARD', Q) == 0 and room(run, pre, counted)
+if r then
   redis.call('HINCRBY', RUN, gw, 1)
   if counted == '1' then redis.call('HINCRBY', PRE, gw, 1) end
-  redis.call('HINCRBY', TEN, gw..' '..t, 1)
+  redis.call('HINCRBY', TEN, gw..' '..tenant, 1)
+  if r == 'probe' then
+    probed()
+    return answer(1, run + 1, 1)
+  end
   return answer(1, run + 1)
 end
 local n = 0
 for _, g in ipairs(redis.call('HKEYS', RUN)) do
-  n = n + (tonumber(redis.call('HGET', TEN, g..' '..t)) or 0)
+  n = n + (tonumber(redis.call('HGET', TEN, g..' '..tenant)) or 0)
 end
-redis.call('HINCRBY', TEN, gw..' '..t, 1)
+redis.call('HINCRBY', TEN, gw..' '..tenant, 1)
 local seq = redis.call('INCR', base..'n') % 268435456
-local share = math.min(math.floor(n * 64 / math.max(1, tonumber(ARGV[8]))), 65535)
-redis.call('ZADD', Q, tonumber(ARGV[9]) * 17592186044416 + share * 268435456 + seq, seat)
-redis.call('HSET', META, seat, gw..' '..t..' '..counted)
+local share = math.min(math.floor(n * 64 / math.max(1, tonumber(ARGV[9]))), 65535)
+redis.call('ZADD', Q, tonumber(ARGV[10]) * 17592186044416 + share * 268435456 + seq, seat)
+redis.call('HSET', META, seat, gw..' '..tenant..' '..counted)
 run, pre = fill(run, pre)
-if redis.call('HDEL', GRANTED, seat) == 1 then return answer(1, run) end
+local granted = redis.call('HGET', GRANTED, seat)
+if granted then
+  redis.call('HDEL', GRANTED, seat)
+  return answer(1, run, tonumber(string.sub(granted, -1)))
+end
 return answer(0, run)
 ";
 
+/// The slot handed to a seat, taken. ARGV 7: the seat. Returns {1 when one
+/// was, the fleet's running, its waiting, let by as a probe}.
+const TAKE: &str = r"
+local granted = redis.call('HGET', GRANTED, ARGV[7])
+local run = totals()
+if not granted then return answer(0, run) end
+redis.call('HDEL', GRANTED, ARGV[7])
+return answer(1, run, tonumber(string.sub(granted, -1)))
+";
+
 /// A seat leaves the queue; one handed a slot meanwhile gives it back.
-/// ARGV 6: the seat. Returns 1 when it had been handed one.
+/// ARGV 7: the seat. Returns 1 when it had been handed one.
 const LEAVE: &str = r"
-local seat = ARGV[6]
+local seat = ARGV[7]
 local had = 0
 local meta = redis.call('HGET', META, seat)
 if meta then
@@ -140,7 +199,7 @@ else
   if meta then
     had = 1
     redis.call('HDEL', GRANTED, seat)
-    local g, t, c = string.match(meta, '^(%S+) (%S+) (%S+)$')
+    local g, t, c = string.match(meta, '^(%S+) (%S+) (%S+)')
     less(RUN, g)
     if c == '1' then less(PRE, g) end
     tenant_less(g, t)
@@ -151,27 +210,27 @@ run, pre = fill(run, pre)
 return answer(had, run)
 ";
 
-/// A request ended, or its prefill did. ARGV 6: its tenant, 7 whether it
-/// ran (its slot is given back), 8 whether it still counted as prefilling.
+/// A request ended, or its prefill did. ARGV 7: its tenant, 8 whether it
+/// ran (its slot is given back), 9 whether it still counted as prefilling.
 const RELEASE: &str = r"
-if ARGV[7] == '1' then
+if ARGV[8] == '1' then
   less(RUN, gw)
-  tenant_less(gw, ARGV[6])
+  tenant_less(gw, ARGV[7])
 end
-if ARGV[8] == '1' then less(PRE, gw) end
+if ARGV[9] == '1' then less(PRE, gw) end
 local run, pre = totals()
 run, pre = fill(run, pre)
 return answer(0, run)
 ";
 
 /// This gateway's counts set to what it holds (after the store missed a
-/// call). ARGV 6: its requests running, 7 prefilling, 8 how long it is
-/// alive without a word, 9 on: its seats still waiting.
+/// call). ARGV 7: its requests running, 8 prefilling, 9 how long it is
+/// alive without a word, 10 on: its seats still waiting.
 const SYNC: &str = r"
-redis.call('SET', prefix..'adm:live:'..gw, '1', 'PX', ARGV[8])
+redis.call('SET', prefix..'adm:live:'..gw, '1', 'PX', ARGV[9])
 local keep = {}
-for i = 9, #ARGV do keep[ARGV[i]] = true end
-local run_here, pre_here = tonumber(ARGV[6]), tonumber(ARGV[7])
+for i = 10, #ARGV do keep[ARGV[i]] = true end
+local run_here, pre_here = tonumber(ARGV[7]), tonumber(ARGV[8])
 local mine = gw..':'
 for _, s in ipairs(redis.call('HKEYS', META)) do
   if string.sub(s, 1, #mine) == mine and not keep[s] then
@@ -184,7 +243,7 @@ end
 for _, s in ipairs(redis.call('HKEYS', GRANTED)) do
   if string.sub(s, 1, #mine) == mine then
     local meta = redis.call('HGET', GRANTED, s)
-    local g, t, c = string.match(meta, '^(%S+) (%S+) (%S+)$')
+    local g, t, c = string.match(meta, '^(%S+) (%S+) (%S+)')
     if keep[s] then
       run_here = run_here + 1
       if c == '1' then pre_here = pre_here + 1 end
@@ -203,6 +262,7 @@ return answer(0, run)
 
 struct Scripts {
     acquire: redis::Script,
+    take: redis::Script,
     leave: redis::Script,
     release: redis::Script,
     sync: redis::Script,
@@ -210,6 +270,7 @@ struct Scripts {
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     acquire: redis::Script::new(&format!("{PRELUDE}{ACQUIRE}")),
+    take: redis::Script::new(&format!("{PRELUDE}{TAKE}")),
     leave: redis::Script::new(&format!("{PRELUDE}{LEAVE}")),
     release: redis::Script::new(&format!("{PRELUDE}{RELEASE}")),
     sync: redis::Script::new(&format!("{PRELUDE}{SYNC}")),
@@ -243,15 +304,16 @@ impl SharedStore {
         backend: &str,
         caps: Caps,
         rest: Vec<String>,
-    ) -> Result<(bool, Seen), Unreachable> {
+    ) -> Result<(Handed, Seen), Unreachable> {
         let base = self.slot_base(backend);
         let prefix = self.config().key_prefix.clone();
         let gw = self.instance.clone();
-        let (granted, running, waiting): (u32, u32, u32) = self
+        let (granted, running, waiting, probe): (u32, u32, u32, u32) = self
             .run(op, |mut c| {
                 let mut call = script.prepare_invoke();
                 call.arg(base).arg(prefix).arg(gw);
                 call.arg(caps.limit).arg(caps.prefilling);
+                call.arg(caps.learned as u8);
                 for a in rest {
                     call.arg(a);
                 }
@@ -259,7 +321,12 @@ impl SharedStore {
             })
             .await
             .map_err(|_| Unreachable)?;
-        Ok((granted == 1, Seen { running, waiting }))
+        let handed = match (granted, probe) {
+            (0, _) => Handed::None,
+            (_, 0) => Handed::Slot,
+            _ => Handed::Probe,
+        };
+        Ok((handed, Seen { running, waiting }))
     }
 
     /// This gateway's counts at `backend` set to what it holds: `running`
@@ -364,7 +431,7 @@ impl FleetSlots for SharedStore {
         SharedStore::healthy(self)
     }
 
-    async fn acquire(&self, seat: &Seat, caps: Caps) -> Result<(bool, Seen), Unreachable> {
+    async fn acquire(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable> {
         let rest = vec![
             self.seat_name(seat.id),
             format!("{:x}", seat.tenant),
@@ -377,20 +444,10 @@ impl FleetSlots for SharedStore {
         self.slots_call("slots", s, &seat.backend, caps, rest).await
     }
 
-    async fn take(&self, seat: &Seat) -> Result<bool, Unreachable> {
-        let k = format!("{}g", self.slot_base(&seat.backend));
-        let name = self.seat_name(seat.id);
-        let taken: u32 = self
-            .run("slots", |mut c| async move {
-                redis::cmd("HDEL")
-                    .arg(k)
-                    .arg(name)
-                    .query_async(&mut c)
-                    .await
-            })
-            .await
-            .map_err(|_| Unreachable)?;
-        Ok(taken == 1)
+    async fn take(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable> {
+        let rest = vec![self.seat_name(seat.id)];
+        let s = &SCRIPTS.take;
+        self.slots_call("slots", s, &seat.backend, caps, rest).await
     }
 
     async fn leave(&self, seat: &Seat, caps: Caps) -> Result<Seen, Unreachable> {
