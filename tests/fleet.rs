@@ -1700,3 +1700,85 @@ async fn two_gateways_keep_one_queue_for_an_engine() {
     assert_eq!(order[1], "quiet", "the quiet turn went first: {order:?}");
     assert_eq!(queued_in(&gws).await, 0.0);
 }
+
+/// Two keyed gateways sharing `redis`, one slot at one engine, whose
+/// first gateway holds the slot with a stream; then a request through the
+/// second, waiting in the fleet's queue. The waiting request's status, in
+/// the background.
+async fn one_slot_taken(
+    redis: &Redis,
+    sims: &[SimBackend],
+) -> (
+    tempfile::TempDir,
+    Vec<Gateway>,
+    tokio::task::JoinHandle<u16>,
+) {
+    let (keys, gws) = keyed_pair(
+        redis,
+        sims,
+        &[("sk-fleet", "fleet", "")],
+        "admission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: 120000\n",
+    )
+    .await;
+    sims[0]
+        .set_faults(serde_json::json!({"hold_streams": true}))
+        .await;
+    let order = Default::default();
+    // Never read to its end: the slot stays taken until the test says.
+    let _held = stream_in_order(&gws[0], "sk-fleet", "holder", &order);
+    wait_until("the stream holds the slot", || async {
+        sims[0].stats().await["running"].as_u64() == Some(1)
+    })
+    .await;
+    let waiting = {
+        let req = client()
+            .post(gws[1].url("/v1/chat/completions"))
+            .header("authorization", "Bearer sk-fleet")
+            .header("x-session-id", "waiter")
+            .json(&chat_body("m", 0));
+        tokio::spawn(async move {
+            let r = req.send().await.expect("answered");
+            let status = r.status().as_u16();
+            let _ = r.bytes().await;
+            status
+        })
+    };
+    wait_until("the request waits in the fleet's queue", || async {
+        queued_in(&gws).await == 1.0
+    })
+    .await;
+    (keys, gws, waiting)
+}
+
+/// A gateway that dies holding the fleet's slots gives them back: once it
+/// has not said it is alive for ten seconds, its slot goes to the request
+/// waiting at another gateway (which would otherwise wait for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_that_dies_holding_a_slot_leaves_it_to_the_fleet() {
+    let redis = Redis::start_on(free_port());
+    let sims = [SimBackend::start("vllm-0", &[])];
+    let (_keys, mut gws, waiting) = one_slot_taken(&redis, &sims).await;
+    gws[0].stop();
+    // The engine ends what the dead gateway sent it.
+    sims[0].release_streams().await;
+    let status = tokio::time::timeout(std::time::Duration::from_secs(60), waiting)
+        .await
+        .expect("served within a minute");
+    assert_eq!(status.unwrap(), 200);
+}
+
+/// A request waiting in the fleet's queue when the store goes is placed
+/// again and served through its gateway's own queue: no client sees the
+/// outage (it would otherwise wait out its deadline for a slot the store
+/// can no longer hand over).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_in_the_fleets_queue_is_served_when_the_store_goes() {
+    let mut redis = Redis::start_on(free_port());
+    let sims = [SimBackend::start("vllm-0", &[])];
+    let (_keys, _gws, waiting) = one_slot_taken(&redis, &sims).await;
+    redis.stop();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(60), waiting)
+        .await
+        .expect("served within a minute");
+    assert_eq!(status.unwrap(), 200);
+}

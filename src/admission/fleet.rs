@@ -33,6 +33,8 @@ pub struct Seat {
     pub class: Class,
     /// It counts as prefilling until its first byte.
     pub counted: bool,
+    /// Its estimated prefill, tokens.
+    pub tokens: u64,
 }
 
 /// The backend's limits as this gateway knows them (learned or
@@ -43,18 +45,55 @@ pub struct Caps {
     pub limit: u32,
     /// Requests prefilling at once (0: none).
     pub prefilling: u32,
-    /// The cap on prefills is learned: a probe may go by it now and then.
-    pub learned: bool,
+    pub probing: Probing,
 }
 
-/// What the fleet's queue handed a seat.
+/// Whether a probe may go by a learned cap of one on prefills.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Probing {
+    /// The cap is configured (or there is none to learn).
+    #[default]
+    Off = 0,
+    /// Learned: one probe every ten seconds over the fleet.
+    On = 1,
+    /// Learned, and this gateway has had no vote yet: a probe as soon as
+    /// a second passed since the last.
+    Eager = 2,
+}
+
+/// What the fleet's queue handed a seat: with a slot, the prefill other
+/// gateways had under way at its backend then (its answer's wait is
+/// weighed against it too).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Handed {
     None,
-    Slot,
-    /// A slot, let by as a second prefill under a learned cap of one: its
-    /// answer votes on the cap.
-    Probe,
+    Slot {
+        ahead: Ahead,
+    },
+    /// Let by as a second prefill under a learned cap of one: its answer
+    /// votes on the cap.
+    Probe {
+        ahead: Ahead,
+    },
+}
+
+/// Prefill other gateways had under way at a backend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ahead {
+    /// Their estimated tokens.
+    pub tokens: u64,
+    /// How long the oldest of them had been prefilling, ms.
+    pub ms: u64,
+}
+
+/// What this gateway holds from the fleet's queue at a backend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    pub running: u32,
+    pub prefilling: u32,
+    /// The estimated tokens of those prefilling.
+    pub prefill_tokens: u64,
 }
 
 /// The fleet's counts at one backend, as a store call left them.
@@ -71,6 +110,8 @@ pub struct Ended {
     pub ran: bool,
     /// It still counted as prefilling.
     pub prefilling: bool,
+    /// Its estimated prefill, tokens.
+    pub tokens: u64,
 }
 
 /// Backends' slots kept for a whole fleet (`crate::fleet::slots`).
@@ -163,7 +204,7 @@ impl FleetWait {
         &mut self,
         admission: &Admission,
         slot: u32,
-    ) -> Result<bool, Unreachable> {
+    ) -> Result<Handed, Unreachable> {
         let mut ask = tokio::time::interval(ASK_EVERY);
         ask.tick().await;
         loop {
@@ -181,7 +222,7 @@ impl FleetWait {
             admission.fleet_seen(slot, seen);
             if handed != Handed::None {
                 self.over = true;
-                return Ok(handed == Handed::Probe);
+                return Ok(handed);
             }
         }
     }
@@ -236,7 +277,7 @@ impl Admission {
         let caps = self.fleet_caps(ask.backend);
         let _op = self.fleet_op();
         match slots.acquire(&seat, caps).await {
-            Ok((handed @ (Handed::Slot | Handed::Probe), seen)) => {
+            Ok((handed @ (Handed::Slot { .. } | Handed::Probe { .. }), seen)) => {
                 self.fleet_forget(seat.id);
                 self.fleet_seen(ask.backend, seen);
                 let hold = Hold {
@@ -244,8 +285,7 @@ impl Admission {
                     backend: seat.backend,
                     tenant: seat.tenant,
                 };
-                let probe = handed == Handed::Probe;
-                let s = (seat.counted, probe);
+                let s = (seat.counted, handed);
                 Some(Admit::Now(self.fleet_permit(
                     ask.backend,
                     ask.tokens,
@@ -281,14 +321,13 @@ impl Admission {
         }
     }
 
-    /// The permit for a slot the fleet's queue handed to `wait` (`probe`:
-    /// as a probe).
+    /// The permit for the slot the fleet's queue `handed` to `wait`.
     pub(super) fn fleet_taken(
         self: &Arc<Self>,
         slot: u32,
         tokens: u64,
         wait: &FleetWait,
-        probe: bool,
+        handed: Handed,
     ) -> Permit {
         self.fleet_queued(slot, -1);
         self.fleet_forget(wait.seat.id);
@@ -297,6 +336,6 @@ impl Admission {
             backend: Arc::clone(&wait.seat.backend),
             tenant: wait.seat.tenant,
         };
-        self.fleet_permit(slot, tokens, (wait.seat.counted, probe), hold)
+        self.fleet_permit(slot, tokens, (wait.seat.counted, handed), hold)
     }
 }

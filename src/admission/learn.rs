@@ -198,6 +198,11 @@ impl Learned {
         }
     }
 
+    /// An answer voted on the cap on prefills.
+    pub(super) fn voted(&self) -> bool {
+        self.voted
+    }
+
     /// The cap on prefills is learned (none is configured).
     pub(super) fn prefill_learned(&self) -> bool {
         self.learn_prefill && self.max_prefilling == 0

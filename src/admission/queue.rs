@@ -6,7 +6,8 @@
 
 use super::class::Class;
 use super::fair::Fair;
-use super::fleet::{Caps, Ended, FleetAsk, FleetSlots, FleetWait, Hold, Op, Seat, Seen};
+use super::fleet::{Caps, Ended, FleetAsk, FleetSlots, FleetWait, Handed, Held, Hold, Op, Probing};
+use super::fleet::{Seat, Seen};
 use super::learn::{Fleet, Here, Learned, Limit, LimitSource, Prefill};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
@@ -61,6 +62,7 @@ struct Backend {
     /// `prefilling`, those counted there as prefilling.
     fleet_running: u32,
     fleet_prefilling: u32,
+    fleet_prefill_tokens: u64,
 }
 
 /// How a request starts at its backend.
@@ -246,6 +248,9 @@ pub struct Permit {
     done: bool,
     /// Its slot is the fleet's, given back there too.
     fleet: Option<Hold>,
+    /// A fleet slot: the prefill other gateways had under way at its
+    /// backend when it was handed over (none otherwise).
+    pub fleet_ahead: super::fleet::Ahead,
 }
 
 impl Permit {
@@ -262,6 +267,7 @@ impl Permit {
             prefilled: None,
             done: !s.counted,
             fleet: None,
+            fleet_ahead: Default::default(),
         }
     }
 
@@ -314,6 +320,7 @@ fn prefill_over(admission: &Arc<Admission>, backend: u32, tokens: u64, fleet: Op
         b.prefill_over(tokens);
         if fleet.is_some() {
             b.fleet_prefilling = b.fleet_prefilling.saturating_sub(1);
+            b.fleet_prefill_tokens = b.fleet_prefill_tokens.saturating_sub(tokens);
         }
     }
     fill(&mut st, backend);
@@ -322,6 +329,7 @@ fn prefill_over(admission: &Arc<Admission>, backend: u32, tokens: u64, fleet: Op
         let ended = Ended {
             ran: false,
             prefilling: true,
+            tokens,
         };
         hold.release(op, backend, ended);
     }
@@ -342,10 +350,12 @@ impl Drop for Permit {
             self.probe,
         );
         if let (Some(hold), Some(op)) = (&self.fleet, op) {
-            self.admission.fleet_ended(self.backend, !prefilled);
+            self.admission
+                .fleet_ended(self.backend, (!prefilled).then_some(self.tokens));
             let ended = Ended {
                 ran: true,
                 prefilling: !prefilled,
+                tokens: self.tokens,
             };
             hold.release(op, self.backend, ended);
         }
@@ -371,11 +381,11 @@ impl Ticket {
     pub(super) async fn settle(mut self) -> Option<Permit> {
         if let Some(wait) = self.fleet.as_mut() {
             let _op = self.admission.fleet_op();
-            let probe = wait.taken(&self.admission, self.backend).await.ok()?;
+            let handed = wait.taken(&self.admission, self.backend).await.ok()?;
             let wait = self.fleet.take()?;
             let p = self
                 .admission
-                .fleet_taken(self.backend, self.tokens, &wait, probe);
+                .fleet_taken(self.backend, self.tokens, &wait, handed);
             return Some(p);
         }
         Some(self.wait_here().await)
@@ -822,6 +832,7 @@ impl Admission {
             weight: ask.weight,
             class: ask.class,
             counted,
+            tokens: ask.tokens,
         };
         Some((seat, told))
     }
@@ -855,7 +866,11 @@ impl Admission {
         st.backends.get(&backend).map_or(Caps::default(), |b| Caps {
             limit: b.learned.limit,
             prefilling: b.learned.fleet_cap(),
-            learned: b.learned.prefill_learned(),
+            probing: match (b.learned.prefill_learned(), b.learned.voted()) {
+                (false, _) => Probing::Off,
+                (true, true) => Probing::On,
+                (true, false) => Probing::Eager,
+            },
         })
     }
 
@@ -868,13 +883,17 @@ impl Admission {
 
     /// Backends that asked the fleet's queue: slot, id, slots held from it
     /// here, and of those, prefilling.
-    pub fn fleet_backends(&self) -> Vec<(u32, Arc<str>, u32, u32)> {
+    pub fn fleet_backends(&self) -> Vec<(u32, Arc<str>, Held)> {
         let st = self.state.lock();
         let with_id = st.backends.0.iter().enumerate();
         with_id
             .filter_map(|(slot, b)| {
-                let id = b.fleet_id.clone()?;
-                Some((slot as u32, id, b.fleet_running, b.fleet_prefilling))
+                let held = Held {
+                    running: b.fleet_running,
+                    prefilling: b.fleet_prefilling,
+                    prefill_tokens: b.fleet_prefill_tokens,
+                };
+                Some((slot as u32, b.fleet_id.clone()?, held))
             })
             .collect()
     }
@@ -932,9 +951,14 @@ impl Admission {
         self: &Arc<Self>,
         backend: u32,
         tokens: u64,
-        (counted, probe): (bool, bool),
+        (counted, handed): (bool, Handed),
         hold: Hold,
     ) -> Permit {
+        let (probe, ahead) = match handed {
+            Handed::Probe { ahead } => (true, ahead),
+            Handed::Slot { ahead } => (false, ahead),
+            Handed::None => (false, Default::default()),
+        };
         let mut st = self.state.lock();
         let b = st.backends.entry(backend);
         let mut s = b.next_start(tokens, false);
@@ -942,20 +966,25 @@ impl Admission {
         s.clock &= counted;
         b.start(tokens, s);
         b.fleet_running += 1;
-        b.fleet_prefilling += counted as u32;
+        if counted {
+            b.fleet_prefilling += 1;
+            b.fleet_prefill_tokens += tokens;
+        }
         drop(st);
         let mut p = Permit::new(self, backend, tokens, s);
         p.fleet = Some(hold);
+        p.fleet_ahead = ahead;
         p
     }
 
-    /// A fleet slot held here was given back (`prefilling`: it still
-    /// counted as prefilling).
-    pub(super) fn fleet_ended(&self, backend: u32, prefilling: bool) {
+    /// A fleet slot held here was given back (`prefilling`: the tokens it
+    /// still counted as prefilling).
+    pub(super) fn fleet_ended(&self, backend: u32, prefilling: Option<u64>) {
         if let Some(b) = self.state.lock().backends.get_mut(&backend) {
             b.fleet_running = b.fleet_running.saturating_sub(1);
-            if prefilling {
+            if let Some(tokens) = prefilling {
                 b.fleet_prefilling = b.fleet_prefilling.saturating_sub(1);
+                b.fleet_prefill_tokens = b.fleet_prefill_tokens.saturating_sub(tokens);
             }
         }
     }

@@ -24,6 +24,9 @@ pub enum Waited {
     ClientGone,
     /// Its backend can no longer take it: place it again.
     BackendGone,
+    /// It waited in the fleet's queue, whose store stopped answering: it
+    /// waits again in this gateway's own.
+    StoreGone,
 }
 
 impl Waited {
@@ -34,6 +37,7 @@ impl Waited {
             Waited::Deadline => "deadline",
             Waited::ClientGone => "client_gone",
             Waited::BackendGone => "backend_gone",
+            Waited::StoreGone => "store_gone",
         }
     }
 }
@@ -61,8 +65,7 @@ impl Ticket {
             tokio::select! {
                 p = &mut wait => return match p {
                     Some(p) => Waited::Admitted(p),
-                    // The fleet's store stopped answering: placed again.
-                    None => Waited::BackendGone,
+                    None => Waited::StoreGone,
                 },
                 _ = &mut deadline => return Waited::Deadline,
                 Some(_) = closing => return Waited::ClientGone,
@@ -122,58 +125,73 @@ impl Admittance {
     {
         let class = self.class.as_str();
         let weight = self.client.as_ref().map_or(1, |c| c.weight);
-        let fleet = FleetAsk {
-            backend: ask.backend,
-            backend_id: ask.backend_id,
-            class: self.class,
-            tenant: self.tenant,
-            weight,
-            tokens: ask.tokens,
-            json: ask.room.json,
-        };
-        let admitted = match adm.admit_fleet(fleet).await {
-            Some(a) => a,
-            None => adm.admit_within(
-                ask.backend,
-                self.class,
-                self.tenant,
-                weight,
-                ask.tokens,
-                ask.room,
-            ),
-        };
-        let ticket = match admitted {
-            Admit::Now(p) => {
-                ask.tier_metrics.admitted_now[self.class.index()].inc();
-                self.permit = Some(p);
-                return Ok(true);
-            }
-            Admit::Full => {
-                m.admission_rejected
-                    .with_label_values(&[ask.tier, class, "queue_full"])
-                    .inc();
-                return Err(GatewayError::overloaded(
-                    "queue_full",
-                    format!("tier `{}` is saturated and its queue is full", ask.tier),
-                    adm.retry_after_s(ask.backend),
-                )
-                .into());
-            }
-            Admit::Wait(t) => t,
-        };
-        queued();
-        let waiting = m.admission_queued.with_label_values(&[ask.tier, class]);
-        waiting.inc();
         let since = Instant::now();
-        let got = ticket
-            .wait_until(
-                self.max_wait,
-                watch.closed,
-                watch.client_gone,
-                &mut watch.backend_gone,
-            )
-            .await;
-        waiting.dec();
+        let (mut fleet, mut queued) = (true, Some(queued));
+        let got = loop {
+            let asked = FleetAsk {
+                backend: ask.backend,
+                backend_id: ask.backend_id,
+                class: self.class,
+                tenant: self.tenant,
+                weight,
+                tokens: ask.tokens,
+                json: ask.room.json,
+            };
+            let from_fleet = match fleet {
+                true => adm.admit_fleet(asked).await,
+                false => None,
+            };
+            let admitted = match from_fleet {
+                Some(a) => a,
+                None => adm.admit_within(
+                    ask.backend,
+                    self.class,
+                    self.tenant,
+                    weight,
+                    ask.tokens,
+                    ask.room,
+                ),
+            };
+            let ticket = match admitted {
+                Admit::Now(p) => {
+                    ask.tier_metrics.admitted_now[self.class.index()].inc();
+                    self.permit = Some(p);
+                    return Ok(true);
+                }
+                Admit::Full => {
+                    m.admission_rejected
+                        .with_label_values(&[ask.tier, class, "queue_full"])
+                        .inc();
+                    return Err(GatewayError::overloaded(
+                        "queue_full",
+                        format!("tier `{}` is saturated and its queue is full", ask.tier),
+                        adm.retry_after_s(ask.backend),
+                    )
+                    .into());
+                }
+                Admit::Wait(t) => t,
+            };
+            if let Some(queued) = queued.take() {
+                queued();
+            }
+            let waiting = m.admission_queued.with_label_values(&[ask.tier, class]);
+            waiting.inc();
+            let got = ticket
+                .wait_until(
+                    self.max_wait.saturating_sub(since.elapsed()),
+                    watch.closed.as_mut(),
+                    &mut watch.client_gone,
+                    &mut watch.backend_gone,
+                )
+                .await;
+            waiting.dec();
+            match got {
+                // Waits again, here: its place in the fleet's queue is lost
+                // with the store.
+                Waited::StoreGone => fleet = false,
+                got => break got,
+            }
+        };
         self.queue_wait = since.elapsed();
         m.admission_wait
             .with_label_values(&[ask.tier, class])
@@ -196,7 +214,7 @@ impl Admittance {
                 Ok(true)
             }
             // Placed again, as a turn arriving now would be.
-            Waited::BackendGone => Ok(false),
+            Waited::BackendGone | Waited::StoreGone => Ok(false),
             Waited::ClientGone => {
                 refused(got.reason());
                 Err(Refusal::ClientGone("client left while waiting for a slot"))

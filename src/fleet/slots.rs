@@ -16,7 +16,7 @@
 //! bindings.
 
 use super::store::SharedStore;
-use crate::admission::fleet::{Caps, Ended, FleetSlots, Handed, Seat, Seen};
+use crate::admission::fleet::{Ahead, Caps, Ended, FleetSlots, Handed, Held, Seat, Seen};
 use crate::admission::reserve::Unreachable;
 use crate::admission::Admission;
 use std::sync::{Arc, LazyLock};
@@ -34,12 +34,41 @@ use std::time::Duration;
 /// is told so: its answer votes on the cap, as a lone gateway's probe does.
 const PRELUDE: &str = r"
 local base, prefix, gw = ARGV[1], ARGV[2], ARGV[3]
-local limit, learned = tonumber(ARGV[4]), ARGV[6] == '1'
+local limit, learned = tonumber(ARGV[4]), ARGV[6] ~= '0'
 local RUN, PRE, Q, META, GRANTED, TEN = base..'run', base..'pre', base..'q', base..'m', base..'g', base..'t'
-local CAPS, PROBED = base..'c', base..'p'
+local CAPS, PROBED, WORK, SINCE = base..'c', base..'p', base..'w', base..'s'
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 local function live(g)
   return g == gw or redis.call('EXISTS', prefix..'adm:live:'..g) == 1
+end
+
+-- The prefill tokens gateways other than g have prefilling here, and
+-- how long the oldest of them has been (ms): its progress is taken off.
+local function others_work(g)
+  local n, since = 0, now
+  local w = redis.call('HGETALL', WORK)
+  for i = 1, #w, 2 do
+    if w[i] ~= g then
+      n = n + tonumber(w[i + 1])
+      since = math.min(since, tonumber(redis.call('HGET', SINCE, w[i])) or now)
+    end
+  end
+  return n, now - since
+end
+
+local function work_more(g, tokens)
+  if redis.call('HINCRBY', WORK, g, tokens) == tonumber(tokens) then
+    redis.call('HSET', SINCE, g, now)
+  end
+end
+
+local function work_less(g, tokens)
+  if redis.call('HINCRBY', WORK, g, -tonumber(tokens)) <= 0 then
+    redis.call('HDEL', WORK, g)
+    redis.call('HDEL', SINCE, g)
+  end
 end
 
 redis.call('HSET', CAPS, gw, ARGV[5])
@@ -53,9 +82,10 @@ for i = 1, #caps, 2 do
     cap = c
   end
 end
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local probe_due = learned and cap == 1 and now >= (tonumber(redis.call('GET', PROBED)) or 0) + 10000
+-- A gateway with no vote yet probes as soon as a second passed.
+local every = 10000
+if ARGV[6] == '2' then every = 1000 end
+local probe_due = learned and cap == 1 and now >= (tonumber(redis.call('GET', PROBED)) or 0) + every
 
 -- The fleet's counts; a dead gateway's are dropped (it runs nothing now).
 local function totals()
@@ -69,6 +99,8 @@ local function totals()
     else
       redis.call('HDEL', RUN, g)
       redis.call('HDEL', PRE, g)
+      redis.call('HDEL', WORK, g)
+      redis.call('HDEL', SINCE, g)
       for _, f in ipairs(redis.call('HKEYS', TEN)) do
         if string.sub(f, 1, #g + 1) == g..' ' then redis.call('HDEL', TEN, f) end
       end
@@ -107,7 +139,7 @@ local function fill(run, pre)
     if #best == 0 then return run, pre end
     local id = best[1]
     local meta = redis.call('HGET', META, id) or ''
-    local g, t, c = string.match(meta, '^(%S+) (%S+) (%S+)$')
+    local g, t, c, w = string.match(meta, '^(%S+) (%S+) (%S+) (%S+)$')
     if g and live(g) then
       local r = room(run, pre, c)
       if not r then return run, pre end
@@ -122,7 +154,9 @@ local function fill(run, pre)
         probed()
         probe = '1'
       end
-      redis.call('HSET', GRANTED, id, meta..' '..probe)
+      local ahead, ahead_ms = others_work(g)
+      if c == '1' then work_more(g, w) end
+      redis.call('HSET', GRANTED, id, meta..' '..ahead..' '..ahead_ms..' '..probe)
       redis.call('PUBLISH', prefix..'adm:gw:'..g, id)
     end
     redis.call('ZREM', Q, id)
@@ -130,30 +164,35 @@ local function fill(run, pre)
   end
 end
 
-local function answer(granted, run, probe)
-  return {granted, run, redis.call('ZCARD', Q), probe or 0}
+local function answer(granted, run, probe, ahead, ahead_ms)
+  return {granted, run, redis.call('ZCARD', Q), probe or 0, ahead or 0, ahead_ms or 0}
 end
 ";
 
 /// A slot now, or a place in the queue. ARGV 7: the seat, 8 its tenant,
 /// 9 its weight, 10 its class, 11 whether it counts as prefilling, 12 how
-/// long this gateway is alive without a word (ms). Returns {handed a slot,
-/// the fleet's running, its waiting, let by as a probe}.
+/// long this gateway is alive without a word (ms), 13 its prefill tokens.
+/// Returns {handed a slot, the fleet's running, its waiting, let by as a
+/// probe, the prefill tokens other gateways had prefilling there}.
 const ACQUIRE: &str = r"
 redis.call('SET', prefix..'adm:live:'..gw, '1', 'PX', ARGV[12])
 redis.call('HSETNX', RUN, gw, 0)
-local seat, tenant, counted = ARGV[7], ARGV[8], ARGV[11]
+local seat, tenant, counted, tokens = ARGV[7], ARGV[8], ARGV[11], ARGV[13]
 local run, pre = totals()
 local r = redis.call('ZCARD', Q) == 0 and room(run, pre, counted)
 if r then
   redis.call('HINCRBY', RUN, gw, 1)
-  if counted == '1' then redis.call('HINCRBY', PRE, gw, 1) end
+  local ahead, ahead_ms = others_work(gw)
+  if counted == '1' then
+    redis.call('HINCRBY', PRE, gw, 1)
+    work_more(gw, tokens)
+  end
   redis.call('HINCRBY', TEN, gw..' '..tenant, 1)
   if r == 'probe' then
     probed()
-    return answer(1, run + 1, 1)
+    return answer(1, run + 1, 1, ahead, ahead_ms)
   end
-  return answer(1, run + 1)
+  return answer(1, run + 1, 0, ahead, ahead_ms)
 end
 local n = 0
 for _, g in ipairs(redis.call('HKEYS', RUN)) do
@@ -163,24 +202,28 @@ redis.call('HINCRBY', TEN, gw..' '..tenant, 1)
 local seq = redis.call('INCR', base..'n') % 268435456
 local share = math.min(math.floor(n * 64 / math.max(1, tonumber(ARGV[9]))), 65535)
 redis.call('ZADD', Q, tonumber(ARGV[10]) * 17592186044416 + share * 268435456 + seq, seat)
-redis.call('HSET', META, seat, gw..' '..tenant..' '..counted)
+redis.call('HSET', META, seat, gw..' '..tenant..' '..counted..' '..tokens)
 run, pre = fill(run, pre)
 local granted = redis.call('HGET', GRANTED, seat)
 if granted then
   redis.call('HDEL', GRANTED, seat)
-  return answer(1, run, tonumber(string.sub(granted, -1)))
+  local ahead, ahead_ms, probe = string.match(granted, '(%S+) (%S+) (%S+)$')
+  return answer(1, run, tonumber(probe), tonumber(ahead), tonumber(ahead_ms))
 end
 return answer(0, run)
 ";
 
-/// The slot handed to a seat, taken. ARGV 7: the seat. Returns {1 when one
-/// was, the fleet's running, its waiting, let by as a probe}.
+/// The slot handed to a seat, taken (room a dead gateway left is handed
+/// out first). ARGV 7: the seat. Returns {1 when one was, the fleet's
+/// running, its waiting, let by as a probe}.
 const TAKE: &str = r"
+local run, pre = totals()
+run, pre = fill(run, pre)
 local granted = redis.call('HGET', GRANTED, ARGV[7])
-local run = totals()
 if not granted then return answer(0, run) end
 redis.call('HDEL', GRANTED, ARGV[7])
-return answer(1, run, tonumber(string.sub(granted, -1)))
+local ahead, ahead_ms, probe = string.match(granted, '(%S+) (%S+) (%S+)$')
+return answer(1, run, tonumber(probe), tonumber(ahead), tonumber(ahead_ms))
 ";
 
 /// A seat leaves the queue; one handed a slot meanwhile gives it back.
@@ -199,9 +242,12 @@ else
   if meta then
     had = 1
     redis.call('HDEL', GRANTED, seat)
-    local g, t, c = string.match(meta, '^(%S+) (%S+) (%S+)')
+    local g, t, c, w = string.match(meta, '^(%S+) (%S+) (%S+) (%S+)')
     less(RUN, g)
-    if c == '1' then less(PRE, g) end
+    if c == '1' then
+      less(PRE, g)
+      work_less(g, w)
+    end
     tenant_less(g, t)
   end
 end
@@ -211,13 +257,17 @@ return answer(had, run)
 ";
 
 /// A request ended, or its prefill did. ARGV 7: its tenant, 8 whether it
-/// ran (its slot is given back), 9 whether it still counted as prefilling.
+/// ran (its slot is given back), 9 whether it still counted as prefilling,
+/// 10 its prefill tokens.
 const RELEASE: &str = r"
 if ARGV[8] == '1' then
   less(RUN, gw)
   tenant_less(gw, ARGV[7])
 end
-if ARGV[9] == '1' then less(PRE, gw) end
+if ARGV[9] == '1' then
+  less(PRE, gw)
+  work_less(gw, ARGV[10])
+end
 local run, pre = totals()
 run, pre = fill(run, pre)
 return answer(0, run)
@@ -225,12 +275,13 @@ return answer(0, run)
 
 /// This gateway's counts set to what it holds (after the store missed a
 /// call). ARGV 7: its requests running, 8 prefilling, 9 how long it is
-/// alive without a word, 10 on: its seats still waiting.
+/// alive without a word, 10 its prefill tokens, 11 on: its seats still
+/// waiting.
 const SYNC: &str = r"
 redis.call('SET', prefix..'adm:live:'..gw, '1', 'PX', ARGV[9])
 local keep = {}
-for i = 10, #ARGV do keep[ARGV[i]] = true end
-local run_here, pre_here = tonumber(ARGV[7]), tonumber(ARGV[8])
+for i = 11, #ARGV do keep[ARGV[i]] = true end
+local run_here, pre_here, work_here = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[10])
 local mine = gw..':'
 for _, s in ipairs(redis.call('HKEYS', META)) do
   if string.sub(s, 1, #mine) == mine and not keep[s] then
@@ -243,10 +294,13 @@ end
 for _, s in ipairs(redis.call('HKEYS', GRANTED)) do
   if string.sub(s, 1, #mine) == mine then
     local meta = redis.call('HGET', GRANTED, s)
-    local g, t, c = string.match(meta, '^(%S+) (%S+) (%S+)')
+    local g, t, c, w = string.match(meta, '^(%S+) (%S+) (%S+) (%S+)')
     if keep[s] then
       run_here = run_here + 1
-      if c == '1' then pre_here = pre_here + 1 end
+      if c == '1' then
+        pre_here = pre_here + 1
+        work_here = work_here + tonumber(w)
+      end
     else
       redis.call('HDEL', GRANTED, s)
       tenant_less(g, t)
@@ -255,6 +309,13 @@ for _, s in ipairs(redis.call('HKEYS', GRANTED)) do
 end
 redis.call('HSET', RUN, gw, run_here)
 redis.call('HSET', PRE, gw, pre_here)
+if work_here > 0 then
+  if redis.call('HEXISTS', SINCE, gw) == 0 then redis.call('HSET', SINCE, gw, now) end
+  redis.call('HSET', WORK, gw, work_here)
+else
+  redis.call('HDEL', WORK, gw)
+  redis.call('HDEL', SINCE, gw)
+end
 local run, pre = totals()
 run, pre = fill(run, pre)
 return answer(0, run)
@@ -308,12 +369,12 @@ impl SharedStore {
         let base = self.slot_base(backend);
         let prefix = self.config().key_prefix.clone();
         let gw = self.instance.clone();
-        let (granted, running, waiting, probe): (u32, u32, u32, u32) = self
+        let (granted, running, waiting, probe, tokens, ms): (u32, u32, u32, u32, u64, u64) = self
             .run(op, |mut c| {
                 let mut call = script.prepare_invoke();
                 call.arg(base).arg(prefix).arg(gw);
                 call.arg(caps.limit).arg(caps.prefilling);
-                call.arg(caps.learned as u8);
+                call.arg(caps.probing as u8);
                 for a in rest {
                     call.arg(a);
                 }
@@ -321,10 +382,11 @@ impl SharedStore {
             })
             .await
             .map_err(|_| Unreachable)?;
+        let ahead = Ahead { tokens, ms };
         let handed = match (granted, probe) {
             (0, _) => Handed::None,
-            (_, 0) => Handed::Slot,
-            _ => Handed::Probe,
+            (_, 0) => Handed::Slot { ahead },
+            _ => Handed::Probe { ahead },
         };
         Ok((handed, Seen { running, waiting }))
     }
@@ -334,15 +396,15 @@ impl SharedStore {
     async fn sync_slots(
         &self,
         backend: &str,
-        running: u32,
-        prefilling: u32,
+        held: Held,
         waiting: &[u64],
         caps: Caps,
     ) -> Result<Seen, Unreachable> {
         let mut rest = vec![
-            running.to_string(),
-            prefilling.to_string(),
+            held.running.to_string(),
+            held.prefilling.to_string(),
             ALIVE.as_millis().to_string(),
+            held.prefill_tokens.to_string(),
         ];
         rest.extend(waiting.iter().map(|id| self.seat_name(*id)));
         let s = &SCRIPTS.sync;
@@ -379,13 +441,10 @@ impl SharedStore {
             }
             if let Some(since) = admission.fleet_reconcile_due() {
                 let mut clean = true;
-                for (slot, id, running, prefilling) in admission.fleet_backends() {
+                for (slot, id, held) in admission.fleet_backends() {
                     let waiting = admission.fleet_waiting(slot);
                     let caps = admission.fleet_caps(slot);
-                    match self
-                        .sync_slots(&id, running, prefilling, &waiting, caps)
-                        .await
-                    {
+                    match self.sync_slots(&id, held, &waiting, caps).await {
                         Ok(seen) => admission.fleet_seen(slot, seen),
                         Err(_) => clean = false,
                     }
@@ -439,6 +498,7 @@ impl FleetSlots for SharedStore {
             seat.class.index().to_string(),
             (seat.counted as u8).to_string(),
             ALIVE.as_millis().to_string(),
+            seat.tokens.to_string(),
         ];
         let s = &SCRIPTS.acquire;
         self.slots_call("slots", s, &seat.backend, caps, rest).await
@@ -470,6 +530,7 @@ impl FleetSlots for SharedStore {
             format!("{tenant:x}"),
             (ended.ran as u8).to_string(),
             (ended.prefilling as u8).to_string(),
+            ended.tokens.to_string(),
         ];
         let s = &SCRIPTS.release;
         Ok(self.slots_call("slots", s, backend, caps, rest).await?.1)

@@ -72,10 +72,16 @@ pub(super) async fn choose(
     };
     let route = ctx.route.as_ref().expect("routed in request_filter");
     let backend = route.backend().expect("decided");
-    ctx.answer.in_flight = Some(InFlight::new(
+    let elsewhere = ctx
+        .who
+        .permit
+        .as_ref()
+        .map_or(Default::default(), |p| p.fleet_ahead);
+    ctx.answer.in_flight = Some(InFlight::behind(
         &backend.stats,
         prefill.unwrap_or_else(|| backend.stats.cost.body_estimate(prompt)),
         prompt,
+        elsewhere,
     ));
     let peer = peer(backend, &routing.config, route.replayed);
     if ctx.body.whole.is_none() {

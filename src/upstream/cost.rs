@@ -391,6 +391,26 @@ impl CostEstimate {
         }
     }
 
+    /// `q`, sent behind `tokens` more prefilling there that this gateway's
+    /// queue does not hold (the fleet's other gateways' requests), the
+    /// oldest of them under way for `head_ms`: less its progress, as for
+    /// this gateway's own queue.
+    pub fn behind_elsewhere(&self, mut q: Enqueued, tokens: u64, head_ms: u64) -> Enqueued {
+        if tokens > 0 {
+            let ns = self.own_ns_per_token.load(Ordering::Relaxed);
+            let left = crate::affinity::queued_after(tokens, head_ms, 0, ns as f64 / 1000.0);
+            q.behind = true;
+            q.ahead += crate::affinity::queued_after(
+                tokens,
+                head_ms,
+                0,
+                self.learned_us_per_token().unwrap_or(0.0),
+            );
+            q.work_ahead_ns += left.saturating_mul(ns);
+        }
+        q
+    }
+
     fn work_ahead_ns(&self, q: QueueView) -> u64 {
         let ns = self.own_ns_per_token.load(Ordering::Relaxed);
         if ns == 0 {

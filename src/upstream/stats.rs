@@ -89,12 +89,27 @@ pub struct InFlight {
 impl InFlight {
     /// `tokens` of the `prompt` tokens (estimates) are expected uncached.
     pub fn new(stats: &Arc<BackendStats>, tokens: u64, prompt: u64) -> Self {
+        Self::behind(stats, tokens, prompt, Default::default())
+    }
+
+    /// Sent behind prefill there that this gateway did not send (the
+    /// fleet's other gateways', as its queue said).
+    pub fn behind(
+        stats: &Arc<BackendStats>,
+        tokens: u64,
+        prompt: u64,
+        elsewhere: crate::admission::fleet::Ahead,
+    ) -> Self {
         let before = stats.in_flight.fetch_add(1, Ordering::Relaxed);
         stats.progress.sent(crate::clock::now_ms());
+        let queued = stats.cost.enqueue(tokens);
+        let none_elsewhere = elsewhere.tokens == 0;
         InFlight {
             stats: Arc::clone(stats),
-            alone: before == 0 && stats.engine.requests_if_fresh() == 0,
-            queued: stats.cost.enqueue(tokens),
+            alone: before == 0 && stats.engine.requests_if_fresh() == 0 && none_elsewhere,
+            queued: stats
+                .cost
+                .behind_elsewhere(queued, elsewhere.tokens, elsewhere.ms),
             out_of_order: false,
             uncached_share: match prompt {
                 0 => 1.0,
