@@ -48,18 +48,18 @@ pub struct Caps {
     pub probing: Probing,
 }
 
-/// Whether a probe may go by a learned cap of one on prefills.
+/// How a backend's cap on prefills is known.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Probing {
-    /// The cap is configured (or there is none to learn).
+    /// Configured (or there is none to learn).
     #[default]
     Off = 0,
-    /// Learned: one probe every ten seconds over the fleet.
-    On = 1,
-    /// Learned, and this gateway has had no vote yet: a probe as soon as
-    /// a second passed since the last.
-    Eager = 2,
+    /// Learned from this gateway's answers' votes: the fleet's cap.
+    Voted = 1,
+    /// Learned, and no answer here voted yet: the fleet's last voted cap
+    /// if any gateway's did.
+    Unvoted = 2,
 }
 
 /// What the fleet's queue handed a seat: with a slot, the prefill other

@@ -868,8 +868,8 @@ impl Admission {
             prefilling: b.learned.fleet_cap(),
             probing: match (b.learned.prefill_learned(), b.learned.voted()) {
                 (false, _) => Probing::Off,
-                (true, true) => Probing::On,
-                (true, false) => Probing::Eager,
+                (true, true) => Probing::Voted,
+                (true, false) => Probing::Unvoted,
             },
         })
     }

@@ -24,19 +24,23 @@ use std::time::Duration;
 
 /// What every script starts with. ARGV: 1 the backend's key base, 2 the
 /// store's prefix, 3 this gateway, 4 the limit, 5 the cap on prefills
-/// (0: none), 6 whether that cap is learned (probes let by), then the
+/// (0: none), 6 how that cap is known (0 configured, 1 learned from this
+/// gateway's votes, 2 learned and not voted on here yet), then the
 /// script's own.
 ///
-/// The cap in force is the strictest any live gateway holds (`c`): one
-/// whose answers showed the engine's prefills queue caps them for all.
-/// Under a learned cap of one, one request at most every ten seconds over
-/// the fleet may start as a second prefill (`p`: when the last did), and
-/// is told so: its answer votes on the cap, as a lone gateway's probe does.
+/// A learned cap is the fleet's: a gateway whose answers voted writes its
+/// cap (`v`), and one with no vote of its own takes the last written, so
+/// that every vote counts for the whole fleet. Under a learned cap of one,
+/// one request every ten seconds over the fleet (every second while no
+/// gateway has voted) may start as a second prefill (`p`: when the last
+/// did), and is told so: its answer votes on the cap, as a lone gateway's
+/// probe does.
 const PRELUDE: &str = r"
 local base, prefix, gw = ARGV[1], ARGV[2], ARGV[3]
 local limit, learned = tonumber(ARGV[4]), ARGV[6] ~= '0'
+local cap = tonumber(ARGV[5])
 local RUN, PRE, Q, META, GRANTED, TEN = base..'run', base..'pre', base..'q', base..'m', base..'g', base..'t'
-local CAPS, PROBED, WORK, SINCE = base..'c', base..'p', base..'w', base..'s'
+local VOTED, PROBED, WORK, SINCE = base..'v', base..'p', base..'w', base..'s'
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
@@ -71,20 +75,13 @@ local function work_less(g, tokens)
   end
 end
 
-redis.call('HSET', CAPS, gw, ARGV[5])
-local cap = 0
-local caps = redis.call('HGETALL', CAPS)
-for i = 1, #caps, 2 do
-  local c = tonumber(caps[i + 1])
-  if not live(caps[i]) then
-    redis.call('HDEL', CAPS, caps[i])
-  elseif c > 0 and (cap == 0 or c < cap) then
-    cap = c
-  end
-end
--- A gateway with no vote yet probes as soon as a second passed.
 local every = 10000
-if ARGV[6] == '2' then every = 1000 end
+if ARGV[6] == '1' then
+  redis.call('SET', VOTED, cap, 'PX', 600000)
+elseif ARGV[6] == '2' then
+  local voted = redis.call('GET', VOTED)
+  if voted then cap = tonumber(voted) else every = 1000 end
+end
 local probe_due = learned and cap == 1 and now >= (tonumber(redis.call('GET', PROBED)) or 0) + every
 
 -- The fleet's counts; a dead gateway's are dropped (it runs nothing now).

@@ -278,11 +278,15 @@ fn vote_on_prefills(gw: &Gateway, ctx: &RequestCtx, seen: Option<(std::time::Dur
     let Some(permit) = ctx.who.permit.as_ref() else {
         return;
     };
-    let vote = f
-        .sent_behind()
-        .and_then(|ahead| cost.prefill_vote(prefill, uncached, ahead));
-    // A probe sent behind too little work to tell says so.
-    if vote.is_none() && !(permit.probe && cost.knows_own_cost()) {
+    // Behind another gateway's prefill, the work ahead is a rough guess.
+    let rough = permit.fleet_ahead.tokens > 0;
+    let vote = f.sent_behind().and_then(|ahead| match rough {
+        true => cost.prefill_vote_rough(prefill, uncached, ahead),
+        false => cost.prefill_vote(prefill, uncached, ahead),
+    });
+    // A probe sent behind too little work to tell says so (not one whose
+    // wait fell between the rough bounds: that tells nothing).
+    if vote.is_none() && (rough || !(permit.probe && cost.knows_own_cost())) {
         return;
     }
     log::debug!(

@@ -230,13 +230,42 @@ impl CostEstimate {
     /// `None` when that cost was not known when it was sent, or the work
     /// ahead is too little to tell from noise ([`VOTE_MIN_AHEAD`]).
     pub fn prefill_vote(&self, prefill: Duration, uncached: u64, ahead: Duration) -> Option<bool> {
+        self.vote_between(prefill, uncached, ahead, (0.5, 0.5))
+    }
+
+    /// [`CostEstimate::prefill_vote`] for an answer part of whose work
+    /// ahead was another gateway's, known only roughly (how far along it
+    /// was is a guess): it votes only when it waited at least three
+    /// quarters of that work, or a quarter at most.
+    pub fn prefill_vote_rough(
+        &self,
+        prefill: Duration,
+        uncached: u64,
+        ahead: Duration,
+    ) -> Option<bool> {
+        self.vote_between(prefill, uncached, ahead, (0.25, 0.75))
+    }
+
+    /// Waited `at_most` of the work ahead or less: ran beside it; `at_least`
+    /// or more: waited for it; between: no vote.
+    fn vote_between(
+        &self,
+        prefill: Duration,
+        uncached: u64,
+        ahead: Duration,
+        (at_most, at_least): (f64, f64),
+    ) -> Option<bool> {
         let ns = self.own_ns_per_token.load(Ordering::Relaxed) as f64;
         let ahead_ns = ahead.as_nanos() as f64;
         if ns == 0.0 || ahead < VOTE_MIN_AHEAD {
             return None;
         }
-        let own_ns = uncached as f64 * ns;
-        Some(prefill.as_nanos() as f64 >= own_ns + ahead_ns / 2.0)
+        let waited = prefill.as_nanos() as f64 - uncached as f64 * ns;
+        match waited {
+            w if w >= ahead_ns * at_least => Some(true),
+            w if w < ahead_ns * at_most => Some(false),
+            _ => None,
+        }
     }
 
     /// A streamed answer: `after_first_byte` from its first byte to its end,
@@ -823,5 +852,25 @@ mod tests {
         // A short prompt behind a long prefill tells the most.
         assert_eq!(c.prefill_vote(ms(205), 50, ms(200)), Some(true));
         assert_eq!(c.prefill_vote(ms(8), 50, ms(200)), Some(false));
+        // Behind another gateway's prefill, known roughly: only a wait of
+        // three quarters of it or more, or a quarter or less, votes.
+        assert_eq!(c.prefill_vote_rough(ms(260), 1_000, ms(200)), Some(true));
+        assert_eq!(c.prefill_vote_rough(ms(140), 1_000, ms(200)), Some(false));
+        assert_eq!(c.prefill_vote_rough(ms(200), 1_000, ms(200)), None);
+        assert_eq!(c.prefill_vote(ms(200), 1_000, ms(200)), Some(true));
+    }
+
+    /// Sent behind another gateway's prefill (the fleet's queue said how
+    /// much, and for how long it had run), a request counts it as work
+    /// ahead, less its progress; with none, nothing changes.
+    #[test]
+    fn prefill_elsewhere_counts_as_work_ahead_less_its_progress() {
+        let c = CostEstimate::default();
+        assert!(c.observe_own(Duration::from_millis(100), 1_000)); // 100 µs a token
+        let q = c.enqueue(500);
+        assert_eq!(c.behind_elsewhere(q, 0, 0), q);
+        let q = c.behind_elsewhere(q, 2_000, 50); // 500 of the 2,000 done
+        assert!(q.behind);
+        assert_eq!(q.work_ahead_ns, 1_500 * 100_000);
     }
 }
