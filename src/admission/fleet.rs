@@ -123,6 +123,9 @@ pub trait FleetSlots: Send + Sync {
     async fn acquire(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable>;
     /// Take the slot handed to `seat`, if one was.
     async fn take(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable>;
+    /// The slot handed to `seat` was taken as its message said: the
+    /// store's record of it goes.
+    async fn consume(&self, seat: &Seat) -> Result<(), Unreachable>;
     /// `seat` leaves the queue (a slot handed to it meanwhile is passed on).
     async fn leave(&self, seat: &Seat, caps: Caps) -> Result<Seen, Unreachable>;
     /// A request of `tenant` at `backend` ended (or its prefill did): its
@@ -186,7 +189,9 @@ pub(super) struct FleetWait {
     pub(super) slots: Arc<dyn FleetSlots>,
     pub(super) seat: Seat,
     /// Told when the store says a slot was handed to it.
-    pub(super) woken: tokio::sync::mpsc::UnboundedReceiver<()>,
+    /// Told when the store says a slot was handed to it (what it was
+    /// handed; `None`: to ask whether one was).
+    pub(super) woken: tokio::sync::mpsc::UnboundedReceiver<Option<Handed>>,
     /// Its wait is over (a slot taken, or the queue left): nothing to
     /// leave when it drops.
     pub(super) over: bool,
@@ -202,15 +207,28 @@ impl FleetWait {
     /// again). Taken, the caller's `Op` covers the permit's making.
     pub(super) async fn taken(
         &mut self,
-        admission: &Admission,
+        admission: &Arc<Admission>,
         slot: u32,
     ) -> Result<Handed, Unreachable> {
         let mut ask = tokio::time::interval(ASK_EVERY);
         ask.tick().await;
         loop {
-            tokio::select! {
-                _ = self.woken.recv() => {}
-                _ = ask.tick() => {}
+            let told = tokio::select! {
+                told = self.woken.recv() => told.flatten(),
+                _ = ask.tick() => None,
+            };
+            if let Some(handed) = told {
+                // Taken at once, as the store's message said; its record
+                // goes in the background.
+                self.over = true;
+                let (slots, seat) = (Arc::clone(&self.slots), self.seat.clone());
+                let admission = Arc::clone(admission);
+                tokio::spawn(async move {
+                    if slots.consume(&seat).await.is_err() {
+                        admission.fleet_dirty();
+                    }
+                });
+                return Ok(handed);
             }
             self.taking = true;
             let taken = self

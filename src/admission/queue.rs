@@ -208,7 +208,7 @@ pub struct Admission {
     fleet_slots: parking_lot::RwLock<Option<Arc<dyn FleetSlots>>>,
     /// This gateway's requests waiting in the fleet's queue, by seat id:
     /// told when the store hands one a slot.
-    fleet_waiters: Mutex<HashMap<u64, (u32, tokio::sync::mpsc::UnboundedSender<()>)>>,
+    fleet_waiters: Mutex<HashMap<u64, (u32, tokio::sync::mpsc::UnboundedSender<Option<Handed>>)>>,
     fleet_seq: std::sync::atomic::AtomicU64,
     /// Calls to the fleet's queue under way, and begun so far ([`Op`]).
     fleet_ops: std::sync::atomic::AtomicU32,
@@ -804,7 +804,7 @@ impl Admission {
     pub(super) fn fleet_seat(
         &self,
         ask: &FleetAsk<'_>,
-    ) -> Option<(Seat, tokio::sync::mpsc::UnboundedReceiver<()>)> {
+    ) -> Option<(Seat, tokio::sync::mpsc::UnboundedReceiver<Option<Handed>>)> {
         let mut st = self.state.lock();
         let b = st.backends.entry(ask.backend);
         if b.learned.source == LimitSource::None {
@@ -842,10 +842,12 @@ impl Admission {
         self.fleet_waiters.lock().remove(&id);
     }
 
-    /// The store handed seat `id` a slot.
-    pub fn fleet_woken(&self, id: u64) {
-        if let Some((_, tell)) = self.fleet_waiters.lock().get(&id) {
-            let _ = tell.send(());
+    /// The store handed seat `id` a slot (`None`: it may have): whether
+    /// the seat still waits here.
+    pub fn fleet_woken(&self, id: u64, handed: Option<Handed>) -> bool {
+        match self.fleet_waiters.lock().get(&id) {
+            Some((_, tell)) => tell.send(handed).is_ok(),
+            None => false,
         }
     }
 
@@ -940,7 +942,7 @@ impl Admission {
     /// may have been missed).
     pub fn fleet_wake_all(&self) {
         for (_, tell) in self.fleet_waiters.lock().values() {
-            let _ = tell.send(());
+            let _ = tell.send(None);
         }
     }
 

@@ -154,7 +154,7 @@ local function fill(run, pre)
       local ahead, ahead_ms = others_work(g)
       if c == '1' then work_more(g, w) end
       redis.call('HSET', GRANTED, id, meta..' '..ahead..' '..ahead_ms..' '..probe)
-      redis.call('PUBLISH', prefix..'adm:gw:'..g, id)
+      redis.call('PUBLISH', prefix..'adm:gw:'..g, id..' '..base..' '..ahead..' '..ahead_ms..' '..probe)
     end
     redis.call('ZREM', Q, id)
     redis.call('HDEL', META, id)
@@ -451,6 +451,49 @@ impl SharedStore {
         }
     }
 
+    /// A grant published to this gateway: `<gateway>:<seat> <key base>
+    /// <ahead tokens> <ahead ms> <probe>`.
+    fn grant(&self, text: &str, mine: &str) -> Option<(u64, String, Handed)> {
+        let mut it = text.split(' ');
+        let id = it.next()?.strip_prefix(mine)?.parse().ok()?;
+        let base = it.next()?;
+        let backend = base
+            .strip_prefix(&format!("{}adm:", self.config().key_prefix))?
+            .strip_suffix(':')?
+            .to_string();
+        let ahead = Ahead {
+            tokens: it.next()?.parse().ok()?,
+            ms: it.next()?.parse().ok()?,
+        };
+        let handed = match it.next()? {
+            "1" => Handed::Probe { ahead },
+            _ => Handed::Slot { ahead },
+        };
+        Some((id, backend, handed))
+    }
+
+    /// The slot handed to seat `id` at `backend`, whose waiter went, given
+    /// back.
+    async fn give_back(&self, admission: &Admission, backend: &str, id: u64) {
+        let slot = admission
+            .fleet_backends()
+            .into_iter()
+            .find(|(_, b, _)| **b == *backend)
+            .map(|(slot, _, _)| slot);
+        let Some(slot) = slot else {
+            return admission.fleet_dirty();
+        };
+        let rest = vec![self.seat_name(id)];
+        let caps = admission.fleet_caps(slot);
+        match self
+            .slots_call("slots", &SCRIPTS.leave, backend, caps, rest)
+            .await
+        {
+            Ok((_, seen)) => admission.fleet_seen(slot, seen),
+            Err(Unreachable) => admission.fleet_dirty(),
+        }
+    }
+
     /// Hand the grants published to this gateway to its waiters; after a
     /// new subscription every waiter asks (grants may have been missed).
     async fn run_grants(self: Arc<Self>, admission: Arc<Admission>) {
@@ -468,11 +511,18 @@ impl SharedStore {
                 admission.fleet_wake_all();
                 let mut messages = ps.on_message();
                 while let Some(msg) = messages.next().await {
-                    let Ok(seat) = msg.get_payload::<String>() else {
+                    let Ok(text) = msg.get_payload::<String>() else {
                         continue;
                     };
-                    if let Some(id) = seat.strip_prefix(&mine).and_then(|i| i.parse().ok()) {
-                        admission.fleet_woken(id);
+                    let Some((id, backend, handed)) = self.grant(&text, &mine) else {
+                        continue;
+                    };
+                    if !admission.fleet_woken(id, Some(handed)) {
+                        // Its waiter went meanwhile: the slot goes back.
+                        let (store, admission) = (Arc::clone(&self), Arc::clone(&admission));
+                        tokio::spawn(
+                            async move { store.give_back(&admission, &backend, id).await },
+                        );
                     }
                 }
             }
@@ -499,6 +549,20 @@ impl FleetSlots for SharedStore {
         ];
         let s = &SCRIPTS.acquire;
         self.slots_call("slots", s, &seat.backend, caps, rest).await
+    }
+
+    async fn consume(&self, seat: &Seat) -> Result<(), Unreachable> {
+        let k = format!("{}g", self.slot_base(&seat.backend));
+        let name = self.seat_name(seat.id);
+        self.run("slots", |mut c| async move {
+            redis::cmd("HDEL")
+                .arg(k)
+                .arg(name)
+                .query_async::<()>(&mut c)
+                .await
+        })
+        .await
+        .map_err(|_| Unreachable)
     }
 
     async fn take(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable> {
