@@ -188,6 +188,9 @@ struct State {
     queued: usize,
 }
 
+/// How a seat in the fleet's queue is told a slot was handed to it.
+type Tell = tokio::sync::mpsc::UnboundedSender<Option<Handed>>;
+
 /// Sessions whose class is remembered for their subagents at most; past
 /// it the memory starts over (a subagent then takes its own default).
 const MAX_CLASSES: usize = 100_000;
@@ -208,7 +211,7 @@ pub struct Admission {
     fleet_slots: parking_lot::RwLock<Option<Arc<dyn FleetSlots>>>,
     /// This gateway's requests waiting in the fleet's queue, by seat id:
     /// told when the store hands one a slot.
-    fleet_waiters: Mutex<HashMap<u64, (u32, tokio::sync::mpsc::UnboundedSender<Option<Handed>>)>>,
+    fleet_waiters: Mutex<HashMap<u64, (u32, Tell)>>,
     fleet_seq: std::sync::atomic::AtomicU64,
     /// Calls to the fleet's queue under way, and begun so far ([`Op`]).
     fleet_ops: std::sync::atomic::AtomicU32,
