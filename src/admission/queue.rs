@@ -2,16 +2,19 @@
 //! backend runs at most its limit and caps its requests prefilling (both
 //! configured, or learned: [`super::learn`]); the rest wait here, ordered by
 //! class and then fair share ([`super::fair`]), and a freed slot goes
-//! straight to the best waiter.
+//! straight to the best waiter. In a fleet whose store answers, a request
+//! waits in the fleet's queue instead ([`super::fleet`]): its ticket and
+//! permit hold their place and slot there ([`FleetWait`], [`Hold`]).
 
 use super::class::Class;
 use super::fair::Fair;
-use super::fleet::{Caps, Ended, FleetAsk, FleetSlots, FleetWait, Handed, Held, Hold, Op, Probing};
-use super::fleet::{Seat, Seen};
+use super::fleet::{Caps, Ended, FleetAsk, FleetSlots, Handed, Held, Probing, Seat, Seen};
 use super::learn::{Fleet, Here, Learned, Limit, LimitSource, Prefill};
+use super::reserve::Unreachable;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// Where a waiting request stands in its backend's queue.
@@ -1021,6 +1024,161 @@ impl Admission {
             woken: None,
             fleet: Some(wait),
         }
+    }
+}
+
+/// A request's hold on a fleet slot, kept by its permit.
+#[derive(Clone)]
+pub(super) struct Hold {
+    pub(super) slots: Arc<dyn FleetSlots>,
+    pub(super) backend: Arc<str>,
+    pub(super) tenant: u64,
+}
+
+impl Hold {
+    /// Give back what the request held (in the background: it is
+    /// dropping), the call counted by `op` (begun before this gateway's own
+    /// counts changed).
+    pub(super) fn release(&self, op: Op, slot: u32, ended: Ended) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return op.0.fleet_dirty();
+        };
+        let hold = self.clone();
+        rt.spawn(async move {
+            let admission = &op.0;
+            let caps = admission.fleet_caps(slot);
+            let released = hold.slots.release(&hold.backend, hold.tenant, ended, caps);
+            match released.await {
+                Ok(seen) => admission.fleet_seen(slot, seen),
+                Err(Unreachable) => admission.fleet_dirty(),
+            }
+            drop(op);
+        });
+    }
+}
+
+/// A call to the fleet's queue under way, with the change to this
+/// gateway's own counts it brings: while one is, the counts are not set
+/// again from this gateway's (they would miss it).
+pub(super) struct Op(pub(super) Arc<Admission>);
+
+impl Drop for Op {
+    fn drop(&mut self) {
+        self.0.fleet_op_over();
+    }
+}
+
+/// How often a waiter asks the store whether a slot was handed to it (its
+/// message may have been lost).
+const ASK_EVERY: Duration = Duration::from_secs(1);
+
+/// A request waiting in the fleet's queue.
+pub(super) struct FleetWait {
+    pub(super) slots: Arc<dyn FleetSlots>,
+    pub(super) seat: Seat,
+    /// Told when the store says a slot was handed to it.
+    /// Told when the store says a slot was handed to it (what it was
+    /// handed; `None`: to ask whether one was).
+    pub(super) woken: tokio::sync::mpsc::UnboundedReceiver<Option<Handed>>,
+    /// Its wait is over (a slot taken, or the queue left): nothing to
+    /// leave when it drops.
+    pub(super) over: bool,
+    /// A take is under way: one dropped meanwhile may have taken a slot
+    /// it never uses.
+    pub(super) taking: bool,
+}
+
+impl FleetWait {
+    /// Until a slot is handed over to it at `slot` and taken (whether as
+    /// a probe); `Unreachable` when the store stopped answering (it is to
+    /// be placed again, here; its seat is left to setting the counts
+    /// again). Taken, the caller's `Op` covers the permit's making.
+    pub(super) async fn taken(
+        &mut self,
+        admission: &Arc<Admission>,
+        slot: u32,
+    ) -> Result<Handed, Unreachable> {
+        let mut ask = tokio::time::interval(ASK_EVERY);
+        ask.tick().await;
+        loop {
+            let told = tokio::select! {
+                told = self.woken.recv() => told.flatten(),
+                _ = ask.tick() => None,
+            };
+            if let Some(handed) = told {
+                // Taken at once, as the store's message said; its record
+                // goes in the background.
+                self.over = true;
+                let (slots, seat) = (Arc::clone(&self.slots), self.seat.clone());
+                let admission = Arc::clone(admission);
+                tokio::spawn(async move {
+                    if slots.consume(&seat).await.is_err() {
+                        admission.fleet_dirty();
+                    }
+                });
+                return Ok(handed);
+            }
+            self.taking = true;
+            let taken = self
+                .slots
+                .take(&self.seat, admission.fleet_caps(slot))
+                .await;
+            self.taking = false;
+            let (handed, seen) = taken?;
+            admission.fleet_seen(slot, seen);
+            if handed != Handed::None {
+                self.over = true;
+                return Ok(handed);
+            }
+        }
+    }
+
+    /// Leave the queue (in the background when `admission` drops it).
+    pub(super) fn leave(&mut self, admission: &Arc<Admission>, slot: u32) {
+        if std::mem::replace(&mut self.over, true) {
+            return;
+        }
+        admission.fleet_forget(self.seat.id);
+        if self.taking {
+            admission.fleet_dirty();
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return admission.fleet_dirty();
+        };
+        let (slots, seat, op) = (
+            Arc::clone(&self.slots),
+            self.seat.clone(),
+            admission.fleet_op(),
+        );
+        rt.spawn(async move {
+            let admission = &op.0;
+            let caps = admission.fleet_caps(slot);
+            match slots.leave(&seat, caps).await {
+                Ok(seen) => admission.fleet_seen(slot, seen),
+                Err(Unreachable) => admission.fleet_dirty(),
+            }
+            drop(op);
+        });
+    }
+}
+
+impl Admission {
+    /// The permit for the slot the fleet's queue `handed` to `wait`.
+    pub(super) fn fleet_taken(
+        self: &Arc<Self>,
+        slot: u32,
+        tokens: u64,
+        wait: &FleetWait,
+        handed: Handed,
+    ) -> Permit {
+        self.fleet_queued(slot, -1);
+        self.fleet_forget(wait.seat.id);
+        let hold = Hold {
+            slots: Arc::clone(&wait.slots),
+            backend: Arc::clone(&wait.seat.backend),
+            tenant: wait.seat.tenant,
+        };
+        self.fleet_permit(slot, tokens, (wait.seat.counted, handed), hold)
     }
 }
 

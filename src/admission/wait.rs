@@ -4,8 +4,9 @@
 //! and then), or its backend can no longer take it (unhealthy, ejected,
 //! gone from the configuration: its waiters are placed again elsewhere).
 
-use super::fleet::FleetAsk;
-use super::queue::{Admission, Admit, Permit, PrefillRoom, Ticket};
+use super::fleet::{FleetAsk, Handed};
+use super::queue::{Admission, Admit, FleetWait, Hold, Permit, PrefillRoom, Ticket};
+use super::reserve::Unreachable;
 use super::who::Admittance;
 use crate::errors::{GatewayError, Refusal};
 use crate::metrics::{Metrics, TierMetrics};
@@ -82,6 +83,61 @@ impl Ticket {
     }
 }
 
+impl Admission {
+    /// A slot for `ask` from the fleet's queue, when this gateway is one of
+    /// a fleet whose store answers; `None`: it is not, or the store did not
+    /// answer (the request waits here, in this gateway's queue).
+    pub async fn admit_fleet(self: &Arc<Self>, ask: FleetAsk<'_>) -> Option<Admit> {
+        let slots = self.fleet_slots()?;
+        let (seat, woken) = self.fleet_seat(&ask)?;
+        let caps = self.fleet_caps(ask.backend);
+        let _op = self.fleet_op();
+        match slots.acquire(&seat, caps).await {
+            Ok((handed @ (Handed::Slot { .. } | Handed::Probe { .. }), seen)) => {
+                self.fleet_forget(seat.id);
+                self.fleet_seen(ask.backend, seen);
+                let hold = Hold {
+                    slots,
+                    backend: seat.backend,
+                    tenant: seat.tenant,
+                };
+                let s = (seat.counted, handed);
+                Some(Admit::Now(self.fleet_permit(
+                    ask.backend,
+                    ask.tokens,
+                    s,
+                    hold,
+                )))
+            }
+            Ok((Handed::None, seen)) => {
+                self.fleet_seen(ask.backend, seen);
+                let mut wait = FleetWait {
+                    slots,
+                    seat,
+                    woken,
+                    over: false,
+                    taking: false,
+                };
+                if !self.room_to_queue() {
+                    wait.leave(self, ask.backend);
+                    return Some(Admit::Full);
+                }
+                Some(Admit::Wait(self.fleet_ticket(
+                    ask.backend,
+                    ask.tokens,
+                    wait,
+                )))
+            }
+            Err(Unreachable) => {
+                // It may have been seated all the same.
+                self.fleet_forget(seat.id);
+                self.fleet_dirty();
+                None
+            }
+        }
+    }
+}
+
 /// What a request asks of admission: a slot at one backend of its tier.
 pub struct Ask<'a> {
     pub tier: &'a str,
@@ -128,31 +184,7 @@ impl Admittance {
         let since = Instant::now();
         let (mut fleet, mut queued) = (true, Some(queued));
         let got = loop {
-            let asked = FleetAsk {
-                backend: ask.backend,
-                backend_id: ask.backend_id,
-                class: self.class,
-                tenant: self.tenant,
-                weight,
-                tokens: ask.tokens,
-                json: ask.room.json,
-            };
-            let from_fleet = match fleet {
-                true => adm.admit_fleet(asked).await,
-                false => None,
-            };
-            let admitted = match from_fleet {
-                Some(a) => a,
-                None => adm.admit_within(
-                    ask.backend,
-                    self.class,
-                    self.tenant,
-                    weight,
-                    ask.tokens,
-                    ask.room,
-                ),
-            };
-            let ticket = match admitted {
+            let ticket = match self.admit(adm, &ask, weight, fleet).await {
                 Admit::Now(p) => {
                     ask.tier_metrics.admitted_now[self.class.index()].inc();
                     self.permit = Some(p);
@@ -232,6 +264,36 @@ impl Admittance {
                 )
                 .into())
             }
+        }
+    }
+
+    /// A slot for `ask` now, or a place to wait for one: in the fleet's
+    /// queue (`fleet`, when this gateway is one of a fleet whose store
+    /// answers), else in this gateway's.
+    async fn admit(&self, adm: &Arc<Admission>, ask: &Ask<'_>, weight: u32, fleet: bool) -> Admit {
+        let asked = FleetAsk {
+            backend: ask.backend,
+            backend_id: ask.backend_id,
+            class: self.class,
+            tenant: self.tenant,
+            weight,
+            tokens: ask.tokens,
+            json: ask.room.json,
+        };
+        let from_fleet = match fleet {
+            true => adm.admit_fleet(asked).await,
+            false => None,
+        };
+        match from_fleet {
+            Some(a) => a,
+            None => adm.admit_within(
+                ask.backend,
+                self.class,
+                self.tenant,
+                weight,
+                ask.tokens,
+                ask.room,
+            ),
         }
     }
 
