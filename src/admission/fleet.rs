@@ -125,9 +125,6 @@ pub trait FleetSlots: Send + Sync {
     async fn acquire(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable>;
     /// Take the slot handed to `seat`, if one was.
     async fn take(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable>;
-    /// The slot handed to `seat` was taken as its message said: the
-    /// store's record of it goes.
-    async fn consume(&self, seat: &Seat) -> Result<(), Unreachable>;
     /// `seat` leaves the queue (a slot handed to it meanwhile is passed on).
     async fn leave(&self, seat: &Seat, caps: Caps) -> Result<Seen, Unreachable>;
     /// A request of `tenant` at `backend` ended (or its prefill did): its

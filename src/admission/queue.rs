@@ -192,7 +192,7 @@ struct State {
 }
 
 /// How a seat in the fleet's queue is told a slot was handed to it.
-type Tell = tokio::sync::mpsc::UnboundedSender<Option<Handed>>;
+type Tell = tokio::sync::mpsc::UnboundedSender<()>;
 
 /// Sessions whose class is remembered for their subagents at most; past
 /// it the memory starts over (a subagent then takes its own default).
@@ -810,7 +810,7 @@ impl Admission {
     pub(super) fn fleet_seat(
         &self,
         ask: &FleetAsk<'_>,
-    ) -> Option<(Seat, tokio::sync::mpsc::UnboundedReceiver<Option<Handed>>)> {
+    ) -> Option<(Seat, tokio::sync::mpsc::UnboundedReceiver<()>)> {
         let mut st = self.state.lock();
         let b = st.backends.entry(ask.backend);
         if b.learned.source == LimitSource::None {
@@ -848,11 +848,11 @@ impl Admission {
         self.fleet_waiters.lock().remove(&id);
     }
 
-    /// The store handed seat `id` a slot (`None`: it may have): whether
-    /// the seat still waits here.
-    pub fn fleet_woken(&self, id: u64, handed: Option<Handed>) -> bool {
+    /// The store handed seat `id` a slot: whether the seat still waits
+    /// here (it then takes it).
+    pub fn fleet_woken(&self, id: u64) -> bool {
         match self.fleet_waiters.lock().get(&id) {
-            Some((_, tell)) => tell.send(handed).is_ok(),
+            Some((_, tell)) => tell.send(()).is_ok(),
             None => false,
         }
     }
@@ -948,7 +948,7 @@ impl Admission {
     /// may have been missed).
     pub fn fleet_wake_all(&self) {
         for (_, tell) in self.fleet_waiters.lock().values() {
-            let _ = tell.send(None);
+            let _ = tell.send(());
         }
     }
 
@@ -1077,9 +1077,8 @@ pub(super) struct FleetWait {
     pub(super) slots: Arc<dyn FleetSlots>,
     pub(super) seat: Seat,
     /// Told when the store says a slot was handed to it.
-    /// Told when the store says a slot was handed to it (what it was
-    /// handed; `None`: to ask whether one was).
-    pub(super) woken: tokio::sync::mpsc::UnboundedReceiver<Option<Handed>>,
+    /// Told when the store says a slot was handed to it.
+    pub(super) woken: tokio::sync::mpsc::UnboundedReceiver<()>,
     /// Its wait is over (a slot taken, or the queue left): nothing to
     /// leave when it drops.
     pub(super) over: bool,
@@ -1101,22 +1100,9 @@ impl FleetWait {
         let mut ask = tokio::time::interval(ASK_EVERY);
         ask.tick().await;
         loop {
-            let told = tokio::select! {
-                told = self.woken.recv() => told.flatten(),
-                _ = ask.tick() => None,
-            };
-            if let Some(handed) = told {
-                // Taken at once, as the store's message said; its record
-                // goes in the background.
-                self.over = true;
-                let (slots, seat) = (Arc::clone(&self.slots), self.seat.clone());
-                let admission = Arc::clone(admission);
-                tokio::spawn(async move {
-                    if slots.consume(&seat).await.is_err() {
-                        admission.fleet_dirty();
-                    }
-                });
-                return Ok(handed);
+            tokio::select! {
+                _ = self.woken.recv() => {}
+                _ = ask.tick() => {}
             }
             self.taking = true;
             let taken = self

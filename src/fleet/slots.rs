@@ -154,7 +154,7 @@ local function fill(run, pre)
       local ahead, ahead_ms = others_work(g)
       if c == '1' then work_more(g, w) end
       redis.call('HSET', GRANTED, id, meta..' '..ahead..' '..ahead_ms..' '..probe)
-      redis.call('PUBLISH', prefix..'adm:gw:'..g, id..' '..base..' '..ahead..' '..ahead_ms..' '..probe)
+      redis.call('PUBLISH', prefix..'adm:gw:'..g, id..' '..base)
     end
     redis.call('ZREM', Q, id)
     redis.call('HDEL', META, id)
@@ -451,25 +451,15 @@ impl SharedStore {
         }
     }
 
-    /// A grant published to this gateway: `<gateway>:<seat> <key base>
-    /// <ahead tokens> <ahead ms> <probe>`.
-    fn grant(&self, text: &str, mine: &str) -> Option<(u64, String, Handed)> {
-        let mut it = text.split(' ');
-        let id = it.next()?.strip_prefix(mine)?.parse().ok()?;
-        let base = it.next()?;
+    /// A grant published to this gateway: `<gateway>:<seat> <key base>`.
+    fn grant(&self, text: &str, mine: &str) -> Option<(u64, String)> {
+        let (seat, base) = text.split_once(' ')?;
+        let id = seat.strip_prefix(mine)?.parse().ok()?;
         let backend = base
             .strip_prefix(&format!("{}adm:", self.config().key_prefix))?
             .strip_suffix(':')?
             .to_string();
-        let ahead = Ahead {
-            tokens: it.next()?.parse().ok()?,
-            ms: it.next()?.parse().ok()?,
-        };
-        let handed = match it.next()? {
-            "1" => Handed::Probe { ahead },
-            _ => Handed::Slot { ahead },
-        };
-        Some((id, backend, handed))
+        Some((id, backend))
     }
 
     /// The slot handed to seat `id` at `backend`, whose waiter went, given
@@ -514,10 +504,10 @@ impl SharedStore {
                     let Ok(text) = msg.get_payload::<String>() else {
                         continue;
                     };
-                    let Some((id, backend, handed)) = self.grant(&text, &mine) else {
+                    let Some((id, backend)) = self.grant(&text, &mine) else {
                         continue;
                     };
-                    if !admission.fleet_woken(id, Some(handed)) {
+                    if !admission.fleet_woken(id) {
                         // Its waiter went meanwhile: the slot goes back.
                         let (store, admission) = (Arc::clone(&self), Arc::clone(&admission));
                         tokio::spawn(
@@ -549,20 +539,6 @@ impl FleetSlots for SharedStore {
         ];
         let s = &SCRIPTS.acquire;
         self.slots_call("slots", s, &seat.backend, caps, rest).await
-    }
-
-    async fn consume(&self, seat: &Seat) -> Result<(), Unreachable> {
-        let k = format!("{}g", self.slot_base(&seat.backend));
-        let name = self.seat_name(seat.id);
-        self.run("slots", |mut c| async move {
-            redis::cmd("HDEL")
-                .arg(k)
-                .arg(name)
-                .query_async::<()>(&mut c)
-                .await
-        })
-        .await
-        .map_err(|_| Unreachable)
     }
 
     async fn take(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable> {
