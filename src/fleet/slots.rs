@@ -4,9 +4,12 @@
 //! Per backend, under `<prefix>adm:<backend id>:`: `run` and `pre` (each
 //! gateway's requests running there, and prefilling), `q` (the waiters, a
 //! sorted set of `<gateway>:<seat>` scored class, then their tenant's count,
-//! then arrival), `m` (each waiter's `<gateway> <tenant> <counted>`), `g`
-//! (waiters handed a slot and not taken yet), `t` (each gateway's tenant's
-//! requests running or waiting there), `n` (arrivals). A gateway is alive
+//! then arrival), `m` (each waiter's `<gateway> <tenant> <counted>
+//! <tokens>`), `g` (waiters handed a slot and not taken yet, with the other
+//! gateways' prefill then and whether as a probe), `t` (each gateway's
+//! tenant's requests running or waiting there), `n` (arrivals), `w` and
+//! `s` (each gateway's prefill tokens under way, and since when), `v` (the
+//! last voted cap on prefills), `p` (when the last probe went). A gateway is alive
 //! while `<prefix>adm:live:<gateway>` is (refreshed every second, kept
 //! ten): a dead one's counts and waiters are dropped by the next call. A
 //! slot handed over is published on `<prefix>adm:gw:<gateway>`.
