@@ -50,25 +50,6 @@ fn queued(class: &str) -> String {
     format!("agentserve_admission_queued{{class=\"{class}\",tier=\"default\"}}")
 }
 
-/// A chat completion sent in the background with `headers`: its status, once
-/// its whole answer is read.
-fn send_chat(
-    gw: &Gateway,
-    headers: &[(&str, String)],
-    body: &Value,
-) -> tokio::task::JoinHandle<u16> {
-    let mut req = client().post(gw.url("/v1/chat/completions")).json(body);
-    for (k, v) in headers {
-        req = req.header(*k, v);
-    }
-    tokio::spawn(async move {
-        let r = req.send().await.expect("answered");
-        let status = r.status().as_u16();
-        let _ = r.bytes().await;
-        status
-    })
-}
-
 async fn engine_requests(sim: &SimBackend) -> u64 {
     sim.stats().await["requests"].as_u64().unwrap()
 }

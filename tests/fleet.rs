@@ -1730,19 +1730,11 @@ async fn one_slot_taken(
         sims[0].stats().await["running"].as_u64() == Some(1)
     })
     .await;
-    let waiting = {
-        let req = client()
-            .post(gws[1].url("/v1/chat/completions"))
-            .header("authorization", "Bearer sk-fleet")
-            .header("x-session-id", "waiter")
-            .json(&chat_body("m", 0));
-        tokio::spawn(async move {
-            let r = req.send().await.expect("answered");
-            let status = r.status().as_u16();
-            let _ = r.bytes().await;
-            status
-        })
-    };
+    let headers = [
+        ("authorization", "Bearer sk-fleet".to_string()),
+        ("x-session-id", "waiter".to_string()),
+    ];
+    let waiting = send_chat(&gws[1], &headers, &chat_body("m", 0));
     wait_until("the request waits in the fleet's queue", || async {
         queued_in(&gws).await == 1.0
     })

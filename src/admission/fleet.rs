@@ -47,16 +47,16 @@ pub struct Caps {
     pub limit: u32,
     /// Requests prefilling at once (0: none).
     pub prefilling: u32,
-    pub probing: Probing,
+    pub cap_source: CapSource,
 }
 
 /// How a backend's cap on prefills is known.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(u8)]
-pub enum Probing {
+pub enum CapSource {
     /// Configured (or there is none to learn).
     #[default]
-    Off = 0,
+    Configured = 0,
     /// Learned from this gateway's answers' votes: the fleet's cap.
     Voted = 1,
     /// Learned, and no answer here voted yet: the fleet's last voted cap
@@ -96,6 +96,14 @@ pub struct Held {
     pub prefilling: u32,
     /// The estimated tokens of those prefilling.
     pub prefill_tokens: u64,
+}
+
+impl Held {
+    /// One of those prefilling, of `tokens`, no longer is.
+    pub(super) fn prefill_over(&mut self, tokens: u64) {
+        self.prefilling = self.prefilling.saturating_sub(1);
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(tokens);
+    }
 }
 
 /// The fleet's counts at one backend, as a store call left them.

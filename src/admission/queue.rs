@@ -8,7 +8,7 @@
 
 use super::class::Class;
 use super::fair::Fair;
-use super::fleet::{Caps, Ended, FleetAsk, FleetSlots, Handed, Held, Probing, Seat, Seen};
+use super::fleet::{CapSource, Caps, Ended, FleetAsk, FleetSlots, Handed, Held, Seat, Seen};
 use super::learn::{Fleet, Here, Learned, Limit, LimitSource, Prefill};
 use super::reserve::Unreachable;
 use parking_lot::Mutex;
@@ -61,11 +61,8 @@ struct Backend {
     fleet_id: Option<Arc<str>>,
     /// The fleet's counts here, as the store's last answer left them.
     fleet_seen: Option<Seen>,
-    /// Of `running`, slots held from the fleet's queue, and of
-    /// `prefilling`, those counted there as prefilling.
-    fleet_running: u32,
-    fleet_prefilling: u32,
-    fleet_prefill_tokens: u64,
+    /// Of `running` and `prefilling`, what is held from the fleet's queue.
+    fleet_held: Held,
 }
 
 /// How a request starts at its backend.
@@ -325,8 +322,7 @@ fn prefill_over(admission: &Arc<Admission>, backend: u32, tokens: u64, fleet: Op
     if let Some(b) = st.backends.get_mut(&backend) {
         b.prefill_over(tokens);
         if fleet.is_some() {
-            b.fleet_prefilling = b.fleet_prefilling.saturating_sub(1);
-            b.fleet_prefill_tokens = b.fleet_prefill_tokens.saturating_sub(tokens);
+            b.fleet_held.prefill_over(tokens);
         }
     }
     fill(&mut st, backend);
@@ -420,7 +416,7 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         if let Some(mut wait) = self.fleet.take() {
-            self.admission.fleet_queued(self.backend, -1);
+            self.admission.fleet_queued(-1);
             return wait.leave(&self.admission, self.backend);
         }
         if let Some(mut woken) = self.woken.take() {
@@ -802,7 +798,12 @@ impl Admission {
     }
 
     fn fleet_live(&self) -> bool {
-        self.fleet_slots().is_some()
+        self.fleet.load(std::sync::atomic::Ordering::Relaxed)
+            && self
+                .fleet_slots
+                .read()
+                .as_ref()
+                .is_some_and(|s| s.healthy())
     }
 
     /// A seat in the fleet's queue for `ask`, told of a slot by the
@@ -874,10 +875,10 @@ impl Admission {
         st.backends.get(&backend).map_or(Caps::default(), |b| Caps {
             limit: b.learned.limit,
             prefilling: b.learned.fleet_cap(),
-            probing: match (b.learned.prefill_learned(), b.learned.voted()) {
-                (false, _) => Probing::Off,
-                (true, true) => Probing::Voted,
-                (true, false) => Probing::Unvoted,
+            cap_source: match (b.learned.prefill_learned(), b.learned.voted()) {
+                (false, _) => CapSource::Configured,
+                (true, true) => CapSource::Voted,
+                (true, false) => CapSource::Unvoted,
             },
         })
     }
@@ -895,14 +896,7 @@ impl Admission {
         let st = self.state.lock();
         let with_id = st.backends.0.iter().enumerate();
         with_id
-            .filter_map(|(slot, b)| {
-                let held = Held {
-                    running: b.fleet_running,
-                    prefilling: b.fleet_prefilling,
-                    prefill_tokens: b.fleet_prefill_tokens,
-                };
-                Some((slot as u32, b.fleet_id.clone()?, held))
-            })
+            .filter_map(|(slot, b)| Some((slot as u32, b.fleet_id.clone()?, b.fleet_held)))
             .collect()
     }
 
@@ -973,10 +967,10 @@ impl Admission {
         (s.probe, s.counted) = (probe, counted);
         s.clock &= counted;
         b.start(tokens, s);
-        b.fleet_running += 1;
+        b.fleet_held.running += 1;
         if counted {
-            b.fleet_prefilling += 1;
-            b.fleet_prefill_tokens += tokens;
+            b.fleet_held.prefilling += 1;
+            b.fleet_held.prefill_tokens += tokens;
         }
         drop(st);
         let mut p = Permit::new(self, backend, tokens, s);
@@ -989,16 +983,15 @@ impl Admission {
     /// still counted as prefilling).
     pub(super) fn fleet_ended(&self, backend: u32, prefilling: Option<u64>) {
         if let Some(b) = self.state.lock().backends.get_mut(&backend) {
-            b.fleet_running = b.fleet_running.saturating_sub(1);
+            b.fleet_held.running = b.fleet_held.running.saturating_sub(1);
             if let Some(tokens) = prefilling {
-                b.fleet_prefilling = b.fleet_prefilling.saturating_sub(1);
-                b.fleet_prefill_tokens = b.fleet_prefill_tokens.saturating_sub(tokens);
+                b.fleet_held.prefill_over(tokens);
             }
         }
     }
 
     /// Requests waiting here in the fleet's queue: `by` more (or fewer).
-    pub(super) fn fleet_queued(&self, _backend: u32, by: isize) {
+    pub(super) fn fleet_queued(&self, by: isize) {
         let mut st = self.state.lock();
         st.queued = st.queued.saturating_add_signed(by);
     }
@@ -1015,7 +1008,7 @@ impl Admission {
         tokens: u64,
         wait: FleetWait,
     ) -> Ticket {
-        self.fleet_queued(backend, 1);
+        self.fleet_queued(1);
         Ticket {
             admission: Arc::clone(self),
             backend,
@@ -1157,7 +1150,7 @@ impl Admission {
         wait: &FleetWait,
         handed: Handed,
     ) -> Permit {
-        self.fleet_queued(slot, -1);
+        self.fleet_queued(-1);
         self.fleet_forget(wait.seat.id);
         let hold = Hold {
             slots: Arc::clone(&wait.slots),

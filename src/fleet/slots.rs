@@ -374,7 +374,7 @@ impl SharedStore {
                 let mut call = script.prepare_invoke();
                 call.arg(base).arg(prefix).arg(gw);
                 call.arg(caps.limit).arg(caps.prefilling);
-                call.arg(caps.probing as u8);
+                call.arg(caps.cap_source as u8);
                 for a in rest {
                     call.arg(a);
                 }

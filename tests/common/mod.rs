@@ -531,6 +531,25 @@ pub async fn chat(
     reply(resp).await
 }
 
+/// A chat completion sent in the background with `headers`: its status, once
+/// its whole answer is read.
+pub fn send_chat(
+    gw: &Gateway,
+    headers: &[(&str, String)],
+    body: &serde_json::Value,
+) -> tokio::task::JoinHandle<u16> {
+    let mut req = client().post(gw.url("/v1/chat/completions")).json(body);
+    for (k, v) in headers {
+        req = req.header(*k, v);
+    }
+    tokio::spawn(async move {
+        let r = req.send().await.expect("answered");
+        let status = r.status().as_u16();
+        let _ = r.bytes().await;
+        status
+    })
+}
+
 pub async fn reply(resp: reqwest::Response) -> Reply {
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
