@@ -3,7 +3,8 @@
 //!
 //! - `GET    /admin/backends` — every backend: tier, health, draining, in-flight,
 //!   bindings, the engine's own load when scraped (`null` when unknown or stale),
-//!   and what its answers taught: prefill cost per token, queueing delay
+//!   what its answers taught: prefill cost per token, queueing delay; and,
+//!   with `kv_events`, whether its holdings are exact and how many blocks
 //! - `POST   /admin/backends/{id}/drain` — body `{"move_sessions": bool}` (optional)
 //! - `POST   /admin/backends/{id}/undrain`
 //! - `GET    /admin/sessions/{id}?tier=T&kind=session|group&tenant=X` — a binding
@@ -110,6 +111,15 @@ impl AdminApp {
                         "waiting": waiting,
                         "kv_usage": kv,
                     })),
+                    "kv_events": b.kv_events.as_ref().map(|_| {
+                        let (exact, blocks, applied, replayed) = b.stats.kv.snapshot();
+                        json!({
+                            "exact": exact,
+                            "blocks_held": blocks,
+                            "events": applied,
+                            "replayed_batches": replayed,
+                        })
+                    }),
                     "learned": {
                         "prefill_us_per_token": b.stats.cost.learned_us_per_token(),
                         "queue_ms": b.stats.cost.queue_us() as f64 / 1000.0,

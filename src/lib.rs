@@ -12,6 +12,7 @@ pub mod errors;
 pub mod fleet;
 pub mod gateway;
 pub mod headers;
+pub mod kv;
 pub mod logging;
 pub mod metrics;
 pub mod proxy;

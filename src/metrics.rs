@@ -65,6 +65,10 @@ pub struct Metrics {
     pub client_rejected: IntCounterVec,
     pub tenant_requests: IntCounterVec,
     pub tenant_tokens: IntCounterVec,
+    pub kv_events: IntCounterVec,
+    pub kv_index_exact: IntGaugeVec,
+    pub kv_replayed: IntCounterVec,
+    pub kv_predictions: IntCounterVec,
 }
 
 /// A tier's hot-path counters, resolved once per config load.
@@ -248,6 +252,30 @@ impl Metrics {
                 "agentserve_backend_engine_requests",
                 "Requests the engine itself reports running or waiting (-1: not reported or stale)",
                 &["tier", "backend", "state"],
+            ),
+            kv_events: counter(
+                &r,
+                "agentserve_kv_events_total",
+                "KV-cache events applied from an engine (its kv_events)",
+                &["tier", "backend"],
+            ),
+            kv_index_exact: gauge(
+                &r,
+                "agentserve_kv_index_exact",
+                "1 while the backend's cache holdings come from its own current KV events, 0 while they are inferred",
+                &["tier", "backend"],
+            ),
+            kv_replayed: counter(
+                &r,
+                "agentserve_kv_replayed_batches_total",
+                "KV event batches missed live and recovered from the engine's replay socket",
+                &["tier", "backend"],
+            ),
+            kv_predictions: counter(
+                &r,
+                "agentserve_kv_predictions_total",
+                "Answered turns by whether the cached share of their prompt the gateway predicted was within 0.1 of what the engine reported (source: events or index)",
+                &["tier", "source", "outcome"],
             ),
             backend_kv_usage: float_gauge(
                 &r,
@@ -488,6 +516,7 @@ impl Metrics {
             &self.backend_in_flight,
             &self.backend_bindings,
             &self.backend_ejected,
+            &self.kv_index_exact,
         ] {
             let _ = g.remove_label_values(&labels);
         }

@@ -120,6 +120,16 @@ impl LoadScraper {
             m.backend_kv_usage
                 .with_label_values(&labels)
                 .set(kv.unwrap_or(-1.0));
+            if b.kv_events.is_some() {
+                let (exact, _, applied, replayed) = b.stats.kv.snapshot();
+                m.kv_index_exact
+                    .with_label_values(&labels)
+                    .set(exact as i64);
+                for (c, total) in [(&m.kv_events, applied), (&m.kv_replayed, replayed)] {
+                    let c = c.with_label_values(&labels);
+                    c.inc_by(total.saturating_sub(c.get()));
+                }
+            }
             let cost = &b.stats.cost;
             m.backend_prefill_cost
                 .with_label_values(&labels)

@@ -156,6 +156,11 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
             crate::telemetry::SpanExport(t),
         ));
     }
+    // Idle (a look each second) until a backend has `kv_events`.
+    server.add_service(background_service(
+        "kv events",
+        crate::kv::subscribe::KvSubscriptions(Arc::clone(&gw)),
+    ));
     server.add_service(background_service(
         "load signals",
         crate::scraper::LoadScraper(Arc::clone(&gw)),

@@ -31,6 +31,9 @@ pub struct Candidate {
     /// Tokens of this request's prompt the prefix index says it holds
     /// (`affinity.prefix`; 0: none, or not known).
     pub prefix_tokens: u64,
+    /// `prefix_tokens` is what the engine's own KV events say it holds of
+    /// this session (`kv_events`), not an inference: 0 then means evicted.
+    pub prefix_exact: bool,
     /// New keyless conversations there on probation: sessions no binding
     /// counts yet (`affinity.prefix.probation_seconds`).
     pub probation: u64,

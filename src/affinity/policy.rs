@@ -265,7 +265,10 @@ impl BindingPolicy for DefaultPolicy {
         turn: &ThisTurn,
         now_ms: u64,
     ) -> Option<MoveReason> {
-        if bound.draining && (bound.move_on_drain || self.mode == Mode::Soft) {
+        // A session its draining backend's engine says it evicted loses
+        // nothing by moving now, whatever the mode.
+        let evicted = bound.prefix_exact && bound.prefix_tokens == 0;
+        if bound.draining && (bound.move_on_drain || self.mode == Mode::Soft || evicted) {
             return Some(MoveReason::Drain);
         }
         if self.mode != Mode::Soft {

@@ -400,6 +400,20 @@ pub(crate) struct FileBackend {
     pub(crate) sni: Option<String>,
     /// Requests it runs at once (admission).
     pub(crate) max_in_flight: Option<u32>,
+    /// Its engine's KV-cache events (vLLM `--kv-events-config`).
+    pub(crate) kv_events: Option<FileKvEvents>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct FileKvEvents {
+    /// The engine's publisher: `tcp://host:port`.
+    pub(crate) endpoint: String,
+    /// Its replay socket, for batches missed.
+    pub(crate) replay: Option<String>,
+    /// Topic to subscribe to (default: every topic).
+    #[serde(default)]
+    pub(crate) topic: String,
 }
 
 fn one() -> u32 {

@@ -157,6 +157,7 @@ impl TierConfig {
             draining: false,
             tls: None,
             max_in_flight: self.max_in_flight,
+            kv_events: None,
         }
     }
 }
@@ -173,6 +174,16 @@ pub struct BackendConfig {
     /// gateway (its own `max_in_flight`, else its tier's, else
     /// `admission.max_in_flight`; 0: no limit).
     pub max_in_flight: u32,
+    /// Where its engine publishes its KV-cache events (`kv_events`).
+    pub kv_events: Option<KvEventsConfig>,
+}
+
+/// A backend's `kv_events`, validated: ZeroMQ endpoints `tcp://host:port`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KvEventsConfig {
+    pub endpoint: String,
+    pub replay: Option<String>,
+    pub topic: String,
 }
 
 /// `admission`: a queue in the gateway, by priority class and fair share

@@ -742,6 +742,10 @@ pub(super) fn validate_tiers(
                             .unwrap_or_else(|| host.trim_matches(['[', ']']).to_string())
                     }),
                     max_in_flight: b.max_in_flight.or(t.max_in_flight).unwrap_or(max_in_flight),
+                    kv_events: b
+                        .kv_events
+                        .as_ref()
+                        .and_then(|k| kv_events(&format!("{bkey}.kv_events"), k, errors)),
                 });
             }
         }
@@ -1093,4 +1097,36 @@ pub(super) fn valid_tier_name(name: &str) -> bool {
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+/// A backend's `kv_events`: `tcp://host:port` endpoints (a name or an
+/// address; `*` is a publisher's bind-all, not a place to connect to).
+fn kv_events(
+    key: &str,
+    k: &super::file::FileKvEvents,
+    errors: &mut Vec<ConfigError>,
+) -> Option<super::types::KvEventsConfig> {
+    let check = |field: &str, v: &str, errors: &mut Vec<ConfigError>| -> bool {
+        let ok = v.strip_prefix("tcp://").is_some_and(|hp| {
+            hp.rsplit_once(':').is_some_and(|(h, p)| {
+                !h.is_empty() && h != "*" && p.parse::<u16>().is_ok_and(|p| p > 0)
+            })
+        });
+        if !ok {
+            errors.push(err(
+                format!("{key}.{field}"),
+                format!("`{v}` is not a ZeroMQ endpoint to connect to (tcp://host:port)"),
+            ));
+        }
+        ok
+    };
+    let mut ok = check("endpoint", &k.endpoint, errors);
+    if let Some(r) = &k.replay {
+        ok &= check("replay", r, errors);
+    }
+    ok.then(|| super::types::KvEventsConfig {
+        endpoint: k.endpoint.clone(),
+        replay: k.replay.clone(),
+        topic: k.topic.clone(),
+    })
 }

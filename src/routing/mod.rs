@@ -51,6 +51,8 @@ pub struct Decision {
     pub prefill: Option<u64>,
     /// The session's binding was made for this request.
     created: bool,
+    /// The cached tokens it was predicted to find there.
+    pub predicted: Option<crate::kv::Prediction>,
 }
 
 /// A request's route: what it is, and where it went.
@@ -62,6 +64,9 @@ pub struct Route {
     /// It is re-sent on a fresh connection: it reports its first attempt's
     /// hit and reason (its replay finds the binding that attempt made).
     pub replayed: bool,
+    /// What engines' KV events said candidates hold of the session: (slot,
+    /// tokens).
+    kv_held: Vec<(u32, u64)>,
 }
 
 /// Rotates ties among equally loaded backends for session-less requests.
@@ -74,6 +79,7 @@ impl Route {
             excluded: Vec::new(),
             decision: None,
             replayed: false,
+            kv_held: Vec::new(),
         }
     }
 
@@ -201,6 +207,10 @@ impl Route {
         if let Some(prompt) = self.req.prompt.as_mut() {
             prompt.look_up(&gw.prefix, &mut candidates);
         }
+        // What the engines' own events say each holds of the session.
+        if let Some(key) = self.req.key.as_ref().map(|s| s.key) {
+            self.kv_held = crate::kv::read_holdings(&self.req.tier, &mut candidates, key);
+        }
         Ok(candidates)
     }
 
@@ -229,6 +239,7 @@ impl Route {
                 lease: None,
                 prefill: None,
                 created: false,
+                predicted: None,
             })
         })
     }
@@ -239,7 +250,7 @@ impl Route {
     fn session(&self) -> (SessionRef, bool) {
         let mut session = self.req.key.clone().expect("a session key");
         session.prompt_tokens = self.req.prompt_tokens;
-        session.indexed = self.req.prompt.is_some();
+        session.indexed = self.req.prompt.is_some() || !self.kv_held.is_empty();
         let owner = self
             .decision
             .as_ref()
@@ -282,6 +293,7 @@ impl Route {
             lease: sel.lease,
             prefill: sel.new_tokens,
             created: sel.created,
+            predicted: None,
         })
     }
 
@@ -291,11 +303,23 @@ impl Route {
     /// its transcript evicted yet counts only its growth, or the body less
     /// the backend's usual shared prefix).
     fn routed(&mut self, gw: &Gateway, decision: &mut Decision) {
+        let slot = decision.backend.slot;
+        let exact = self.kv_held.iter().find(|(s, _)| *s == slot);
+        decision.predicted = exact.map(|&(_, tokens)| crate::kv::Prediction {
+            exact: true,
+            tokens,
+            of: self.req.prompt_tokens,
+        });
         let Some(prompt) = self.req.prompt.as_mut() else {
             return;
         };
         let bound = decision.lease.is_some();
-        let held = prompt.routed(&gw.prefix, decision.backend.slot, bound);
+        let held = prompt.routed(&gw.prefix, slot, bound);
+        decision.predicted.get_or_insert(crate::kv::Prediction {
+            exact: false,
+            tokens: held,
+            of: self.req.prompt_tokens,
+        });
         // A fleet's other gateways find the conversation by this turn's end.
         if let (Some(store), Some((exact, id, continued))) = (&gw.store, prompt.fleet_end()) {
             let ttl = gw.affinity.ttl().map_or(0, |t| t.as_millis() as u64);
@@ -314,6 +338,15 @@ impl Route {
             false => tier.metrics.prefix_none.inc(),
         }
         decision.prefill = Some(self.req.prompt_tokens.saturating_sub(held));
+    }
+
+    /// The `X-Session-ID` its request carries upstream: its session's key
+    /// (see [`crate::kv`]).
+    pub fn upstream_session_id(&self) -> Option<http::HeaderValue> {
+        self.req
+            .key
+            .as_ref()
+            .map(|s| crate::kv::upstream_session_id(s.key))
     }
 
     /// A subagent that names no class takes its parent session's; one that
@@ -398,6 +431,20 @@ impl Route {
                 gw.affinity.record_usage(session.key, prompt, cached);
             }
         }
+        if let (Some(d), Some((prompt, Some(cached))), true) = (&self.decision, usage, answered) {
+            if let Some(p) = d.predicted {
+                let source = if p.exact { "events" } else { "index" };
+                let outcome = if p.right(prompt, cached) {
+                    "right"
+                } else {
+                    "wrong"
+                };
+                gw.metrics
+                    .kv_predictions
+                    .with_label_values(&[&self.req.tier.name, source, outcome])
+                    .inc();
+            }
+        }
         // The backend answered: it holds the prompt now, and what it
         // reports cached corrects the index.
         self.req
@@ -432,6 +479,7 @@ fn targeted(tier: &Tier, candidates: &[Candidate], target: &str) -> Result<Decis
         lease: None,
         prefill: None,
         created: false,
+        predicted: None,
     })
 }
 

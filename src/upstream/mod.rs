@@ -136,6 +136,8 @@ pub struct Backend {
     pub tls: Option<String>,
     /// The tier view's health-check verdict, kept between flips.
     checks: health::ReadyCache,
+    /// Where its engine publishes its KV-cache events.
+    pub kv_events: Option<crate::config::KvEventsConfig>,
 }
 
 impl Backend {
@@ -157,6 +159,7 @@ impl Backend {
             head_tokens: queue.head_tokens,
             // The request's prompt fills these in (`affinity::prefix`).
             prefix_tokens: 0,
+            prefix_exact: false,
             probation: 0,
             failing: self.stats.outlier.failing(),
             // Admission marks it (`Admission::mark`).
@@ -408,6 +411,7 @@ fn make_backend(b: &BackendConfig, slots: &Slots, hasher: &HrwHasher) -> Backend
         stats,
         tls: b.tls.clone(),
         checks: Default::default(),
+        kv_events: b.kv_events.clone(),
     }
 }
 

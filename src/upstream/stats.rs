@@ -40,6 +40,8 @@ pub struct BackendStats {
     pub outlier: outlier::OutlierState,
     /// Whether it still answers at all: see [`super::stall`].
     pub progress: super::stall::Progress,
+    /// What its engine's KV-cache events say it holds (`kv_events`).
+    pub kv: crate::kv::KvView,
 }
 
 impl BackendStats {
@@ -57,6 +59,7 @@ impl BackendStats {
             cost: Default::default(),
             outlier: Default::default(),
             progress: Default::default(),
+            kv: Default::default(),
         }
     }
 }

@@ -13,6 +13,7 @@
 //! missing block. Capacity is counted in blocks; the least recently used block
 //! is evicted first.
 
+use super::kv::CacheEvent;
 use std::collections::HashMap;
 
 pub const VOCAB: u32 = 50_000;
@@ -157,17 +158,40 @@ impl PrefixCache {
     }
 
     /// Cache every full block of `tokens` (after prefill computed them).
-    pub fn insert(&mut self, tokens: &[u32]) {
+    /// Returns what changed, in order, as an engine's KV events tell it:
+    /// runs of blocks stored (each chained from its parent) and blocks
+    /// evicted to make room.
+    pub fn insert(&mut self, tokens: &[u32]) -> Vec<CacheEvent> {
+        let mut events = Vec::new();
+        let mut run: Vec<u64> = Vec::new();
+        let mut run_parent = None;
+        let mut prev = None;
+        let flush = |events: &mut Vec<CacheEvent>, run: &mut Vec<u64>, parent| {
+            if !run.is_empty() {
+                events.push(CacheEvent::Stored {
+                    hashes: std::mem::take(run),
+                    parent,
+                });
+            }
+        };
         for h in block_hashes(tokens, self.block_size) {
             if let Some(&i) = self.index.get(&h) {
                 self.touch(i);
+                flush(&mut events, &mut run, run_parent);
+                prev = Some(h);
                 continue;
             }
             if self.capacity > 0 && self.index.len() >= self.capacity {
                 let victim = self.tail;
                 self.unlink(victim);
-                self.index.remove(&self.nodes[victim].hash);
+                let gone = self.nodes[victim].hash;
+                self.index.remove(&gone);
                 self.free.push(victim);
+                flush(&mut events, &mut run, run_parent);
+                match events.last_mut() {
+                    Some(CacheEvent::Removed(r)) => r.push(gone),
+                    _ => events.push(CacheEvent::Removed(vec![gone])),
+                }
             }
             let node = Node {
                 hash: h,
@@ -186,7 +210,23 @@ impl PrefixCache {
             };
             self.index.insert(h, i);
             self.push_front(i);
+            if run.is_empty() {
+                run_parent = prev;
+            }
+            run.push(h);
+            prev = Some(h);
         }
+        flush(&mut events, &mut run, run_parent);
+        events
+    }
+
+    /// Empty the cache (as an engine's reset does).
+    pub fn clear(&mut self) {
+        self.index.clear();
+        self.nodes.clear();
+        self.free.clear();
+        self.head = NIL;
+        self.tail = NIL;
     }
 }
 
@@ -231,6 +271,49 @@ mod tests {
         let mut other = t.clone();
         other[20] = 99; // inside block 1
         assert_eq!(c.lookup(&other), 16);
+    }
+
+    #[test]
+    fn inserts_report_what_they_stored_and_evicted_in_order() {
+        let mut c = PrefixCache::new(16, 3);
+        let a = toks(32, 0);
+        let ha = block_hashes(&a, 16);
+        assert_eq!(
+            c.insert(&a),
+            vec![CacheEvent::Stored {
+                hashes: ha.clone(),
+                parent: None
+            }]
+        );
+        // Extending it stores only the new block, chained from the last.
+        let mut longer = a.clone();
+        longer.extend(toks(16, 3));
+        let hl = block_hashes(&longer, 16);
+        assert_eq!(
+            c.insert(&longer),
+            vec![CacheEvent::Stored {
+                hashes: vec![hl[2]],
+                parent: Some(hl[1])
+            }]
+        );
+        // A new prompt of two blocks evicts the two least recent.
+        let b = toks(32, 9);
+        let hb = block_hashes(&b, 16);
+        assert_eq!(
+            c.insert(&b),
+            vec![
+                CacheEvent::Removed(vec![ha[0]]),
+                CacheEvent::Stored {
+                    hashes: vec![hb[0]],
+                    parent: None
+                },
+                CacheEvent::Removed(vec![ha[1]]),
+                CacheEvent::Stored {
+                    hashes: vec![hb[1]],
+                    parent: Some(hb[0])
+                },
+            ]
+        );
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! GPU we do not have; its numbers are a model, not a measurement of vLLM.
 
 pub mod cache;
+pub mod kv;
 
 use bytes::Bytes;
 use cache::PrefixCache;
@@ -68,6 +69,13 @@ pub struct SimConfig {
     /// (for the load tool's measurements, not for the gateway).
     #[arg(long)]
     pub no_cache_report: bool,
+    /// Publish KV-cache events as vLLM does (ZeroMQ PUB) on this
+    /// `host:port` (port 0: any free one; both endpoints are printed).
+    #[arg(long)]
+    pub kv_events: Option<String>,
+    /// The events' replay socket (ZeroMQ ROUTER), with `--kv-events`.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub kv_replay: String,
 }
 
 impl SimConfig {
@@ -86,6 +94,8 @@ impl SimConfig {
             serial_prefill: false,
             slowdown: 1.0,
             no_cache_report: false,
+            kv_events: None,
+            kv_replay: "127.0.0.1:0".into(),
         }
     }
 }
@@ -108,6 +118,9 @@ pub struct Faults {
     pub gauge_running: Option<u64>,
     /// `/metrics` reports this many requests waiting, whatever waits.
     pub gauge_waiting: Option<u64>,
+    /// The next this many KV event batches are kept for replay but not
+    /// published (as a PUB socket past its high-water mark drops them).
+    pub drop_kv_batches: u32,
 }
 
 struct Sim {
@@ -129,10 +142,18 @@ struct Sim {
     /// The headers of these names the last POST carried (for tests: what
     /// reaches an engine).
     last_headers: Mutex<serde_json::Map<String, Value>>,
+    /// Its KV-cache events (`--kv-events`).
+    kv: Option<kv::Publisher>,
 }
 
 /// Headers a test may ask whether an engine received.
-const SEEN_HEADERS: [&str; 4] = ["authorization", "x-api-key", "traceparent", "x-request-id"];
+const SEEN_HEADERS: [&str; 5] = [
+    "authorization",
+    "x-api-key",
+    "traceparent",
+    "x-request-id",
+    "x-session-id",
+];
 
 /// A conversation as (role, text) messages.
 type Transcript = Vec<(String, String)>;
@@ -185,9 +206,25 @@ pub fn body_hash(body: &[u8]) -> String {
 
 /// Start serving; returns the bound address. The server runs until the process exits.
 pub async fn spawn(cfg: SimConfig) -> std::io::Result<SocketAddr> {
+    Ok(spawn_with_events(cfg).await?.0)
+}
+
+/// [`spawn`], and the endpoints of its KV events (`--kv-events`): the
+/// publisher's and the replay socket's.
+pub async fn spawn_with_events(
+    cfg: SimConfig,
+) -> std::io::Result<(SocketAddr, Option<(String, String)>)> {
     let listener = TcpListener::bind(cfg.listen).await?;
     let addr = listener.local_addr()?;
+    let kv = match &cfg.kv_events {
+        Some(at) => Some(kv::Publisher::bind(at, &cfg.kv_replay, cfg.block_size).await?),
+        None => None,
+    };
+    let endpoints = kv
+        .as_ref()
+        .map(|k| (k.events_endpoint.clone(), k.replay_endpoint.clone()));
     let sim = Arc::new(Sim {
+        kv,
         cache: Mutex::new(PrefixCache::new(cfg.block_size, cfg.cache_blocks)),
         batch: Arc::new(Semaphore::new(cfg.max_batch.max(1))),
         prefill: tokio::sync::Mutex::new(()),
@@ -225,7 +262,7 @@ pub async fn spawn(cfg: SimConfig) -> std::io::Result<SocketAddr> {
             });
         }
     });
-    Ok(addr)
+    Ok((addr, endpoints))
 }
 
 /// `agent-gateway sim-backend`: serve until killed.
@@ -235,8 +272,11 @@ pub fn run(cfg: SimConfig) -> std::io::Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let addr = spawn(cfg).await?;
+        let (addr, events) = spawn_with_events(cfg).await?;
         println!("listening on {addr}");
+        if let Some((events, replay)) = events {
+            println!("kv events on {events} replay {replay}");
+        }
         std::future::pending::<()>().await;
         Ok(())
     })
@@ -439,8 +479,27 @@ impl Sim {
         ((x >> 11) as f64 / (1u64 << 53) as f64) < p
     }
 
+    /// Publish a change to the cache (`--kv-events`).
+    fn publish(&self, events: Vec<kv::CacheEvent>, session: Option<String>) {
+        let Some(kv) = &self.kv else {
+            return;
+        };
+        let drop_live = {
+            let mut f = self.faults.lock();
+            let drop = f.drop_kv_batches > 0 && !events.is_empty();
+            f.drop_kv_batches -= drop as u32;
+            drop
+        };
+        kv.publish(events, session, drop_live);
+    }
+
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
         let path = req.uri().path().to_string();
+        let session = req
+            .headers()
+            .get("x-session-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
         let method = req.method().clone();
         if method == hyper::Method::POST && !path.starts_with("/sim/") {
             *self.last_headers.lock() = SEEN_HEADERS
@@ -489,6 +548,12 @@ impl Sim {
                     None => json_response(StatusCode::BAD_REQUEST, &json!({"error": "bad faults"})),
                 }
             }
+            ("POST", "/reset_prefix_cache") => {
+                // vLLM's own: the cache empties, and its events say so.
+                self.cache.lock().clear();
+                self.publish(vec![kv::CacheEvent::Cleared], None);
+                Response::new(full(""))
+            }
             ("POST", "/sim/release") => {
                 self.faults.lock().hold_streams = false;
                 self.release.notify_waiters();
@@ -522,7 +587,7 @@ impl Sim {
                     }
                 };
                 let shape = if chat { Shape::Chat } else { Shape::Completion };
-                let mut resp = self.clone().complete(shape, &body).await;
+                let mut resp = self.clone().complete(shape, &body, session).await;
                 let h = resp.headers_mut();
                 h.insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
                 h.insert("x-sim-body-len", body.len().into());
@@ -550,7 +615,7 @@ impl Sim {
                                   "max_tokens": v["max_tokens"], "stream": v["stream"].as_bool().unwrap_or(false)});
                 let mut resp = self
                     .clone()
-                    .complete(Shape::Messages, chat.to_string().as_bytes())
+                    .complete(Shape::Messages, chat.to_string().as_bytes(), session)
                     .await;
                 resp.headers_mut()
                     .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
@@ -564,7 +629,7 @@ impl Sim {
                         return json_response(StatusCode::BAD_REQUEST, &json!({"error": "body"}))
                     }
                 };
-                let mut resp = self.clone().respond(&body).await;
+                let mut resp = self.clone().respond(&body, session).await;
                 resp.headers_mut()
                     .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
                 resp
@@ -599,7 +664,7 @@ impl Sim {
     /// store when the request follows a stored response (404 when this
     /// replica never stored it, as vLLM answers), then `instructions` and
     /// `input` (a string, or message items).
-    async fn respond(self: Arc<Self>, body: &[u8]) -> Response<Body> {
+    async fn respond(self: Arc<Self>, body: &[u8], session: Option<String>) -> Response<Body> {
         let Ok(v) = serde_json::from_slice::<Value>(body) else {
             return self.error(StatusCode::BAD_REQUEST, "invalid JSON");
         };
@@ -652,7 +717,8 @@ impl Sim {
             previous,
             transcript,
         };
-        self.complete(shape, chat.to_string().as_bytes()).await
+        self.complete(shape, chat.to_string().as_bytes(), session)
+            .await
     }
 
     /// `/v1/responses` over WebSocket (OpenAI's WebSocket mode): each
@@ -703,7 +769,7 @@ impl Sim {
             _ => return error(400, "expected a response.create message".into()),
         };
         body["stream"] = json!(false);
-        let resp = self.respond(body.to_string().as_bytes()).await;
+        let resp = self.respond(body.to_string().as_bytes(), None).await;
         let status = resp.status().as_u16();
         let bytes = resp
             .into_body()
@@ -743,7 +809,12 @@ impl Sim {
         )
     }
 
-    async fn complete(self: Arc<Self>, shape: Shape, body: &[u8]) -> Response<Body> {
+    async fn complete(
+        self: Arc<Self>,
+        shape: Shape,
+        body: &[u8],
+        session: Option<String>,
+    ) -> Response<Body> {
         let chat = !matches!(shape, Shape::Completion);
         let served = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
         if let Some(n) = self.cfg.exit_after {
@@ -805,7 +876,8 @@ impl Sim {
         };
         let prefill_us = prefill_started.elapsed().as_micros() as u64;
         let no_report = self.cfg.no_cache_report;
-        self.cache.lock().insert(&tokens);
+        let changed = self.cache.lock().insert(&tokens);
+        self.publish(changed, session);
         let timing = move |mut r: Response<Body>| {
             r.headers_mut().insert("x-sim-queue-us", queue_us.into());
             r.headers_mut()

@@ -1,0 +1,227 @@
+//! One subscription per backend with `kv_events`, kept as the configuration
+//! changes (a look each second).
+//!
+//! Each (re)connection starts from nothing: the engine may have restarted,
+//! and a restarted engine holds nothing. The view is emptied, the replay
+//! socket asked for every batch it still keeps, and the view is exact when
+//! those start at the engine's first batch (sequence 0) with no hole. After
+//! that every batch's sequence number is checked: a hole is filled from the
+//! replay socket, and one it cannot fill leaves the view inexact (routing
+//! falls back to the inferred index) until the engine clears its cache or
+//! the subscription starts again. A lost connection empties the view and
+//! what the inferred index says of the backend, at once: its next turn finds
+//! nothing promised there.
+
+use super::wire::{self, END_OF_REPLAY};
+use super::KvView;
+use crate::config::KvEventsConfig;
+use crate::gateway::Gateway;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend};
+
+/// How long a connection or a replay may take.
+const TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause before connecting again.
+const RETRY: Duration = Duration::from_millis(500);
+
+/// The background service (see the module doc).
+pub struct KvSubscriptions(pub Arc<Gateway>);
+
+#[async_trait::async_trait]
+impl pingora_core::services::background::BackgroundService for KvSubscriptions {
+    async fn start(&self, mut shutdown: pingora_core::server::ShutdownWatch) {
+        type Running = (tokio::task::JoinHandle<()>, Arc<crate::upstream::Backend>);
+        let mut running: HashMap<(u32, KvEventsConfig), Running> = HashMap::new();
+        loop {
+            let routing = self.0.routing();
+            let wanted: HashMap<(u32, KvEventsConfig), Arc<crate::upstream::Backend>> = routing
+                .all_backends()
+                .filter_map(|(_, b)| Some(((b.slot, b.kv_events.clone()?), Arc::clone(b))))
+                .collect();
+            running.retain(|key, (task, b)| {
+                let keep = wanted.contains_key(key) && !task.is_finished();
+                if !keep {
+                    task.abort();
+                    b.stats.kv.clear();
+                }
+                keep
+            });
+            for (key, b) in wanted {
+                running.entry(key.clone()).or_insert_with(|| {
+                    let task = tokio::spawn(follow(Arc::clone(&self.0), Arc::clone(&b), key.1));
+                    (task, b)
+                });
+            }
+            tokio::select! {
+                _ = shutdown.changed() => break,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+        for (task, _) in running.into_values() {
+            task.abort();
+        }
+    }
+}
+
+/// Follow one backend's events for as long as it is configured.
+async fn follow(gw: Arc<Gateway>, b: Arc<crate::upstream::Backend>, cfg: KvEventsConfig) {
+    let view = &b.stats.kv;
+    loop {
+        let mut sub = zeromq::SubSocket::new();
+        let mut monitor = sub.monitor();
+        let connected = tokio::time::timeout(TIMEOUT, sub.connect(&cfg.endpoint)).await;
+        if !matches!(connected, Ok(Ok(()))) {
+            log::debug!("kv events of {}: cannot connect to {}", b.id, cfg.endpoint);
+            tokio::time::sleep(RETRY).await;
+            continue;
+        }
+        if sub.subscribe(&cfg.topic).await.is_err() {
+            tokio::time::sleep(RETRY).await;
+            continue;
+        }
+        log::info!("kv events of {}: following {}", b.id, cfg.endpoint);
+        let mut follower = Follower {
+            view,
+            replay: cfg.replay.as_deref(),
+            next: 0,
+        };
+        view.clear();
+        let whole = follower.recover(None).await;
+        view.set_exact(whole);
+        loop {
+            tokio::select! {
+                msg = sub.recv() => match msg {
+                    Ok(msg) => follower.live(msg.into_vec()).await,
+                    Err(_) => break,
+                },
+                ev = monitor.next() => match ev {
+                    Some(SocketEvent::Disconnected(_)) | None => break,
+                    Some(_) => {}
+                },
+            }
+        }
+        // The engine went (or its socket did): what it held is gone.
+        log::warn!("kv events of {}: connection lost", b.id);
+        view.clear();
+        gw.prefix.index.forget_backend(b.slot);
+        drop(sub);
+        tokio::time::sleep(RETRY).await;
+    }
+}
+
+struct Follower<'a> {
+    view: &'a KvView,
+    replay: Option<&'a str>,
+    /// The sequence number of the next batch to apply.
+    next: i64,
+}
+
+impl Follower<'_> {
+    /// A published message: `[topic, sequence, batch]`.
+    async fn live(&mut self, frames: Vec<Bytes>) {
+        let [_, seq, payload] = frames.as_slice() else {
+            log::debug!("kv events: a message of {} frames", frames.len());
+            return;
+        };
+        let Ok(seq) = wire::sequence(seq) else {
+            return;
+        };
+        if seq < self.next {
+            // Seen already (the replay that started the subscription).
+            return;
+        }
+        if self.replay.is_none() && seq == 0 {
+            // The engine's first batch, seen live: nothing came before it.
+            self.view.set_exact(true);
+        }
+        if seq > self.next {
+            let whole = self.recover(Some(seq)).await;
+            if !whole {
+                self.view.set_exact(false);
+            }
+        }
+        self.apply(seq, payload);
+    }
+
+    fn apply(&mut self, seq: i64, payload: &[u8]) {
+        match wire::decode_batch(payload) {
+            Ok(batch) => {
+                self.view.apply(&batch);
+                if KvView::clears_all(&batch) {
+                    // Nothing before it matters: current again.
+                    self.view.set_exact(true);
+                }
+            }
+            Err(e) => {
+                log::warn!("kv events: batch {seq} not understood ({e})");
+                self.view.set_exact(false);
+            }
+        }
+        self.next = seq + 1;
+    }
+
+    /// Apply the batches the replay socket keeps from `self.next` on (up to
+    /// `until`, exclusive). Returns whether none was missing.
+    async fn recover(&mut self, until: Option<i64>) -> bool {
+        let Some(endpoint) = self.replay else {
+            // Nothing to ask (see `live` for an engine's first batch).
+            return false;
+        };
+        let batches = match tokio::time::timeout(TIMEOUT, replay(endpoint, self.next)).await {
+            Ok(Ok(b)) => b,
+            _ => {
+                log::warn!("kv events: replay from {endpoint} failed");
+                return false;
+            }
+        };
+        let mut whole = true;
+        let mut recovered = 0;
+        for (seq, payload) in batches {
+            if until.is_some_and(|u| seq >= u) || seq < self.next {
+                continue;
+            }
+            if seq != self.next {
+                whole = false;
+            }
+            self.apply(seq, &payload);
+            recovered += 1;
+        }
+        if until.is_some_and(|u| self.next != u) {
+            whole = false;
+        }
+        if until.is_some() {
+            self.view.note_replayed(recovered);
+        }
+        whole
+    }
+}
+
+/// Ask the replay socket for every batch from `start` on.
+async fn replay(endpoint: &str, start: i64) -> zeromq::ZmqResult<Vec<(i64, Bytes)>> {
+    let mut dealer = zeromq::DealerSocket::new();
+    dealer.connect(endpoint).await?;
+    let ask = vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())];
+    dealer
+        .send(zeromq::ZmqMessage::try_from(ask).expect("two frames"))
+        .await?;
+    let mut out = Vec::new();
+    loop {
+        let frames = dealer.recv().await?.into_vec();
+        // `["", topic, sequence, batch]` (vLLM 0.32; earlier without the
+        // topic); the end is sequence -1.
+        let [.., seq, payload] = frames.as_slice() else {
+            continue;
+        };
+        let Ok(seq) = wire::sequence(seq) else {
+            continue;
+        };
+        if seq == END_OF_REPLAY {
+            return Ok(out);
+        }
+        out.push((seq, payload.clone()));
+    }
+}
