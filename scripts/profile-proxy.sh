@@ -12,6 +12,7 @@
 #   KEEP=dir scripts/profile-proxy.sh            # keep callgrind.out.* for callgrind_annotate
 #   BACKENDS=8 scripts/profile-proxy.sh          # the gateway in front of 8 replicas (bare Pingora: the first)
 #   ADMISSION=1 scripts/profile-proxy.sh         # adds a row: admission and client keys on, unsaturated
+#   KV_EVENTS=1 scripts/profile-proxy.sh         # adds a row: each replica's KV-cache events followed
 #   TELEMETRY=1 scripts/profile-proxy.sh         # adds a row: OpenTelemetry spans for every request
 #                                                # (sample_ratio 1.0), exported to a local OTLP receiver
 #
@@ -74,6 +75,12 @@ if [ -n "${ADMISSION:-}" ]; then
   printf 'admission: { enabled: true, max_in_flight: 100000 }\nauth: { keys_file: "%s" }\n' \
     "$WORK/keys.yaml" >> "$WORK/admission.yaml"
   profile agent-gateway-admission "$AP" "$BIN" run --config "$WORK/admission.yaml"
+fi
+if [ -n "${KV_EVENTS:-}" ]; then
+  # The same gateway following every replica's events (sessions named
+  # upstream, holdings read for each request's candidates).
+  KP=$(port); gateway_config "$KP" gateway-kv 1
+  profile agent-gateway-kv-events "$KP" "$BIN" run --config "$WORK/gateway-kv.yaml"
 fi
 if [ -n "${TELEMETRY:-}" ]; then
   # Every request is sampled; its span is built, queued, batched, encoded

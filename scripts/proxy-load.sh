@@ -12,15 +12,26 @@ WAIT_PORT_TRIES=1200
 # with a fleet behind it (every request looks at each backend's health and
 # load). The simulator has no SIGINT handler, and a background job of a
 # script ignores SIGINT: stop them with SIGTERM (stop_sims).
+# With KV_EVENTS=1 each replica publishes its KV-cache events too, and SIM_KV
+# holds each one's `kv_events` (gateway_config's configs use them when their
+# name ends in -kv).
 start_sim() {
-  SIM_PORTS=(); SIM_PIDS=()
+  SIM_PORTS=(); SIM_PIDS=(); SIM_KV=()
+  local kv=()
+  [ -n "${KV_EVENTS:-}" ] && kv=(--kv-events 127.0.0.1:0)
   for i in $(seq 0 $(( ${BACKENDS:-1} - 1 ))); do
     SIM_PORTS+=("$(port)")
     "$BIN" sim-backend --listen "127.0.0.1:${SIM_PORTS[$i]}" --id "bench-$i" --prefill-us-per-token 0 \
-      --decode-us-per-token 0 --cache-blocks 0 --max-batch 1024 >/dev/null &
+      --decode-us-per-token 0 --cache-blocks 0 --max-batch 1024 ${kv[@]+"${kv[@]}"} > "$WORK/sim-$i.out" &
     SIM_PIDS+=($!)
   done
-  for p in "${SIM_PORTS[@]}"; do wait_port "$p"; done
+  for i in "${!SIM_PORTS[@]}"; do
+    wait_port "${SIM_PORTS[$i]}"
+    if [ -n "${KV_EVENTS:-}" ]; then
+      for _ in $(seq 1 200); do [ "$(wc -l < "$WORK/sim-$i.out")" -ge 2 ] && break; sleep 0.05; done
+      SIM_KV+=("$(sed -n 's/^kv events on \(.*\) replay \(.*\)/{ endpoint: "\1", replay: "\2" }/p' "$WORK/sim-$i.out")")
+    fi
+  done
   SIM_PORT=${SIM_PORTS[0]}
 }
 stop_sims() { for p in ${SIM_PIDS[@]+"${SIM_PIDS[@]}"}; do kill -TERM "$p" 2>/dev/null || true; done; }
@@ -85,7 +96,9 @@ tiers:
   default:
     default: true
     backends:
-$(for i in "${!SIM_PORTS[@]}"; do echo "      - { id: bench-$i, addr: \"127.0.0.1:${SIM_PORTS[$i]}\" }"; done)
+$(for i in "${!SIM_PORTS[@]}"; do
+  kv=""; case "$2" in *-kv) kv=", kv_events: ${SIM_KV[$i]}" ;; esac
+  echo "      - { id: bench-$i, addr: \"127.0.0.1:${SIM_PORTS[$i]}\"$kv }"; done)
 affinity: { hash_key: "bench-key" }
 metrics: { listen: "127.0.0.1:$(port)" }
 admin: { listen: "127.0.0.1:$(port)" }

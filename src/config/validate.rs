@@ -1100,22 +1100,27 @@ pub(super) fn valid_tier_name(name: &str) -> bool {
 }
 
 /// A backend's `kv_events`: `tcp://host:port` endpoints (a name or an
-/// address; `*` is a publisher's bind-all, not a place to connect to).
+/// address; `*` is a publisher's bind-all, not a place to connect to), or
+/// `ipc:///path` (an engine on the same host).
 fn kv_events(
     key: &str,
     k: &super::file::FileKvEvents,
     errors: &mut Vec<ConfigError>,
 ) -> Option<super::types::KvEventsConfig> {
     let check = |field: &str, v: &str, errors: &mut Vec<ConfigError>| -> bool {
-        let ok = v.strip_prefix("tcp://").is_some_and(|hp| {
+        let tcp = v.strip_prefix("tcp://").is_some_and(|hp| {
             hp.rsplit_once(':').is_some_and(|(h, p)| {
                 !h.is_empty() && h != "*" && p.parse::<u16>().is_ok_and(|p| p > 0)
             })
         });
+        let ipc = v.strip_prefix("ipc://").is_some_and(|p| p.starts_with('/'));
+        let ok = tcp || ipc;
         if !ok {
             errors.push(err(
                 format!("{key}.{field}"),
-                format!("`{v}` is not a ZeroMQ endpoint to connect to (tcp://host:port)"),
+                format!(
+                    "`{v}` is not a ZeroMQ endpoint to connect to (tcp://host:port or ipc:///path)"
+                ),
             ));
         }
         ok

@@ -140,8 +140,9 @@ impl KvView {
         self.replayed.fetch_add(batches, Ordering::Relaxed);
     }
 
-    /// Forget everything held (the engine went or restarted); until its
-    /// events are current again, nothing is known.
+    /// Forget every block held (the engine went or restarted): its sessions
+    /// hold nothing there; until its events are current again, nothing is
+    /// known.
     pub fn clear(&self) {
         self.holdings.lock().clear();
         self.set_exact(false);
@@ -250,6 +251,8 @@ mod tests {
         v.set_exact(true);
         assert_eq!(v.held(s), SessionHeld::Tokens(32));
         v.clear();
-        assert_eq!(v.held(s), SessionHeld::Unknown);
+        assert_eq!(v.held(s), SessionHeld::Unknown, "not current");
+        v.set_exact(true);
+        assert_eq!(v.held(s), SessionHeld::Tokens(0), "evicted");
     }
 }

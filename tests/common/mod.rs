@@ -67,6 +67,8 @@ where
 pub struct SimBackend {
     pub id: String,
     pub addr: SocketAddr,
+    /// With `--kv-events`: its publisher's and replay socket's endpoints.
+    pub kv: Option<(String, String)>,
     child: Option<Child>,
 }
 
@@ -97,18 +99,29 @@ impl SimBackend {
             .spawn()
             .expect("spawn sim-backend");
         let stdout = child.stdout.take().expect("piped stdout");
+        let mut out = BufReader::new(stdout);
         let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("sim prints its address");
+        out.read_line(&mut line).expect("sim prints its address");
         let addr = line
             .trim()
             .strip_prefix("listening on ")
             .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| panic!("unexpected sim output: {line:?}"));
+        let kv = extra.contains(&"--kv-events").then(|| {
+            let mut line = String::new();
+            out.read_line(&mut line)
+                .expect("sim prints its events' endpoints");
+            let (events, replay) = line
+                .trim()
+                .strip_prefix("kv events on ")
+                .and_then(|l| l.split_once(" replay "))
+                .unwrap_or_else(|| panic!("unexpected sim output: {line:?}"));
+            (events.to_string(), replay.to_string())
+        });
         SimBackend {
             id: id.into(),
             addr,
+            kv,
             child: Some(child),
         }
     }
@@ -237,6 +250,24 @@ pub fn config_yaml(
     ));
     y.push_str(extra);
     y
+}
+
+/// `yaml` (from [`config_yaml`]) with each backend named in `kv` given the
+/// `kv_events` beside it (a YAML flow mapping).
+pub fn with_kv_events(mut yaml: String, kv: &[(&str, SocketAddr, String)]) -> String {
+    for (id, addr, events) in kv {
+        let plain = format!("id: \"{id}\", addr: \"{addr}\", weight: 1 }}");
+        assert!(yaml.contains(&plain), "backend {id} in the config");
+        let with = format!("id: \"{id}\", addr: \"{addr}\", weight: 1, kv_events: {events} }}");
+        yaml = yaml.replace(&plain, &with);
+    }
+    yaml
+}
+
+/// A simulated replica's `kv_events` (started with `--kv-events`).
+pub fn sim_kv_events(sim: &SimBackend) -> String {
+    let (events, replay) = sim.kv.as_ref().expect("started with --kv-events");
+    format!("{{ endpoint: \"{events}\", replay: \"{replay}\" }}")
 }
 
 /// The tests' `health` section (their `affinity` one is [`affinity_yaml`]).

@@ -211,7 +211,7 @@ impl Drop for Engine {
 }
 
 /// A plain blocking `GET /health` (no client library: also used before any runtime exists).
-fn health_ok(addr: &str) -> bool {
+pub(crate) fn health_ok(addr: &str) -> bool {
     use std::io::{Read, Write};
     let Ok(mut s) = std::net::TcpStream::connect(addr) else {
         return false;
