@@ -13,6 +13,9 @@
 #
 #   scripts/bench-kv-events.sh
 #   REPLICAS=4 SESSIONS=48 CACHE_BLOCKS=600 REPEATS=2 scripts/bench-kv-events.sh
+#   ENGINE=vllm scripts/bench-kv-events.sh   # three real vLLM servers (CPU), started once:
+#     VLLM_BLOCKS blocks of 32 tokens each (64); each run's conversations are its own text,
+#     and the order of on and off alternates from one repeat to the next.
 #
 # Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
 set -euo pipefail
@@ -27,8 +30,10 @@ TURNS="${TURNS:-6}"
 C="${C:-8}"
 CACHE_BLOCKS="${CACHE_BLOCKS:-600}"
 CONTEXT_BYTES="${CONTEXT_BYTES:-6000}"
+SYSTEM_BYTES="${SYSTEM_BYTES:-2000}"
 MODE="${MODE:-soft}"
 REPEATS="${REPEATS:-1}"
+ENGINE="${ENGINE:-sim}"
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
@@ -36,13 +41,45 @@ trap cleanup EXIT
 
 . scripts/lib/ports.sh
 
+VLLM=()  # (addr events replay) of each vLLM server, started once
+if [ "$ENGINE" = vllm ]; then
+  REPLICAS=3; SESSIONS="${SESSIONS_VLLM:-12}"; TURNS="${TURNS_VLLM:-5}"; C="${C_VLLM:-3}"
+  CONTEXT_BYTES="${CONTEXT_BYTES_VLLM:-1200}"; SYSTEM_BYTES=800; VLLM_BLOCKS="${VLLM_BLOCKS:-64}"
+  PY=$(scripts/engine/vllm-setup.sh)
+  "$PY" scripts/engine/make_vllm_model.py --out "$WORK/model" >/dev/null 2>&1
+  for i in 0 1 2; do
+    hp=$(port); rp=$(port)
+    # The longest prompt it takes is one block short of its whole cache (vLLM's rule).
+    scripts/engine/vllm-serve.sh "$WORK/model" "$hp" "ipc://$WORK/kv-$i.sock" "$rp" "$VLLM_BLOCKS" 32 \
+      $(((VLLM_BLOCKS - 1) * 32)) > "$WORK/vllm-$i.log" 2>&1 &
+    PIDS+=($!)
+    VLLM+=("127.0.0.1:$hp ipc://$WORK/kv-$i.sock tcp://127.0.0.1:$rp $!")
+  done
+  for v in "${VLLM[@]}"; do
+    read -r addr _ _ pid <<< "$v"
+    until curl -sf "http://$addr/health" >/dev/null; do
+      kill -0 "$pid" 2>/dev/null || { echo "vLLM at $addr exited:" >&2; tail -5 "$WORK"/vllm-*.log >&2; exit 1; }
+      sleep 0.5
+    done
+  done
+fi
+
 run() {  # events (on|off), repeat: prints one JSON line
   local events=$1 rep=$2 gp ap mp backends="" sims=()
+  if [ "$ENGINE" = vllm ]; then
+    for i in 0 1 2; do
+      read -r addr ev rp _ <<< "${VLLM[$i]}"
+      local kv=""
+      [ "$events" = on ] && kv=", kv_events: { endpoint: \"$ev\", replay: \"$rp\" }"
+      backends+="      - { id: vllm-$i, addr: \"$addr\"$kv }"$'\n'
+    done
+  fi
   for i in $(seq 0 $((REPLICAS - 1))); do
+    [ "$ENGINE" = vllm ] && break
     local sp; sp=$(port)
     "$BIN" sim-backend --listen "127.0.0.1:$sp" --id "sim-$i" --block-size 16 \
       --cache-blocks "$CACHE_BLOCKS" --prefill-us-per-token 100 --decode-us-per-token 2000 \
-      --max-batch 8 --kv-events 127.0.0.1:0 > "$WORK/sim-$i.out" &
+      --max-batch 8 --kv-events 127.0.0.1:0 > "$WORK/sim-$i.out" 2> "$WORK/sim-$i.err" &
     sims+=($!); PIDS+=($!)
     for _ in $(seq 1 200); do [ "$(wc -l < "$WORK/sim-$i.out")" -ge 2 ] && break; sleep 0.05; done
     local ev rp
@@ -77,8 +114,11 @@ YAML
       sleep 0.05
     done
   fi
+  local model=qwen3-8b
+  [ "$ENGINE" = vllm ] && model=tiny
   "$BIN" bench --url "http://127.0.0.1:$gp" --keyless --sessions "$SESSIONS" --turns "$TURNS" -c "$C" \
-    --system-prompt-bytes 2000 --context-bytes "$CONTEXT_BYTES" --max-tokens 16 --json > "$WORK/report.json"
+    --system-prompt-bytes "$SYSTEM_BYTES" --context-bytes "$CONTEXT_BYTES" --max-tokens 16 --model "$model" \
+    --id-prefix "kv-$events-$rep" --json > "$WORK/report.json"
   curl -s "http://127.0.0.1:$mp/metrics" > "$WORK/metrics.txt"
   python3 - "$events" "$rep" "$WORK/report.json" "$WORK/metrics.txt" <<'PY'
 import json, sys, re
@@ -91,23 +131,31 @@ wrong = sum(v for (s, o), v in pred.items() if o == "wrong")
 print(json.dumps({"events": events, "rep": int(rep), "right": right, "wrong": wrong,
                   "from_events": pred.get(("events", "right"), 0) + pred.get(("events", "wrong"), 0),
                   "errors": report["errors"], "requests": report["requests"],
+                  "mean_prompt": report["prompt_tokens"] / max(report["requests"], 1),
                   "hit": report["prefix_cache_hit_rate"], "ttft_p50": report["ttft"]["p50_ms"],
                   "ttft_p99": report["ttft"]["p99_ms"]}))
 PY
-  kill "$gw" "${sims[@]}" 2>/dev/null || true
-  wait "$gw" "${sims[@]}" 2>/dev/null || true
+  kill "$gw" ${sims[@]+"${sims[@]}"} 2>/dev/null || true
+  wait "$gw" ${sims[@]+"${sims[@]}"} 2>/dev/null || true
 }
 
-echo "kv-events bench: $REPLICAS replicas x $CACHE_BLOCKS blocks of 16 tokens, $SESSIONS keyless conversations x $TURNS turns, c=$C, affinity $MODE"
-for rep in $(seq 1 "$REPEATS"); do for ev in off on; do run "$ev" "$rep"; done; done > "$WORK/results"
+if [ "$ENGINE" = vllm ]; then
+  echo "kv-events bench: 3 vLLM servers x $VLLM_BLOCKS blocks of 32 tokens, $SESSIONS keyless conversations x $TURNS turns, c=$C, affinity $MODE"
+else
+  echo "kv-events bench: $REPLICAS replicas x $CACHE_BLOCKS blocks of 16 tokens, $SESSIONS keyless conversations x $TURNS turns, c=$C, affinity $MODE"
+fi
+for rep in $(seq 1 "$REPEATS"); do
+  order="off on"; [ $((rep % 2)) = 0 ] && order="on off"
+  for ev in $order; do run "$ev" "$rep"; done
+done > "$WORK/results"
 python3 - "$WORK/results" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print("\n| events | run | turns mispredicted (>0.1 off) | of them from events | prompt tokens cached | TTFT p50 ms | TTFT p99 ms | errors |")
-print("|---|---|---|---|---|---|---|---|")
+print("\n| events | run | turns mispredicted (>0.1 off) | of them from events | prompt tokens cached | mean prompt, tokens | TTFT p50 ms | TTFT p99 ms | errors |")
+print("|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     n = r["right"] + r["wrong"]
-    print(f"| {r['events']} | {r['rep']} | {r['wrong']:.0f} of {n:.0f} ({r['wrong'] / max(n, 1):.1%}) | {r['from_events']:.0f} | {r['hit']:.3f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['errors']} |")
+    print(f"| {r['events']} | {r['rep']} | {r['wrong']:.0f} of {n:.0f} ({r['wrong'] / max(n, 1):.1%}) | {r['from_events']:.0f} | {r['hit']:.3f} | {r['mean_prompt']:.0f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['errors']} |")
 off = [r for r in rows if r["events"] == "off"]; on = [r for r in rows if r["events"] == "on"]
 if off and on:
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what building agent-gateway needs and the machine may lack:
 # cmake (Pingora's zlib-ng build), a C compiler, redis-server, dnsmasq, and the real inference
-# engines the tests and `demo --engine llamacpp` run: llama.cpp (scripts/engine/setup.sh) and
-# vLLM's CPU build (scripts/engine/vllm-setup.sh: about 5 minutes and 6.3 GB the first time).
+# engine the tests and `demo --engine llamacpp` run (scripts/engine/setup.sh). With `--vllm`
+# (scripts/test.sh, `scripts/demo.sh --engine vllm`) also vLLM's CPU build
+# (scripts/engine/vllm-setup.sh: about 5 minutes and 6.3 GB the first time).
 # Safe to run repeatedly.
 set -euo pipefail
 need=()
@@ -19,4 +20,4 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 command -v cargo >/dev/null || { echo "cargo is required (https://rustup.rs)" >&2; exit 1; }
 "$(dirname "$0")/engine/setup.sh" >/dev/null
-"$(dirname "$0")/engine/vllm-setup.sh" >/dev/null
+if [ "${1:-}" = --vllm ]; then "$(dirname "$0")/engine/vllm-setup.sh" >/dev/null; fi

@@ -3,7 +3,7 @@
 # (real gateway, simulated-replica, llama.cpp, vLLM and Redis processes on 127.0.0.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --vllm
 cargo fmt --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cat >&2 <<'NOTE'

@@ -14,6 +14,29 @@
 //! more than the engine holds).
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Keys here are hashes already (an engine's block hashes, sessions'
+/// digests): one multiply spreads them, where SipHash would cost a walk
+/// down a long chain several times over.
+#[derive(Default)]
+struct Spread(u64);
+
+impl Hasher for Spread {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (n ^ (n >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type Map<V> = HashMap<u64, V, BuildHasherDefault<Spread>>;
 
 /// What is known of one block.
 #[derive(Clone, Copy, Debug)]
@@ -29,15 +52,21 @@ struct Link {
 struct Tip {
     block: u64,
     depth: u32,
+    /// The last walk's answer, and the changes it saw: while no block has
+    /// gone or come back since, the chain holds what it held then.
+    walked: Option<(u64, u32)>,
 }
 
 pub struct Holdings {
-    links: HashMap<u64, Link>,
+    links: Map<Link>,
     /// Insertion order of `links`, for bounding it.
     order: VecDeque<u64>,
-    sessions: HashMap<u64, Tip>,
+    sessions: Map<Tip>,
     session_order: VecDeque<u64>,
     held: usize,
+    /// Blocks that went (removed, cleared, their links dropped) or came
+    /// back so far: a walk's answer stands while this stands.
+    changes: u64,
     block_size: u32,
     max_links: usize,
     max_sessions: usize,
@@ -46,11 +75,12 @@ pub struct Holdings {
 impl Holdings {
     pub fn new(max_links: usize, max_sessions: usize) -> Holdings {
         Holdings {
-            links: HashMap::new(),
+            links: Map::default(),
             order: VecDeque::new(),
-            sessions: HashMap::new(),
+            sessions: Map::default(),
             session_order: VecDeque::new(),
             held: 0,
+            changes: 0,
             block_size: 0,
             max_links: max_links.max(1),
             max_sessions: max_sessions.max(1),
@@ -78,6 +108,7 @@ impl Holdings {
                 Some(l) => {
                     if !l.held {
                         self.held += 1;
+                        self.changes += 1;
                     }
                     *l = Link {
                         parent,
@@ -105,7 +136,12 @@ impl Holdings {
             parent = h;
         }
         if let (Some(s), Some(&block)) = (session, hashes.last()) {
-            if self.sessions.insert(s, Tip { block, depth }).is_none() {
+            let tip = Tip {
+                block,
+                depth,
+                walked: None,
+            };
+            if self.sessions.insert(s, tip).is_none() {
                 self.session_order.push_back(s);
             }
         }
@@ -119,6 +155,7 @@ impl Holdings {
                 if l.held {
                     l.held = false;
                     self.held -= 1;
+                    self.changes += 1;
                 }
             }
         }
@@ -131,6 +168,7 @@ impl Holdings {
         self.links.clear();
         self.order.clear();
         self.held = 0;
+        self.changes += 1;
     }
 
     /// Blocks held now.
@@ -150,8 +188,13 @@ impl Holdings {
 
     /// Tokens of `session`'s latest prompt the engine still holds from its
     /// start (`None`: no block of it was ever reported).
-    pub fn held_tokens(&self, session: u64) -> Option<u64> {
-        let tip = self.sessions.get(&session)?;
+    pub fn held_tokens(&mut self, session: u64) -> Option<u64> {
+        let tip = *self.sessions.get(&session)?;
+        if let Some((changes, lead)) = tip.walked {
+            if changes == self.changes {
+                return Some(lead as u64 * self.block_size as u64);
+            }
+        }
         // Walk tip → root: the leading run ends before the missing block
         // nearest the root.
         let mut lead = tip.depth;
@@ -173,6 +216,9 @@ impl Holdings {
             }
             depth -= 1;
         }
+        if let Some(t) = self.sessions.get_mut(&session) {
+            t.walked = Some((self.changes, lead));
+        }
         Some(lead as u64 * self.block_size as u64)
     }
 
@@ -182,6 +228,7 @@ impl Holdings {
                 break;
             };
             if let Some(l) = self.links.remove(&h) {
+                self.changes += 1;
                 if l.held {
                     self.held -= 1;
                 }
@@ -226,6 +273,21 @@ mod tests {
         h.clear();
         assert_eq!(h.held_tokens(7), Some(0), "known, and evicted");
         assert_eq!(h.held_blocks(), 0);
+    }
+
+    #[test]
+    fn a_remembered_walk_stands_only_while_nothing_went_or_came_back() {
+        let mut h = Holdings::new(1000, 10);
+        h.stored(&[1, 2, 3], None, 16, Some(7));
+        assert_eq!(h.held_tokens(7), Some(48));
+        // Others' new blocks change nothing of its chain.
+        h.stored(&[10, 11], None, 16, Some(8));
+        assert_eq!(h.held_tokens(7), Some(48));
+        h.removed(&[2]);
+        assert_eq!(h.held_tokens(7), Some(16));
+        // Another session computes block 2 again: held again.
+        h.stored(&[1, 2], None, 16, Some(8));
+        assert_eq!(h.held_tokens(7), Some(48));
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! `--engine llamacpp` runs the same study on real engines instead: three
 //! llama.cpp servers (see `engine.rs`), with their own cached-token counts and
 //! prefill times, and adds the no-gateway baseline (round robin straight to
-//! the replicas).
+//! the replicas). `--engine vllm` runs the agent study on three real vLLM
+//! servers (`vllm.rs`), the gateway following their KV-cache events.
 
 use crate::engine::{self, Engine, EngineOptions, ModelShape};
 use crate::loadgen::{self, report, BenchArgs};
@@ -31,7 +32,8 @@ pub struct DemoArgs {
     /// Print the reports as JSON (for scripts) instead of tables.
     #[arg(long)]
     pub json: bool,
-    /// The replicas: simulated vLLM (`sim`) or real llama.cpp servers (`llamacpp`).
+    /// The replicas: simulated vLLM (`sim`), real llama.cpp servers (`llamacpp`) or real
+    /// vLLM servers, their KV events followed (`vllm`; scripts/engine/vllm-setup.sh).
     #[arg(long, value_enum, default_value_t = EngineKind::Sim)]
     pub engine: EngineKind,
     /// Python with the engine installed (default: scripts/engine/setup.sh's venv).
@@ -122,6 +124,8 @@ pub enum Study {
 pub enum EngineKind {
     Sim,
     Llamacpp,
+    /// vLLM's CPU build (`scripts/engine/vllm-setup.sh`), its KV events followed.
+    Vllm,
 }
 
 /// Real llama.cpp replicas: where their scripts and model live, how they run.
@@ -253,7 +257,6 @@ async fn start_fleet(
         backend_urls: Vec::new(),
         _dir: dir,
     };
-    let dir_path = fleet._dir.path().to_path_buf();
     let mut backends = String::new();
     for i in 0..replicas {
         let (id, addr) = match real {
@@ -272,6 +275,19 @@ async fn start_fleet(
         fleet.backend_urls.push(format!("http://{addr}"));
         backends.push_str(&format!("      - {{ id: {id}, addr: \"{addr}\" }}\n"));
     }
+    start_gateway(exe, &mut fleet, &backends, affinity_lines, sections).await?;
+    Ok(fleet)
+}
+
+/// Start the gateway of `fleet` in front of `backends` (YAML list items).
+async fn start_gateway(
+    exe: &PathBuf,
+    fleet: &mut Fleet,
+    backends: &str,
+    affinity_lines: &str,
+    sections: &str,
+) -> std::io::Result<()> {
+    let dir_path = fleet._dir.path().to_path_buf();
     // A port picked free can be taken (by another process's outgoing
     // connection) before the gateway binds it: then start again on new ones.
     let mut attempts = 0;
@@ -302,7 +318,7 @@ async fn start_fleet(
         match ready.await {
             Ok(()) => {
                 fleet.children.push(gw);
-                return Ok(fleet);
+                return Ok(());
             }
             Err(e) => {
                 let _ = gw.kill();
@@ -437,6 +453,9 @@ pub fn run(args: DemoArgs) -> std::io::Result<()> {
 async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     if args.engine == EngineKind::Llamacpp {
         return demo_llamacpp(exe, args).await;
+    }
+    if args.engine == EngineKind::Vllm {
+        return demo_vllm(exe, args).await;
     }
     if matches!(
         args.study,
@@ -1326,6 +1345,116 @@ async fn demo_llamacpp(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
         }
     }
     println!();
+    print_turns(&reports);
+    println!("chart: {}", args.svg.display());
+    println!("finished in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// The agent study against three real vLLM servers (started once: each takes
+/// a minute or more), the gateway following their KV events: sessions named,
+/// then keyless, then round robin straight to the servers. Each run's text is
+/// its own, so no run finds another's prompts cached.
+async fn demo_vllm(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
+    use crate::vllm::{self, Vllm, VllmOptions};
+    let started = Instant::now();
+    if !vllm::installed() {
+        return Err(std::io::Error::other(
+            "vLLM is not installed: run scripts/engine/vllm-setup.sh",
+        ));
+    }
+    let dir = tempfile::tempdir()?;
+    let model = vllm::model(dir.path())?;
+    if !args.json {
+        println!("agent-gateway demo: 3 vLLM servers (CPU build, a generated 2-layer Llama, 512 KV blocks of 32 tokens each), the gateway following their KV events. Starting them (a minute or more)...\n");
+    }
+    let mut servers = (0..3)
+        .map(|i| {
+            let log = dir.path().join(format!("vllm-{i}.log"));
+            Vllm::spawn(&model, &VllmOptions::default(), &log)
+        })
+        .collect::<std::io::Result<Vec<_>>>()?;
+    for s in servers.iter_mut() {
+        s.wait_healthy(Duration::from_secs(600))?;
+    }
+    let backends: String = servers
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            format!(
+                "      - {{ id: vllm-{i}, addr: \"{}\", kv_events: {} }}\n",
+                s.addr(),
+                s.kv_events_yaml()
+            )
+        })
+        .collect();
+    let mut fleet = Fleet {
+        children: Vec::new(),
+        engines: Vec::new(),
+        gateway_url: String::new(),
+        metrics_url: String::new(),
+        backend_urls: servers.iter().map(|s| s.url("")).collect(),
+        _dir: tempfile::tempdir()?,
+    };
+    start_gateway(exe, &mut fleet, &backends, "", "").await?;
+    let mut base = BenchArgs::seed_study("");
+    base.model = "tiny".into();
+    base.concurrency = args.concurrency.unwrap_or(3);
+    base.max_tokens = 8;
+    base.sessions = args.sessions.unwrap_or(6);
+    base.turns = args.turns.unwrap_or(4);
+    base.system_prompt_bytes = 1500;
+    let mut reports = Vec::new();
+    for (ids, direct, label) in [
+        (Ids::Sticky, false, "affinity on, KV events"),
+        (
+            Ids::None,
+            false,
+            "no session id (prefix routing), KV events",
+        ),
+        (Ids::Sticky, true, "round robin, no gateway"),
+    ] {
+        let mut a = base.clone();
+        a.url = match direct {
+            true => fleet.backend_urls.join(","),
+            false => fleet.gateway_url.clone(),
+        };
+        a.keyless = ids == Ids::None;
+        a.label = format!("vllm: {label}");
+        a.id_prefix = format!("vllm-{}", reports.len());
+        reports.push(loadgen::run(&a).await);
+    }
+    std::fs::write(
+        &args.svg,
+        report::svg(
+            &reports,
+            "agent-gateway demo on vLLM: affinity vs round robin",
+        ),
+    )?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&reports).unwrap_or_default()
+        );
+        return Ok(());
+    }
+    println!(
+        "{} sessions × {} turns, c={} (cached tokens as vLLM reports them):\n",
+        base.sessions, base.turns, base.concurrency
+    );
+    println!("{}", report::comparison_table(&reports));
+    let exact = metric_sum(&fleet.metrics_url, "agentserve_kv_index_exact{").await;
+    let right = metric_sum(
+        &fleet.metrics_url,
+        "agentserve_kv_predictions_total{outcome=\"right\",source=\"events\"",
+    )
+    .await;
+    let wrong = metric_sum(
+        &fleet.metrics_url,
+        "agentserve_kv_predictions_total{outcome=\"wrong\",source=\"events\"",
+    )
+    .await;
+    println!("KV events: {exact} of 3 servers' holdings exact; turns predicted from them: {right} right, {wrong} wrong (cached share within 0.1 of what vLLM reported)\n");
     print_turns(&reports);
     println!("chart: {}", args.svg.display());
     println!("finished in {:.1} s", started.elapsed().as_secs_f64());

@@ -14,6 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const MAKE_MODEL_PY: &str = include_str!("../../scripts/engine/make_vllm_model.py");
+const SERVE_SH: &str = include_str!("../../scripts/engine/vllm-serve.sh");
 
 /// The Python with vLLM: `$AGENT_GATEWAY_VLLM_PYTHON`, else the venv
 /// `scripts/engine/vllm-setup.sh` makes beside the build.
@@ -126,17 +127,14 @@ impl Vllm {
             .append(true)
             .open(&self.log)?;
         writeln!(log, "--- starting vLLM on 127.0.0.1:{}", self.ports.http)?;
-        let events = format!(
-            r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"{}","replay_endpoint":"tcp://127.0.0.1:{}","topic":"kv"}}"#,
-            self.events_endpoint(),
-            self.ports.replay
-        );
-        let mut cmd = Command::new(python());
+        let script = self.log.with_file_name("vllm-serve.sh");
+        std::fs::write(&script, SERVE_SH)?;
+        let mut cmd = Command::new("bash");
         #[cfg(target_os = "linux")]
         {
             use std::os::unix::process::CommandExt;
-            // SAFETY: prctl is async-signal-safe; it only asks the kernel to
-            // kill the server if this process dies first.
+            // SAFETY: prctl and setpgid are async-signal-safe; the first asks
+            // the kernel to kill the server if this process dies first.
             unsafe {
                 cmd.pre_exec(|| {
                     libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
@@ -147,22 +145,15 @@ impl Vllm {
             }
         }
         let child = cmd
-            .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+            .arg(&script)
             .arg(&self.model)
-            .args(["--served-model-name", "tiny", "--host", "127.0.0.1"])
-            .args(["--port", &self.ports.http.to_string()])
-            .args(["--enforce-eager", "--enable-prefix-caching"])
-            .args(["--enable-prompt-tokens-details"])
-            .args(["--block-size", &self.opts.block_size.to_string()])
-            .args(["--max-model-len", &self.opts.max_model_len.to_string()])
-            .args(["--num-gpu-blocks-override", &self.opts.blocks.to_string()])
-            .args(["--kv-events-config", &events])
-            .env("HF_HUB_OFFLINE", "1")
-            .env("VLLM_CPU_KVCACHE_SPACE", "1")
-            .env("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            .env("OMP_NUM_THREADS", "1")
-            .env("VLLM_ENABLE_RESPONSES_API_STORE", "1")
-            .env("VLLM_LOGGING_LEVEL", "WARNING")
+            .arg(self.ports.http.to_string())
+            .arg(self.events_endpoint())
+            .arg(self.ports.replay.to_string())
+            .arg(self.opts.blocks.to_string())
+            .arg(self.opts.block_size.to_string())
+            .arg(self.opts.max_model_len.to_string())
+            .env("AGENT_GATEWAY_VLLM_PYTHON", python())
             .stdout(Stdio::from(log.try_clone()?))
             .stderr(Stdio::from(log))
             .spawn()?;
