@@ -84,6 +84,8 @@ pub struct TierMetrics {
     pub prefix_none: IntCounter,
     /// `agentserve_admission_admitted_total{path="now"}` by class.
     pub admitted_now: [IntCounter; 3],
+    /// `agentserve_kv_predictions_total`: `[index, events][right, wrong]`.
+    pub predictions: [[IntCounter; 2]; 2],
 }
 
 /// The `class` label's values, in the order of `admission::Class::ALL`
@@ -547,6 +549,12 @@ impl Metrics {
             prefix_none: self.prefix_index_lookups.with_label_values(&[tier, "none"]),
             admitted_now: CLASS_LABELS
                 .map(|c| self.admission_admitted.with_label_values(&[tier, c, "now"])),
+            predictions: ["index", "events"].map(|source| {
+                ["right", "wrong"].map(|outcome| {
+                    self.kv_predictions
+                        .with_label_values(&[tier, source, outcome])
+                })
+            }),
         }
     }
 

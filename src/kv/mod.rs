@@ -8,8 +8,8 @@
 //!   backend, fills gaps from the replay socket, and clears a backend's
 //!   holdings when its engine goes (a restart empties its cache).
 //!
-//! Every request with a session goes upstream with `X-Session-ID` set to the
-//! session's binding key ([`upstream_session_id`]: keyed by
+//! Every request with a session goes to a backend with `kv_events` with
+//! `X-Session-ID` set to the session's binding key ([`upstream_session_id`]: keyed by
 //! `affinity.hash_key`, scoped by tier and tenant, the same on every gateway
 //! of a fleet), so an engine's `BlockStored` events name the session that
 //! stored them. While a backend's events are current ([`KvView::exact`]),

@@ -433,16 +433,8 @@ impl Route {
         }
         if let (Some(d), Some((prompt, Some(cached))), true) = (&self.decision, usage, answered) {
             if let Some(p) = d.predicted {
-                let source = if p.exact { "events" } else { "index" };
-                let outcome = if p.right(prompt, cached) {
-                    "right"
-                } else {
-                    "wrong"
-                };
-                gw.metrics
-                    .kv_predictions
-                    .with_label_values(&[&self.req.tier.name, source, outcome])
-                    .inc();
+                let wrong = !p.right(prompt, cached);
+                self.req.tier.metrics.predictions[p.exact as usize][wrong as usize].inc();
             }
         }
         // The backend answered: it holds the prompt now, and what it
