@@ -661,3 +661,24 @@ fn responses_ttl_ms(config: &crate::config::Config) -> u64 {
         .unwrap_or(std::time::Duration::from_secs(1800));
     ttl.as_millis() as u64
 }
+
+/// The backends whose engines' KV events the `kv events` service follows.
+impl crate::kv::subscribe::EventSources for Gateway {
+    fn followed(&self) -> Vec<crate::kv::subscribe::Followed> {
+        self.routing()
+            .all_backends()
+            .filter_map(|(_, b)| {
+                Some(crate::kv::subscribe::Followed {
+                    slot: b.slot,
+                    name: Arc::clone(&b.id),
+                    view: Arc::clone(&b.stats.kv),
+                    cfg: b.kv_events.clone()?,
+                })
+            })
+            .collect()
+    }
+
+    fn engine_lost(&self, slot: u32) {
+        self.prefix.index.forget_backend(slot);
+    }
+}

@@ -159,7 +159,7 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
     // Idle (a look each second) until a backend has `kv_events`.
     server.add_service(background_service(
         "kv events",
-        crate::kv::subscribe::KvSubscriptions(Arc::clone(&gw)),
+        crate::kv::subscribe::KvSubscriptions(Arc::clone(&gw) as _),
     ));
     server.add_service(background_service(
         "load signals",

@@ -12,10 +12,9 @@
 //! what the inferred index says of the backend, at once: its next turn finds
 //! nothing promised there.
 
+use super::view::KvView;
 use super::wire::{self, END_OF_REPLAY};
-use super::KvView;
 use crate::config::KvEventsConfig;
-use crate::gateway::Gateway;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use std::collections::HashMap;
@@ -28,32 +27,50 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 /// Pause before connecting again.
 const RETRY: Duration = Duration::from_millis(500);
 
+/// A backend whose engine's events are to be followed.
+pub struct Followed {
+    pub slot: u32,
+    /// Its id, for the log.
+    pub name: Arc<str>,
+    pub view: Arc<KvView>,
+    pub cfg: KvEventsConfig,
+}
+
+/// What the service needs of the gateway.
+pub trait EventSources: Send + Sync {
+    /// Every configured backend with `kv_events`, now.
+    fn followed(&self) -> Vec<Followed>;
+    /// Backend `slot`'s engine went: what is inferred of its cache goes too.
+    fn engine_lost(&self, slot: u32);
+}
+
 /// The background service (see the module doc).
-pub struct KvSubscriptions(pub Arc<Gateway>);
+pub struct KvSubscriptions(pub Arc<dyn EventSources>);
 
 #[async_trait::async_trait]
 impl pingora_core::services::background::BackgroundService for KvSubscriptions {
     async fn start(&self, mut shutdown: pingora_core::server::ShutdownWatch) {
-        type Running = (tokio::task::JoinHandle<()>, Arc<crate::upstream::Backend>);
+        type Running = (tokio::task::JoinHandle<()>, Arc<KvView>);
         let mut running: HashMap<(u32, KvEventsConfig), Running> = HashMap::new();
         loop {
-            let routing = self.0.routing();
-            let wanted: HashMap<(u32, KvEventsConfig), Arc<crate::upstream::Backend>> = routing
-                .all_backends()
-                .filter_map(|(_, b)| Some(((b.slot, b.kv_events.clone()?), Arc::clone(b))))
+            let wanted: HashMap<(u32, KvEventsConfig), Followed> = self
+                .0
+                .followed()
+                .into_iter()
+                .map(|f| ((f.slot, f.cfg.clone()), f))
                 .collect();
-            running.retain(|key, (task, b)| {
+            running.retain(|key, (task, view)| {
                 let keep = wanted.contains_key(key) && !task.is_finished();
                 if !keep {
                     task.abort();
-                    b.stats.kv.clear();
+                    view.clear();
                 }
                 keep
             });
-            for (key, b) in wanted {
-                running.entry(key.clone()).or_insert_with(|| {
-                    let task = tokio::spawn(follow(Arc::clone(&self.0), Arc::clone(&b), key.1));
-                    (task, b)
+            for (key, f) in wanted {
+                running.entry(key).or_insert_with(|| {
+                    let view = Arc::clone(&f.view);
+                    (tokio::spawn(follow(Arc::clone(&self.0), f)), view)
                 });
             }
             tokio::select! {
@@ -68,14 +85,18 @@ impl pingora_core::services::background::BackgroundService for KvSubscriptions {
 }
 
 /// Follow one backend's events for as long as it is configured.
-async fn follow(gw: Arc<Gateway>, b: Arc<crate::upstream::Backend>, cfg: KvEventsConfig) {
-    let view = &b.stats.kv;
+async fn follow(sources: Arc<dyn EventSources>, b: Followed) {
+    let (view, cfg) = (&*b.view, &b.cfg);
     loop {
         let mut sub = zeromq::SubSocket::new();
         let mut monitor = sub.monitor();
         let connected = tokio::time::timeout(TIMEOUT, sub.connect(&cfg.endpoint)).await;
         if !matches!(connected, Ok(Ok(()))) {
-            log::debug!("kv events of {}: cannot connect to {}", b.id, cfg.endpoint);
+            log::debug!(
+                "kv events of {}: cannot connect to {}",
+                b.name,
+                cfg.endpoint
+            );
             tokio::time::sleep(RETRY).await;
             continue;
         }
@@ -83,7 +104,7 @@ async fn follow(gw: Arc<Gateway>, b: Arc<crate::upstream::Backend>, cfg: KvEvent
             tokio::time::sleep(RETRY).await;
             continue;
         }
-        log::info!("kv events of {}: following {}", b.id, cfg.endpoint);
+        log::info!("kv events of {}: following {}", b.name, cfg.endpoint);
         let mut follower = Follower {
             view,
             replay: cfg.replay.as_deref(),
@@ -105,9 +126,9 @@ async fn follow(gw: Arc<Gateway>, b: Arc<crate::upstream::Backend>, cfg: KvEvent
             }
         }
         // The engine went (or its socket did): what it held is gone.
-        log::warn!("kv events of {}: connection lost", b.id);
+        log::warn!("kv events of {}: connection lost", b.name);
         view.clear();
-        gw.prefix.index.forget_backend(b.slot);
+        sources.engine_lost(b.slot);
         drop(sub);
         tokio::time::sleep(RETRY).await;
     }

@@ -56,7 +56,7 @@ pub(super) fn upstream_request(
     if ctx.backend().is_some_and(|b| b.kv_events.is_some()) {
         if let Some(id) = ctx.route.as_ref().and_then(|r| r.upstream_session_id()) {
             // The engine's KV events name the session that stored each block.
-            upstream_request.insert_header(crate::kv::SESSION_HEADER, id)?;
+            upstream_request.insert_header(crate::kv::session::SESSION_HEADER, id)?;
         }
     }
     if let Some(span) = &ctx.record.span {

@@ -52,7 +52,7 @@ pub struct Decision {
     /// The session's binding was made for this request.
     created: bool,
     /// The cached tokens it was predicted to find there.
-    pub predicted: Option<crate::kv::Prediction>,
+    pub predicted: Option<crate::kv::view::Prediction>,
 }
 
 /// A request's route: what it is, and where it went.
@@ -209,7 +209,7 @@ impl Route {
         }
         // What the engines' own events say each holds of the session.
         if let Some(key) = self.req.key.as_ref().map(|s| s.key) {
-            self.kv_held = crate::kv::read_holdings(&self.req.tier, &mut candidates, key);
+            self.kv_held = self.req.tier.kv_holdings(&mut candidates, key);
         }
         Ok(candidates)
     }
@@ -305,7 +305,7 @@ impl Route {
     fn routed(&mut self, gw: &Gateway, decision: &mut Decision) {
         let slot = decision.backend.slot;
         let exact = self.kv_held.iter().find(|(s, _)| *s == slot);
-        decision.predicted = exact.map(|&(_, tokens)| crate::kv::Prediction {
+        decision.predicted = exact.map(|&(_, tokens)| crate::kv::view::Prediction {
             exact: true,
             tokens,
             of: self.req.prompt_tokens,
@@ -315,11 +315,13 @@ impl Route {
         };
         let bound = decision.lease.is_some();
         let held = prompt.routed(&gw.prefix, slot, bound);
-        decision.predicted.get_or_insert(crate::kv::Prediction {
-            exact: false,
-            tokens: held,
-            of: self.req.prompt_tokens,
-        });
+        decision
+            .predicted
+            .get_or_insert(crate::kv::view::Prediction {
+                exact: false,
+                tokens: held,
+                of: self.req.prompt_tokens,
+            });
         // A fleet's other gateways find the conversation by this turn's end.
         if let (Some(store), Some((exact, id, continued))) = (&gw.store, prompt.fleet_end()) {
             let ttl = gw.affinity.ttl().map_or(0, |t| t.as_millis() as u64);
@@ -346,7 +348,7 @@ impl Route {
         self.req
             .key
             .as_ref()
-            .map(|s| crate::kv::upstream_session_id(s.key))
+            .map(|s| crate::kv::session::upstream_session_id(s.key))
     }
 
     /// A subagent that names no class takes its parent session's; one that

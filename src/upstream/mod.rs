@@ -223,6 +223,31 @@ impl Tier {
         out
     }
 
+    /// Fill in what the engines whose KV events are current hold of the
+    /// session `key`: each such candidate's `prefix_tokens` (and
+    /// `prefix_exact`). Returns the candidates so read, with the tokens held:
+    /// empty when no engine reports on the session.
+    pub fn kv_holdings(&self, candidates: &mut [Candidate], key: u128) -> Vec<(u32, u64)> {
+        use crate::kv::view::SessionHeld;
+        let mut read = Vec::new();
+        let mut session = None;
+        for c in candidates.iter_mut() {
+            let Some(b) = self.backend_by_slot(c.slot) else {
+                continue;
+            };
+            if !b.stats.kv.exact() {
+                continue;
+            }
+            let s = *session.get_or_insert_with(|| crate::kv::session::session_of_key(key));
+            if let SessionHeld::Tokens(t) = b.stats.kv.held(s) {
+                c.prefix_tokens = t;
+                c.prefix_exact = true;
+                read.push((c.slot, t));
+            }
+        }
+        read
+    }
+
     /// What the active health checks alone say.
     pub fn checks_pass(&self, b: &Backend) -> bool {
         b.stats.admitted.load(Ordering::Relaxed) && b.checks.get(|| self.view.ready(&b.lb))

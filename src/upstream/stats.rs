@@ -41,7 +41,7 @@ pub struct BackendStats {
     /// Whether it still answers at all: see [`super::stall`].
     pub progress: super::stall::Progress,
     /// What its engine's KV-cache events say it holds (`kv_events`).
-    pub kv: crate::kv::KvView,
+    pub kv: Arc<crate::kv::view::KvView>,
 }
 
 impl BackendStats {
