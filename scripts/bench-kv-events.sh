@@ -14,7 +14,7 @@
 #   scripts/bench-kv-events.sh
 #   REPLICAS=4 SESSIONS=48 CACHE_BLOCKS=600 REPEATS=2 scripts/bench-kv-events.sh
 #   ENGINE=vllm scripts/bench-kv-events.sh   # three real vLLM servers (CPU), started once:
-#     VLLM_BLOCKS blocks of 32 tokens each (64); each run's conversations are its own text,
+#     VLLM_BLOCKS blocks of 32 tokens each (80); each run's conversations are its own text,
 #     and the order of on and off alternates from one repeat to the next.
 #
 # Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
@@ -44,7 +44,7 @@ trap cleanup EXIT
 VLLM=()  # (addr events replay) of each vLLM server, started once
 if [ "$ENGINE" = vllm ]; then
   REPLICAS=3; SESSIONS="${SESSIONS_VLLM:-12}"; TURNS="${TURNS_VLLM:-5}"; C="${C_VLLM:-3}"
-  CONTEXT_BYTES="${CONTEXT_BYTES_VLLM:-1200}"; SYSTEM_BYTES=800; VLLM_BLOCKS="${VLLM_BLOCKS:-64}"
+  CONTEXT_BYTES="${CONTEXT_BYTES_VLLM:-1200}"; SYSTEM_BYTES=800; VLLM_BLOCKS="${VLLM_BLOCKS:-80}"
   PY=$(scripts/engine/vllm-setup.sh)
   "$PY" scripts/engine/make_vllm_model.py --out "$WORK/model" >/dev/null 2>&1
   for i in 0 1 2; do
