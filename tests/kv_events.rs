@@ -35,17 +35,7 @@ impl Conversation {
 }
 
 async fn kv_of(gw: &Gateway, id: &str) -> Value {
-    let v: Value = reqwest::get(gw.admin_url("/admin/backends"))
-        .await
-        .expect("admin")
-        .json()
-        .await
-        .expect("json");
-    v["backends"]
-        .as_array()
-        .and_then(|bs| bs.iter().find(|b| b["id"] == id))
-        .map(|b| b["kv_events"].clone())
-        .unwrap_or(Value::Null)
+    gw.admin_backend(id).await["kv_events"].clone()
 }
 
 async fn predictions(gw: &Gateway, source: &str, outcome: &str) -> f64 {

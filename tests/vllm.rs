@@ -116,23 +116,8 @@ async fn converse(
     (warm, seen)
 }
 
-async fn admin_backends(gw: &Gateway) -> Vec<Value> {
-    let v: Value = reqwest::get(gw.admin_url("/admin/backends"))
-        .await
-        .expect("admin")
-        .json()
-        .await
-        .expect("json");
-    v["backends"].as_array().cloned().unwrap_or_default()
-}
-
 async fn kv_of(gw: &Gateway, id: &str) -> Value {
-    admin_backends(gw)
-        .await
-        .into_iter()
-        .find(|b| b["id"] == id)
-        .map(|b| b["kv_events"].clone())
-        .unwrap_or(Value::Null)
+    gw.admin_backend(id).await["kv_events"].clone()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -288,7 +273,7 @@ async fn three_vllm_servers_behind_the_gateway() {
     );
     assert!(wrong * 10.0 <= right, "{right} right, {wrong} wrong");
     // The load scraper read each engine's own gauges.
-    for b in admin_backends(&gw).await {
+    for b in gw.admin_backends().await {
         assert!(b["engine"]["running"].is_number(), "{b}");
         assert!(b["kv_events"]["blocks_held"].as_u64() > Some(0), "{b}");
     }
@@ -311,7 +296,7 @@ async fn three_vllm_servers_behind_the_gateway() {
     wait_until(
         "its events followed again, and it healthy again",
         || async {
-            let b = admin_backends(&gw).await;
+            let b = gw.admin_backends().await;
             let b = b.iter().find(|b| b["id"] == victim.as_str()).cloned();
             b.is_some_and(|b| b["kv_events"]["exact"] == true && b["healthy"] == true)
         },

@@ -26,6 +26,9 @@ use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend};
 const TIMEOUT: Duration = Duration::from_secs(5);
 /// Pause before connecting again.
 const RETRY: Duration = Duration::from_millis(500);
+/// Batches one replay may bring (vLLM keeps 10,000); past it, the rest are
+/// taken as missing.
+const MAX_REPLAYED: usize = 20_000;
 
 /// A backend whose engine's events are to be followed.
 pub struct Followed {
@@ -240,7 +243,7 @@ async fn replay(endpoint: &str, start: i64) -> zeromq::ZmqResult<Vec<(i64, Bytes
         let Ok(seq) = wire::sequence(seq) else {
             continue;
         };
-        if seq == END_OF_REPLAY {
+        if seq == END_OF_REPLAY || out.len() >= MAX_REPLAYED {
             return Ok(out);
         }
         out.push((seq, payload.clone()));

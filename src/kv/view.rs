@@ -160,6 +160,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_prediction_is_right_within_a_tenth_of_the_prompt() {
+        let events = |tokens| Prediction {
+            exact: true,
+            tokens,
+            of: 999,
+        };
+        // Events count the engine's tokens: compared with its own prompt.
+        assert!(events(900).right(1000, 960));
+        assert!(!events(900).right(1000, 400));
+        assert!(events(5000).right(1000, 1000), "capped at the prompt");
+        // The index's tokens are of its own estimate of the prompt.
+        let index = Prediction {
+            exact: false,
+            tokens: 300,
+            of: 400,
+        };
+        assert!(index.right(1000, 750));
+        assert!(!index.right(1000, 500));
+        assert!(events(0).right(0, 0));
+    }
+
+    #[test]
     fn a_view_knows_nothing_until_its_events_are_current() {
         let v = KvView::default();
         let s = session_of(b"s");

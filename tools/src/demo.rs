@@ -1320,18 +1320,8 @@ async fn demo_llamacpp(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
         no_cache_report: false,
     };
     let reports = study(exe, &unused, Some(&real), &study_args, "llamacpp", false).await?;
-    std::fs::write(
-        &args.svg,
-        report::svg(
-            &reports,
-            "agent-gateway demo on llama.cpp: affinity on vs off vs round robin",
-        ),
-    )?;
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&reports).unwrap_or_default()
-        );
+    let title = "agent-gateway demo on llama.cpp: affinity on vs off vs round robin";
+    if chart_or_json(args, &reports, title)? {
         return Ok(());
     }
     println!(
@@ -1366,12 +1356,18 @@ async fn demo_vllm(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     let dir = tempfile::tempdir()?;
     let model = vllm::model(dir.path())?;
     if !args.json {
-        println!("agent-gateway demo: 3 vLLM servers (CPU build, a generated 2-layer Llama, 512 KV blocks of 32 tokens each), the gateway following their KV events. Starting them (a minute or more)...\n");
+        println!("agent-gateway demo: 3 vLLM servers (CPU build, a generated 2-layer Llama, 128 KV blocks of 32 tokens each: fewer than the conversations need), the gateway following their KV events. Starting them (a minute or more)...\n");
     }
+    // Scarce caches: each server holds about half the conversations.
+    let opts = VllmOptions {
+        blocks: 128,
+        max_model_len: 127 * 32,
+        ..VllmOptions::default()
+    };
     let mut servers = (0..3)
         .map(|i| {
             let log = dir.path().join(format!("vllm-{i}.log"));
-            Vllm::spawn(&model, &VllmOptions::default(), &log)
+            Vllm::spawn(&model, &opts, &log)
         })
         .collect::<std::io::Result<Vec<_>>>()?;
     for s in servers.iter_mut() {
@@ -1403,7 +1399,10 @@ async fn demo_vllm(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     base.max_tokens = 8;
     base.sessions = args.sessions.unwrap_or(6);
     base.turns = args.turns.unwrap_or(4);
-    base.system_prompt_bytes = 1500;
+    // Each conversation's own document, little shared: a replica that has
+    // not seen a conversation holds next to nothing of it.
+    base.system_prompt_bytes = 200;
+    base.context_bytes = 3000;
     let mut reports = Vec::new();
     for (ids, direct, label) in [
         (Ids::Sticky, false, "affinity on, KV events"),
@@ -1424,18 +1423,11 @@ async fn demo_vllm(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
         a.id_prefix = format!("vllm-{}", reports.len());
         reports.push(loadgen::run(&a).await);
     }
-    std::fs::write(
-        &args.svg,
-        report::svg(
-            &reports,
-            "agent-gateway demo on vLLM: affinity vs round robin",
-        ),
-    )?;
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&reports).unwrap_or_default()
-        );
+    if chart_or_json(
+        args,
+        &reports,
+        "agent-gateway demo on vLLM: affinity vs round robin",
+    )? {
         return Ok(());
     }
     println!(
@@ -1459,6 +1451,23 @@ async fn demo_vllm(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
     println!("chart: {}", args.svg.display());
     println!("finished in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// Write the chart of a real engines' study; with `--json`, print the
+/// reports as JSON too and say so (the tables are not printed then).
+fn chart_or_json(
+    args: &DemoArgs,
+    reports: &[report::Report],
+    title: &str,
+) -> std::io::Result<bool> {
+    std::fs::write(&args.svg, report::svg(reports, title))?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(reports).unwrap_or_default()
+        );
+    }
+    Ok(args.json)
 }
 
 /// Each run's first session, turn by turn: where it went, what was cached.

@@ -127,7 +127,9 @@ impl Vllm {
             .append(true)
             .open(&self.log)?;
         writeln!(log, "--- starting vLLM on 127.0.0.1:{}", self.ports.http)?;
-        let script = self.log.with_file_name("vllm-serve.sh");
+        // Its own copy: bash reads a script as it runs it, and a copy
+        // rewritten for another server under it would end it.
+        let script = self.log.with_extension("sh");
         std::fs::write(&script, SERVE_SH)?;
         let mut cmd = Command::new("bash");
         #[cfg(target_os = "linux")]
