@@ -407,7 +407,7 @@ pub(crate) struct FileBackend {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct FileKvEvents {
-    /// The engine's publisher: `tcp://host:port`.
+    /// The engine's publisher: `tcp://host:port` or `ipc:///path`.
     pub(crate) endpoint: String,
     /// Its replay socket, for batches missed.
     pub(crate) replay: Option<String>,

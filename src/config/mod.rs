@@ -322,6 +322,44 @@ tiers:
     }
 
     #[test]
+    fn kv_events_endpoints_are_places_to_connect_to() {
+        let with = |events: &str| {
+            GOOD.replace(
+                "addr: \"127.0.0.1:8002\", weight: 2 }",
+                &format!("addr: \"127.0.0.1:8002\", weight: 2, kv_events: {events} }}"),
+            )
+        };
+        let c = Config::from_yaml(&with(
+            r#"{ endpoint: "tcp://10.0.0.5:5557", replay: "tcp://10.0.0.5:5558" }"#,
+        ))
+        .unwrap();
+        let kv = c.tiers[0].backends[1]
+            .kv_events
+            .as_ref()
+            .expect("kv_events");
+        assert_eq!(kv.endpoint, "tcp://10.0.0.5:5557");
+        assert_eq!(kv.topic, "");
+        assert!(Config::from_yaml(&with(r#"{ endpoint: "ipc:///run/kv.sock" }"#)).is_ok());
+        // A publisher's bind-all, a missing port, another scheme, a typo'd key.
+        for bad in [
+            r#"{ endpoint: "tcp://*:5557" }"#,
+            r#"{ endpoint: "tcp://10.0.0.5" }"#,
+            r#"{ endpoint: "http://10.0.0.5:5557" }"#,
+        ] {
+            assert_eq!(
+                keys(&with(bad)),
+                vec!["tiers.default.backends[1].kv_events.endpoint"],
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            keys(&with(r#"{ endpoint: "tcp://h:1", replay: "h:2" }"#)),
+            vec!["tiers.default.backends[1].kv_events.replay"]
+        );
+        assert!(Config::from_yaml(&with(r#"{ endpoint: "tcp://h:1", replays: "x" }"#)).is_err());
+    }
+
+    #[test]
     fn default_tier_rules() {
         let two = r#"
 tiers:

@@ -178,7 +178,8 @@ pub struct BackendConfig {
     pub kv_events: Option<KvEventsConfig>,
 }
 
-/// A backend's `kv_events`, validated: ZeroMQ endpoints `tcp://host:port`.
+/// A backend's `kv_events`, validated: ZeroMQ endpoints to connect to
+/// (`tcp://host:port`, or `ipc:///path` for an engine on the same host).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct KvEventsConfig {
     pub endpoint: String,
