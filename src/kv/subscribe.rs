@@ -174,8 +174,7 @@ impl Follower<'_> {
     fn apply(&mut self, seq: i64, payload: &[u8]) {
         match wire::decode_batch(payload) {
             Ok(batch) => {
-                self.view.apply(&batch);
-                if KvView::clears_all(&batch) {
+                if self.view.apply(&batch) {
                     // Nothing before it matters: current again.
                     self.view.set_exact(true);
                 }

@@ -77,8 +77,10 @@ impl KvView {
         }
     }
 
-    /// Apply one batch; returns the events applied.
-    pub fn apply(&self, batch: &wire::Batch) -> usize {
+    /// Apply one batch; returns whether it cleared everything (after which
+    /// the view is current whatever was missed before).
+    pub fn apply(&self, batch: &wire::Batch) -> bool {
+        let mut cleared = false;
         let mut h = self.holdings.lock();
         for e in &batch.events {
             match e {
@@ -87,13 +89,16 @@ impl KvView {
                     h.stored(&s.hashes, s.parent, s.block_size, session)
                 }
                 wire::Event::Removed(hashes) => h.removed(hashes),
-                wire::Event::Cleared => h.clear(),
+                wire::Event::Cleared => {
+                    h.clear();
+                    cleared = true;
+                }
             }
         }
         drop(h);
         self.applied
             .fetch_add(batch.events.len() as u64, Ordering::Relaxed);
-        batch.events.len()
+        cleared
     }
 
     /// Batches recovered from the replay socket.
@@ -107,15 +112,6 @@ impl KvView {
     pub fn clear(&self) {
         self.holdings.lock().clear();
         self.set_exact(false);
-    }
-
-    /// Whether a batch cleared everything (after which the view is current
-    /// whatever was missed before).
-    pub fn clears_all(batch: &wire::Batch) -> bool {
-        batch
-            .events
-            .iter()
-            .any(|e| matches!(e, wire::Event::Cleared))
     }
 
     /// For the admin view and metrics: (exact, blocks held, events applied,
