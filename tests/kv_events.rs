@@ -38,6 +38,27 @@ async fn kv_of(gw: &Gateway, id: &str) -> Value {
     gw.admin_backend(id).await["kv_events"].clone()
 }
 
+/// A turn of `session` through `gw` to the engine `backend`, returned once
+/// the engine's events for it (the blocks it stored) have reached the
+/// gateway: they come after the answer, and a turn sent before them is routed
+/// on what came before.
+async fn turn(
+    c: &reqwest::Client,
+    gw: &Gateway,
+    backend: &str,
+    session: &str,
+    body: &Value,
+) -> Reply {
+    let events = || async { kv_of(gw, backend).await["events"].as_u64().unwrap_or(0) };
+    let before = events().await;
+    let r = chat(c, gw, &[("x-session-id", session)], body).await;
+    wait_until("the turn's events applied", || async {
+        events().await > before
+    })
+    .await;
+    r
+}
+
 async fn predictions(gw: &Gateway, source: &str, outcome: &str) -> f64 {
     gw.metric(&format!(
         "agentserve_kv_predictions_total{{outcome=\"{outcome}\",source=\"{source}\",tier=\"default\"}}"
@@ -82,8 +103,8 @@ async fn an_engines_events_say_what_it_holds_through_a_lost_batch_and_a_restart(
 
     // Sessions go upstream named by their binding key, not the client's id.
     let mut s = Conversation::new("s");
-    for turn in 0..3 {
-        let r = chat(&c, &gw, &[("x-session-id", "s")], &s.next(turn)).await;
+    for t in 0..3 {
+        let r = turn(&c, &gw, "ev-0", "s", &s.next(t)).await;
         assert_eq!(r.status, 200);
     }
     let seen = sim.stats().await["last_headers"]["x-session-id"].clone();
