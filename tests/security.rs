@@ -316,3 +316,81 @@ async fn garbage_requests_do_not_take_the_gateway_down() {
     assert_eq!(r.status, 400, "the backend's own verdict");
     assert_eq!(r.tier.as_deref(), Some("small"));
 }
+
+/// The prompt tokens the engine found cached for a request, sent with
+/// tenant `key` as the raw JSON `body`.
+async fn cached_for(gw: &Gateway, key: &str, body: String) -> u64 {
+    let r = client()
+        .post(gw.url("/v1/chat/completions"))
+        .header("authorization", format!("Bearer {key}"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .expect("reaches the gateway");
+    let r = reply(r).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("the engine's cached tokens")
+}
+
+#[tokio::test]
+async fn with_cache_salt_one_tenants_prompts_never_find_anothers_cached_blocks() {
+    let (dir, keys) = write_keys(&[("sk-a", "acme", ""), ("sk-b", "bravo", "")]);
+    let prompt = |salt: &str| {
+        let mut body = chat_body("qwen3-8b", 0);
+        if !salt.is_empty() {
+            body["cache_salt"] = json!(salt);
+        }
+        body.to_string()
+    };
+    for salted in [true, false] {
+        let extra = format!(
+            "{}auth:\n  keys_file: \"{}\"\n  required: true\n  cache_salt: {}\n",
+            affinity_yaml(1800),
+            keys.display(),
+            if salted { "tenant" } else { "off" }
+        );
+        let (sims, gw) = fleet(1, &extra).await;
+        assert_eq!(cached_for(&gw, "sk-a", prompt("")).await, 0);
+        // The pair that shows the salt reaches the cache: a's own prompt
+        // is found again.
+        assert!(cached_for(&gw, "sk-a", prompt("")).await > 0);
+        let a_salt = sims[0].stats().await["last_cache_salt"].clone();
+        let b_cached = cached_for(&gw, "sk-b", prompt("")).await;
+        if !salted {
+            assert!(b_cached > 0, "unsalted, b finds a's blocks");
+            assert!(a_salt.is_null(), "nothing added: {a_salt}");
+            continue;
+        }
+        assert_eq!(b_cached, 0, "b found a's blocks");
+        let a_salt = a_salt.as_str().expect("a salt went upstream").to_string();
+        // b naming a's salt, as a member or spelled with an escape.
+        assert_eq!(cached_for(&gw, "sk-b", prompt(&a_salt)).await, 0);
+        // Spelled with an escape, where a parser keeping the last of
+        // repeated members would take b's: refused.
+        let escaped = prompt("").replacen('{', &format!("{{\"cache\\u005fsalt\":\"{a_salt}\","), 1);
+        let r = client()
+            .post(gw.url("/v1/chat/completions"))
+            .header("authorization", "Bearer sk-b")
+            .body(escaped)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        // b's own blocks are b's.
+        assert!(cached_for(&gw, "sk-b", prompt("")).await > 0);
+        // A body the gateway cannot read is not sent unsalted.
+        let r = client()
+            .post(gw.url("/v1/chat/completions"))
+            .header("authorization", "Bearer sk-b")
+            .body(r#"["model", "qwen3-8b"]"#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        assert!(r.text().await.unwrap().contains("cache_salt"));
+    }
+    drop(dir);
+}

@@ -8,7 +8,8 @@
 //! 2-core box: the same conversations' warm-turn cached share on one server
 //! alone, by direct round robin, and through the gateway (keyed, keyless,
 //! a Responses chain); the engines' events current at the gateway and its
-//! predictions from them; a server killed and started again.
+//! predictions from them; a server killed and started again; two tenants
+//! whose prompts the gateway salts (`auth.cache_salt`).
 
 mod common;
 
@@ -321,4 +322,80 @@ async fn three_vllm_servers_behind_the_gateway() {
             || kv["events"].as_u64() > Some(before)
     })
     .await;
+
+    // 6. Two tenants, `auth.cache_salt: tenant`, one server: the same
+    // prompt is cached for the tenant that sent it and never for the
+    // other, whatever salt the other writes.
+    let server = &servers[(v + 1) % 3];
+    let (keys_dir, keys) = write_keys(&[("sk-acme", "acme", ""), ("sk-bravo", "bravo", "")]);
+    let tiers = [TierSpec {
+        name: "default",
+        default: true,
+        models: &["tiny"],
+        backends: vec![(ids[(v + 1) % 3].clone(), server.addr().parse().unwrap(), 1)],
+    }];
+    let extra = format!(
+        "health:\n  path: /health\n  interval_ms: 500\n  timeout_ms: 3000\n{}auth:\n  keys_file: \"{}\"\n  required: true\n  cache_salt: tenant\n",
+        affinity_yaml(600),
+        keys.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (port, metrics_port) = (free_port(), free_port_pair());
+    let yaml = config_yaml(port, metrics_port, dir.path(), &tiers, &extra);
+    let salted = Gateway::start_yaml(dir, port, metrics_port, &yaml).await;
+    let system = "You are the auditor of ledger 7. Check every entry against the bank statement and list what differs. ".repeat(6);
+    let ask = |key: &'static str, body: String| {
+        let req = c
+            .post(salted.url("/v1/chat/completions"))
+            .header("authorization", format!("Bearer {key}"))
+            .header("content-type", "application/json")
+            .body(body);
+        async move {
+            let r = req.send().await.expect("answered");
+            let status = r.status();
+            let v: Value = r.json().await.expect("json");
+            assert_eq!(status, 200, "{v}");
+            usage(&v).1
+        }
+    };
+    let prompt = |salt: Option<&str>| {
+        let mut body = json!({"model": "tiny", "max_tokens": 4, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Start with March."}]});
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
+        body.to_string()
+    };
+    let first = ask("sk-acme", prompt(None)).await;
+    let again = ask("sk-acme", prompt(None)).await;
+    let other = ask("sk-bravo", prompt(None)).await;
+    // Both writing the same salt of their own.
+    let own_a = ask("sk-acme", prompt(Some("team-1"))).await;
+    let own_a2 = ask("sk-acme", prompt(Some("team-1"))).await;
+    let same_b = ask("sk-bravo", prompt(Some("team-1"))).await;
+    let b_again = ask("sk-bravo", prompt(None)).await;
+    // The same prompt straight to the server, unsalted: nothing the
+    // tenants sent is found (the salt reached the engine).
+    let direct: Value = c
+        .post(server.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(prompt(None))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let direct = usage(&direct).1;
+    eprintln!(
+        "cache_salt: acme {first} then {again} cached; bravo, the same prompt, {other}; \
+         both writing salt team-1: acme {own_a} then {own_a2}, bravo {same_b}; \
+         bravo again {b_again}; unsalted, straight to the server, {direct}"
+    );
+    assert_eq!(first, 0, "the prompt is new to the server");
+    assert!(again > 0 && own_a2 > 0 && b_again > 0, "each tenant's own prompt is cached again");
+    assert_eq!((other, same_b), (0, 0), "bravo found acme's blocks");
+    assert_eq!(direct, 0, "an unsalted request found a tenant's blocks");
+    drop(keys_dir);
 }

@@ -146,6 +146,8 @@ pub struct BodyProbe<'a> {
     /// The prompt's array of messages (`messages`, or Responses' `input`),
     /// walked on the way: which member, and where each element ends in it.
     messages: Option<(&'a [u8], Vec<usize>)>,
+    /// Where the object's closing brace is.
+    close: usize,
 }
 
 /// The top-level arrays whose elements are a prompt's messages.
@@ -172,7 +174,27 @@ impl<'a> BodyProbe<'a> {
             top.push((key, &body[at..end]));
             Some((true, end))
         })?;
-        (skip_ws(body, end) == body.len()).then_some(BodyProbe { top, messages })
+        (skip_ws(body, end) == body.len()).then_some(BodyProbe {
+            top,
+            messages,
+            close: end.saturating_sub(1),
+        })
+    }
+
+    /// Where the object's closing brace is: a member written before it is
+    /// the object's last.
+    pub fn close(&self) -> usize {
+        self.close
+    }
+
+    /// Each top-level member: (its key as written, its raw value).
+    pub fn members(&self) -> impl Iterator<Item = (&'a [u8], &'a [u8])> + '_ {
+        self.top.iter().copied()
+    }
+
+    /// Whether the object has no members.
+    pub fn is_empty(&self) -> bool {
+        self.top.is_empty()
     }
 
     /// Where each element of the top-level array `name` ends (offsets into

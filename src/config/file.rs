@@ -122,6 +122,8 @@ pub(crate) struct FileAuth {
     pub(crate) upstream_key: Option<String>,
     /// `finish` (default) | `cut`.
     pub(crate) stream_over_limit: Option<String>,
+    /// `off` (default) | `tenant`.
+    pub(crate) cache_salt: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

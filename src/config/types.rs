@@ -228,6 +228,23 @@ pub struct AuthConfig {
     /// What happens to a stream whose tenant's `tokens_per_minute` it
     /// spends past zero.
     pub stream_over_limit: StreamOverLimit,
+    /// What keeps tenants' prompts apart in the engines' prefix caches.
+    pub cache_salt: CacheSalt,
+}
+
+/// `auth.cache_salt`: whether each request carries its tenant's
+/// `cache_salt`, the field vLLM and SGLang hash into a prompt's first
+/// block, so that one tenant's prompts never find another's cached blocks
+/// (nor learn from a cached-token count or a fast first token that another
+/// sent the same prefix).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CacheSalt {
+    /// Requests go as the client sent them.
+    #[default]
+    Off,
+    /// The gateway sets every prompt's `cache_salt` from its tenant (and
+    /// any salt the client sent): a tenant cannot name another's.
+    Tenant,
 }
 
 /// `auth.stream_over_limit`: a stream that takes its tenant over its

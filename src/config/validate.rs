@@ -162,6 +162,15 @@ pub(super) fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     let admission = validate_admission(&file.admission, &mut errors);
     let auth = validate_auth(&file.auth, &mut errors);
     let affinity = validate_affinity(&file.affinity, &mut errors, &mut warnings);
+    if auth.cache_salt == CacheSalt::Tenant
+        && auth.keys_file.is_none()
+        && affinity.tenant == TenantSource::None
+    {
+        errors.push(err(
+            "auth.cache_salt",
+            "`tenant` needs tenants: auth.keys_file, or affinity.tenant_header / tenant_from_authorization",
+        ));
+    }
     let admin = validate_admin(&file.admin, &mut errors);
     let health = validate_health(&file.health, &mut errors);
     let (placement, load) = validate_placement(&file.placement, &file.load, &mut errors);
@@ -535,7 +544,19 @@ pub(super) fn validate_auth(a: &FileAuth, errors: &mut Vec<ConfigError>) -> Auth
             StreamOverLimit::Finish
         }
     };
+    let cache_salt = match a.cache_salt.as_deref() {
+        None | Some("off") => CacheSalt::Off,
+        Some("tenant") => CacheSalt::Tenant,
+        Some(other) => {
+            errors.push(err(
+                "auth.cache_salt",
+                format!("`{other}`: must be `off` or `tenant`"),
+            ));
+            CacheSalt::Off
+        }
+    };
     AuthConfig {
+        cache_salt,
         keys_file: a.keys_file.as_ref().map(std::path::PathBuf::from),
         required: a.required,
         stream_over_limit,

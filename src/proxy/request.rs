@@ -210,7 +210,7 @@ async fn read_body(
     let mut max_output = None;
     let mut body = body;
     if needs_body {
-        let facts = intake.read_body(gw, &body).await;
+        let facts = intake.read_body(gw, &body).await?;
         max_output = facts.max_output;
         ctx.body.asks_stream = facts.asks_stream;
         if ctx.record.sampled() {

@@ -4,6 +4,8 @@
 //! [`RouteRequest`] it makes ([`Intake::finish`]).
 
 use super::request::{RouteRequest, StoredRef};
+use super::edits::Edits;
+use super::salt;
 use super::stored;
 use crate::affinity::hrw::{HrwHasher, KeyKind};
 use crate::affinity::prefix::conversation::Conversation;
@@ -52,6 +54,9 @@ pub struct Intake {
     read_prompt: bool,
     /// The path and query the backend is asked for, when not the client's.
     upstream_path: Option<String>,
+    /// Its prompt carries its tenant's `cache_salt` (`auth.cache_salt`):
+    /// set by `body_need`.
+    salted: bool,
 }
 
 /// Whether routing reads the body before choosing a backend.
@@ -90,19 +95,6 @@ fn response_path(uri: &http::Uri) -> Option<(String, String, String)> {
     let id = &path[at..end];
     (!id.is_empty() && session::check_value(id.as_bytes()).is_ok())
         .then(|| (id.to_string(), pq[..at].to_string(), pq[end..].to_string()))
-}
-
-/// `body` with `value` (a slice of it: a member's raw value) replaced by
-/// the JSON string `with`.
-fn splice(body: &[u8], value: &[u8], with: &str) -> Vec<u8> {
-    let start = value.as_ptr() as usize - body.as_ptr() as usize;
-    let end = start + value.len();
-    let mut out = Vec::with_capacity(body.len() + with.len());
-    out.extend_from_slice(&body[..start]);
-    // Writing a string to a Vec cannot fail.
-    let _ = serde_json::to_writer(&mut out, with);
-    out.extend_from_slice(&body[end..]);
-    out
 }
 
 /// Whether a request's path is one whose prompt an engine's prefix cache
@@ -258,6 +250,7 @@ impl Intake {
             responses_scope: None,
             read_prompt: false,
             upstream_path: None,
+            salted: false,
         })
     }
 
@@ -344,10 +337,14 @@ impl Intake {
                     .as_ref()
                     .is_some_and(|(_, s)| gw.affinity.is_live(s.key)));
         let responses_api = has_body && self.responses_api;
+        self.salted = has_body
+            && self.prompt_path
+            && cfg.auth.cache_salt == crate::config::CacheSalt::Tenant;
         let must = has_body
             && ((self.tier.is_none() && self.routing.routes_by_model())
                 || (self.session.is_none() && !cfg.affinity.body_session_fields.is_empty())
-                || responses_api);
+                || responses_api
+                || self.salted);
         if must {
             BodyNeed::Must
         } else if has_body && self.read_prompt && declared.is_some() {
@@ -360,9 +357,15 @@ impl Intake {
     /// Read what the `body` says of the route: the tier its model picks, a
     /// session key in its fields, the stored response it follows, its
     /// prompt (`affinity.prefix`).
-    pub async fn read_body(&mut self, gw: &Gateway, body: &[u8]) -> BodyFacts {
+    pub async fn read_body(&mut self, gw: &Gateway, body: &[u8]) -> Result<BodyFacts, GatewayError> {
         let Some(probe) = BodyProbe::parse(body) else {
-            return BodyFacts::default();
+            if self.salted {
+                // Forwarded as it is, it would reach the engine unsalted.
+                return Err(GatewayError::bad_body(
+                    "the body must be a JSON object (auth.cache_salt)".into(),
+                ));
+            }
+            return Ok(BodyFacts::default());
         };
         let routing = Arc::clone(&self.routing);
         let cfg = &routing.config;
@@ -381,7 +384,7 @@ impl Intake {
                 .or_else(|| probe.session(&cfg.affinity.body_session_fields));
         }
         let routed_in = Arc::clone(self.tier.as_ref().unwrap_or_else(|| routing.default_tier()));
-        let mut rewritten = None;
+        let mut edits = Edits::default();
         if responses_api {
             // Response ids are kept under the tier and tenant too.
             let scope = scope_of(&routed_in.name, &self.tenant_scope);
@@ -392,7 +395,7 @@ impl Intake {
                     stored.as_ref().and_then(|s| s.engine.as_deref()),
                     probe.raw("previous_response_id"),
                 ) {
-                    rewritten = Some(splice(body, raw, engine));
+                    edits.string_at(body, raw, engine);
                 }
                 self.stored = stored.map(Box::new);
             }
@@ -417,12 +420,15 @@ impl Intake {
                 .map(Box::new);
             self.continue_fleets(gw, &routed_in).await;
         }
-        BodyFacts {
+        if self.salted {
+            salt::write(&routing.hasher, &self.tenant_scope, body, &probe, &mut edits)?;
+        }
+        Ok(BodyFacts {
             max_output: probe.max_output_tokens(),
             asks_stream: Some(probe.is_stream()),
             model,
-            rewritten,
-        }
+            rewritten: edits.apply(body),
+        })
     }
 
     /// A keyless conversation new here may be one another gateway of the

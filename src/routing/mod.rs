@@ -21,8 +21,10 @@
 //!
 //! [`Affinity::route`]: crate::affinity::Affinity::route
 
+mod edits;
 mod intake;
 mod request;
+mod salt;
 mod stored;
 
 pub use intake::{BodyFacts, BodyNeed, Intake};

@@ -37,7 +37,14 @@ pub fn tokenize(text: &str) -> Vec<u32> {
 
 /// Chained hashes of the full blocks of `tokens`.
 pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
-    let mut prev = 0u64;
+    salted_block_hashes(tokens, block_size, None)
+}
+
+/// [`block_hashes`] of a request with a `cache_salt`: as vLLM and SGLang
+/// do, the salt is hashed into the first block (and so into every block
+/// chained from it): a prompt finds only blocks stored with its salt.
+pub fn salted_block_hashes(tokens: &[u32], block_size: usize, salt: Option<&str>) -> Vec<u64> {
+    let mut prev = salt.map_or(0, |s| fnv1a(s.as_bytes(), 0x5a17));
     tokens
         .chunks_exact(block_size)
         .map(|block| {
@@ -140,7 +147,12 @@ impl PrefixCache {
     /// Tokens of the longest cached prefix of `tokens`, counting the lookup in
     /// the hit/query totals and refreshing the matched blocks.
     pub fn lookup(&mut self, tokens: &[u32]) -> usize {
-        let hashes = block_hashes(tokens, self.block_size);
+        self.lookup_salted(tokens, None)
+    }
+
+    /// [`PrefixCache::lookup`] of a request with a `cache_salt`.
+    pub fn lookup_salted(&mut self, tokens: &[u32], salt: Option<&str>) -> usize {
+        let hashes = salted_block_hashes(tokens, self.block_size, salt);
         let mut matched = 0;
         for h in &hashes {
             match self.index.get(h).copied() {
@@ -162,6 +174,11 @@ impl PrefixCache {
     /// runs of blocks stored (each chained from its parent) and blocks
     /// evicted to make room.
     pub fn insert(&mut self, tokens: &[u32]) -> Vec<CacheEvent> {
+        self.insert_salted(tokens, None)
+    }
+
+    /// [`PrefixCache::insert`] of a request with a `cache_salt`.
+    pub fn insert_salted(&mut self, tokens: &[u32], salt: Option<&str>) -> Vec<CacheEvent> {
         let mut events = Vec::new();
         let mut run: Vec<u64> = Vec::new();
         let mut run_parent = None;
@@ -174,7 +191,7 @@ impl PrefixCache {
                 });
             }
         };
-        for h in block_hashes(tokens, self.block_size) {
+        for h in salted_block_hashes(tokens, self.block_size, salt) {
             if let Some(&i) = self.index.get(&h) {
                 self.touch(i);
                 flush(&mut events, &mut run, run_parent);

@@ -142,6 +142,8 @@ struct Sim {
     /// The headers of these names the last POST carried (for tests: what
     /// reaches an engine).
     last_headers: Mutex<serde_json::Map<String, Value>>,
+    /// The `cache_salt` the last completion carried (for tests).
+    last_cache_salt: Mutex<Option<String>>,
     /// Its KV-cache events (`--kv-events`).
     kv: Option<kv::Publisher>,
 }
@@ -232,6 +234,7 @@ pub async fn spawn_with_events(
         waiting: AtomicU64::new(0),
         requests: AtomicU64::new(0),
         last_headers: Default::default(),
+        last_cache_salt: Default::default(),
         active_streams: AtomicU64::new(0),
         faults: Mutex::new(Faults {
             fail_rate: cfg.fail_rate,
@@ -292,6 +295,8 @@ struct CompletionRequest {
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
+    /// Keeps this request's prefix cache apart (vLLM's and SGLang's field).
+    cache_salt: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -704,6 +709,7 @@ impl Sim {
             "messages": messages,
             "max_tokens": v["max_output_tokens"].as_u64().unwrap_or(16),
             "stream": v["stream"].as_bool().unwrap_or(false),
+            "cache_salt": v["cache_salt"],
         });
         let n = self.requests.load(Ordering::Relaxed);
         let shape = Shape::Responses {
@@ -844,6 +850,12 @@ impl Sim {
             .model
             .clone()
             .unwrap_or_else(|| self.cfg.models[0].clone());
+        if req.cache_salt.as_deref() == Some("") {
+            // vLLM refuses an empty salt.
+            return self.error(StatusCode::BAD_REQUEST, "cache_salt must not be empty");
+        }
+        let salt = req.cache_salt.as_deref();
+        self.last_cache_salt.lock().clone_from(&req.cache_salt);
         let max_out = req
             .max_completion_tokens
             .or(req.max_tokens)
@@ -867,7 +879,7 @@ impl Sim {
             // The cache is read when this prompt's prefill starts, as an
             // engine's scheduler does: a prompt queued behind another that
             // shares its prefix finds the blocks that one computed.
-            let cached = self.cache.lock().lookup(&tokens);
+            let cached = self.cache.lock().lookup_salted(&tokens, salt);
             let us = (tokens.len() - cached) as f64 * self.cfg.prefill_us_per_token * slowdown;
             if let Some(s) = sleep_us(us) {
                 s.await;
@@ -876,7 +888,7 @@ impl Sim {
         };
         let prefill_us = prefill_started.elapsed().as_micros() as u64;
         let no_report = self.cfg.no_cache_report;
-        let changed = self.cache.lock().insert(&tokens);
+        let changed = self.cache.lock().insert_salted(&tokens, salt);
         self.publish(changed, session);
         let timing = move |mut r: Response<Body>| {
             r.headers_mut().insert("x-sim-queue-us", queue_us.into());
@@ -1134,6 +1146,7 @@ impl Sim {
             "prefix_cache_hits": c.hit_tokens,
             "cache_blocks": c.len_blocks(),
             "last_headers": self.last_headers.lock().clone(),
+            "last_cache_salt": self.last_cache_salt.lock().clone(),
         })
     }
 

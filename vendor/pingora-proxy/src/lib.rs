@@ -1592,7 +1592,11 @@ where
                 .on_connection_reuse(&mut session, &mut ctx, prev_ctx);
         }
 
-        self.process_request(session, ctx).await
+        // agent-gateway patch: the request's processing is a future of its
+        // own, allocated once a request has come. Inline, its state (tens
+        // of KiB) made this future as large, and every idle keepalive
+        // connection held one while it waited for its next request.
+        Box::pin(self.process_request(session, ctx)).await
     }
 
     async fn http_cleanup(&self) {
