@@ -18,10 +18,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Each client connection's read buffer. Pingora's default, 64 KiB, is most
-/// of what an idle connection costs (108 KB each, 5,000 idle: 526 MiB); a
-/// request's headers fit in 8 KiB, and reads larger than the buffer (a
-/// body's) bypass it.
-const CLIENT_READ_BUFFER: usize = 8 * 1024;
+/// of what an idle connection costs (108 KB each, 5,000 idle: 526 MiB).
+/// Pingora reads headers into a 4 KiB buffer of its own and bodies into
+/// larger ones, and a read at least as large as this buffer bypasses it: a
+/// larger one only adds copies and memory (8 KiB: 4 KB more an idle
+/// connection; docs/benchmarks.md, issue 49, sixth session).
+const CLIENT_READ_BUFFER: usize = 4 * 1024;
 /// Pingora's default: one segment.
 const CLIENT_WRITE_BUFFER: usize = 1460;
 
