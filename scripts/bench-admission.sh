@@ -23,6 +23,8 @@
 #   BIN=target/debug/agent-gateway scripts/bench-admission.sh   # skip the build
 #   SIM_FLAGS="" scripts/bench-admission.sh   # engines that prefill side by side (default --serial-prefill)
 #
+#   KEEP=dir GW_LOG=info scripts/bench-admission.sh   # keep each gateway's log (gwN.log)
+#
 # Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -117,7 +119,7 @@ metrics: { listen: "127.0.0.1:$mp" }
 admin: { listen: "127.0.0.1:$ap" }
 $section
 YAML
-    RUST_LOG=error "$BIN" run --config "$WORK/gw$g.yaml" >/dev/null 2>&1 &
+    RUST_LOG="${GW_LOG:-error}" "$BIN" run --config "$WORK/gw$g.yaml" >>"$WORK/gw$g.log" 2>&1 &
     RUN_PIDS+=($!); PIDS+=($!)
     wait_port "$gp"
     GW="${GW:+$GW,}http://127.0.0.1:$gp"
