@@ -48,9 +48,10 @@ pub struct DemoArgs {
     /// or `mode` / `soft_policy` (e.g. `bounded_hrw,load=requests,mode=soft`).
     #[arg(long, default_value = DEFAULT_PLACEMENTS)]
     pub placements: String,
-    /// Placement, soft and recovery studies: run each variant this many
-    /// times, each repeat with another population of session ids (another
-    /// draw of the hash's lumpiness), and summarise the means.
+    /// Placement, soft, recovery, prefix, keyless and trace studies: run
+    /// each variant this many times, each repeat with another population of
+    /// session ids (another draw of the hash's lumpiness), and summarise the
+    /// means.
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
     /// Soft study: the share of the requests served before replica 0 slows
@@ -113,6 +114,8 @@ pub enum Study {
     /// shared block), keyless against sticky by conversation, re-blocked
     /// and byte-exact, and soft against hard with ids.
     Trace,
+    /// The trace study's last table alone: soft against hard with ids.
+    TraceSoft,
     /// Responses chains by `previous_response_id` over replicas that each
     /// keep their own responses, JSON and streamed, against one replica
     /// alone (which holds every chain).
@@ -465,6 +468,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             | Study::Prefix
             | Study::Keyless
             | Study::Trace
+            | Study::TraceSoft
             | Study::Responses
     ) {
         let started = Instant::now();
@@ -473,7 +477,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             Study::Recovery => recovery_study(exe, args).await?,
             Study::Prefix => prefix_study(exe, args).await?,
             Study::Keyless => keyless_study(exe, args).await?,
-            Study::Trace => trace_study(exe, args).await?,
+            Study::Trace | Study::TraceSoft => trace_study(exe, args).await?,
             Study::Responses => responses_study(exe, args).await?,
             _ => placement_study(exe, args).await?,
         };
@@ -1048,17 +1052,19 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
     trace.concurrency = 16;
     let mut tables: Vec<Table> = Vec::new();
     let pair = ["bounded_hrw", "bounded_hrw,ids=none"];
-    tables.extend(
-        reblocked_and_byte_exact(
-            exe,
-            &model,
-            &mut trace,
-            ("chat trace", "chat trace"),
-            &pair,
-            repeats,
-        )
-        .await?,
-    );
+    if args.study != Study::TraceSoft {
+        tables.extend(
+            reblocked_and_byte_exact(
+                exe,
+                &model,
+                &mut trace,
+                ("chat trace", "chat trace"),
+                &pair,
+                repeats,
+            )
+            .await?,
+        );
+    }
     trace.trace_reblock = true;
     let soft = ["bounded_hrw", "bounded_hrw,mode=soft"];
     let (runs, _) = run_variants(exe, &model, 4, &trace, "chat trace soft", &soft, repeats).await?;
