@@ -394,7 +394,10 @@ async fn three_vllm_servers_behind_the_gateway() {
          bravo again {b_again}; unsalted, straight to the server, {direct}"
     );
     assert_eq!(first, 0, "the prompt is new to the server");
-    assert!(again > 0 && own_a2 > 0 && b_again > 0, "each tenant's own prompt is cached again");
+    assert!(
+        again > 0 && own_a2 > 0 && b_again > 0,
+        "each tenant's own prompt is cached again"
+    );
     assert_eq!((other, same_b), (0, 0), "bravo found acme's blocks");
     assert_eq!(direct, 0, "an unsalted request found a tenant's blocks");
     drop(keys_dir);

@@ -190,10 +190,16 @@ metrics:
         let c = Config::from_yaml(GOOD).unwrap();
         assert_eq!(c.auth.cache_salt, CacheSalt::Off);
         let keyed = format!("{GOOD}auth:\n  keys_file: /k.yaml\n  cache_salt: tenant\n");
-        assert_eq!(Config::from_yaml(&keyed).unwrap().auth.cache_salt, CacheSalt::Tenant);
+        assert_eq!(
+            Config::from_yaml(&keyed).unwrap().auth.cache_salt,
+            CacheSalt::Tenant
+        );
         let by_header = GOOD.replace("affinity:\n", "affinity:\n  tenant_header: x-tenant\n")
             + "auth:\n  cache_salt: tenant\n";
-        assert_eq!(Config::from_yaml(&by_header).unwrap().auth.cache_salt, CacheSalt::Tenant);
+        assert_eq!(
+            Config::from_yaml(&by_header).unwrap().auth.cache_salt,
+            CacheSalt::Tenant
+        );
         let no_tenants = format!("{GOOD}auth:\n  cache_salt: tenant\n");
         assert_eq!(keys(&no_tenants), vec!["auth.cache_salt".to_string()]);
         let unknown = format!("{GOOD}auth:\n  keys_file: /k.yaml\n  cache_salt: key\n");

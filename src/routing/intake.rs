@@ -3,8 +3,8 @@
 //! ([`Intake::body_need`], [`Intake::read_body`]), then the
 //! [`RouteRequest`] it makes ([`Intake::finish`]).
 
-use super::request::{RouteRequest, StoredRef};
 use super::edits::Edits;
+use super::request::{RouteRequest, StoredRef};
 use super::salt;
 use super::stored;
 use crate::affinity::hrw::{HrwHasher, KeyKind};
@@ -337,9 +337,8 @@ impl Intake {
                     .as_ref()
                     .is_some_and(|(_, s)| gw.affinity.is_live(s.key)));
         let responses_api = has_body && self.responses_api;
-        self.salted = has_body
-            && self.prompt_path
-            && cfg.auth.cache_salt == crate::config::CacheSalt::Tenant;
+        self.salted =
+            has_body && self.prompt_path && cfg.auth.cache_salt == crate::config::CacheSalt::Tenant;
         let must = has_body
             && ((self.tier.is_none() && self.routing.routes_by_model())
                 || (self.session.is_none() && !cfg.affinity.body_session_fields.is_empty())
@@ -357,7 +356,11 @@ impl Intake {
     /// Read what the `body` says of the route: the tier its model picks, a
     /// session key in its fields, the stored response it follows, its
     /// prompt (`affinity.prefix`).
-    pub async fn read_body(&mut self, gw: &Gateway, body: &[u8]) -> Result<BodyFacts, GatewayError> {
+    pub async fn read_body(
+        &mut self,
+        gw: &Gateway,
+        body: &[u8],
+    ) -> Result<BodyFacts, GatewayError> {
         let Some(probe) = BodyProbe::parse(body) else {
             if self.salted {
                 // Forwarded as it is, it would reach the engine unsalted.
@@ -421,7 +424,13 @@ impl Intake {
             self.continue_fleets(gw, &routed_in).await;
         }
         if self.salted {
-            salt::write(&routing.hasher, &self.tenant_scope, body, &probe, &mut edits)?;
+            salt::write(
+                &routing.hasher,
+                &self.tenant_scope,
+                body,
+                &probe,
+                &mut edits,
+            )?;
         }
         Ok(BodyFacts {
             max_output: probe.max_output_tokens(),

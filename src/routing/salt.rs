@@ -108,9 +108,16 @@ mod tests {
         let a = salted(r#"{"model":"m","messages":[]}"#, "\0ka").unwrap();
         let b = salted(r#"{"model":"m","messages":[]}"#, "\0kb").unwrap();
         assert_eq!(a["model"], "m", "the rest of the body is kept");
-        let (sa, sb) = (a["cache_salt"].as_str().unwrap(), b["cache_salt"].as_str().unwrap());
+        let (sa, sb) = (
+            a["cache_salt"].as_str().unwrap(),
+            b["cache_salt"].as_str().unwrap(),
+        );
         assert_ne!(sa, sb);
-        assert_eq!(sa, salted(r#"{ }"#, "\0ka").unwrap()["cache_salt"], "the same on every request");
+        assert_eq!(
+            sa,
+            salted(r#"{ }"#, "\0ka").unwrap()["cache_salt"],
+            "the same on every request"
+        );
         // Tenant b sending a's salt as its own gets a salt of b's.
         let lying = format!(r#"{{"model":"m","cache_salt":"{sa}"}}"#);
         let got = salted(&lying, "\0kb").unwrap();
