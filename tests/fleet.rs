@@ -1774,3 +1774,86 @@ async fn a_request_waiting_in_the_fleets_queue_is_served_when_the_store_goes() {
         .expect("served within a minute");
     assert_eq!(status.unwrap(), 200);
 }
+
+/// Issue 46: a new conversation through one gateway is not placed where
+/// another gateway's request is prefilling while other backends are idle:
+/// the fleet's queue tells each gateway the others' prefills, which its
+/// queue-aware placement weighs as it weighs its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_conversation_is_not_placed_behind_another_gateways_prefill() {
+    let redis = Redis::start_on(free_port());
+    // Prefills that take time (about 100 ms a prompt here): shorter ones
+    // are let beside others and not counted as prefilling.
+    let args = ["--prefill-us-per-token", "500"];
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &args))
+        .collect();
+    let mut gws = Vec::new();
+    for _ in 0..2 {
+        gws.push(
+            Gateway::start(
+                &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+                &format!(
+                    "{FAST_HEALTH}{}  allow_explicit_target: true\n  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{}\"\n    timeout_ms: 200\nadmission:\n  enabled: true\n  max_in_flight: 4\n  max_prefilling: 1\n  max_wait_ms: 3000\noutlier:\n  first_byte_timeout_ms: 600000\n",
+                    affinity_yaml(1800),
+                    redis.port
+                ),
+            )
+            .await,
+        );
+    }
+    for gw in &gws {
+        store_connected(gw).await;
+    }
+    let c = client();
+    // A conversation on each backend, through the second gateway (which
+    // learns what a prefill costs at each).
+    let mut placed = Vec::new();
+    for i in 0..3 {
+        let id = format!("placed-{i}");
+        let r = chat(&c, &gws[1], &[("x-session-id", &id)], &chat_body("m", 0)).await;
+        assert_eq!(r.status, 200);
+        placed.push(r.backend.expect("a backend"));
+    }
+    let mut backends = placed.clone();
+    backends.sort();
+    backends.dedup();
+    assert_eq!(backends.len(), 3, "one conversation a backend: {placed:?}");
+    // One backend stops answering; a long prompt through the first gateway
+    // (no session: it binds nothing) waits there for its first byte: a
+    // prefill the fleet's queue counts, of seconds at that backend's cost.
+    let busy = placed[0].clone();
+    let busy_sim = sims.iter().find(|s| s.id == busy).expect("its simulator");
+    busy_sim.set_faults(serde_json::json!({"hang": true})).await;
+    let mut long = chat_body("m", 1);
+    long["messages"][1]["content"] = serde_json::json!("Read this log. ".repeat(4_000));
+    long["stream"] = serde_json::json!(true);
+    let hanging = {
+        let (c, url, busy) = (c.clone(), gws[0].url("/v1/chat/completions"), busy.clone());
+        tokio::spawn(async move {
+            c.post(url)
+                .header("x-agent-serve-backend-id", busy)
+                .json(&long)
+                .send()
+                .await
+        })
+    };
+    wait_until("a request prefilling at the busy backend", || async {
+        gws[0].admin_backend(&busy).await["awaiting_first_byte"] == 1
+    })
+    .await;
+    // New conversations through the second gateway, one at a time, each
+    // closed after its turn (the backends' bindings stay one each): none
+    // goes where the other gateway's request is prefilling.
+    for i in 0..9 {
+        let id = format!("new-{i}");
+        let headers = [
+            ("x-session-id", id.as_str()),
+            ("x-dynamo-session-final", "true"),
+        ];
+        let r = chat(&c, &gws[1], &headers, &chat_body("m", 0)).await;
+        assert_eq!(r.status, 200, "{id}: {}", String::from_utf8_lossy(&r.body));
+        assert_ne!(r.backend.as_deref(), Some(busy.as_str()), "{id}");
+    }
+    hanging.abort();
+}

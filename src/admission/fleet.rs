@@ -135,6 +135,9 @@ pub trait FleetSlots: Send + Sync {
     async fn take(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable>;
     /// `seat` leaves the queue (a slot handed to it meanwhile is passed on).
     async fn leave(&self, seat: &Seat, caps: Caps) -> Result<Seen, Unreachable>;
+    /// The prefill other gateways have under way at each of `backends`
+    /// (ids), in their order.
+    async fn prefills_elsewhere(&self, backends: &[&str]) -> Result<Vec<Ahead>, Unreachable>;
     /// A request of `tenant` at `backend` ended (or its prefill did): its
     /// room goes to the best waiters.
     async fn release(

@@ -883,6 +883,20 @@ impl Admission {
         })
     }
 
+    /// Whether this gateway waits in a fleet's queue now (one of a fleet
+    /// whose store answers).
+    pub fn in_fleet(&self) -> bool {
+        self.fleet_slots().is_some()
+    }
+
+    /// The prefill the fleet's other gateways have under way at each of
+    /// `backends` (ids, in order), when this gateway is one of a fleet
+    /// whose store answers: one store round trip.
+    pub async fn fleet_prefills(&self, backends: &[&str]) -> Option<Vec<super::fleet::Ahead>> {
+        let slots = self.fleet_slots()?;
+        slots.prefills_elsewhere(backends).await.ok()
+    }
+
     /// The fleet's counts at `backend` as the store last answered.
     pub fn fleet_seen(&self, backend: u32, seen: Seen) {
         if let Some(b) = self.state.lock().backends.get_mut(&backend) {

@@ -321,7 +321,34 @@ run, pre = fill(run, pre)
 return answer(0, run)
 ";
 
+/// The prefill other live gateways have under way at each backend named.
+/// ARGV: 1 the store's prefix, 2 this gateway, then the backends' ids.
+/// Returns, a backend after another, {its tokens, ms since the oldest of
+/// them began}.
+const PREFILLS: &str = r"
+local prefix, gw = ARGV[1], ARGV[2]
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local out = {}
+for i = 3, #ARGV do
+  local base = prefix..'adm:'..ARGV[i]..':'
+  local n, since = 0, now
+  local w = redis.call('HGETALL', base..'w')
+  for j = 1, #w, 2 do
+    local g = w[j]
+    if g ~= gw and redis.call('EXISTS', prefix..'adm:live:'..g) == 1 then
+      n = n + tonumber(w[j + 1])
+      since = math.min(since, tonumber(redis.call('HGET', base..'s', g)) or now)
+    end
+  end
+  out[#out + 1] = n
+  out[#out + 1] = now - since
+end
+return out
+";
+
 struct Scripts {
+    prefills: redis::Script,
     acquire: redis::Script,
     take: redis::Script,
     leave: redis::Script,
@@ -330,6 +357,7 @@ struct Scripts {
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    prefills: redis::Script::new(PREFILLS),
     acquire: redis::Script::new(&format!("{PRELUDE}{ACQUIRE}")),
     take: redis::Script::new(&format!("{PRELUDE}{TAKE}")),
     leave: redis::Script::new(&format!("{PRELUDE}{LEAVE}")),
@@ -557,6 +585,27 @@ impl FleetSlots for SharedStore {
             .slots_call("slots", s, &seat.backend, caps, rest)
             .await?
             .1)
+    }
+
+    async fn prefills_elsewhere(&self, backends: &[&str]) -> Result<Vec<Ahead>, Unreachable> {
+        let prefix = self.config().key_prefix.clone();
+        let gw = self.instance.clone();
+        let ids: Vec<String> = backends.iter().map(|b| b.to_string()).collect();
+        let flat: Vec<u64> = self
+            .run("slots", |mut c| {
+                let mut call = SCRIPTS.prefills.prepare_invoke();
+                call.arg(prefix).arg(gw).arg(ids);
+                async move { call.invoke_async(&mut c).await }
+            })
+            .await
+            .map_err(|_| Unreachable)?;
+        Ok(flat
+            .chunks_exact(2)
+            .map(|p| Ahead {
+                tokens: p[0],
+                ms: p[1],
+            })
+            .collect())
     }
 
     async fn release(

@@ -51,6 +51,10 @@ pub(super) async fn choose(
     let routing = Arc::clone(route.request().routing());
     let admission = routing.config.admission.enabled;
     let prompt = route.request().prompt_tokens();
+    if admission {
+        let route = ctx.route.as_mut().expect("routed in request_filter");
+        route.see_fleet_prefills(gw).await;
+    }
     let prefill = loop {
         let who = admission.then_some((ctx.who.class, ctx.who.tenant));
         let route = ctx.route.as_mut().expect("routed in request_filter");

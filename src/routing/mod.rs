@@ -69,6 +69,8 @@ pub struct Route {
     /// What engines' KV events said candidates hold of the session: (slot,
     /// tokens).
     kv_held: Vec<(u32, u64)>,
+    /// Prefill the fleet's other gateways have under way: (slot, it).
+    elsewhere: Vec<(u32, crate::admission::fleet::Ahead)>,
 }
 
 /// Rotates ties among equally loaded backends for session-less requests.
@@ -82,6 +84,34 @@ impl Route {
             decision: None,
             replayed: false,
             kv_held: Vec::new(),
+            elsewhere: Vec::new(),
+        }
+    }
+
+    /// A session this gateway is about to place (no live binding here):
+    /// what the fleet's other gateways are prefilling at each backend now,
+    /// which placement weighs as it weighs this gateway's own queue there
+    /// (`placement.queue_aware`). One store round trip, with the fleet's
+    /// admission queue only: without it, each gateway sees only its own
+    /// requests, and a new conversation can land where another gateway's
+    /// prefill runs while a replica is idle.
+    pub async fn see_fleet_prefills(&mut self, gw: &Gateway) {
+        let Some(key) = self.req.key.as_ref().map(|s| s.key) else {
+            return;
+        };
+        let placed = self.req.stored.is_some() || self.req.target.is_some();
+        if placed || !gw.admission.in_fleet() || gw.affinity.is_live(key) {
+            return;
+        }
+        let backends = &self.req.tier.backends;
+        let ids: Vec<&str> = backends.iter().map(|b| &*b.id).collect();
+        if let Some(ahead) = gw.admission.fleet_prefills(&ids).await {
+            self.elsewhere = backends
+                .iter()
+                .zip(ahead)
+                .filter(|(_, a)| a.tokens > 0)
+                .map(|(b, a)| (b.slot, a))
+                .collect();
         }
     }
 
@@ -179,6 +209,16 @@ impl Route {
     ) -> Result<Vec<Candidate>, GatewayError> {
         let tier = &self.req.tier;
         let mut candidates = tier.candidates(&self.excluded);
+        for (slot, ahead) in &self.elsewhere {
+            if let Some(c) = candidates.iter_mut().find(|c| c.slot == *slot) {
+                // Another gateway's prefill queues ahead as this one's own
+                // would; with none here, it is the queue's head.
+                if c.queued_tokens == 0 {
+                    (c.head_ms, c.head_tokens) = (ahead.ms, ahead.tokens);
+                }
+                c.queued_tokens += ahead.tokens;
+            }
+        }
         if let Some(stored) = &self.req.stored {
             if stored.refused {
                 return Err(GatewayError::response_not_found(&stored.id));
