@@ -1411,16 +1411,29 @@ async fn keyed_pair(
     auth: &str,
 ) -> (tempfile::TempDir, Vec<Gateway>) {
     let (dir, keys) = write_keys(entries);
+    let rest = format!("auth:\n  keys_file: \"{}\"\n{auth}", keys.display());
+    (dir, on_redis(redis, sims, 2, "", &rest).await)
+}
+
+/// `n` gateways in front of `sims` sharing `redis`, each with
+/// `affinity_extra` in its `affinity` section and `rest` after it; returned
+/// once each has reached the store.
+async fn on_redis(
+    redis: &Redis,
+    sims: &[SimBackend],
+    n: usize,
+    affinity_extra: &str,
+    rest: &str,
+) -> Vec<Gateway> {
     let mut gws = Vec::new();
-    for _ in 0..2 {
+    for _ in 0..n {
         gws.push(
             Gateway::start(
                 &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
                 &format!(
-                    "{FAST_HEALTH}{}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{}\"\n    timeout_ms: 200\nauth:\n  keys_file: \"{}\"\n{auth}",
+                    "{FAST_HEALTH}{}{affinity_extra}  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{}\"\n    timeout_ms: 200\n{rest}",
                     affinity_yaml(1800),
                     redis.port,
-                    keys.display()
                 ),
             )
             .await,
@@ -1429,7 +1442,7 @@ async fn keyed_pair(
     for gw in &gws {
         store_connected(gw).await;
     }
-    (dir, gws)
+    gws
 }
 
 #[tokio::test]
@@ -1788,23 +1801,8 @@ async fn a_new_conversation_is_not_placed_behind_another_gateways_prefill() {
     let sims: Vec<SimBackend> = (0..3)
         .map(|i| SimBackend::start(&format!("vllm-{i}"), &args))
         .collect();
-    let mut gws = Vec::new();
-    for _ in 0..2 {
-        gws.push(
-            Gateway::start(
-                &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
-                &format!(
-                    "{FAST_HEALTH}{}  allow_explicit_target: true\n  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{}\"\n    timeout_ms: 200\nadmission:\n  enabled: true\n  max_in_flight: 4\n  max_prefilling: 1\n  max_wait_ms: 3000\noutlier:\n  first_byte_timeout_ms: 600000\n",
-                    affinity_yaml(1800),
-                    redis.port
-                ),
-            )
-            .await,
-        );
-    }
-    for gw in &gws {
-        store_connected(gw).await;
-    }
+    let rest = "admission:\n  enabled: true\n  max_in_flight: 4\n  max_prefilling: 1\n  max_wait_ms: 3000\noutlier:\n  first_byte_timeout_ms: 600000\n";
+    let gws = on_redis(&redis, &sims, 2, "  allow_explicit_target: true\n", rest).await;
     let c = client();
     // A conversation on each backend, through the second gateway (which
     // learns what a prefill costs at each).
