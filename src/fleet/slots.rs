@@ -25,11 +25,34 @@ use crate::admission::Admission;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-/// What every script starts with. ARGV: 1 the backend's key base, 2 the
-/// store's prefix, 3 this gateway, 4 the limit, 5 the cap on prefills
-/// (0: none), 6 how that cap is known (0 configured, 1 learned from this
-/// gateway's votes, 2 learned and not voted on here yet), then the
-/// script's own.
+/// What every script begins with: Redis's clock now (ms), and what other
+/// gateways are prefilling at a backend: the prefill tokens gateways other
+/// than `g` have under way at the backend whose keys start with `base`
+/// (those alive, and `me`, the gateway calling), and how long the oldest of
+/// them has been under way (ms): its progress is taken off.
+const SHARED: &str = r"
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+
+local function work_elsewhere(prefix, base, g, me)
+  local n, since = 0, now
+  local w = redis.call('HGETALL', base..'w')
+  for i = 1, #w, 2 do
+    local o = w[i]
+    if o ~= g and (o == me or redis.call('EXISTS', prefix..'adm:live:'..o) == 1) then
+      n = n + tonumber(w[i + 1])
+      since = math.min(since, tonumber(redis.call('HGET', base..'s', o)) or now)
+    end
+  end
+  return n, now - since
+end
+";
+
+/// What every slot script starts with, after [`SHARED`]. ARGV: 1 the
+/// backend's key base, 2 the store's prefix, 3 this gateway, 4 the limit,
+/// 5 the cap on prefills (0: none), 6 how that cap is known (0 configured,
+/// 1 learned from this gateway's votes, 2 learned and not voted on here
+/// yet), then the script's own.
 ///
 /// A learned cap is the fleet's: a gateway whose answers voted writes its
 /// cap (`v`), and one with no vote of its own takes the last written, so
@@ -44,25 +67,15 @@ local limit, learned = tonumber(ARGV[4]), ARGV[6] ~= '0'
 local cap = tonumber(ARGV[5])
 local RUN, PRE, Q, META, GRANTED, TEN = base..'run', base..'pre', base..'q', base..'m', base..'g', base..'t'
 local VOTED, PROBED, WORK, SINCE = base..'v', base..'p', base..'w', base..'s'
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 local function live(g)
   return g == gw or redis.call('EXISTS', prefix..'adm:live:'..g) == 1
 end
 
--- The prefill tokens gateways other than g have prefilling here, and
--- how long the oldest of them has been (ms): its progress is taken off.
+-- The prefill other gateways than g have under way here (see SHARED;
+-- a dead gateway's work is gone with its counts, `totals`).
 local function others_work(g)
-  local n, since = 0, now
-  local w = redis.call('HGETALL', WORK)
-  for i = 1, #w, 2 do
-    if w[i] ~= g then
-      n = n + tonumber(w[i + 1])
-      since = math.min(since, tonumber(redis.call('HGET', SINCE, w[i])) or now)
-    end
-  end
-  return n, now - since
+  return work_elsewhere(prefix, base, g, gw)
 end
 
 local function work_more(g, tokens)
@@ -327,22 +340,11 @@ return answer(0, run)
 /// them began}.
 const PREFILLS: &str = r"
 local prefix, gw = ARGV[1], ARGV[2]
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local out = {}
 for i = 3, #ARGV do
-  local base = prefix..'adm:'..ARGV[i]..':'
-  local n, since = 0, now
-  local w = redis.call('HGETALL', base..'w')
-  for j = 1, #w, 2 do
-    local g = w[j]
-    if g ~= gw and redis.call('EXISTS', prefix..'adm:live:'..g) == 1 then
-      n = n + tonumber(w[j + 1])
-      since = math.min(since, tonumber(redis.call('HGET', base..'s', g)) or now)
-    end
-  end
+  local n, ms = work_elsewhere(prefix, prefix..'adm:'..ARGV[i]..':', gw, gw)
   out[#out + 1] = n
-  out[#out + 1] = now - since
+  out[#out + 1] = ms
 end
 return out
 ";
@@ -357,12 +359,12 @@ struct Scripts {
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    prefills: redis::Script::new(PREFILLS),
-    acquire: redis::Script::new(&format!("{PRELUDE}{ACQUIRE}")),
-    take: redis::Script::new(&format!("{PRELUDE}{TAKE}")),
-    leave: redis::Script::new(&format!("{PRELUDE}{LEAVE}")),
-    release: redis::Script::new(&format!("{PRELUDE}{RELEASE}")),
-    sync: redis::Script::new(&format!("{PRELUDE}{SYNC}")),
+    prefills: redis::Script::new(&format!("{SHARED}{PREFILLS}")),
+    acquire: redis::Script::new(&format!("{SHARED}{PRELUDE}{ACQUIRE}")),
+    take: redis::Script::new(&format!("{SHARED}{PRELUDE}{TAKE}")),
+    leave: redis::Script::new(&format!("{SHARED}{PRELUDE}{LEAVE}")),
+    release: redis::Script::new(&format!("{SHARED}{PRELUDE}{RELEASE}")),
+    sync: redis::Script::new(&format!("{SHARED}{PRELUDE}{SYNC}")),
 });
 
 /// How long a gateway counts as alive without a word from it, and how

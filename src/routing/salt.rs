@@ -60,7 +60,9 @@ pub fn write(
         if !probe.is_empty() {
             member.push(b',');
         }
-        member.extend_from_slice(b"\"cache_salt\":\"");
+        member.push(b'"');
+        member.extend_from_slice(FIELD.as_bytes());
+        member.extend_from_slice(b"\":\"");
         // The salt is ASCII hex behind a fixed prefix: nothing to escape.
         member.extend_from_slice(salt.as_bytes());
         member.push(b'"');
