@@ -24,6 +24,7 @@
 #   SIM_FLAGS="" scripts/bench-admission.sh   # engines that prefill side by side (default --serial-prefill)
 #
 #   KEEP=dir GW_LOG=info scripts/bench-admission.sh   # keep each gateway's log (gwN.log)
+#   REPEATS=5 MODES="learned learned-x2" SCENARIOS=tenants scripts/bench-admission.sh   # pooled tails
 #
 # Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
 set -euo pipefail
@@ -45,6 +46,9 @@ CONTEXT_BYTES="${CONTEXT_BYTES:-8000}"
 # balancer spreads them), sharing bindings through a script-owned Redis, each
 # gateway learning the engines' limits alone.
 MODES="${MODES:-off learned on gated}"
+# REPEATS: run the modes this many times, interleaved, and pool the light
+# load's TTFTs per mode (a run's p99 of 24 light turns is its slowest one).
+REPEATS="${REPEATS:-1}"
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; [ -n "${KEEP:-}" ] && cp -r "$WORK"/. "$KEEP"/; rm -rf "$WORK"; }
@@ -157,42 +161,84 @@ sample_queues() {  # until $1 exits: each engine's num_requests_waiting, every 1
 # scenario NAME LIGHT_KEY HEAVY_KEY LIGHT_HEADER HEAVY_HEADER
 scenario() {
   local name=$1 lkey=$2 hkey=$3 lh=$4 hh=$5
-  for mode in $MODES; do
-    start "$mode"
-    light "alone" "$lkey" $lh > "$WORK/$name-$mode-alone.json"
-    start "$mode"
-    heavy "heavy" "$hkey" $hh
-    sleep 1   # the heavy load is on (the behaviour under test, not synchronisation)
-    sample_queues "$HEAVY" &
-    local sampler=$!
-    light "beside" "$lkey" $lh > "$WORK/$name-$mode-beside.json"
-    wait "$HEAVY"
-    wait "$sampler"
-    cp "$WORK/heavy.json" "$WORK/$name-$mode-heavy.json"
-    cp "$WORK/waiting" "$WORK/$name-$mode-waiting"
+  local r mode
+  for r in $(seq 1 "$REPEATS"); do
+    for mode in $MODES; do
+      local run="$name-$mode-r$r"
+      start "$mode"
+      light "alone" "$lkey" $lh > "$WORK/$run-alone.json"
+      start "$mode"
+      heavy "heavy" "$hkey" $hh
+      sleep 1   # the heavy load is on (the behaviour under test, not synchronisation)
+      sample_queues "$HEAVY" &
+      local sampler=$!
+      light "beside" "$lkey" $lh > "$WORK/$run-beside.json"
+      wait "$HEAVY"
+      wait "$sampler"
+      cp "$WORK/heavy.json" "$WORK/$run-heavy.json"
+      cp "$WORK/waiting" "$WORK/$run-waiting"
+    done
   done
-  python3 - "$WORK" "$name" "$MODES" <<'PY'
+  for r in $(seq 1 "$REPEATS"); do
+    report "$name" "$r"
+  done
+  [ "$REPEATS" -gt 1 ] && pooled "$name"
+  return 0
+}
+
+report() {  # scenario name, repeat: its table
+  python3 - "$WORK" "$1" "$MODES" "$2" "$REPEATS" <<'PY'
 import json, sys
-work, name = sys.argv[1], sys.argv[2]
+work, name, rep, reps = sys.argv[1], sys.argv[2], sys.argv[4], int(sys.argv[5])
 def load(mode, part):
-    return json.load(open(f"{work}/{name}-{mode}-{part}.json"))
+    return json.load(open(f"{work}/{name}-{mode}-r{rep}-{part}.json"))
 def waiting(mode):
-    v = [float(x) for x in open(f"{work}/{name}-{mode}-waiting").read().split()]
+    v = [float(x) for x in open(f"{work}/{name}-{mode}-r{rep}-waiting").read().split()]
     return (sum(v) / len(v) if v else 0.0, max(v) if v else 0.0)
-print(f"\n### {name}\n")
+print(f"\n### {name}" + (f" (repeat {rep} of {reps})" if reps > 1 else "") + "\n")
 print("| admission | light TTFT p50 / p99 alone | light TTFT p50 / p99 beside heavy | p99 beside ÷ alone (same mode) | p99 beside ÷ alone with admission off | light E2E p99 beside | heavy req/s | heavy prefix-cache hit | errors (light, heavy) | engines' waiting queue, mean / peak per backend |")
 print("|---|---|---|---|---|---|---|---|---|---|")
-off_alone = load("off", "alone")["ttft"]["p99_ms"]
+modes = sys.argv[3].split()
+off_alone = load("off", "alone")["ttft"]["p99_ms"] if "off" in modes else None
 res = {}
-for mode in sys.argv[3].split():
+for mode in modes:
     a, b, h = load(mode, "alone"), load(mode, "beside"), load(mode, "heavy")
     mean, peak = waiting(mode)
     ratio = b["ttft"]["p99_ms"] / max(a["ttft"]["p99_ms"], 1e-9)
+    vs_off = "-" if off_alone is None else "**%.2f×**" % (b["ttft"]["p99_ms"] / max(off_alone, 1e-9))
     res[mode] = (ratio, h["requests_per_s"], h["prefix_cache_hit_rate"], b["prefix_cache_hit_rate"])
-    print(f"| {mode} | {a['ttft']['p50_ms']:.0f} / {a['ttft']['p99_ms']:.0f} ms | {b['ttft']['p50_ms']:.0f} / {b['ttft']['p99_ms']:.0f} ms | {ratio:.2f}× | **{b['ttft']['p99_ms'] / max(off_alone, 1e-9):.2f}×** | {b['e2e']['p99_ms']:.0f} ms | {h['requests_per_s']:.1f} | {100*h['prefix_cache_hit_rate']:.1f}% | {b['errors']}, {h['errors']} | {mean:.2f} / {peak:.0f} |")
+    print(f"| {mode} | {a['ttft']['p50_ms']:.0f} / {a['ttft']['p99_ms']:.0f} ms | {b['ttft']['p50_ms']:.0f} / {b['ttft']['p99_ms']:.0f} ms | {ratio:.2f}× | {vs_off} | {b['e2e']['p99_ms']:.0f} ms | {h['requests_per_s']:.1f} | {100*h['prefix_cache_hit_rate']:.1f}% | {b['errors']}, {h['errors']} | {mean:.2f} / {peak:.0f} |")
 print()
-for mode in [m for m in res if m != "off"]:
+for mode in [m for m in res if m != "off" and "off" in res]:
     print(f"- {mode} ÷ off: heavy throughput **{res[mode][1] / max(res['off'][1], 1e-9):.2f}×**; prefix-cache hit heavy **{res[mode][2] / max(res['off'][2], 1e-9):.3f}×**, light {res[mode][3] / max(res['off'][3], 1e-9):.3f}×")
+PY
+}
+
+pooled() {  # scenario name: the light load's TTFT beside the heavy one, pooled over the repeats
+  python3 - "$WORK" "$1" "$MODES" "$REPEATS" <<'PY'
+import json, math, sys
+work, name, modes, reps = sys.argv[1], sys.argv[2], sys.argv[3].split(), int(sys.argv[4])
+def p99(v):
+    v = sorted(v)
+    return v[min(len(v), max(1, math.ceil(0.99 * len(v)))) - 1]
+def runs(mode, part):
+    return [json.load(open(f"{work}/{name}-{mode}-r{r}-{part}.json")) for r in range(1, reps + 1)]
+print(f"\n### {name}: pooled over {reps} repeats (modes interleaved)\n")
+print("| admission | light TTFT p99 alone, pooled | light TTFT p99 beside heavy, pooled | each repeat's p99 beside | heavy req/s, mean |")
+print("|---|---|---|---|---|")
+pool = {}
+for mode in modes:
+    alone = [t for j in runs(mode, "alone") for t in j["ttfts_ms"]]
+    beside = runs(mode, "beside")
+    pool[mode] = (p99(alone), p99([t for j in beside for t in j["ttfts_ms"]]), [j["ttft"]["p99_ms"] for j in beside])
+    heavy = sum(j["requests_per_s"] for j in runs(mode, "heavy")) / reps
+    print(f"| {mode} | {pool[mode][0]:.0f} ms | {pool[mode][1]:.0f} ms | {', '.join(f'{x:.0f}' for x in pool[mode][2])} | {heavy:.1f} |")
+print()
+for mode in modes:
+    one = mode[:-3] if mode.endswith("-x2") else None
+    if one in pool:
+        each = [a / max(b, 1e-9) for a, b in zip(pool[mode][2], pool[one][2])]
+        print(f"- {mode} ÷ {one}: light TTFT p99 beside heavy, pooled **{pool[mode][1] / max(pool[one][1], 1e-9):.2f}×**; each repeat {', '.join(f'{x:.2f}×' for x in each)}")
 PY
 }
 

@@ -1855,3 +1855,107 @@ async fn a_new_conversation_is_not_placed_behind_another_gateways_prefill() {
     }
     hanging.abort();
 }
+
+/// Issue 46: with every backend's slots taken, a quiet tenant's new
+/// conversations through two gateways go where the fewest requests would
+/// be served before them, counted in the fleet's queue's order when each
+/// is placed: one a backend, not all behind each other on the one backend
+/// a gateway last saw with the fewest waiters (the noisy tenant's waiters,
+/// served after the quiet tenant's, do not count).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_tenants_new_conversations_spread_when_every_backend_is_full() {
+    let redis = Redis::start_on(free_port());
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+        .collect();
+    let (_keys, keys) = write_keys(&[("sk-noisy", "noisy", ""), ("sk-quiet", "quiet", "")]);
+    let rest = format!(
+        "auth:\n  keys_file: \"{}\"\nadmission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: 120000\n",
+        keys.display()
+    );
+    let gws = on_redis(&redis, &sims, 2, "  allow_explicit_target: true\n", &rest).await;
+    for s in &sims {
+        s.set_faults(serde_json::json!({"hold_streams": true}))
+            .await;
+    }
+    // The noisy tenant's streams take every backend's one slot, through
+    // the first gateway...
+    let mut held = Vec::new();
+    for s in &sims {
+        let mut body = chat_body("m", 0);
+        body["stream"] = serde_json::json!(true);
+        let headers = [
+            ("authorization", "Bearer sk-noisy".to_string()),
+            ("x-agent-serve-backend-id", s.id.clone()),
+        ];
+        held.push(send_chat(&gws[0], &headers, &body));
+        wait_until("the stream holds the slot", || async {
+            s.stats().await["running"].as_u64() == Some(1)
+        })
+        .await;
+    }
+    // ...and more of its requests wait at vllm-1 and vllm-2, one through
+    // each gateway: vllm-0, with none waiting, is what either gateway saw
+    // last as the backend with the fewest waiters.
+    let mut waiting = Vec::new();
+    for (i, (gw, backend)) in [(0, 1), (1, 1), (1, 2), (0, 2)].into_iter().enumerate() {
+        let headers = [
+            ("authorization", "Bearer sk-noisy".to_string()),
+            ("x-agent-serve-backend-id", format!("vllm-{backend}")),
+        ];
+        waiting.push(send_chat(&gws[gw], &headers, &chat_body("m", 0)));
+        let want = (i + 1) as f64;
+        wait_until("the noisy request waits", || async {
+            queued_in(&gws).await == want
+        })
+        .await;
+    }
+    // Three new conversations of the quiet tenant, through either gateway,
+    // each placed once the one before waits.
+    let mut quiet = Vec::new();
+    for (i, gw) in [0, 1, 0].into_iter().enumerate() {
+        let (c, gw_url) = (client(), gws[gw].url("/v1/chat/completions"));
+        let id = format!("quiet-{i}");
+        quiet.push(tokio::spawn(async move {
+            let r = c
+                .post(gw_url)
+                .header("authorization", "Bearer sk-quiet")
+                .header("x-session-id", id)
+                .json(&chat_body("m", 0))
+                .send()
+                .await
+                .expect("answered");
+            let backend = r
+                .headers()
+                .get("x-agent-serve-backend")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            (r.status().as_u16(), backend)
+        }));
+        let want = (5 + i) as f64;
+        wait_until("the quiet request waits", || async {
+            queued_in(&gws).await == want
+        })
+        .await;
+    }
+    for s in &sims {
+        s.release_streams().await;
+    }
+    let mut placed = Vec::new();
+    for q in quiet {
+        let (status, backend) = q.await.unwrap();
+        assert_eq!(status, 200);
+        placed.push(backend.expect("a backend"));
+    }
+    let mut distinct = placed.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(
+        distinct.len(),
+        3,
+        "one new conversation a backend: {placed:?}"
+    );
+    for h in held.into_iter().chain(waiting) {
+        assert_eq!(h.await.unwrap(), 200);
+    }
+}

@@ -171,3 +171,70 @@ async fn a_delete_leaves_a_newer_binding_and_takes_its_own() {
     s.delete(9, None).await.unwrap();
     assert_eq!(s.peek(9).await.unwrap(), None);
 }
+
+/// A request about to be placed reads each backend as the fleet's queue
+/// has it now: the fleet's counts, and the waiters its order would serve
+/// before this request (by class, then its tenant's share when it came).
+#[tokio::test]
+async fn a_placement_read_counts_the_waiters_served_before_the_asker() {
+    use crate::admission::fleet::{Ahead, Asker, Caps, FleetSlots, Handed, Placing, Seat, Seen};
+    use crate::admission::Class;
+    let s = store("placing").await;
+    let caps = Caps {
+        limit: 1,
+        ..Default::default()
+    };
+    let (noisy, quiet) = (0xa, 0xb);
+    let seat = |id: u64, tenant: u64| Seat {
+        backend: "b0".into(),
+        id,
+        tenant,
+        weight: 1,
+        class: Class::Normal,
+        counted: false,
+        tokens: 0,
+    };
+    // The noisy tenant runs one request at b0 and two wait; then the quiet
+    // tenant's first waits.
+    let (handed, _) = s.acquire(&seat(1, noisy), caps).await.unwrap();
+    assert!(matches!(handed, Handed::Slot { .. }));
+    for (id, tenant) in [(2, noisy), (3, noisy), (4, quiet)] {
+        let (handed, _) = s.acquire(&seat(id, tenant), caps).await.unwrap();
+        assert_eq!(handed, Handed::None);
+    }
+    let asker = |tenant, class| Asker {
+        tenant,
+        weight: 1,
+        class,
+    };
+    let read = s
+        .placing(&["b0", "b1"], &asker(quiet, Class::Normal))
+        .await
+        .unwrap();
+    let idle = Placing {
+        prefill: Ahead::default(),
+        seen: Seen::default(),
+        ahead: 0,
+    };
+    // The quiet tenant's next: behind its own first and the noisy
+    // tenant's first waiter (which came when the noisy one ran one, as
+    // the quiet one waits one now), not its second; nobody at b1.
+    let busy = Seen {
+        running: 1,
+        waiting: 3,
+    };
+    assert_eq!(read[0].seen, busy);
+    assert_eq!(read[0].ahead, 2);
+    assert_eq!(read[1], idle);
+    let ahead = |tenant, class| {
+        let s = Arc::clone(&s);
+        async move { s.placing(&["b0"], &asker(tenant, class)).await.unwrap()[0].ahead }
+    };
+    // The noisy tenant's next: behind all three; an interactive request:
+    // behind none.
+    assert_eq!(ahead(noisy, Class::Normal).await, 3);
+    assert_eq!(ahead(noisy, Class::Interactive).await, 0);
+    // A tenant with nothing there: behind the quiet tenant's first only,
+    // which came when its tenant had nothing there either.
+    assert_eq!(ahead(0xc, Class::Normal).await, 1);
+}

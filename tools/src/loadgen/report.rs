@@ -92,6 +92,10 @@ pub struct Report {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     pub ttft: Percentiles,
+    /// Every answered request's time to first token, ms, in ascending
+    /// order: for pooling several runs' tails (one run's p99 of a few dozen
+    /// requests is its slowest one).
+    pub ttfts_ms: Vec<f64>,
     pub e2e: Percentiles,
     /// End-to-end latency of the requests the gateway called affinity hits,
     /// and of the rest (first turns, rebinds): in a fleet a miss is what asks
@@ -249,6 +253,11 @@ impl Report {
             prompt_tokens: prompt,
             cached_tokens: cached,
             ttft: percentiles(ok.iter().map(|r| r.ttft).collect()),
+            ttfts_ms: {
+                let mut v: Vec<f64> = ok.iter().map(|r| r.ttft.as_secs_f64() * 1000.0).collect();
+                v.sort_by(f64::total_cmp);
+                v
+            },
             e2e: percentiles(ok.iter().map(|r| r.e2e).collect()),
             e2e_hit: percentiles(
                 ok.iter()
