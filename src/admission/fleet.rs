@@ -109,13 +109,9 @@ pub struct Placing {
     pub prefill: Ahead,
     /// The fleet's counts there now.
     pub seen: Seen,
-    /// Its waiters that would be served before the request (of a higher
+    /// Its waiters that would be served before the request: of a higher
     /// class, or of its own class whose tenant had no more there, per
-    /// weight, than the asker's has now), and the asker's tenant's own
-    /// requests there, running or waiting: they prefill before or beside
-    /// it (as in one gateway's fair queue, where they advance the tenant's
-    /// tag), so a tenant's new conversations spread rather than queue
-    /// behind each other.
+    /// weight, than the asker's has now.
     pub ahead: u32,
 }
 

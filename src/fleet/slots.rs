@@ -342,10 +342,9 @@ return answer(0, run)
 /// backend after another, {the prefill tokens other live gateways have
 /// under way there, ms since the oldest of them began, the fleet's running
 /// there, its waiting, those of its waiters the queue's order puts before
-/// the asker and the asker's tenant's own requests there}: a waiter's
-/// score is its class, then its tenant's share when it came (see ACQUIRE),
-/// then its arrival, and the asker's would be its class and its tenant's
-/// share now, after every waiter's arrival.
+/// the asker}: a waiter's score is its class, then its tenant's share when
+/// it came (see ACQUIRE), then its arrival, and the asker's would be its
+/// class and its tenant's share now, after every waiter's arrival.
 const PLACING: &str = r"
 local prefix, gw, tenant = ARGV[1], ARGV[2], ARGV[3]
 local weight, class = math.max(1, tonumber(ARGV[4])), tonumber(ARGV[5])
@@ -368,7 +367,7 @@ for i = 6, #ARGV do
   out[#out + 1] = ms
   out[#out + 1] = run
   out[#out + 1] = redis.call('ZCARD', base..'q')
-  out[#out + 1] = redis.call('ZCOUNT', base..'q', '-inf', last) + mine
+  out[#out + 1] = redis.call('ZCOUNT', base..'q', '-inf', last)
 end
 return out
 ";

@@ -218,24 +218,22 @@ async fn a_placement_read_counts_the_waiters_served_before_the_asker() {
     };
     // The quiet tenant's next: behind its own first and the noisy
     // tenant's first waiter (which came when the noisy one ran one, as
-    // the quiet one waits one now), not its second; and its own first
-    // counts again as its tenant's (a tenant's requests at one backend
-    // prefill before or beside each other). Nobody at b1.
+    // the quiet one waits one now), not its second; nobody at b1.
     let busy = Seen {
         running: 1,
         waiting: 3,
     };
     assert_eq!(read[0].seen, busy);
-    assert_eq!(read[0].ahead, 2 + 1);
+    assert_eq!(read[0].ahead, 2);
     assert_eq!(read[1], idle);
     let ahead = |tenant, class| {
         let s = Arc::clone(&s);
         async move { s.placing(&["b0"], &asker(tenant, class)).await.unwrap()[0].ahead }
     };
-    // The noisy tenant's next: behind all three waiters, and beside its
-    // three there; an interactive request: behind no waiter.
-    assert_eq!(ahead(noisy, Class::Normal).await, 3 + 3);
-    assert_eq!(ahead(noisy, Class::Interactive).await, 3);
+    // The noisy tenant's next: behind all three; an interactive request:
+    // behind none.
+    assert_eq!(ahead(noisy, Class::Normal).await, 3);
+    assert_eq!(ahead(noisy, Class::Interactive).await, 0);
     // A tenant with nothing there: behind the quiet tenant's first only,
     // which came when its tenant had nothing there either.
     assert_eq!(ahead(0xc, Class::Normal).await, 1);
