@@ -89,32 +89,6 @@ pub struct Ahead {
     pub ms: u64,
 }
 
-/// Whose request is about to be placed: where it would wait in the
-/// fleet's queue.
-#[derive(Clone, Copy, Debug)]
-pub struct Asker {
-    pub tenant: u64,
-    pub weight: u32,
-    pub class: Class,
-}
-
-/// A backend as a request about to be placed finds it in the fleet's
-/// queue, read in one store call: the gateway's own last sight of the
-/// fleet's counts there ([`Seen`]) is as old as its last request there,
-/// and counts every waiter, where a request waits only behind those the
-/// queue's order puts before it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Placing {
-    /// The prefill other gateways have under way there.
-    pub prefill: Ahead,
-    /// The fleet's counts there now.
-    pub seen: Seen,
-    /// Its waiters that would be served before the request: of a higher
-    /// class, or of its own class whose tenant had no more there, per
-    /// weight, than the asker's has now.
-    pub ahead: u32,
-}
-
 /// What this gateway holds from the fleet's queue at a backend.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Held {
@@ -161,9 +135,9 @@ pub trait FleetSlots: Send + Sync {
     async fn take(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable>;
     /// `seat` leaves the queue (a slot handed to it meanwhile is passed on).
     async fn leave(&self, seat: &Seat, caps: Caps) -> Result<Seen, Unreachable>;
-    /// Each of `backends` (ids), in their order, as a session placed now
-    /// by `asker` would find it in the fleet's queue.
-    async fn placing(&self, backends: &[&str], asker: &Asker) -> Result<Vec<Placing>, Unreachable>;
+    /// The prefill other gateways have under way at each of `backends`
+    /// (ids), in their order.
+    async fn prefills_elsewhere(&self, backends: &[&str]) -> Result<Vec<Ahead>, Unreachable>;
     /// A request of `tenant` at `backend` ended (or its prefill did): its
     /// room goes to the best waiters.
     async fn release(

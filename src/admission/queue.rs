@@ -704,17 +704,8 @@ impl Admission {
     /// for each as in flight there (they will be), and of those, the ones
     /// a request of `class` from `tenant` would wait behind (`ahead`: those
     /// of a higher class, or of its own whose finish tag is no later than
-    /// where its own would start; at most [`AHEAD_COUNTED`]). In a fleet's
-    /// queue, the fleet's counts: as `placing` read them for this request
-    /// (slot, what it found), else as the store last answered this gateway
-    /// at that backend, every waiter counted as ahead.
-    pub fn mark(
-        &self,
-        candidates: &mut [crate::affinity::Candidate],
-        class: Class,
-        tenant: u64,
-        placing: &[(u32, super::fleet::Placing)],
-    ) {
+    /// where its own would start; at most [`AHEAD_COUNTED`]).
+    pub fn mark(&self, candidates: &mut [crate::affinity::Candidate], class: Class, tenant: u64) {
         let fleet = self.fleet_live();
         let st = self.state.lock();
         // A limit still to be learned (no gauges read yet) says nothing of
@@ -731,16 +722,12 @@ impl Admission {
         }
         for c in candidates {
             if let Some(b) = st.backends.get(&c.slot) {
-                let read = placing.iter().find(|(slot, _)| *slot == c.slot);
-                let seen = match read {
-                    Some((_, p)) => Some((p.seen, p.ahead)),
-                    None => b.fleet_seen.map(|s| (s, s.waiting)),
-                };
-                if let Some((seen, ahead)) = seen.filter(|_| fleet) {
+                if let Some(seen) = b.fleet_seen.filter(|_| fleet) {
+                    // The fleet's queue: the fleet's counts.
                     let limit = b.learned.limit;
                     c.full = (limit > 0 && seen.running >= limit) || seen.waiting > 0;
                     c.in_flight += seen.waiting as u64;
-                    c.ahead = ahead.min(AHEAD_COUNTED as u32) as u64;
+                    c.ahead = seen.waiting.min(AHEAD_COUNTED as u32) as u64;
                     continue;
                 }
                 c.full = !b.has_room(0) || !b.waiting.is_empty();
@@ -914,16 +901,12 @@ impl Admission {
         self.fleet_slots().is_some()
     }
 
-    /// Each of `backends` (ids, in order) as a request of `asker` placed
-    /// now would find it in the fleet's queue, when this gateway is one of
-    /// a fleet whose store answers: one store round trip.
-    pub async fn fleet_placing(
-        &self,
-        backends: &[&str],
-        asker: &super::fleet::Asker,
-    ) -> Option<Vec<super::fleet::Placing>> {
+    /// The prefill the fleet's other gateways have under way at each of
+    /// `backends` (ids, in order), when this gateway is one of a fleet
+    /// whose store answers: one store round trip.
+    pub async fn fleet_prefills(&self, backends: &[&str]) -> Option<Vec<super::fleet::Ahead>> {
         let slots = self.fleet_slots()?;
-        slots.placing(backends, asker).await.ok()
+        slots.prefills_elsewhere(backends).await.ok()
     }
 
     /// The fleet's counts at `backend` as the store last answered.
@@ -1707,7 +1690,7 @@ mod tests {
                 ..Default::default()
             },
         ];
-        a.mark(&mut c, Class::Normal, t("t"), &[]);
+        a.mark(&mut c, Class::Normal, t("t"));
         assert!(c[0].full && !c[1].full && !c[2].full);
         assert_eq!(c[0].in_flight, 2);
     }
@@ -1726,10 +1709,10 @@ mod tests {
         });
         // Backend 1's room is not known yet: backend 0 being full is no
         // reason to send it every new conversation meanwhile.
-        a.mark(&mut c, Class::Normal, t("t"), &[]);
+        a.mark(&mut c, Class::Normal, t("t"));
         assert!(!c[0].full && !c[1].full);
         a.set_limit(1, Limit::Fixed(4), Prefill::None);
-        a.mark(&mut c, Class::Normal, t("t"), &[]);
+        a.mark(&mut c, Class::Normal, t("t"));
         assert!(c[0].full && !c[1].full);
     }
 
@@ -1752,12 +1735,12 @@ mod tests {
             slot,
             ..Default::default()
         });
-        a.mark(&mut c, Class::Normal, t("quiet"), &[]);
+        a.mark(&mut c, Class::Normal, t("quiet"));
         // Its second waits behind its first on 0, behind nobody on 1.
         assert_eq!((c[0].ahead, c[1].ahead), (1, 0));
-        a.mark(&mut c, Class::Normal, t("noisy"), &[]);
+        a.mark(&mut c, Class::Normal, t("noisy"));
         assert_eq!((c[0].ahead, c[1].ahead), (6, 5));
-        a.mark(&mut c, Class::Interactive, t("noisy"), &[]);
+        a.mark(&mut c, Class::Interactive, t("noisy"));
         assert_eq!((c[0].ahead, c[1].ahead), (0, 0));
     }
 

@@ -180,7 +180,7 @@ impl Admittance {
         B: FnMut() -> bool,
     {
         let class = self.class.as_str();
-        let weight = self.asker().weight;
+        let weight = self.client.as_ref().map_or(1, |c| c.weight);
         let since = Instant::now();
         let (mut fleet, mut queued) = (true, Some(queued));
         let got = loop {

@@ -55,15 +55,6 @@ pub struct Rules<'a> {
 pub struct InvalidPriority;
 
 impl Admittance {
-    /// Who it is in the fleet's queue: its tenant, weight and class.
-    pub fn asker(&self) -> super::fleet::Asker {
-        super::fleet::Asker {
-            tenant: self.tenant,
-            weight: self.client.as_ref().map_or(1, |c| c.weight),
-            class: self.class,
-        }
-    }
-
     /// Its class, deadline and fair-share tenant, from its `headers` (as
     /// `rules` name them) and the client key it presented (`key`; its grant
     /// already in `self.client` when the key is known). A key's class

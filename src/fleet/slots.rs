@@ -19,9 +19,7 @@
 //! bindings.
 
 use super::store::SharedStore;
-use crate::admission::fleet::{
-    Ahead, Asker, Caps, Ended, FleetSlots, Handed, Held, Placing, Seat, Seen,
-};
+use crate::admission::fleet::{Ahead, Caps, Ended, FleetSlots, Handed, Held, Seat, Seen};
 use crate::admission::reserve::Unreachable;
 use crate::admission::Admission;
 use std::sync::{Arc, LazyLock};
@@ -336,44 +334,23 @@ run, pre = fill(run, pre)
 return answer(0, run)
 ";
 
-/// Each backend named as a request placed now would find it (admission's
-/// [`Placing`]). ARGV: 1 the store's prefix, 2 this gateway, 3 the asker's
-/// tenant, 4 its weight, 5 its class, then the backends' ids. Returns, a
-/// backend after another, {the prefill tokens other live gateways have
-/// under way there, ms since the oldest of them began, the fleet's running
-/// there, its waiting, those of its waiters the queue's order puts before
-/// the asker}: a waiter's score is its class, then its tenant's share when
-/// it came (see ACQUIRE), then its arrival, and the asker's would be its
-/// class and its tenant's share now, after every waiter's arrival.
-const PLACING: &str = r"
-local prefix, gw, tenant = ARGV[1], ARGV[2], ARGV[3]
-local weight, class = math.max(1, tonumber(ARGV[4])), tonumber(ARGV[5])
+/// The prefill other live gateways have under way at each backend named.
+/// ARGV: 1 the store's prefix, 2 this gateway, then the backends' ids.
+/// Returns, a backend after another, {its tokens, ms since the oldest of
+/// them began}.
+const PREFILLS: &str = r"
+local prefix, gw = ARGV[1], ARGV[2]
 local out = {}
-for i = 6, #ARGV do
-  local base = prefix..'adm:'..ARGV[i]..':'
-  local n, ms = work_elsewhere(prefix, base, gw, gw)
-  local run, mine = 0, 0
-  local r = redis.call('HGETALL', base..'run')
-  for j = 1, #r, 2 do
-    local g = r[j]
-    if g == gw or redis.call('EXISTS', prefix..'adm:live:'..g) == 1 then
-      run = run + tonumber(r[j + 1])
-    end
-    mine = mine + (tonumber(redis.call('HGET', base..'t', g..' '..tenant)) or 0)
-  end
-  local share = math.min(math.floor(mine * 64 / weight), 65535)
-  local last = class * 17592186044416 + (share + 1) * 268435456 - 1
+for i = 3, #ARGV do
+  local n, ms = work_elsewhere(prefix, prefix..'adm:'..ARGV[i]..':', gw, gw)
   out[#out + 1] = n
   out[#out + 1] = ms
-  out[#out + 1] = run
-  out[#out + 1] = redis.call('ZCARD', base..'q')
-  out[#out + 1] = redis.call('ZCOUNT', base..'q', '-inf', last)
 end
 return out
 ";
 
 struct Scripts {
-    placing: redis::Script,
+    prefills: redis::Script,
     acquire: redis::Script,
     take: redis::Script,
     leave: redis::Script,
@@ -382,7 +359,7 @@ struct Scripts {
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    placing: redis::Script::new(&format!("{SHARED}{PLACING}")),
+    prefills: redis::Script::new(&format!("{SHARED}{PREFILLS}")),
     acquire: redis::Script::new(&format!("{SHARED}{PRELUDE}{ACQUIRE}")),
     take: redis::Script::new(&format!("{SHARED}{PRELUDE}{TAKE}")),
     leave: redis::Script::new(&format!("{SHARED}{PRELUDE}{LEAVE}")),
@@ -612,37 +589,23 @@ impl FleetSlots for SharedStore {
             .1)
     }
 
-    async fn placing(&self, backends: &[&str], asker: &Asker) -> Result<Vec<Placing>, Unreachable> {
+    async fn prefills_elsewhere(&self, backends: &[&str]) -> Result<Vec<Ahead>, Unreachable> {
         let prefix = self.config().key_prefix.clone();
         let gw = self.instance.clone();
         let ids: Vec<String> = backends.iter().map(|b| b.to_string()).collect();
-        let who = (
-            format!("{:x}", asker.tenant),
-            asker.weight,
-            asker.class.index(),
-        );
         let flat: Vec<u64> = self
             .run("slots", |mut c| {
-                let mut call = SCRIPTS.placing.prepare_invoke();
-                call.arg(prefix).arg(gw).arg(who.0).arg(who.1).arg(who.2);
-                call.arg(ids);
+                let mut call = SCRIPTS.prefills.prepare_invoke();
+                call.arg(prefix).arg(gw).arg(ids);
                 async move { call.invoke_async(&mut c).await }
             })
             .await
             .map_err(|_| Unreachable)?;
-        let count = |n: u64| n.min(u32::MAX as u64) as u32;
         Ok(flat
-            .chunks_exact(5)
-            .map(|p| Placing {
-                prefill: Ahead {
-                    tokens: p[0],
-                    ms: p[1],
-                },
-                seen: Seen {
-                    running: count(p[2]),
-                    waiting: count(p[3]),
-                },
-                ahead: count(p[4]),
+            .chunks_exact(2)
+            .map(|p| Ahead {
+                tokens: p[0],
+                ms: p[1],
             })
             .collect())
     }
