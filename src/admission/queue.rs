@@ -708,10 +708,10 @@ impl Admission {
     pub fn mark(&self, candidates: &mut [crate::affinity::Candidate], class: Class, tenant: u64) {
         let fleet = self.fleet_live();
         let st = self.state.lock();
-        // A limit still to be learned (no gauges read yet) says nothing of
-        // room: while any candidate's is, none is marked, or that one would
-        // take every new conversation of a burst meanwhile (seen with two
-        // gateways whose first readings of the engines came apart).
+        // A limit still to be learned (no gauges read yet) is no limit, which
+        // says nothing of room: while any candidate's is, none is marked, or
+        // that one alone would be open to every new conversation of a burst
+        // while the others are full (sessions are sticky).
         let unknown = candidates.iter().any(|c| {
             st.backends
                 .get(&c.slot)
