@@ -1826,16 +1826,11 @@ async fn a_new_conversation_is_not_placed_behind_another_gateways_prefill() {
     let mut long = chat_body("m", 1);
     long["messages"][1]["content"] = serde_json::json!("Read this log. ".repeat(4_000));
     long["stream"] = serde_json::json!(true);
-    let hanging = {
-        let (c, url, busy) = (c.clone(), gws[0].url("/v1/chat/completions"), busy.clone());
-        tokio::spawn(async move {
-            c.post(url)
-                .header("x-agent-serve-backend-id", busy)
-                .json(&long)
-                .send()
-                .await
-        })
-    };
+    let hanging = send_chat(
+        &gws[0],
+        &[("x-agent-serve-backend-id", busy.clone())],
+        &long,
+    );
     wait_until("a request prefilling at the busy backend", || async {
         gws[0].admin_backend(&busy).await["awaiting_first_byte"] == 1
     })
