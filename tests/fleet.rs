@@ -1850,3 +1850,170 @@ async fn a_new_conversation_is_not_placed_behind_another_gateways_prefill() {
     }
     hanging.abort();
 }
+
+/// Two gateways on their own Redis in front of three simulated backends
+/// whose one slot each (`max_in_flight: 1`) the noisy tenant's streams hold,
+/// with four more of its requests waiting: two at vllm-1, two at vllm-2,
+/// through either gateway. vllm-0, with none waiting, is what either
+/// gateway saw last as the backend with the fewest waiters.
+struct FullFleet {
+    gws: Vec<Gateway>,
+    sims: Vec<SimBackend>,
+    held: Vec<tokio::task::JoinHandle<u16>>,
+    _redis: Redis,
+    _keys: tempfile::TempDir,
+}
+
+impl FullFleet {
+    async fn start() -> FullFleet {
+        let redis = Redis::start_on(free_port());
+        let sims: Vec<SimBackend> = (0..3)
+            .map(|i| SimBackend::start(&format!("vllm-{i}"), &[]))
+            .collect();
+        let (dir, keys) = write_keys(&[("sk-noisy", "noisy", ""), ("sk-quiet", "quiet", "")]);
+        let rest = format!(
+            "auth:\n  keys_file: \"{}\"\nadmission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: 120000\n",
+            keys.display()
+        );
+        let gws = on_redis(&redis, &sims, 2, "  allow_explicit_target: true\n", &rest).await;
+        for s in &sims {
+            s.set_faults(serde_json::json!({"hold_streams": true}))
+                .await;
+        }
+        let mut held = Vec::new();
+        for s in &sims {
+            let mut body = chat_body("m", 0);
+            body["stream"] = serde_json::json!(true);
+            let headers = [
+                ("authorization", "Bearer sk-noisy".to_string()),
+                ("x-agent-serve-backend-id", s.id.clone()),
+            ];
+            held.push(send_chat(&gws[0], &headers, &body));
+            wait_until("the stream holds the slot", || async {
+                s.stats().await["running"].as_u64() == Some(1)
+            })
+            .await;
+        }
+        for (i, (gw, backend)) in [(0, 1), (1, 1), (1, 2), (0, 2)].into_iter().enumerate() {
+            let headers = [
+                ("authorization", "Bearer sk-noisy".to_string()),
+                ("x-agent-serve-backend-id", format!("vllm-{backend}")),
+            ];
+            held.push(send_chat(&gws[gw], &headers, &chat_body("m", 0)));
+            let want = (i + 1) as f64;
+            wait_until("the noisy request waits", || async {
+                queued_in(&gws).await == want
+            })
+            .await;
+        }
+        FullFleet {
+            gws,
+            sims,
+            held,
+            _redis: redis,
+            _keys: dir,
+        }
+    }
+
+    /// A new conversation `id` of the tenant with `key`, through gateway
+    /// `gw`: its status and backend once answered.
+    fn converse(
+        &self,
+        gw: usize,
+        key: &str,
+        id: String,
+    ) -> tokio::task::JoinHandle<(u16, Option<String>)> {
+        let (c, url) = (client(), self.gws[gw].url("/v1/chat/completions"));
+        let auth = format!("Bearer {key}");
+        tokio::spawn(async move {
+            let r = c
+                .post(url)
+                .header("authorization", auth)
+                .header("x-session-id", id)
+                .json(&chat_body("m", 0))
+                .send()
+                .await
+                .expect("answered");
+            let backend = r
+                .headers()
+                .get("x-agent-serve-backend")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            (r.status().as_u16(), backend)
+        })
+    }
+
+    /// Let everything through; the backends the conversations went to.
+    async fn release(
+        self,
+        convs: Vec<tokio::task::JoinHandle<(u16, Option<String>)>>,
+    ) -> Vec<String> {
+        for s in &self.sims {
+            s.release_streams().await;
+        }
+        let mut placed = Vec::new();
+        for c in convs {
+            let (status, backend) = c.await.unwrap();
+            assert_eq!(status, 200);
+            placed.push(backend.expect("a backend"));
+        }
+        for h in self.held {
+            assert_eq!(h.await.unwrap(), 200);
+        }
+        placed
+    }
+}
+
+/// Issue 46: with every backend's slots taken, a quiet tenant's new
+/// conversations through two gateways go where the fewest requests would
+/// be served before them, counted in the fleet's queue's order when each
+/// is placed: one a backend, not all behind each other on the one backend
+/// a gateway last saw with the fewest waiters (the noisy tenant's waiters,
+/// served after the quiet tenant's, do not count).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_tenants_new_conversations_spread_when_every_backend_is_full() {
+    let fleet = FullFleet::start().await;
+    // Three new conversations of the quiet tenant, through either gateway,
+    // each placed once the one before waits.
+    let mut quiet = Vec::new();
+    for (i, gw) in [0, 1, 0].into_iter().enumerate() {
+        quiet.push(fleet.converse(gw, "sk-quiet", format!("quiet-{i}")));
+        let want = (5 + i) as f64;
+        wait_until("the quiet request waits", || async {
+            queued_in(&fleet.gws).await == want
+        })
+        .await;
+    }
+    let mut placed = fleet.release(quiet).await;
+    placed.sort();
+    placed.dedup();
+    assert_eq!(
+        placed.len(),
+        3,
+        "one new conversation a backend: {placed:?}"
+    );
+}
+
+/// Issue 46: a burst of one tenant's new conversations through two
+/// gateways at once, every backend full, each read of the fleet's queue
+/// made before the others have joined it: each read claims the backend it
+/// picks, so the next counts it, and they spread over the backends as the
+/// waiters ahead of them even out. Without claims every read found vllm-0
+/// least queued, and the burst queued there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_new_conversations_does_not_herd_on_the_least_queued_backend() {
+    let fleet = FullFleet::start().await;
+    let burst: Vec<_> = (0..8)
+        .map(|i| fleet.converse(i % 2, "sk-noisy", format!("burst-{i}")))
+        .collect();
+    wait_until("the burst waits", || async {
+        queued_in(&fleet.gws).await == 12.0
+    })
+    .await;
+    let placed = fleet.release(burst).await;
+    let at = |b: &str| placed.iter().filter(|p| *p == b).count();
+    // vllm-0 had two fewer waiters ahead: it takes two more than the others
+    // at most (4 + 2 + 2), and each of the others some.
+    assert!(at("vllm-0") <= 4, "{placed:?}");
+    assert!(at("vllm-1") >= 1 && at("vllm-2") >= 1, "{placed:?}");
+}

@@ -89,6 +89,53 @@ pub struct Ahead {
     pub ms: u64,
 }
 
+/// Whose request is about to be placed: where it would wait in the
+/// fleet's queue.
+#[derive(Clone, Copy, Debug)]
+pub struct Asker {
+    pub tenant: u64,
+    pub weight: u32,
+    pub class: Class,
+}
+
+/// A backend as a request about to be placed finds it in the fleet's
+/// queue, read in one store call: the gateway's own last sight of the
+/// fleet's counts there ([`Seen`]) is as old as its last request there,
+/// and counts every waiter, where a request waits only behind those the
+/// queue's order puts before it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Placing {
+    /// The prefill other gateways have under way there.
+    pub prefill: Ahead,
+    /// The fleet's counts there now.
+    pub seen: Seen,
+    /// Its waiters and claims that would be served before the request: of
+    /// a higher class, or of its own class whose tenant had no more there,
+    /// per weight, than the asker's has now.
+    pub ahead: u32,
+    /// Requests placed there that have not asked for their slot yet
+    /// ([`Placed::claimed`]).
+    pub claims: u32,
+    /// No room for another request: waiters, or as many running and
+    /// claimed as this gateway's limit there.
+    pub full: bool,
+}
+
+/// The backends a request about to be placed found in the fleet's queue,
+/// in the order it asked, and the one it claimed. A claim stands for the
+/// request until it asks for its slot (its seat takes it back) or for two
+/// seconds: every request placed meanwhile counts it as a waiter there, so
+/// a burst of new conversations, each reading the queue before any has
+/// joined it, does not all go to the one that looked least queued. It is
+/// made where the choice is already the read's: one backend with room, or
+/// none with room and the fewest waiters ahead (ties: the first asked).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Placed {
+    pub backends: Vec<Placing>,
+    /// The index in `backends` of the one claimed.
+    pub claimed: Option<usize>,
+}
+
 /// What this gateway holds from the fleet's queue at a backend.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Held {
@@ -135,9 +182,16 @@ pub trait FleetSlots: Send + Sync {
     async fn take(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable>;
     /// `seat` leaves the queue (a slot handed to it meanwhile is passed on).
     async fn leave(&self, seat: &Seat, caps: Caps) -> Result<Seen, Unreachable>;
-    /// The prefill other gateways have under way at each of `backends`
-    /// (ids), in their order.
-    async fn prefills_elsewhere(&self, backends: &[&str]) -> Result<Vec<Ahead>, Unreachable>;
+    /// Each of `backends` (id, this gateway's limit there or 0), in their
+    /// order, as a session placed now by `asker` would find it in the
+    /// fleet's queue; with `claim` (a seat id), a claim on the one it will
+    /// go to when the read decides it ([`Placed`]).
+    async fn placing(
+        &self,
+        backends: &[(&str, u32)],
+        asker: &Asker,
+        claim: Option<u64>,
+    ) -> Result<Placed, Unreachable>;
     /// A request of `tenant` at `backend` ended (or its prefill did): its
     /// room goes to the best waiters.
     async fn release(
@@ -151,6 +205,8 @@ pub trait FleetSlots: Send + Sync {
 
 /// What a request asks of the fleet's queue.
 pub struct FleetAsk<'a> {
+    /// The seat its placement claimed a backend with ([`Placed`]), if it did.
+    pub seat: Option<u64>,
     pub backend: u32,
     pub backend_id: &'a str,
     pub class: Class,

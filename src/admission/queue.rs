@@ -704,8 +704,19 @@ impl Admission {
     /// for each as in flight there (they will be), and of those, the ones
     /// a request of `class` from `tenant` would wait behind (`ahead`: those
     /// of a higher class, or of its own whose finish tag is no later than
-    /// where its own would start; at most [`AHEAD_COUNTED`]).
-    pub fn mark(&self, candidates: &mut [crate::affinity::Candidate], class: Class, tenant: u64) {
+    /// where its own would start; at most [`AHEAD_COUNTED`]). In a fleet's
+    /// queue, the fleet's counts: as `placing` read them for this request
+    /// (slot, what it found), else as the store last answered this gateway
+    /// at that backend, every waiter counted as ahead. A backend the read
+    /// `claimed` is the one open to it ([`super::fleet::Placed`]).
+    pub fn mark(
+        &self,
+        candidates: &mut [crate::affinity::Candidate],
+        class: Class,
+        tenant: u64,
+        placing: &[(u32, super::fleet::Placing)],
+        claimed: Option<u32>,
+    ) {
         let fleet = self.fleet_live();
         let st = self.state.lock();
         // A limit still to be learned (no gauges read yet) is no limit, which
@@ -720,10 +731,17 @@ impl Admission {
         if unknown {
             return;
         }
-        for c in candidates {
+        for c in candidates.iter_mut() {
             if let Some(b) = st.backends.get(&c.slot) {
+                let read = placing.iter().find(|(slot, _)| *slot == c.slot);
+                if let Some((_, p)) = read.filter(|_| fleet) {
+                    c.full = p.full;
+                    c.in_flight += (p.seen.waiting + p.claims) as u64;
+                    c.ahead = p.ahead.min(AHEAD_COUNTED as u32) as u64;
+                    continue;
+                }
                 if let Some(seen) = b.fleet_seen.filter(|_| fleet) {
-                    // The fleet's queue: the fleet's counts.
+                    // The fleet's counts as the store last answered here.
                     let limit = b.learned.limit;
                     c.full = (limit > 0 && seen.running >= limit) || seen.waiting > 0;
                     c.in_flight += seen.waiting as u64;
@@ -738,6 +756,16 @@ impl Admission {
                     c.ahead = ahead.take(AHEAD_COUNTED).count() as u64;
                 }
             }
+        }
+        let Some(mine) = claimed.filter(|_| fleet) else {
+            return;
+        };
+        let Some(ahead) = candidates.iter().find(|c| c.slot == mine).map(|c| c.ahead) else {
+            return;
+        };
+        for c in candidates.iter_mut().filter(|c| c.slot != mine) {
+            c.full = true;
+            c.ahead = c.ahead.max(ahead + 1);
         }
     }
 
@@ -839,9 +867,10 @@ impl Admission {
         };
         let counted = b.next_start(ask.tokens, ask.json).counted;
         drop(st);
-        let id = self
-            .fleet_seq
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = ask.seat.unwrap_or_else(|| {
+            self.fleet_seq
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        });
         let (tell, told) = tokio::sync::mpsc::unbounded_channel();
         self.fleet_waiters.lock().insert(id, (ask.backend, tell));
         let seat = Seat {
@@ -901,12 +930,38 @@ impl Admission {
         self.fleet_slots().is_some()
     }
 
-    /// The prefill the fleet's other gateways have under way at each of
-    /// `backends` (ids, in order), when this gateway is one of a fleet
-    /// whose store answers: one store round trip.
-    pub async fn fleet_prefills(&self, backends: &[&str]) -> Option<Vec<super::fleet::Ahead>> {
+    /// Each of `backends` (slot, id; in order) as a request of `asker`
+    /// placed now would find it in the fleet's queue, when this gateway is
+    /// one of a fleet whose store answers: one store round trip. The read
+    /// claims the backend it decides ([`Placed`]) for a seat of this
+    /// gateway, returned with it: the request asks for its slot with that
+    /// seat. No claim while a limit is still to be learned (no backend is
+    /// full then, [`Admission::mark`]).
+    pub async fn fleet_placing(
+        &self,
+        backends: &[(u32, &str)],
+        asker: &super::fleet::Asker,
+    ) -> Option<(super::fleet::Placed, Option<u64>)> {
         let slots = self.fleet_slots()?;
-        slots.prefills_elsewhere(backends).await.ok()
+        let (limits, unknown) = {
+            let st = self.state.lock();
+            let limit = |slot| st.backends.get(&slot).map(|b| &b.learned);
+            let unknown = backends.iter().any(|(slot, _)| {
+                limit(*slot).is_some_and(|l| l.source == LimitSource::Learned && l.limit == 0)
+            });
+            let limits: Vec<(&str, u32)> = backends
+                .iter()
+                .map(|(slot, id)| (*id, limit(*slot).map_or(0, |l| l.limit)))
+                .collect();
+            (limits, unknown)
+        };
+        let seat = (!unknown).then(|| {
+            self.fleet_seq
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        });
+        let placed = slots.placing(&limits, asker, seat).await.ok()?;
+        let seat = seat.filter(|_| placed.claimed.is_some());
+        Some((placed, seat))
     }
 
     /// The fleet's counts at `backend` as the store last answered.
@@ -1690,7 +1745,7 @@ mod tests {
                 ..Default::default()
             },
         ];
-        a.mark(&mut c, Class::Normal, t("t"));
+        a.mark(&mut c, Class::Normal, t("t"), &[], None);
         assert!(c[0].full && !c[1].full && !c[2].full);
         assert_eq!(c[0].in_flight, 2);
     }
@@ -1709,10 +1764,10 @@ mod tests {
         });
         // Backend 1's room is not known yet: backend 0 being full is no
         // reason to send it every new conversation meanwhile.
-        a.mark(&mut c, Class::Normal, t("t"));
+        a.mark(&mut c, Class::Normal, t("t"), &[], None);
         assert!(!c[0].full && !c[1].full);
         a.set_limit(1, Limit::Fixed(4), Prefill::None);
-        a.mark(&mut c, Class::Normal, t("t"));
+        a.mark(&mut c, Class::Normal, t("t"), &[], None);
         assert!(c[0].full && !c[1].full);
     }
 
@@ -1735,12 +1790,12 @@ mod tests {
             slot,
             ..Default::default()
         });
-        a.mark(&mut c, Class::Normal, t("quiet"));
+        a.mark(&mut c, Class::Normal, t("quiet"), &[], None);
         // Its second waits behind its first on 0, behind nobody on 1.
         assert_eq!((c[0].ahead, c[1].ahead), (1, 0));
-        a.mark(&mut c, Class::Normal, t("noisy"));
+        a.mark(&mut c, Class::Normal, t("noisy"), &[], None);
         assert_eq!((c[0].ahead, c[1].ahead), (6, 5));
-        a.mark(&mut c, Class::Interactive, t("noisy"));
+        a.mark(&mut c, Class::Interactive, t("noisy"), &[], None);
         assert_eq!((c[0].ahead, c[1].ahead), (0, 0));
     }
 

@@ -180,11 +180,12 @@ impl Admittance {
         B: FnMut() -> bool,
     {
         let class = self.class.as_str();
-        let weight = self.client.as_ref().map_or(1, |c| c.weight);
+        let weight = self.asker().weight;
         let since = Instant::now();
         let (mut fleet, mut queued) = (true, Some(queued));
+        let mut seat = self.claim.take();
         let got = loop {
-            let ticket = match self.admit(adm, &ask, weight, fleet).await {
+            let ticket = match self.admit(adm, &ask, weight, fleet, seat.take()).await {
                 Admit::Now(p) => {
                     ask.tier_metrics.admitted_now[self.class.index()].inc();
                     self.permit = Some(p);
@@ -269,9 +270,18 @@ impl Admittance {
 
     /// A slot for `ask` now, or a place to wait for one: in the fleet's
     /// queue (`fleet`, when this gateway is one of a fleet whose store
-    /// answers), else in this gateway's.
-    async fn admit(&self, adm: &Arc<Admission>, ask: &Ask<'_>, weight: u32, fleet: bool) -> Admit {
+    /// answers; with `seat`, the seat its placement claimed the backend
+    /// with), else in this gateway's.
+    async fn admit(
+        &self,
+        adm: &Arc<Admission>,
+        ask: &Ask<'_>,
+        weight: u32,
+        fleet: bool,
+        seat: Option<u64>,
+    ) -> Admit {
         let asked = FleetAsk {
+            seat,
             backend: ask.backend,
             backend_id: ask.backend_id,
             class: self.class,

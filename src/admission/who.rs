@@ -30,6 +30,9 @@ pub struct Admittance {
     /// Its claim on its tenant's limits, when it presented a known key
     /// (boxed: without keys the context stays small).
     pub reservation: Option<Box<Reservation>>,
+    /// The seat its placement claimed a backend of the fleet's queue with
+    /// (`fleet::Placed`), until it asks for its slot.
+    pub claim: Option<u64>,
     /// Its slot at its backend until it ends.
     pub permit: Option<Permit>,
     /// It waited in the queue for that slot, this long.
@@ -55,6 +58,15 @@ pub struct Rules<'a> {
 pub struct InvalidPriority;
 
 impl Admittance {
+    /// Who it is in the fleet's queue: its tenant, weight and class.
+    pub fn asker(&self) -> super::fleet::Asker {
+        super::fleet::Asker {
+            tenant: self.tenant,
+            weight: self.client.as_ref().map_or(1, |c| c.weight),
+            class: self.class,
+        }
+    }
+
     /// Its class, deadline and fair-share tenant, from its `headers` (as
     /// `rules` name them) and the client key it presented (`key`; its grant
     /// already in `self.client` when the key is known). A key's class

@@ -9,7 +9,8 @@
 //! gateways' prefill then and whether as a probe), `t` (each gateway's
 //! tenant's requests running or waiting there), `n` (arrivals), `w` and
 //! `s` (each gateway's prefill tokens under way, and since when), `v` (the
-//! last voted cap on prefills), `p` (when the last probe went). A gateway is alive
+//! last voted cap on prefills), `p` (when the last probe went), `c` and
+//! `cs` (placement's claims: a seat's expiry, its score). A gateway is alive
 //! while `<prefix>adm:live:<gateway>` is (refreshed every second, kept
 //! ten): a dead one's counts and waiters are dropped by the next call. A
 //! slot handed over is published on `<prefix>adm:gw:<gateway>`.
@@ -19,7 +20,9 @@
 //! bindings.
 
 use super::store::SharedStore;
-use crate::admission::fleet::{Ahead, Caps, Ended, FleetSlots, Handed, Held, Seat, Seen};
+use crate::admission::fleet::{
+    Ahead, Asker, Caps, Ended, FleetSlots, Handed, Held, Placed, Placing, Seat, Seen,
+};
 use crate::admission::reserve::Unreachable;
 use crate::admission::Admission;
 use std::sync::{Arc, LazyLock};
@@ -182,13 +185,15 @@ local function answer(granted, run, probe, ahead, ahead_ms)
 end
 ";
 
-/// A slot now, or a place in the queue. ARGV 7: the seat, 8 its tenant,
+/// A slot now, or a place in the queue (the seat's claim there, if it
+/// made one when it was placed, taken back). ARGV 7: the seat, 8 its tenant,
 /// 9 its weight, 10 its class, 11 whether it counts as prefilling, 12 how
 /// long this gateway is alive without a word (ms), 13 its prefill tokens.
 /// Returns {handed a slot, the fleet's running, its waiting, let by as a
 /// probe, the prefill tokens other gateways had prefilling there}.
 const ACQUIRE: &str = r"
 redis.call('SET', prefix..'adm:live:'..gw, '1', 'PX', ARGV[12])
+if redis.call('ZREM', base..'c', ARGV[7]) == 1 then redis.call('HDEL', base..'cs', ARGV[7]) end
 redis.call('HSETNX', RUN, gw, 0)
 local seat, tenant, counted, tokens = ARGV[7], ARGV[8], ARGV[11], ARGV[13]
 local run, pre = totals()
@@ -334,23 +339,87 @@ run, pre = fill(run, pre)
 return answer(0, run)
 ";
 
-/// The prefill other live gateways have under way at each backend named.
-/// ARGV: 1 the store's prefix, 2 this gateway, then the backends' ids.
-/// Returns, a backend after another, {its tokens, ms since the oldest of
-/// them began}.
-const PREFILLS: &str = r"
-local prefix, gw = ARGV[1], ARGV[2]
-local out = {}
-for i = 3, #ARGV do
-  local n, ms = work_elsewhere(prefix, prefix..'adm:'..ARGV[i]..':', gw, gw)
-  out[#out + 1] = n
-  out[#out + 1] = ms
+/// Each backend named as a request placed now would find it (admission's
+/// [`Placing`]), and a claim on the one it will go to when that is
+/// already decided. ARGV: 1 the store's prefix, 2 this gateway, 3 the
+/// asker's tenant, 4 its weight, 5 its class, 6 the seat to claim with (''
+/// for none), then each backend's id and this gateway's limit there (0:
+/// none), in the order ties are broken in. Returns, a backend after
+/// another, {the prefill tokens other live gateways have under way there,
+/// ms since the oldest of them began, the fleet's running there, its
+/// waiting, those of its waiters and claims the queue's order puts before
+/// the asker, its claims, 1 when it has no room}, then the claimed
+/// backend's place in the list (0: none). A waiter's score is its class,
+/// then its tenant's share when it came (see ACQUIRE), then its arrival,
+/// and the asker's would be its class and its tenant's share now, after
+/// every waiter's arrival.
+///
+/// A claim (`c`: seat to expiry, `cs`: seat to its score) stands for a
+/// request placed and not yet queued: the next request placed counts it as
+/// a waiter, so a burst of new conversations read one after another does
+/// not all take the same least-queued backend. It is made only where the
+/// choice is the script's to see: when one backend has room, or none has
+/// (then the one with the fewest ahead, ties in the order given); the seat
+/// takes it back when it asks for its slot (ACQUIRE), or it expires.
+const PLACING: &str = r"
+local prefix, gw, tenant = ARGV[1], ARGV[2], ARGV[3]
+local weight, class, claim = math.max(1, tonumber(ARGV[4])), tonumber(ARGV[5]), ARGV[6]
+local out, rows = {}, {}
+for i = 7, #ARGV, 2 do
+  local base, limit = prefix..'adm:'..ARGV[i]..':', tonumber(ARGV[i + 1])
+  local n, ms = work_elsewhere(prefix, base, gw, gw)
+  local run, mine = 0, 0
+  local r = redis.call('HGETALL', base..'run')
+  for j = 1, #r, 2 do
+    local g = r[j]
+    if g == gw or redis.call('EXISTS', prefix..'adm:live:'..g) == 1 then
+      run = run + tonumber(r[j + 1])
+    end
+    mine = mine + (tonumber(redis.call('HGET', base..'t', g..' '..tenant)) or 0)
+  end
+  local share = math.min(math.floor(mine * 64 / weight), 65535)
+  local last = class * 17592186044416 + (share + 1) * 268435456 - 1
+  local C, CS = base..'c', base..'cs'
+  for _, old in ipairs(redis.call('ZRANGEBYSCORE', C, '-inf', now)) do
+    redis.call('ZREM', C, old)
+    redis.call('HDEL', CS, old)
+  end
+  local claims, before = redis.call('ZCARD', C), 0
+  for _, score in ipairs(redis.call('HVALS', CS)) do
+    if tonumber(score) <= last then before = before + 1 end
+  end
+  local waiting = redis.call('ZCARD', base..'q')
+  local ahead = redis.call('ZCOUNT', base..'q', '-inf', last) + before
+  local full = 0
+  if waiting > 0 or (limit > 0 and run + claims >= limit) then full = 1 end
+  rows[#rows + 1] = {base = base, ahead = ahead, full = full, score = class * 17592186044416 + share * 268435456}
+  for _, v in ipairs({n, ms, run, waiting, ahead, claims, full}) do out[#out + 1] = v end
 end
+local chosen, open = 0, 0
+for i, row in ipairs(rows) do
+  if row.full == 0 then open, chosen = open + 1, i end
+end
+if open == 0 then
+  for i, row in ipairs(rows) do
+    if chosen == 0 or row.ahead < rows[chosen].ahead then chosen = i end
+  end
+elseif open > 1 then
+  chosen = 0
+end
+if claim == '' then chosen = 0 end
+if chosen > 0 then
+  local row = rows[chosen]
+  redis.call('ZADD', row.base..'c', now + 2000, claim)
+  redis.call('HSET', row.base..'cs', claim, row.score)
+  redis.call('PEXPIRE', row.base..'c', 60000)
+  redis.call('PEXPIRE', row.base..'cs', 60000)
+end
+out[#out + 1] = chosen
 return out
 ";
 
 struct Scripts {
-    prefills: redis::Script,
+    placing: redis::Script,
     acquire: redis::Script,
     take: redis::Script,
     leave: redis::Script,
@@ -359,7 +428,7 @@ struct Scripts {
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    prefills: redis::Script::new(&format!("{SHARED}{PREFILLS}")),
+    placing: redis::Script::new(&format!("{SHARED}{PLACING}")),
     acquire: redis::Script::new(&format!("{SHARED}{PRELUDE}{ACQUIRE}")),
     take: redis::Script::new(&format!("{SHARED}{PRELUDE}{TAKE}")),
     leave: redis::Script::new(&format!("{SHARED}{PRELUDE}{LEAVE}")),
@@ -589,25 +658,57 @@ impl FleetSlots for SharedStore {
             .1)
     }
 
-    async fn prefills_elsewhere(&self, backends: &[&str]) -> Result<Vec<Ahead>, Unreachable> {
+    async fn placing(
+        &self,
+        backends: &[(&str, u32)],
+        asker: &Asker,
+        claim: Option<u64>,
+    ) -> Result<Placed, Unreachable> {
         let prefix = self.config().key_prefix.clone();
         let gw = self.instance.clone();
-        let ids: Vec<String> = backends.iter().map(|b| b.to_string()).collect();
+        let who = (
+            format!("{:x}", asker.tenant),
+            asker.weight,
+            asker.class.index(),
+            claim.map_or(String::new(), |id| self.seat_name(id)),
+        );
+        let mut each: Vec<String> = Vec::with_capacity(backends.len() * 2);
+        for (id, limit) in backends {
+            each.push(id.to_string());
+            each.push(limit.to_string());
+        }
         let flat: Vec<u64> = self
             .run("slots", |mut c| {
-                let mut call = SCRIPTS.prefills.prepare_invoke();
-                call.arg(prefix).arg(gw).arg(ids);
+                let mut call = SCRIPTS.placing.prepare_invoke();
+                call.arg(prefix).arg(gw).arg(who.0).arg(who.1).arg(who.2);
+                call.arg(who.3).arg(each);
                 async move { call.invoke_async(&mut c).await }
             })
             .await
             .map_err(|_| Unreachable)?;
-        Ok(flat
-            .chunks_exact(2)
-            .map(|p| Ahead {
-                tokens: p[0],
-                ms: p[1],
+        let count = |n: u64| n.min(u32::MAX as u64) as u32;
+        let (rows, chosen) = flat.split_at(flat.len().saturating_sub(1));
+        let backends: Vec<Placing> = rows
+            .chunks_exact(7)
+            .map(|p| Placing {
+                prefill: Ahead {
+                    tokens: p[0],
+                    ms: p[1],
+                },
+                seen: Seen {
+                    running: count(p[2]),
+                    waiting: count(p[3]),
+                },
+                ahead: count(p[4]),
+                claims: count(p[5]),
+                full: p[6] == 1,
             })
-            .collect())
+            .collect();
+        let claimed = match chosen.first() {
+            Some(&i) if i >= 1 && (i as usize) <= backends.len() => Some(i as usize - 1),
+            _ => None,
+        };
+        Ok(Placed { backends, claimed })
     }
 
     async fn release(

@@ -171,3 +171,142 @@ async fn a_delete_leaves_a_newer_binding_and_takes_its_own() {
     s.delete(9, None).await.unwrap();
     assert_eq!(s.peek(9).await.unwrap(), None);
 }
+
+/// A request about to be placed reads each backend as the fleet's queue
+/// has it now: the fleet's counts, and the waiters its order would serve
+/// before this request (by class, then its tenant's share when it came).
+#[tokio::test]
+async fn a_placement_read_counts_the_waiters_served_before_the_asker() {
+    use crate::admission::fleet::{Ahead, Asker, Caps, FleetSlots, Handed, Placing, Seat, Seen};
+    use crate::admission::Class;
+    let s = store("placing").await;
+    let caps = Caps {
+        limit: 1,
+        ..Default::default()
+    };
+    let (noisy, quiet) = (0xa, 0xb);
+    let seat = |id: u64, tenant: u64| Seat {
+        backend: "b0".into(),
+        id,
+        tenant,
+        weight: 1,
+        class: Class::Normal,
+        counted: false,
+        tokens: 0,
+    };
+    // The noisy tenant runs one request at b0 and two wait; then the quiet
+    // tenant's first waits.
+    let (handed, _) = s.acquire(&seat(1, noisy), caps).await.unwrap();
+    assert!(matches!(handed, Handed::Slot { .. }));
+    for (id, tenant) in [(2, noisy), (3, noisy), (4, quiet)] {
+        let (handed, _) = s.acquire(&seat(id, tenant), caps).await.unwrap();
+        assert_eq!(handed, Handed::None);
+    }
+    let asker = |tenant, class| Asker {
+        tenant,
+        weight: 1,
+        class,
+    };
+    let read = s
+        .placing(&[("b0", 1), ("b1", 1)], &asker(quiet, Class::Normal), None)
+        .await
+        .unwrap();
+    let idle = Placing {
+        prefill: Ahead::default(),
+        seen: Seen::default(),
+        ahead: 0,
+        claims: 0,
+        full: false,
+    };
+    // The quiet tenant's next: behind its own first and the noisy
+    // tenant's first waiter (which came when the noisy one ran one, as
+    // the quiet one waits one now), not its second; nobody at b1.
+    let busy = Seen {
+        running: 1,
+        waiting: 3,
+    };
+    assert_eq!(read.backends[0].seen, busy);
+    assert_eq!(read.backends[0].ahead, 2);
+    assert!(read.backends[0].full);
+    assert_eq!(read.backends[1], idle);
+    assert_eq!(read.claimed, None, "no claim asked for");
+    let ahead = |tenant, class| {
+        let s = Arc::clone(&s);
+        async move {
+            let who = asker(tenant, class);
+            let read = s.placing(&[("b0", 1)], &who, None).await;
+            read.unwrap().backends[0].ahead
+        }
+    };
+    // The noisy tenant's next: behind all three; an interactive request:
+    // behind none.
+    assert_eq!(ahead(noisy, Class::Normal).await, 3);
+    assert_eq!(ahead(noisy, Class::Interactive).await, 0);
+    // A tenant with nothing there: behind the quiet tenant's first only,
+    // which came when its tenant had nothing there either.
+    assert_eq!(ahead(0xc, Class::Normal).await, 1);
+}
+
+/// Requests placed one after another, each before the last has joined the
+/// queue, see each other's claims: with no room anywhere they spread
+/// instead of all taking the backend that looked least queued; a seat
+/// asking for its slot takes its claim back.
+#[tokio::test]
+async fn placement_claims_spread_a_burst_placed_before_any_has_queued() {
+    use crate::admission::fleet::{Asker, Caps, FleetSlots, Handed, Seat};
+    use crate::admission::Class;
+    let s = store("claims").await;
+    let caps = Caps {
+        limit: 1,
+        ..Default::default()
+    };
+    let seat = |backend: &str, id: u64| Seat {
+        backend: backend.into(),
+        id,
+        tenant: 0xa,
+        weight: 1,
+        class: Class::Normal,
+        counted: false,
+        tokens: 0,
+    };
+    // Every backend runs one (its limit); b0 has one waiter, b1 and b2 two.
+    let mut id = 100;
+    for (backend, n) in [("b0", 2), ("b1", 3), ("b2", 3)] {
+        for _ in 0..n {
+            id += 1;
+            s.acquire(&seat(backend, id), caps).await.unwrap();
+        }
+    }
+    // A burst of that tenant's new conversations.
+    let burst = Asker {
+        tenant: 0xa,
+        weight: 1,
+        class: Class::Normal,
+    };
+    let backends = [("b0", 1), ("b1", 1), ("b2", 1)];
+    let mut went = Vec::new();
+    for claim in 1..=6 {
+        let read = s.placing(&backends, &burst, Some(claim)).await.unwrap();
+        went.push(read.claimed.expect("no room anywhere: the read decides"));
+    }
+    // Without claims all six would read b0 as least queued (1 ahead
+    // against 2). With them: b0 until it has as many ahead as the others,
+    // then the least in turn, ties to the first asked.
+    assert_eq!(went, [0, 0, 1, 2, 0, 1]);
+    let read = s.placing(&backends, &burst, None).await.unwrap();
+    assert_eq!(read.backends[0].claims, 3);
+    assert_eq!(read.backends[0].ahead, 4);
+    // The first claim's seat asks for its slot at b0: its claim becomes
+    // its place in the queue, not a second one.
+    let (handed, seen) = s.acquire(&seat("b0", 1), caps).await.unwrap();
+    assert_eq!(handed, Handed::None);
+    assert_eq!(seen.waiting, 2);
+    let read = s.placing(&backends, &burst, None).await.unwrap();
+    assert_eq!((read.backends[0].claims, read.backends[0].ahead), (2, 4));
+    // With one backend's room left, the read claims it; a second read
+    // finds none there.
+    let read = s.placing(&[("b3", 1), ("b1", 1)], &burst, Some(7)).await;
+    assert_eq!(read.unwrap().claimed, Some(0));
+    let read = s.placing(&[("b3", 1)], &burst, None).await.unwrap();
+    assert!(read.backends[0].full, "its one slot is claimed");
+}

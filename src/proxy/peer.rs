@@ -52,8 +52,9 @@ pub(super) async fn choose(
     let admission = routing.config.admission.enabled;
     let prompt = route.request().prompt_tokens();
     if admission {
+        let asker = ctx.who.asker();
         let route = ctx.route.as_mut().expect("routed in request_filter");
-        route.see_fleet_prefills(gw).await;
+        ctx.who.claim = route.see_fleet(gw, asker).await;
     }
     let prefill = loop {
         let who = admission.then_some((ctx.who.class, ctx.who.tenant));

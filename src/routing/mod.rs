@@ -30,6 +30,7 @@ mod stored;
 pub use intake::{BodyFacts, BodyNeed, Intake};
 pub use request::{RouteRequest, StoredRef};
 
+use crate::admission::fleet::{Asker, Placing};
 use crate::admission::Class;
 use crate::affinity::policy::MoveReason;
 use crate::affinity::{Candidate, Lease, Reason, Selection, SessionRef, WaitEnd};
@@ -69,8 +70,11 @@ pub struct Route {
     /// What engines' KV events said candidates hold of the session: (slot,
     /// tokens).
     kv_held: Vec<(u32, u64)>,
-    /// Prefill the fleet's other gateways have under way: (slot, it).
-    elsewhere: Vec<(u32, crate::admission::fleet::Ahead)>,
+    /// Backends as the fleet's queue showed them to this request, read
+    /// when it was about to be placed: (slot, what it found).
+    fleet: Vec<(u32, Placing)>,
+    /// The one that read claimed for it.
+    claimed: Option<u32>,
 }
 
 /// Rotates ties among equally loaded backends for session-less requests.
@@ -84,35 +88,55 @@ impl Route {
             decision: None,
             replayed: false,
             kv_held: Vec::new(),
-            elsewhere: Vec::new(),
+            fleet: Vec::new(),
+            claimed: None,
         }
     }
 
-    /// A session this gateway is about to place (no live binding here):
-    /// what the fleet's other gateways are prefilling at each backend now,
-    /// which placement weighs as it weighs this gateway's own queue there
-    /// (`placement.queue_aware`). One store round trip, with the fleet's
-    /// admission queue only: without it, each gateway sees only its own
-    /// requests, and a new conversation can land where another gateway's
-    /// prefill runs while a replica is idle.
-    pub async fn see_fleet_prefills(&mut self, gw: &Gateway) {
-        let Some(key) = self.req.key.as_ref().map(|s| s.key) else {
-            return;
-        };
+    /// A session this gateway is about to place (no live binding here),
+    /// for `asker`: each backend as the fleet's queue shows it now (one
+    /// store round trip, with the fleet's admission queue only). Placement
+    /// weighs the prefill other gateways have under way there as it weighs
+    /// this gateway's own queue (`placement.queue_aware`): without it, a
+    /// new conversation can land where another gateway's prefill runs while
+    /// a replica is idle. And with no room anywhere, a new conversation
+    /// goes where the fewest waiters would be served before it, counted now
+    /// in the queue's order: without it, by this gateway's last sight of
+    /// each backend (as old as its last request there) and every waiter
+    /// counted, a quiet tenant's new conversations all went to the one
+    /// backend that looked least queued and waited behind each other.
+    ///
+    /// The read claims the backend it decides, where it does (`admission::fleet::Placed`):
+    /// returned is the seat the request asks for its slot with.
+    pub async fn see_fleet(&mut self, gw: &Gateway, asker: Asker) -> Option<u64> {
+        let session = self.req.key.as_ref()?;
         let placed = self.req.stored.is_some() || self.req.target.is_some();
-        if placed || !gw.admission.in_fleet() || gw.affinity.is_live(key) {
-            return;
+        if placed || !gw.admission.in_fleet() || gw.affinity.is_live(session.key) {
+            return None;
         }
-        let backends = &self.req.tier.backends;
-        let ids: Vec<&str> = backends.iter().map(|b| &*b.id).collect();
-        if let Some(ahead) = gw.admission.fleet_prefills(&ids).await {
-            self.elsewhere = backends
-                .iter()
-                .zip(ahead)
-                .filter(|(_, a)| a.tokens > 0)
-                .map(|(b, a)| (b.slot, a))
-                .collect();
-        }
+        // Those open to a new session, in its rendezvous order (a tie in
+        // the read goes to the first).
+        let tier = &self.req.tier;
+        let open: Vec<Candidate> = tier
+            .candidates(&self.excluded)
+            .into_iter()
+            .filter(|c| !(c.draining || c.failing))
+            .collect();
+        let asked: Vec<(u32, &str)> = crate::affinity::hrw::ranked(session.hash, &open)
+            .into_iter()
+            .filter_map(|i| {
+                let slot = open[i].slot;
+                tier.backend_by_slot(slot).map(|b| (slot, &*b.id))
+            })
+            .collect();
+        let (read, seat) = gw.admission.fleet_placing(&asked, &asker).await?;
+        self.claimed = read.claimed.map(|i| asked[i].0);
+        self.fleet = asked
+            .iter()
+            .map(|(slot, _)| *slot)
+            .zip(read.backends)
+            .collect();
+        seat
     }
 
     pub fn request(&self) -> &RouteRequest {
@@ -209,7 +233,11 @@ impl Route {
     ) -> Result<Vec<Candidate>, GatewayError> {
         let tier = &self.req.tier;
         let mut candidates = tier.candidates(&self.excluded);
-        for (slot, ahead) in &self.elsewhere {
+        for (slot, placing) in &self.fleet {
+            let ahead = &placing.prefill;
+            if ahead.tokens == 0 {
+                continue;
+            }
             if let Some(c) = candidates.iter_mut().find(|c| c.slot == *slot) {
                 // Another gateway's prefill queues ahead as this one's own
                 // would; with none here, it is the queue's head.
@@ -241,7 +269,9 @@ impl Route {
             }
         }
         if let Some((class, tenant)) = who {
-            gw.admission.mark(&mut candidates, class, tenant);
+            let (read, claimed) = (&self.fleet, self.claimed);
+            gw.admission
+                .mark(&mut candidates, class, tenant, read, claimed);
         }
         // New keyless conversations count as sessions, and what each
         // candidate holds of the prompt (`affinity.prefix`).
