@@ -192,6 +192,12 @@ pub trait FleetSlots: Send + Sync {
         asker: &Asker,
         claim: Option<u64>,
     ) -> Result<Placed, Unreachable>;
+    /// An answer at `backend` voted that prefills there queued behind each
+    /// other (`queued`) or ran side by side: the fleet's tally after it,
+    /// counted as one gateway counts its own votes (it starts where one
+    /// gateway's first vote starts, within ± the same bound). Caps learned
+    /// on prefills there follow the tally in every slot script.
+    async fn vote(&self, backend: &str, queued: bool) -> Result<i8, Unreachable>;
     /// A request of `tenant` at `backend` ended (or its prefill did): its
     /// room goes to the best waiters.
     async fn release(

@@ -52,8 +52,8 @@ pub enum Limit {
 /// Net votes at which prefills are taken to queue behind each other, and
 /// the most they count up to either way (a change of engine undoes at most
 /// that many).
-pub(super) const SERIAL_VOTES: i8 = 2;
-pub(super) const VOTES_MAX: i8 = 4;
+pub const SERIAL_VOTES: i8 = 2;
+pub const VOTES_MAX: i8 = 4;
 
 /// How long a cap of one is kept on trust with no vote: an engine whose
 /// answers never teach what one prefill costs (prompts under 64 uncached
@@ -277,16 +277,18 @@ impl Learned {
         !self.voted && self.arm_probe(now_ms, 0)
     }
 
-    /// An answer's vote ([`super::queue::Admission::vote_prefill`]): the
-    /// cap's state before and after, when the vote counted.
-    pub(super) fn vote(&mut self, vote: Option<bool>) -> Option<(bool, bool)> {
+    /// What an answer's vote ([`super::queue::Admission::vote_prefill`])
+    /// counts as (`true`: prefills queued), when it counts: none while the
+    /// engine queues requests itself; [`UNCLEAR_PROBES`] unclear ones in a
+    /// row count as one that prefills ran side by side.
+    pub(super) fn counts_as(&mut self, vote: Option<bool>) -> Option<bool> {
         if self.engine_queues {
             return None;
         }
-        let queued = match vote {
+        match vote {
             Some(v) => {
                 self.unclear = 0;
-                v
+                Some(v)
             }
             None => {
                 self.unclear += 1;
@@ -294,9 +296,14 @@ impl Learned {
                     return None;
                 }
                 self.unclear = 0;
-                false
+                Some(false)
             }
-        };
+        }
+    }
+
+    /// Count a vote on this gateway's own tally: the cap's state before
+    /// and after.
+    pub(super) fn count(&mut self, queued: bool) -> (bool, bool) {
         let before = self.prefills_queue();
         if !self.voted {
             (self.voted, self.prefill_votes) = (true, SERIAL_VOTES);
@@ -305,7 +312,17 @@ impl Learned {
             true => (self.prefill_votes + 1).min(VOTES_MAX),
             false => (self.prefill_votes - 1).max(-VOTES_MAX),
         };
-        Some((before, self.prefills_queue()))
+        (before, self.prefills_queue())
+    }
+
+    /// The fleet's tally of votes at this engine (every gateway's, counted
+    /// as one gateway counts its own), which this gateway's cap follows:
+    /// the cap's state before and after.
+    pub(super) fn fleet_tally(&mut self, tally: i8) -> (bool, bool) {
+        let before = self.prefills_queue();
+        self.voted = true;
+        self.prefill_votes = tally.clamp(-VOTES_MAX, VOTES_MAX);
+        (before, self.prefills_queue())
     }
 
     /// The engine's gauges were read at `now_ms`, `waiting` requests in its

@@ -520,13 +520,60 @@ impl Admission {
     /// was a place in its batch (a limit configured above it), which a cap
     /// on prefills would not give back. Returns the cap's new state when the
     /// vote changed it (`true`: one at a time).
-    pub fn vote_prefill(&self, backend: u32, vote: Option<bool>) -> Option<bool> {
+    ///
+    /// In a fleet's queue the vote goes to the fleet's tally for the engine
+    /// instead (one store call, off the request's path), which this
+    /// gateway's cap then follows, as every gateway's does (the slot
+    /// scripts apply the tally): the gateways pool their votes as one
+    /// gateway pools its answers', so one gateway's stray vote flips no
+    /// more than it would alone, and no gateway counts its prefills off a
+    /// cap the others keep. Should the store not answer, the vote counts
+    /// here.
+    pub fn vote_prefill(self: &Arc<Self>, backend: u32, vote: Option<bool>) -> Option<bool> {
         let mut st = self.state.lock();
-        let (before, after) = st.backends.get_mut(&backend)?.learned.vote(vote)?;
+        let b = st.backends.get_mut(&backend)?;
+        let queued = b.learned.counts_as(vote)?;
+        if let Some((id, slots)) = b.fleet_id.clone().zip(self.fleet_slots()) {
+            let adm = Arc::clone(self);
+            tokio::spawn(async move {
+                match slots.vote(&id, queued).await {
+                    Ok(tally) => adm.follow_tally(backend, Some(tally), queued),
+                    Err(_) => adm.follow_tally(backend, None, queued),
+                }
+            });
+            return None;
+        }
+        let (before, after) = b.learned.count(queued);
         if before && !after {
             fill(&mut st, backend);
         }
         (before != after).then_some(after)
+    }
+
+    /// The fleet's tally of votes on prefills at `backend` (see
+    /// [`Admission::vote_prefill`]); `None`: the store did not answer, and
+    /// the vote (`queued`) counts here.
+    fn follow_tally(&self, backend: u32, tally: Option<i8>, queued: bool) {
+        let mut st = self.state.lock();
+        let Some(b) = st.backends.get_mut(&backend) else {
+            return;
+        };
+        let (before, after) = match tally {
+            Some(t) => b.learned.fleet_tally(t),
+            None => b.learned.count(queued),
+        };
+        if before != after {
+            log::info!(
+                "backend slot {backend}: the fleet's votes say prefills {}",
+                match after {
+                    true => "queue behind each other; one at a time",
+                    false => "run side by side; no cap on them",
+                }
+            );
+        }
+        if before && !after {
+            fill(&mut st, backend);
+        }
     }
 
     /// The engine behind `backend` reported `running` requests and

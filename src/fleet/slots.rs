@@ -10,7 +10,8 @@
 //! tenant's requests running or waiting there), `n` (arrivals), `w` and
 //! `s` (each gateway's prefill tokens under way, and since when), `v` (the
 //! last voted cap on prefills), `p` (when the last probe went), `c` and
-//! `cs` (placement's claims: a seat's expiry, its score). A gateway is alive
+//! `cs` (placement's claims: a seat's expiry, its score), `vt` (the fleet's
+//! tally of votes on how prefills run there). A gateway is alive
 //! while `<prefix>adm:live:<gateway>` is (refreshed every second, kept
 //! ten): a dead one's counts and waiters are dropped by the next call. A
 //! slot handed over is published on `<prefix>adm:gw:<gateway>`.
@@ -100,6 +101,12 @@ if ARGV[6] == '1' then
 elseif ARGV[6] == '2' then
   local voted = redis.call('GET', VOTED)
   if voted then cap = tonumber(voted) else every = 1000 end
+end
+-- The fleet's tally of votes (VOTE), where there is one, is the cap.
+local tally = learned and redis.call('GET', base..'vt')
+if tally then
+  if tonumber(tally) >= SERIAL then cap = 1 else cap = 0 end
+  every = 10000
 end
 local probe_due = learned and cap == 1 and now >= (tonumber(redis.call('GET', PROBED)) or 0) + every
 
@@ -339,6 +346,19 @@ run, pre = fill(run, pre)
 return answer(0, run)
 ";
 
+/// An answer's vote on how prefills run at a backend, into the fleet's
+/// tally. ARGV: 1 the backend's key base, 2 +1 (they queued) or -1 (side by
+/// side). The tally starts where one gateway's first vote starts (SERIAL,
+/// then the vote) and stays within +-MAX; kept ten minutes past the last
+/// vote. Returns it.
+const VOTE: &str = r"
+local T = ARGV[1]..'vt'
+local t = tonumber(redis.call('GET', T)) or SERIAL
+t = math.max(-MAX, math.min(MAX, t + tonumber(ARGV[2])))
+redis.call('SET', T, t, 'PX', 600000)
+return t
+";
+
 /// Each backend named as a request placed now would find it (admission's
 /// [`Placing`]), and a claim on the one it will go to when that is
 /// already decided. ARGV: 1 the store's prefix, 2 this gateway, 3 the
@@ -419,6 +439,7 @@ return out
 ";
 
 struct Scripts {
+    vote: redis::Script,
     placing: redis::Script,
     acquire: redis::Script,
     take: redis::Script,
@@ -427,13 +448,20 @@ struct Scripts {
     sync: redis::Script,
 }
 
+/// The bounds of one gateway's tally, for the fleet's (`VOTE`, `PRELUDE`).
+static VOTES: LazyLock<String> = LazyLock::new(|| {
+    use crate::admission::learn::{SERIAL_VOTES, VOTES_MAX};
+    format!("local SERIAL, MAX = {SERIAL_VOTES}, {VOTES_MAX}\n")
+});
+
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    vote: redis::Script::new(&format!("{}{VOTE}", *VOTES)),
     placing: redis::Script::new(&format!("{SHARED}{PLACING}")),
-    acquire: redis::Script::new(&format!("{SHARED}{PRELUDE}{ACQUIRE}")),
-    take: redis::Script::new(&format!("{SHARED}{PRELUDE}{TAKE}")),
-    leave: redis::Script::new(&format!("{SHARED}{PRELUDE}{LEAVE}")),
-    release: redis::Script::new(&format!("{SHARED}{PRELUDE}{RELEASE}")),
-    sync: redis::Script::new(&format!("{SHARED}{PRELUDE}{SYNC}")),
+    acquire: redis::Script::new(&format!("{}{SHARED}{PRELUDE}{ACQUIRE}", *VOTES)),
+    take: redis::Script::new(&format!("{}{SHARED}{PRELUDE}{TAKE}", *VOTES)),
+    leave: redis::Script::new(&format!("{}{SHARED}{PRELUDE}{LEAVE}", *VOTES)),
+    release: redis::Script::new(&format!("{}{SHARED}{PRELUDE}{RELEASE}", *VOTES)),
+    sync: redis::Script::new(&format!("{}{SHARED}{PRELUDE}{SYNC}", *VOTES)),
 });
 
 /// How long a gateway counts as alive without a word from it, and how
@@ -709,6 +737,20 @@ impl FleetSlots for SharedStore {
             _ => None,
         };
         Ok(Placed { backends, claimed })
+    }
+
+    async fn vote(&self, backend: &str, queued: bool) -> Result<i8, Unreachable> {
+        let base = self.slot_base(backend);
+        let delta: i8 = if queued { 1 } else { -1 };
+        let tally: i64 = self
+            .run("slots", |mut c| {
+                let mut call = SCRIPTS.vote.prepare_invoke();
+                call.arg(base).arg(delta);
+                async move { call.invoke_async(&mut c).await }
+            })
+            .await
+            .map_err(|_| Unreachable)?;
+        Ok(tally.clamp(i8::MIN as i64, i8::MAX as i64) as i8)
     }
 
     async fn release(

@@ -310,3 +310,55 @@ async fn placement_claims_spread_a_burst_placed_before_any_has_queued() {
     let read = s.placing(&[("b3", 1)], &burst, None).await.unwrap();
     assert!(read.backends[0].full, "its one slot is claimed");
 }
+
+/// Two gateways' votes on how prefills run at one engine make one tally,
+/// and the cap in force for both follows it, whatever cap each learned
+/// alone: one gateway's stray "side by side" flips no more than it would
+/// for a lone gateway that had seen both gateways' answers.
+#[tokio::test]
+async fn the_fleets_votes_on_prefills_are_one_tally_that_sets_every_gateways_cap() {
+    use crate::admission::fleet::{CapSource, Caps, FleetSlots, Handed, Seat};
+    use crate::admission::learn::{SERIAL_VOTES, VOTES_MAX};
+    use crate::admission::Class;
+    let (a, b) = (store("tally").await, store("tally").await);
+    // The first vote starts where a lone gateway's does; votes from either
+    // gateway count on the one tally, within its bounds.
+    assert_eq!(a.vote("b0", true).await.unwrap(), SERIAL_VOTES + 1);
+    assert_eq!(b.vote("b0", true).await.unwrap(), SERIAL_VOTES + 2);
+    for _ in 0..3 {
+        a.vote("b0", true).await.unwrap();
+    }
+    assert_eq!(b.vote("b0", false).await.unwrap(), VOTES_MAX - 1);
+    // Gateway b learned alone that prefills run side by side (no cap), and
+    // says so: the tally says they queue, and b's second prefill waits.
+    let side_by_side = Caps {
+        limit: 8,
+        prefilling: 0,
+        cap_source: CapSource::Voted,
+    };
+    let seat = |id: u64| Seat {
+        backend: "b0".into(),
+        id,
+        tenant: 0xa,
+        weight: 1,
+        class: Class::Normal,
+        counted: true,
+        tokens: 1000,
+    };
+    let (first, _) = b.acquire(&seat(1), side_by_side).await.unwrap();
+    assert!(matches!(first, Handed::Slot { .. }));
+    // A cap of one lets one probe by (its answer votes), and no more.
+    let (second, _) = b.acquire(&seat(2), side_by_side).await.unwrap();
+    assert!(matches!(second, Handed::Probe { .. }), "{second:?}");
+    let (third, _) = b.acquire(&seat(3), side_by_side).await.unwrap();
+    assert_eq!(
+        third,
+        Handed::None,
+        "one prefill at a time, as the fleet voted"
+    );
+    // Votes that they run side by side bring the tally under the line:
+    // no cap for anyone, so the waiter goes at the next call.
+    while a.vote("b0", false).await.unwrap() >= SERIAL_VOTES {}
+    let (third, _) = b.take(&seat(3), side_by_side).await.unwrap();
+    assert!(matches!(third, Handed::Slot { .. }), "{third:?}");
+}
