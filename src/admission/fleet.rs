@@ -194,9 +194,10 @@ pub trait FleetSlots: Send + Sync {
     ) -> Result<Placed, Unreachable>;
     /// An answer at `backend` voted that prefills there queued behind each
     /// other (`queued`) or ran side by side: the fleet's tally after it,
-    /// counted as one gateway counts its own votes (it starts where one
-    /// gateway's first vote starts, within ± the same bound). Caps learned
-    /// on prefills there follow the tally in every slot script.
+    /// counted as one gateway counts its own votes (within ± the same bound;
+    /// it starts one vote further from "side by side", so no single vote
+    /// takes the cap off). Caps learned on prefills there follow the tally
+    /// in every slot script.
     async fn vote(&self, backend: &str, queued: bool) -> Result<i8, Unreachable>;
     /// A request of `tenant` at `backend` ended (or its prefill did): its
     /// room goes to the best waiters.

@@ -348,12 +348,15 @@ return answer(0, run)
 
 /// An answer's vote on how prefills run at a backend, into the fleet's
 /// tally. ARGV: 1 the backend's key base, 2 +1 (they queued) or -1 (side by
-/// side). The tally starts where one gateway's first vote starts (SERIAL,
-/// then the vote) and stays within +-MAX; kept ten minutes past the last
-/// vote. Returns it.
+/// side). The tally starts one vote above where one gateway's first vote
+/// starts (SERIAL + 1, then the vote), so that no single vote takes the
+/// cap off: a first turn whose wait came out just under half the work
+/// estimated ahead of it did, on a serial engine, and several prefills went
+/// in at once. It stays within +-MAX; kept ten minutes past the last vote.
+/// Returns it.
 const VOTE: &str = r"
 local T = ARGV[1]..'vt'
-local t = tonumber(redis.call('GET', T)) or SERIAL
+local t = tonumber(redis.call('GET', T)) or SERIAL + 1
 t = math.max(-MAX, math.min(MAX, t + tonumber(ARGV[2])))
 redis.call('SET', T, t, 'PX', 600000)
 return t

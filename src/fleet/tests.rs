@@ -321,10 +321,11 @@ async fn the_fleets_votes_on_prefills_are_one_tally_that_sets_every_gateways_cap
     use crate::admission::learn::{SERIAL_VOTES, VOTES_MAX};
     use crate::admission::Class;
     let (a, b) = (store("tally").await, store("tally").await);
-    // The first vote starts where a lone gateway's does; votes from either
-    // gateway count on the one tally, within its bounds.
-    assert_eq!(a.vote("b0", true).await.unwrap(), SERIAL_VOTES + 1);
-    assert_eq!(b.vote("b0", true).await.unwrap(), SERIAL_VOTES + 2);
+    // The tally starts one vote further from "side by side" than a lone
+    // gateway's first vote does; votes from either gateway count on it,
+    // within its bounds.
+    assert_eq!(a.vote("b0", false).await.unwrap(), SERIAL_VOTES);
+    assert_eq!(b.vote("b0", true).await.unwrap(), SERIAL_VOTES + 1);
     for _ in 0..3 {
         a.vote("b0", true).await.unwrap();
     }
