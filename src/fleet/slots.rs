@@ -29,14 +29,27 @@ use crate::admission::Admission;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-/// What every script begins with: Redis's clock now (ms), and what other
-/// gateways are prefilling at a backend: the prefill tokens gateways other
+/// What every script begins with: Redis's clock now (ms), a waiter's place
+/// in a backend's queue (the slot scripts queue by it, placement counts
+/// what comes before a request by it), and what other gateways are
+/// prefilling at a backend: the prefill tokens gateways other
 /// than `g` have under way at the backend whose keys start with `base`
 /// (those alive, and `me`, the gateway calling), and how long the oldest of
 /// them has been under way (ms): its progress is taken off.
 const SHARED: &str = r"
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+
+-- A waiter's place in a backend's queue (`q`): its class, then its
+-- tenant's share there when it came (`n` requests running or waiting, per
+-- weight), then its arrival (added by the caller, under 2^28).
+local function share_of(n, weight)
+  return math.min(math.floor(n * 64 / math.max(1, weight)), 65535)
+end
+
+local function queue_score(class, share)
+  return class * 17592186044416 + share * 268435456
+end
 
 local function work_elsewhere(prefix, base, g, me)
   local n, since = 0, now
@@ -225,8 +238,8 @@ for _, g in ipairs(redis.call('HKEYS', RUN)) do
 end
 redis.call('HINCRBY', TEN, gw..' '..tenant, 1)
 local seq = redis.call('INCR', base..'n') % 268435456
-local share = math.min(math.floor(n * 64 / math.max(1, tonumber(ARGV[9]))), 65535)
-redis.call('ZADD', Q, tonumber(ARGV[10]) * 17592186044416 + share * 268435456 + seq, seat)
+local share = share_of(n, tonumber(ARGV[9]))
+redis.call('ZADD', Q, queue_score(tonumber(ARGV[10]), share) + seq, seat)
 redis.call('HSET', META, seat, gw..' '..tenant..' '..counted..' '..tokens)
 run, pre = fill(run, pre)
 local granted = redis.call('HGET', GRANTED, seat)
@@ -386,7 +399,7 @@ return t
 /// takes it back when it asks for its slot (ACQUIRE), or it expires.
 const PLACING: &str = r"
 local prefix, gw, tenant = ARGV[1], ARGV[2], ARGV[3]
-local weight, class, claim = math.max(1, tonumber(ARGV[4])), tonumber(ARGV[5]), ARGV[6]
+local weight, class, claim = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local out, rows = {}, {}
 for i = 7, #ARGV, 2 do
   local base, limit = prefix..'adm:'..ARGV[i]..':', tonumber(ARGV[i + 1])
@@ -400,8 +413,8 @@ for i = 7, #ARGV, 2 do
     end
     mine = mine + (tonumber(redis.call('HGET', base..'t', g..' '..tenant)) or 0)
   end
-  local share = math.min(math.floor(mine * 64 / weight), 65535)
-  local last = class * 17592186044416 + (share + 1) * 268435456 - 1
+  local share = share_of(mine, weight)
+  local last = queue_score(class, share + 1) - 1
   local C, CS = base..'c', base..'cs'
   for _, old in ipairs(redis.call('ZRANGEBYSCORE', C, '-inf', now)) do
     redis.call('ZREM', C, old)
@@ -415,7 +428,7 @@ for i = 7, #ARGV, 2 do
   local ahead = redis.call('ZCOUNT', base..'q', '-inf', last) + before
   local full = 0
   if waiting > 0 or (limit > 0 and run + claims >= limit) then full = 1 end
-  rows[#rows + 1] = {base = base, ahead = ahead, full = full, score = class * 17592186044416 + share * 268435456}
+  rows[#rows + 1] = {base = base, ahead = ahead, full = full, score = queue_score(class, share)}
   for _, v in ipairs({n, ms, run, waiting, ahead, claims, full}) do out[#out + 1] = v end
 end
 local chosen, open = 0, 0

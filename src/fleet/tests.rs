@@ -172,12 +172,26 @@ async fn a_delete_leaves_a_newer_binding_and_takes_its_own() {
     assert_eq!(s.peek(9).await.unwrap(), None);
 }
 
+/// A seat in the fleet's queue at `backend`: class normal, weight 1, not
+/// counted as prefilling.
+fn normal_seat(backend: &str, id: u64, tenant: u64) -> crate::admission::fleet::Seat {
+    crate::admission::fleet::Seat {
+        backend: backend.into(),
+        id,
+        tenant,
+        weight: 1,
+        class: crate::admission::Class::Normal,
+        counted: false,
+        tokens: 0,
+    }
+}
+
 /// A request about to be placed reads each backend as the fleet's queue
 /// has it now: the fleet's counts, and the waiters its order would serve
 /// before this request (by class, then its tenant's share when it came).
 #[tokio::test]
 async fn a_placement_read_counts_the_waiters_served_before_the_asker() {
-    use crate::admission::fleet::{Ahead, Asker, Caps, FleetSlots, Handed, Placing, Seat, Seen};
+    use crate::admission::fleet::{Ahead, Asker, Caps, FleetSlots, Handed, Placing, Seen};
     use crate::admission::Class;
     let s = store("placing").await;
     let caps = Caps {
@@ -185,15 +199,7 @@ async fn a_placement_read_counts_the_waiters_served_before_the_asker() {
         ..Default::default()
     };
     let (noisy, quiet) = (0xa, 0xb);
-    let seat = |id: u64, tenant: u64| Seat {
-        backend: "b0".into(),
-        id,
-        tenant,
-        weight: 1,
-        class: Class::Normal,
-        counted: false,
-        tokens: 0,
-    };
+    let seat = |id, tenant| normal_seat("b0", id, tenant);
     // The noisy tenant runs one request at b0 and two wait; then the quiet
     // tenant's first waits.
     let (handed, _) = s.acquire(&seat(1, noisy), caps).await.unwrap();
@@ -253,22 +259,14 @@ async fn a_placement_read_counts_the_waiters_served_before_the_asker() {
 /// asking for its slot takes its claim back.
 #[tokio::test]
 async fn placement_claims_spread_a_burst_placed_before_any_has_queued() {
-    use crate::admission::fleet::{Asker, Caps, FleetSlots, Handed, Seat};
+    use crate::admission::fleet::{Asker, Caps, FleetSlots, Handed};
     use crate::admission::Class;
     let s = store("claims").await;
     let caps = Caps {
         limit: 1,
         ..Default::default()
     };
-    let seat = |backend: &str, id: u64| Seat {
-        backend: backend.into(),
-        id,
-        tenant: 0xa,
-        weight: 1,
-        class: Class::Normal,
-        counted: false,
-        tokens: 0,
-    };
+    let seat = |backend, id| normal_seat(backend, id, 0xa);
     // Every backend runs one (its limit); b0 has one waiter, b1 and b2 two.
     let mut id = 100;
     for (backend, n) in [("b0", 2), ("b1", 3), ("b2", 3)] {
@@ -319,7 +317,6 @@ async fn placement_claims_spread_a_burst_placed_before_any_has_queued() {
 async fn the_fleets_votes_on_prefills_are_one_tally_that_sets_every_gateways_cap() {
     use crate::admission::fleet::{CapSource, Caps, FleetSlots, Handed, Seat};
     use crate::admission::learn::{SERIAL_VOTES, VOTES_MAX};
-    use crate::admission::Class;
     let (a, b) = (store("tally").await, store("tally").await);
     // The tally starts one vote further from "side by side" than a lone
     // gateway's first vote does; votes from either gateway count on it,
@@ -337,14 +334,10 @@ async fn the_fleets_votes_on_prefills_are_one_tally_that_sets_every_gateways_cap
         prefilling: 0,
         cap_source: CapSource::Voted,
     };
-    let seat = |id: u64| Seat {
-        backend: "b0".into(),
-        id,
-        tenant: 0xa,
-        weight: 1,
-        class: Class::Normal,
+    let seat = |id| Seat {
         counted: true,
         tokens: 1000,
+        ..normal_seat("b0", id, 0xa)
     };
     let (first, _) = b.acquire(&seat(1), side_by_side).await.unwrap();
     assert!(matches!(first, Handed::Slot { .. }));
