@@ -94,9 +94,11 @@ auth: { keys_file: \"$WORK/keys.yaml\" }" ;;
   esac
   for i in 0 1 2; do wait_port "${SIM_PORTS[$i]}"; done
   local store=""
+  STORE_PORT=""
   if [ "$n" -gt 1 ]; then
     # A fleet shares its bindings (and tenants' limits) through Redis.
     local rp; rp=$(port)
+    STORE_PORT=$rp
     redis-server --port "$rp" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
     RUN_PIDS+=($!); PIDS+=($!)
     wait_port "$rp"
@@ -148,6 +150,33 @@ heavy() {  # label, key, extra header...: runs in the background, report to $WOR
   HEAVY=$!
 }
 
+# The fleet store's counts that are not zero: each gateway's requests running,
+# prefilling, their prefill tokens, slots handed over and not taken, waiters.
+STORE_COUNTS="local o = {}
+for _, k in ipairs(redis.call('KEYS', 'agentserve:adm:*')) do
+  if k:match(':run\$') or k:match(':pre\$') or k:match(':w\$') or k:match(':g\$') then
+    local h = redis.call('HGETALL', k)
+    for i = 1, #h, 2 do
+      if h[i + 1] ~= '0' then o[#o + 1] = k .. ' ' .. h[i] .. ' ' .. h[i + 1] end
+    end
+  elseif k:match(':q\$') then
+    o[#o + 1] = k .. ' ' .. redis.call('ZCARD', k) .. ' waiting'
+  end
+end
+return o"
+leftover() {  # file: what the fleet store still counts once every request has answered (nothing, unless a count leaked)
+  [ -n "$STORE_PORT" ] || return 0
+  local i left=""
+  # The last answers' slots are given back just after them: allow 3 s.
+  for i in $(seq 30); do
+    left=$(redis-cli -p "$STORE_PORT" EVAL "$STORE_COUNTS" 0)
+    [ -z "$left" ] && break
+    sleep 0.1
+  done
+  echo -n "$left" > "$1"
+  [ -z "$left" ] || echo "the fleet store still counts, with every request answered ($1): $left" >&2
+}
+
 sample_queues() {  # until $1 exits: each engine's num_requests_waiting, every 100 ms
   : > "$WORK/waiting"
   while kill -0 "$1" 2>/dev/null; do
@@ -167,6 +196,7 @@ scenario() {
       local run="$name-$mode-r$r"
       start "$mode"
       light "alone" "$lkey" $lh > "$WORK/$run-alone.json"
+      leftover "$WORK/$run-alone-store"
       start "$mode"
       heavy "heavy" "$hkey" $hh
       sleep 1   # the heavy load is on (the behaviour under test, not synchronisation)
@@ -175,6 +205,7 @@ scenario() {
       light "beside" "$lkey" $lh > "$WORK/$run-beside.json"
       wait "$HEAVY"
       wait "$sampler"
+      leftover "$WORK/$run-heavy-store"
       cp "$WORK/heavy.json" "$WORK/$run-heavy.json"
       cp "$WORK/waiting" "$WORK/$run-waiting"
     done

@@ -1788,6 +1788,25 @@ async fn a_request_waiting_in_the_fleets_queue_is_served_when_the_store_goes() {
     assert_eq!(status.unwrap(), 200);
 }
 
+/// A request waiting in the fleet's queue when the store loses its data
+/// (restarted empty, failed over to an empty replica, its keys evicted)
+/// takes its place there again and is served when the slot frees: it
+/// would otherwise ask every second for a seat the store no longer knows,
+/// until its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_in_the_fleets_queue_is_served_after_the_store_loses_its_data() {
+    let redis = Redis::start_on(free_port());
+    let sims = [SimBackend::start("vllm-0", &[])];
+    let (_keys, gws, waiting) = one_slot_taken(&redis, &sims).await;
+    redis.cli(&["FLUSHALL"]);
+    sims[0].release_streams().await;
+    let status = tokio::time::timeout(std::time::Duration::from_secs(60), waiting)
+        .await
+        .expect("served within a minute (its deadline is two)");
+    assert_eq!(status.unwrap(), 200);
+    assert_eq!(queued_in(&gws).await, 0.0);
+}
+
 /// Issue 46: a new conversation through one gateway is not placed where
 /// another gateway's request is prefilling while other backends are idle:
 /// the fleet's queue tells each gateway the others' prefills, which its

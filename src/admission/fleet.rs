@@ -37,6 +37,9 @@ pub struct Seat {
     pub counted: bool,
     /// Its estimated prefill, tokens.
     pub tokens: u64,
+    /// Its placement read found no other gateway's prefill at the backend
+    /// ([`FleetAsk::clear`]).
+    pub clear: bool,
 }
 
 /// The backend's limits as this gateway knows them (learned or
@@ -78,6 +81,14 @@ pub enum Handed {
     Probe {
         ahead: Ahead,
     },
+    /// Neither slot nor place: another gateway's prefill (`ahead`) started
+    /// there since its placement read found none ([`FleetAsk::clear`]).
+    Raced {
+        ahead: Ahead,
+    },
+    /// (Asked for its slot.) The store knows no such seat: it lost its
+    /// data since the seat was taken; the seat asks again.
+    Lost,
 }
 
 /// Prefill other gateways had under way at a backend.
@@ -221,4 +232,11 @@ pub struct FleetAsk<'a> {
     pub weight: u32,
     pub tokens: u64,
     pub json: bool,
+    /// The new conversation's placement read found no other gateway's
+    /// prefill at this backend, and room: if one has started there since
+    /// (two gateways placed new conversations at once, each on the backend
+    /// its read found idle), it takes no slot ([`Handed::Raced`]) and is
+    /// placed again, without that backend (one gateway never sends two new
+    /// conversations to one idle engine while another is idle).
+    pub clear: bool,
 }

@@ -54,5 +54,5 @@ pub use learn::{Limit, LimitSource, Prefill, LEARN_SCRAPE_MS};
 pub use queue::{Admission, Admit, Permit, PrefillRoom, Slots, Ticket};
 pub use reserve::{Reservation, TokenTally};
 pub use tenant::{Client, Limits, OverLimit, Tenant, TenantSlot};
-pub use wait::{Ask, Waited, Watch};
+pub use wait::{Ask, Slot, Waited, Watch};
 pub use who::Admittance;

@@ -382,8 +382,8 @@ impl Ticket {
     /// to be placed again).
     pub(super) async fn settle(mut self) -> Option<Permit> {
         if let Some(wait) = self.fleet.as_mut() {
-            let _op = self.admission.fleet_op();
-            let handed = wait.taken(&self.admission, self.backend).await.ok()?;
+            // The call that took the slot covers the permit's making.
+            let (handed, _op) = wait.taken(&self.admission, self.backend).await.ok()?;
             let wait = self.fleet.take()?;
             let p = self
                 .admission
@@ -445,6 +445,10 @@ pub enum Admit {
     Wait(Ticket),
     /// The queue is full: refuse (429).
     Full,
+    /// Another gateway's prefill started at the backend since the
+    /// placement read found none ([`super::fleet::Handed::Raced`]): place
+    /// it again without that backend.
+    Raced,
 }
 
 impl Admission {
@@ -928,6 +932,7 @@ impl Admission {
             class: ask.class,
             counted,
             tokens: ask.tokens,
+            clear: ask.clear,
         };
         Some((seat, told))
     }
@@ -1087,7 +1092,7 @@ impl Admission {
         let (probe, ahead) = match handed {
             Handed::Probe { ahead } => (true, ahead),
             Handed::Slot { ahead } => (false, ahead),
-            Handed::None => (false, Default::default()),
+            Handed::None | Handed::Raced { .. } | Handed::Lost => (false, Default::default()),
         };
         let mut st = self.state.lock();
         let b = st.backends.entry(backend);
@@ -1198,7 +1203,6 @@ pub(super) struct FleetWait {
     pub(super) slots: Arc<dyn FleetSlots>,
     pub(super) seat: Seat,
     /// Told when the store says a slot was handed to it.
-    /// Told when the store says a slot was handed to it.
     pub(super) woken: tokio::sync::mpsc::UnboundedReceiver<()>,
     /// Its wait is over (a slot taken, or the queue left): nothing to
     /// leave when it drops.
@@ -1212,12 +1216,17 @@ impl FleetWait {
     /// Until a slot is handed over to it at `slot` and taken (whether as
     /// a probe); `Unreachable` when the store stopped answering (it is to
     /// be placed again, here; its seat is left to setting the counts
-    /// again). Taken, the caller's `Op` covers the permit's making.
+    /// again). Taken: with the call that took it, still under way until
+    /// the caller has counted the slot here. Only each call is one: while
+    /// the seat only waits, this gateway's counts may be set again (its
+    /// seat is kept), so that one missed call does not leave the fleet's
+    /// counts wrong for as long as requests keep waiting. A seat the store
+    /// lost (its data gone) takes its place again.
     pub(super) async fn taken(
         &mut self,
         admission: &Arc<Admission>,
         slot: u32,
-    ) -> Result<Handed, Unreachable> {
+    ) -> Result<(Handed, Op), Unreachable> {
         let mut ask = tokio::time::interval(ASK_EVERY);
         ask.tick().await;
         loop {
@@ -1226,16 +1235,22 @@ impl FleetWait {
                 _ = ask.tick() => {}
             }
             self.taking = true;
-            let taken = self
-                .slots
-                .take(&self.seat, admission.fleet_caps(slot))
-                .await;
+            let op = admission.fleet_op();
+            let caps = admission.fleet_caps(slot);
+            let mut taken = self.slots.take(&self.seat, caps).await;
+            if let Ok((Handed::Lost, _)) = taken {
+                // The store lost its data: the seat takes its place again,
+                // and this gateway's counts are set again there.
+                admission.fleet_dirty();
+                self.seat.clear = false;
+                taken = self.slots.acquire(&self.seat, caps).await;
+            }
             self.taking = false;
             let (handed, seen) = taken?;
             admission.fleet_seen(slot, seen);
-            if handed != Handed::None {
+            if matches!(handed, Handed::Slot { .. } | Handed::Probe { .. }) {
                 self.over = true;
-                return Ok(handed);
+                return Ok((handed, op));
             }
         }
     }

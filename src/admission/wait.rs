@@ -30,6 +30,20 @@ pub enum Waited {
     StoreGone,
 }
 
+/// What a request's wait for a slot at its backend came to, short of a
+/// refusal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    /// It holds one (or admission does not count this backend).
+    Held,
+    /// Its backend went while it waited: it is placed again without it.
+    BackendGone,
+    /// Another gateway's new conversation took its backend's prefill
+    /// between this one's placement read and its ask ([`Admit::Raced`]): it
+    /// is placed again without it.
+    Raced,
+}
+
 impl Waited {
     /// The label of an end that is not a slot (the admission metrics').
     pub fn reason(&self) -> &'static str {
@@ -109,7 +123,18 @@ impl Admission {
                     hold,
                 )))
             }
-            Ok((Handed::None, seen)) => {
+            Ok((Handed::Raced { ahead }, seen)) => {
+                self.fleet_forget(seat.id);
+                self.fleet_seen(ask.backend, seen);
+                log::debug!(
+                    "backend {}: another gateway's prefill ({} tokens) started there since this new conversation's placement read; placing it again",
+                    ask.backend_id,
+                    ahead.tokens
+                );
+                Some(Admit::Raced)
+            }
+            // (Only a seat asking for a slot it waited for is ever lost.)
+            Ok((Handed::None | Handed::Lost, seen)) => {
                 self.fleet_seen(ask.backend, seen);
                 let mut wait = FleetWait {
                     slots,
@@ -147,6 +172,9 @@ pub struct Ask<'a> {
     /// Its prefill there, in tokens (estimated).
     pub tokens: u64,
     pub room: PrefillRoom,
+    /// A new conversation's placement read found no other gateway's
+    /// prefill there, and room ([`FleetAsk::clear`]).
+    pub clear: bool,
 }
 
 /// How the wait for a slot watches the request's client and backend.
@@ -163,9 +191,8 @@ impl Admittance {
     /// A slot at `ask.backend` for this request: at once, or after waiting
     /// in the gateway's queue, in order of class and fair share; else the
     /// 429 that says when to come back (its deadline passed, or the queue
-    /// is full), before any byte of it has gone upstream. `Ok(false)`: its
-    /// backend went while it waited, and it is to be placed again.
-    /// `queued` runs when it starts to wait.
+    /// is full), before any byte of it has gone upstream; or that it is to
+    /// be placed again ([`Slot`]). `queued` runs when it starts to wait.
     pub async fn wait_for_slot<F, C, B>(
         &mut self,
         adm: &Arc<Admission>,
@@ -173,7 +200,7 @@ impl Admittance {
         ask: Ask<'_>,
         queued: impl FnOnce(),
         mut watch: Watch<F, C, B>,
-    ) -> Result<bool, Refusal>
+    ) -> Result<Slot, Refusal>
     where
         F: Future + Unpin,
         C: FnMut() -> bool,
@@ -189,8 +216,9 @@ impl Admittance {
                 Admit::Now(p) => {
                     ask.tier_metrics.admitted_now[self.class.index()].inc();
                     self.permit = Some(p);
-                    return Ok(true);
+                    return Ok(Slot::Held);
                 }
+                Admit::Raced => return Ok(Slot::Raced),
                 Admit::Full => {
                     m.admission_rejected
                         .with_label_values(&[ask.tier, class, "queue_full"])
@@ -237,17 +265,17 @@ impl Admittance {
         match got {
             // Handed a slot freed by a request that failed there: the
             // backend may have been found sick meanwhile.
-            Waited::Admitted(_) if (watch.backend_gone)() => Ok(false),
+            Waited::Admitted(_) if (watch.backend_gone)() => Ok(Slot::BackendGone),
             Waited::Admitted(p) => {
                 m.admission_admitted
                     .with_label_values(&[ask.tier, class, "queued"])
                     .inc();
                 self.waited = true;
                 self.permit = Some(p);
-                Ok(true)
+                Ok(Slot::Held)
             }
             // Placed again, as a turn arriving now would be.
-            Waited::BackendGone | Waited::StoreGone => Ok(false),
+            Waited::BackendGone | Waited::StoreGone => Ok(Slot::BackendGone),
             Waited::ClientGone => {
                 refused(got.reason());
                 Err(Refusal::ClientGone("client left while waiting for a slot"))
@@ -289,6 +317,7 @@ impl Admittance {
             weight,
             tokens: ask.tokens,
             json: ask.room.json,
+            clear: ask.clear,
         };
         let from_fleet = match fleet {
             true => adm.admit_fleet(asked).await,

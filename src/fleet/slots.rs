@@ -200,23 +200,33 @@ local function fill(run, pre)
   end
 end
 
-local function answer(granted, run, probe, ahead, ahead_ms)
-  return {granted, run, redis.call('ZCARD', Q), probe or 0, ahead or 0, ahead_ms or 0}
+-- `refused`: 1 raced (ACQUIRE), 2 the seat is unknown here (TAKE).
+local function answer(granted, run, probe, ahead, ahead_ms, refused)
+  return {granted, run, redis.call('ZCARD', Q), probe or 0, ahead or 0, ahead_ms or 0, refused or 0}
 end
 ";
 
 /// A slot now, or a place in the queue (the seat's claim there, if it
 /// made one when it was placed, taken back). ARGV 7: the seat, 8 its tenant,
 /// 9 its weight, 10 its class, 11 whether it counts as prefilling, 12 how
-/// long this gateway is alive without a word (ms), 13 its prefill tokens.
-/// Returns {handed a slot, the fleet's running, its waiting, let by as a
-/// probe, the prefill tokens other gateways had prefilling there}.
+/// long this gateway is alive without a word (ms), 13 its prefill tokens,
+/// 14 '1' when its placement read found no other gateway's prefill here:
+/// one that has started since (another gateway placed a conversation here
+/// between that read and this call) takes neither slot nor place; the
+/// answer says so (raced), for it to be placed again. Returns {handed a
+/// slot, the fleet's running, its waiting, let by as a probe, the prefill
+/// tokens other gateways had prefilling there, how long the oldest of them
+/// had been, 1 when raced}.
 const ACQUIRE: &str = r"
 redis.call('SET', prefix..'adm:live:'..gw, '1', 'PX', ARGV[12])
 if redis.call('ZREM', base..'c', ARGV[7]) == 1 then redis.call('HDEL', base..'cs', ARGV[7]) end
 redis.call('HSETNX', RUN, gw, 0)
 local seat, tenant, counted, tokens = ARGV[7], ARGV[8], ARGV[11], ARGV[13]
 local run, pre = totals()
+if ARGV[14] == '1' and counted == '1' then
+  local n, ms = others_work(gw)
+  if n > 0 then return answer(0, run, 0, n, ms, 1) end
+end
 local r = redis.call('ZCARD', Q) == 0 and room(run, pre, counted)
 if r then
   redis.call('HINCRBY', RUN, gw, 1)
@@ -253,12 +263,17 @@ return answer(0, run)
 
 /// The slot handed to a seat, taken (room a dead gateway left is handed
 /// out first). ARGV 7: the seat. Returns {1 when one was, the fleet's
-/// running, its waiting, let by as a probe}.
+/// running, its waiting, let by as a probe, ..., 2 when the seat is
+/// neither waiting nor handed a slot: the store lost it (restarted empty,
+/// failed over, evicted), and its waiter would wait for nothing}.
 const TAKE: &str = r"
 local run, pre = totals()
 run, pre = fill(run, pre)
 local granted = redis.call('HGET', GRANTED, ARGV[7])
-if not granted then return answer(0, run) end
+if not granted then
+  if redis.call('HEXISTS', META, ARGV[7]) == 1 then return answer(0, run) end
+  return answer(0, run, 0, 0, 0, 2)
+end
 redis.call('HDEL', GRANTED, ARGV[7])
 local ahead, ahead_ms, probe = string.match(granted, '(%S+) (%S+) (%S+)$')
 return answer(1, run, tonumber(probe), tonumber(ahead), tonumber(ahead_ms))
@@ -512,7 +527,8 @@ impl SharedStore {
         let base = self.slot_base(backend);
         let prefix = self.config().key_prefix.clone();
         let gw = self.instance.clone();
-        let (granted, running, waiting, probe, tokens, ms): (u32, u32, u32, u32, u64, u64) = self
+        type Answer = (u32, u32, u32, u32, u64, u64, u32);
+        let (granted, running, waiting, probe, tokens, ms, refused): Answer = self
             .run(op, |mut c| {
                 let mut call = script.prepare_invoke();
                 call.arg(base).arg(prefix).arg(gw);
@@ -526,9 +542,11 @@ impl SharedStore {
             .await
             .map_err(|_| Unreachable)?;
         let ahead = Ahead { tokens, ms };
-        let handed = match (granted, probe) {
-            (0, _) => Handed::None,
-            (_, 0) => Handed::Slot { ahead },
+        let handed = match (granted, probe, refused) {
+            (0, _, 1) => Handed::Raced { ahead },
+            (0, _, 2) => Handed::Lost,
+            (0, _, _) => Handed::None,
+            (_, 0, _) => Handed::Slot { ahead },
             _ => Handed::Probe { ahead },
         };
         Ok((handed, Seen { running, waiting }))
@@ -682,6 +700,7 @@ impl FleetSlots for SharedStore {
             (seat.counted as u8).to_string(),
             ALIVE.as_millis().to_string(),
             seat.tokens.to_string(),
+            (seat.clear as u8).to_string(),
         ];
         let s = &SCRIPTS.acquire;
         self.slots_call("slots", s, &seat.backend, caps, rest).await

@@ -183,6 +183,7 @@ fn normal_seat(backend: &str, id: u64, tenant: u64) -> crate::admission::fleet::
         class: crate::admission::Class::Normal,
         counted: false,
         tokens: 0,
+        clear: false,
     }
 }
 
@@ -355,4 +356,61 @@ async fn the_fleets_votes_on_prefills_are_one_tally_that_sets_every_gateways_cap
     while a.vote("b0", false).await.unwrap() >= SERIAL_VOTES {}
     let (third, _) = b.take(&seat(3), side_by_side).await.unwrap();
     assert!(matches!(third, Handed::Slot { .. }), "{third:?}");
+}
+
+/// Two gateways place new conversations at once, each on the backend its
+/// read found idle: the one that asks second, finding the other's prefill
+/// started there since its read, takes neither slot nor place (it is
+/// placed again); one whose read already counted that prefill, or whose
+/// own gateway's prefill it is, is served as ever.
+#[tokio::test]
+async fn a_new_conversation_raced_to_an_idle_backend_takes_no_slot_there() {
+    use crate::admission::fleet::{Ahead, Asker, Caps, FleetSlots, Handed, Seat};
+    use crate::admission::Class;
+    let (a, b) = (store("raced").await, store("raced").await);
+    let caps = Caps {
+        limit: 4,
+        ..Default::default()
+    };
+    let asker = Asker {
+        tenant: 0xa,
+        weight: 1,
+        class: Class::Normal,
+    };
+    let seat = |id, clear| Seat {
+        counted: true,
+        tokens: 1000,
+        clear,
+        ..normal_seat("b0", id, 0xa)
+    };
+    // Both read b0 idle; a's conversation asks first and starts there.
+    for s in [&a, &b] {
+        let read = s.placing(&[("b0", 4)], &asker, None).await.unwrap();
+        assert_eq!(read.backends[0].prefill, Ahead::default());
+    }
+    let (first, _) = a.acquire(&seat(1, true), caps).await.unwrap();
+    assert!(matches!(first, Handed::Slot { .. }), "{first:?}");
+    // a's own prefill there races none of a's.
+    let (own, _) = a.acquire(&seat(4, true), caps).await.unwrap();
+    assert_eq!(
+        own,
+        Handed::Slot {
+            ahead: Ahead::default()
+        }
+    );
+    // b's finds a's prefill there: no slot, nothing counted for it.
+    let (second, seen) = b.acquire(&seat(2, true), caps).await.unwrap();
+    let Handed::Raced { ahead } = second else {
+        panic!("raced, not {second:?}");
+    };
+    assert_eq!(ahead.tokens, 2000);
+    assert_eq!((seen.running, seen.waiting), (2, 0));
+    let read = b.placing(&[("b0", 4)], &asker, None).await.unwrap();
+    assert_eq!(read.backends[0].seen.running, 2, "only a's requests run");
+    // Placed on a read that saw a's prefill, it is served beside it.
+    let (third, _) = b.acquire(&seat(3, false), caps).await.unwrap();
+    assert!(
+        matches!(third, Handed::Slot { ahead } if ahead.tokens == 2000),
+        "{third:?}"
+    );
 }

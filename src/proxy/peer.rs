@@ -1,11 +1,12 @@
 //! Peer selection: the route's decision ([`crate::routing::Route::decide`]),
 //! then a slot there (admission), decided again without a backend that
-//! went while the request waited; connect failures and replays; what a
+//! went while the request waited (or that another gateway's new
+//! conversation took first); connect failures and replays; what a
 //! request's outcome tells passive health.
 
 use super::ctx::RequestCtx;
 use super::upstream_conn;
-use crate::admission::{Ask, PrefillRoom, Watch};
+use crate::admission::{Ask, PrefillRoom, Slot, Watch};
 use crate::config::Config;
 use crate::errors::{GatewayError, Refusal};
 use crate::gateway::Gateway;
@@ -56,6 +57,9 @@ pub(super) async fn choose(
         let route = ctx.route.as_mut().expect("routed in request_filter");
         ctx.who.claim = route.see_fleet(gw, asker).await;
     }
+    // A new conversation raced to its backend by another gateway is placed
+    // again once (see `Slot::Raced`).
+    let mut raced = false;
     let prefill = loop {
         let who = admission.then_some((ctx.who.class, ctx.who.tenant));
         let route = ctx.route.as_mut().expect("routed in request_filter");
@@ -64,15 +68,19 @@ pub(super) async fn choose(
             Ok(d) => (Arc::clone(&d.backend), d.prefill),
             Err(r) => return Err(refuse(ctx, r)),
         };
-        if admit(gw, &routing.config, session, ctx, &decided).await? {
-            break decided.1;
+        let clear = !raced && route.placed_on_clear_read(decided.0.slot);
+        match admit(gw, &routing.config, session, ctx, &decided, clear).await? {
+            Slot::Held => break decided.1,
+            // Its backend went while it waited: it is placed again without
+            // it, its session rebound like any turn's whose backend is down.
+            Slot::BackendGone => log::info!(
+                "backend {} went while requests waited for it; placing them again",
+                decided.0.id
+            ),
+            // Another gateway's new conversation took it first: the others
+            // were as idle when this one's read found them.
+            Slot::Raced => raced = true,
         }
-        // Its backend went while it waited: it is placed again without
-        // it, its session rebound like any turn's whose backend is down.
-        log::info!(
-            "backend {} went while requests waited for it; placing them again",
-            decided.0.id
-        );
         ctx.route.as_mut().expect("routed").exclude(decided.0.slot);
     };
     let route = ctx.route.as_ref().expect("routed in request_filter");
@@ -122,15 +130,17 @@ fn peer(backend: &Backend, cfg: &Config, replayed: bool) -> HttpPeer {
     peer
 }
 
-/// A slot at the decided backend (`admission`): `Ok(false)` when the
-/// backend went while the request waited for it.
+/// A slot at the decided backend (`admission`), or that the request is to
+/// be placed again without it; `clear`: its placement read found no other
+/// gateway's prefill there ([`Ask::clear`]).
 async fn admit(
     gw: &Gateway,
     cfg: &Config,
     session: &mut Session,
     ctx: &mut RequestCtx,
     (backend, prefill): &(Arc<Backend>, Option<u64>),
-) -> Result<bool> {
+    clear: bool,
+) -> Result<Slot> {
     let route = ctx.route.as_mut().expect("routed in request_filter");
     let tier = Arc::clone(route.tier());
     // Subagents inherit their parent session's class unless they name one.
@@ -155,6 +165,7 @@ async fn admit(
         backend_id: &backend.id,
         tokens,
         room: prefill_room(cfg, backend, ctx.body.asks_stream),
+        clear,
     };
     let watch = Watch {
         closed,
@@ -170,14 +181,14 @@ async fn admit(
         .wait_for_slot(&gw.admission, &gw.metrics, ask, || route.confirm(), watch)
         .await;
     match waited {
-        Ok(true) => {
+        Ok(Slot::Held) => {
             let cost = &backend.stats.cost;
             ctx.who.clock_prefill(ctx.body.asks_stream, tokens, || {
                 cost.prefill_us_per_token(PREFILL_PRIOR_US, 1)
             });
-            Ok(true)
+            Ok(Slot::Held)
         }
-        Ok(false) => Ok(false),
+        Ok(other) => Ok(other),
         Err(r) => Err(refuse(ctx, r)),
     }
 }

@@ -139,6 +139,25 @@ impl Route {
         seat
     }
 
+    fn fleet_read(&self, slot: u32) -> Option<Placing> {
+        self.fleet.iter().find(|(s, _)| *s == slot).map(|(_, p)| *p)
+    }
+
+    /// Whether this new conversation went to `slot` on a placement read
+    /// that found no other gateway's prefill there, and room
+    /// ([`crate::admission::Ask::clear`]). Not where its prompt's prefix
+    /// chose the backend: that is worth a wait there.
+    pub fn placed_on_clear_read(&self, slot: u32) -> bool {
+        let first = self
+            .decision
+            .as_ref()
+            .is_some_and(|d| d.reason == Reason::FirstTurn);
+        first
+            && self
+                .fleet_read(slot)
+                .is_some_and(|p| p.prefill.tokens == 0 && !p.full)
+    }
+
     pub fn request(&self) -> &RouteRequest {
         &self.req
     }
