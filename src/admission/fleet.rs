@@ -37,9 +37,9 @@ pub struct Seat {
     pub counted: bool,
     /// Its estimated prefill, tokens.
     pub tokens: u64,
-    /// Its placement read found no other gateway's prefill at the backend
-    /// ([`FleetAsk::clear`]).
-    pub clear: bool,
+    /// Backends its placement read found idle, besides this one where it
+    /// found no other gateway's prefill ([`FleetAsk::idle_elsewhere`]).
+    pub idle_elsewhere: Vec<Arc<str>>,
 }
 
 /// The backend's limits as this gateway knows them (learned or
@@ -232,11 +232,15 @@ pub struct FleetAsk<'a> {
     pub weight: u32,
     pub tokens: u64,
     pub json: bool,
-    /// The new conversation's placement read found no other gateway's
-    /// prefill at this backend, and room: if one has started there since
-    /// (two gateways placed new conversations at once, each on the backend
-    /// its read found idle), it takes no slot ([`Handed::Raced`]) and is
-    /// placed again, without that backend (one gateway never sends two new
-    /// conversations to one idle engine while another is idle).
-    pub clear: bool,
+    /// Where the new conversation's placement read found no other
+    /// gateway's prefill at this backend, and room: the other backends it
+    /// found idle (nothing running or waiting). If another gateway's
+    /// prefill has started here since and one of those is still idle (two
+    /// gateways placed new conversations at once, each on the backend its
+    /// read found idle), it takes no slot ([`Handed::Raced`]) and is placed
+    /// again, without this backend: one gateway never sends two new
+    /// conversations to one idle engine while another is idle. (Not when
+    /// none is idle any more: in a burst that fills every backend, where
+    /// it was placed is as good as any.)
+    pub idle_elsewhere: Vec<Arc<str>>,
 }

@@ -932,7 +932,7 @@ impl Admission {
             class: ask.class,
             counted,
             tokens: ask.tokens,
-            clear: ask.clear,
+            idle_elsewhere: ask.idle_elsewhere.clone(),
         };
         Some((seat, told))
     }
@@ -1242,7 +1242,7 @@ impl FleetWait {
                 // The store lost its data: the seat takes its place again,
                 // and this gateway's counts are set again there.
                 admission.fleet_dirty();
-                self.seat.clear = false;
+                self.seat.idle_elsewhere.clear();
                 taken = self.slots.acquire(&self.seat, caps).await;
             }
             self.taking = false;

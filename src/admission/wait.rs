@@ -172,9 +172,9 @@ pub struct Ask<'a> {
     /// Its prefill there, in tokens (estimated).
     pub tokens: u64,
     pub room: PrefillRoom,
-    /// A new conversation's placement read found no other gateway's
-    /// prefill there, and room ([`FleetAsk::clear`]).
-    pub clear: bool,
+    /// Backends a new conversation's placement read found idle, where it
+    /// found no other gateway's prefill at this one ([`FleetAsk::idle_elsewhere`]).
+    pub idle_elsewhere: Vec<Arc<str>>,
 }
 
 /// How the wait for a slot watches the request's client and backend.
@@ -317,7 +317,7 @@ impl Admittance {
             weight,
             tokens: ask.tokens,
             json: ask.room.json,
-            clear: ask.clear,
+            idle_elsewhere: ask.idle_elsewhere.clone(),
         };
         let from_fleet = match fleet {
             true => adm.admit_fleet(asked).await,

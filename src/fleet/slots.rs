@@ -210,10 +210,12 @@ end
 /// made one when it was placed, taken back). ARGV 7: the seat, 8 its tenant,
 /// 9 its weight, 10 its class, 11 whether it counts as prefilling, 12 how
 /// long this gateway is alive without a word (ms), 13 its prefill tokens,
-/// 14 '1' when its placement read found no other gateway's prefill here:
-/// one that has started since (another gateway placed a conversation here
-/// between that read and this call) takes neither slot nor place; the
-/// answer says so (raced), for it to be placed again. Returns {handed a
+/// 14 on: where its placement read found no other gateway's prefill here,
+/// the backends it found idle besides. If one has started here since
+/// (another gateway placed a conversation here between that read and this
+/// call) and one of those is still idle (nothing running or waiting), it
+/// takes neither slot nor place; the answer says so (raced), for it to be
+/// placed again. Returns {handed a
 /// slot, the fleet's running, its waiting, let by as a probe, the prefill
 /// tokens other gateways had prefilling there, how long the oldest of them
 /// had been, 1 when raced}.
@@ -223,9 +225,18 @@ if redis.call('ZREM', base..'c', ARGV[7]) == 1 then redis.call('HDEL', base..'cs
 redis.call('HSETNX', RUN, gw, 0)
 local seat, tenant, counted, tokens = ARGV[7], ARGV[8], ARGV[11], ARGV[13]
 local run, pre = totals()
-if ARGV[14] == '1' and counted == '1' then
+if #ARGV >= 14 and counted == '1' then
   local n, ms = others_work(gw)
-  if n > 0 then return answer(0, run, 0, n, ms, 1) end
+  if n > 0 then
+    for i = 14, #ARGV do
+      local other = prefix..'adm:'..ARGV[i]..':'
+      local busy = redis.call('ZCARD', other..'q') > 0
+      for _, r in ipairs(redis.call('HVALS', other..'run')) do
+        busy = busy or tonumber(r) > 0
+      end
+      if not busy then return answer(0, run, 0, n, ms, 1) end
+    end
+  end
 end
 local r = redis.call('ZCARD', Q) == 0 and room(run, pre, counted)
 if r then
@@ -692,7 +703,7 @@ impl FleetSlots for SharedStore {
     }
 
     async fn acquire(&self, seat: &Seat, caps: Caps) -> Result<(Handed, Seen), Unreachable> {
-        let rest = vec![
+        let mut rest = vec![
             self.seat_name(seat.id),
             format!("{:x}", seat.tenant),
             seat.weight.to_string(),
@@ -700,8 +711,8 @@ impl FleetSlots for SharedStore {
             (seat.counted as u8).to_string(),
             ALIVE.as_millis().to_string(),
             seat.tokens.to_string(),
-            (seat.clear as u8).to_string(),
         ];
+        rest.extend(seat.idle_elsewhere.iter().map(|b| b.to_string()));
         let s = &SCRIPTS.acquire;
         self.slots_call("slots", s, &seat.backend, caps, rest).await
     }

@@ -183,7 +183,7 @@ fn normal_seat(backend: &str, id: u64, tenant: u64) -> crate::admission::fleet::
         class: crate::admission::Class::Normal,
         counted: false,
         tokens: 0,
-        clear: false,
+        idle_elsewhere: Vec::new(),
     }
 }
 
@@ -360,9 +360,10 @@ async fn the_fleets_votes_on_prefills_are_one_tally_that_sets_every_gateways_cap
 
 /// Two gateways place new conversations at once, each on the backend its
 /// read found idle: the one that asks second, finding the other's prefill
-/// started there since its read, takes neither slot nor place (it is
-/// placed again); one whose read already counted that prefill, or whose
-/// own gateway's prefill it is, is served as ever.
+/// started there since its read while another backend is still idle,
+/// takes neither slot nor place (it is placed again). Served as ever: one
+/// whose read already counted that prefill, one whose own gateway's
+/// prefill it is, and one with no idle backend left to go to.
 #[tokio::test]
 async fn a_new_conversation_raced_to_an_idle_backend_takes_no_slot_there() {
     use crate::admission::fleet::{Ahead, Asker, Caps, FleetSlots, Handed, Seat};
@@ -377,29 +378,32 @@ async fn a_new_conversation_raced_to_an_idle_backend_takes_no_slot_there() {
         weight: 1,
         class: Class::Normal,
     };
-    let seat = |id, clear| Seat {
+    let seat = |backend: &str, id, idle: &[&str]| Seat {
         counted: true,
         tokens: 1000,
-        clear,
-        ..normal_seat("b0", id, 0xa)
+        idle_elsewhere: idle.iter().map(|b| (*b).into()).collect(),
+        ..normal_seat(backend, id, 0xa)
     };
-    // Both read b0 idle; a's conversation asks first and starts there.
+    // Both read b0 and b1 idle; a's conversation asks first and starts at b0.
     for s in [&a, &b] {
-        let read = s.placing(&[("b0", 4)], &asker, None).await.unwrap();
+        let read = s
+            .placing(&[("b0", 4), ("b1", 4)], &asker, None)
+            .await
+            .unwrap();
         assert_eq!(read.backends[0].prefill, Ahead::default());
     }
-    let (first, _) = a.acquire(&seat(1, true), caps).await.unwrap();
+    let (first, _) = a.acquire(&seat("b0", 1, &["b1"]), caps).await.unwrap();
     assert!(matches!(first, Handed::Slot { .. }), "{first:?}");
     // a's own prefill there races none of a's.
-    let (own, _) = a.acquire(&seat(4, true), caps).await.unwrap();
+    let (own, _) = a.acquire(&seat("b0", 2, &["b1"]), caps).await.unwrap();
     assert_eq!(
         own,
         Handed::Slot {
             ahead: Ahead::default()
         }
     );
-    // b's finds a's prefill there: no slot, nothing counted for it.
-    let (second, seen) = b.acquire(&seat(2, true), caps).await.unwrap();
+    // b's finds a's prefill at b0, b1 still idle: no slot, nothing counted.
+    let (second, seen) = b.acquire(&seat("b0", 3, &["b1"]), caps).await.unwrap();
     let Handed::Raced { ahead } = second else {
         panic!("raced, not {second:?}");
     };
@@ -408,9 +412,14 @@ async fn a_new_conversation_raced_to_an_idle_backend_takes_no_slot_there() {
     let read = b.placing(&[("b0", 4)], &asker, None).await.unwrap();
     assert_eq!(read.backends[0].seen.running, 2, "only a's requests run");
     // Placed on a read that saw a's prefill, it is served beside it.
-    let (third, _) = b.acquire(&seat(3, false), caps).await.unwrap();
+    let (third, _) = b.acquire(&seat("b0", 4, &[]), caps).await.unwrap();
     assert!(
         matches!(third, Handed::Slot { ahead } if ahead.tokens == 2000),
         "{third:?}"
     );
+    // Once b1 is busy too, there is nowhere better: served where placed.
+    let (busy, _) = a.acquire(&seat("b1", 5, &[]), caps).await.unwrap();
+    assert!(matches!(busy, Handed::Slot { .. }), "{busy:?}");
+    let (fourth, _) = b.acquire(&seat("b0", 6, &["b1"]), caps).await.unwrap();
+    assert!(matches!(fourth, Handed::Slot { .. }), "{fourth:?}");
 }

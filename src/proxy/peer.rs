@@ -68,8 +68,11 @@ pub(super) async fn choose(
             Ok(d) => (Arc::clone(&d.backend), d.prefill),
             Err(r) => return Err(refuse(ctx, r)),
         };
-        let clear = !raced && route.placed_on_clear_read(decided.0.slot);
-        match admit(gw, &routing.config, session, ctx, &decided, clear).await? {
+        let idle_elsewhere = match raced {
+            true => Vec::new(),
+            false => route.idle_elsewhere(decided.0.slot),
+        };
+        match admit(gw, &routing.config, session, ctx, &decided, idle_elsewhere).await? {
             Slot::Held => break decided.1,
             // Its backend went while it waited: it is placed again without
             // it, its session rebound like any turn's whose backend is down.
@@ -131,15 +134,15 @@ fn peer(backend: &Backend, cfg: &Config, replayed: bool) -> HttpPeer {
 }
 
 /// A slot at the decided backend (`admission`), or that the request is to
-/// be placed again without it; `clear`: its placement read found no other
-/// gateway's prefill there ([`Ask::clear`]).
+/// be placed again without it; `idle_elsewhere`: what its placement read
+/// found idle besides it ([`Ask::idle_elsewhere`]).
 async fn admit(
     gw: &Gateway,
     cfg: &Config,
     session: &mut Session,
     ctx: &mut RequestCtx,
     (backend, prefill): &(Arc<Backend>, Option<u64>),
-    clear: bool,
+    idle_elsewhere: Vec<Arc<str>>,
 ) -> Result<Slot> {
     let route = ctx.route.as_mut().expect("routed in request_filter");
     let tier = Arc::clone(route.tier());
@@ -165,7 +168,7 @@ async fn admit(
         backend_id: &backend.id,
         tokens,
         room: prefill_room(cfg, backend, ctx.body.asks_stream),
-        clear,
+        idle_elsewhere,
     };
     let watch = Watch {
         closed,

@@ -143,19 +143,27 @@ impl Route {
         self.fleet.iter().find(|(s, _)| *s == slot).map(|(_, p)| *p)
     }
 
-    /// Whether this new conversation went to `slot` on a placement read
-    /// that found no other gateway's prefill there, and room
-    /// ([`crate::admission::Ask::clear`]). Not where its prompt's prefix
-    /// chose the backend: that is worth a wait there.
-    pub fn placed_on_clear_read(&self, slot: u32) -> bool {
+    /// Where this new conversation went to `slot` on a placement read
+    /// that found no other gateway's prefill there, and room: the other
+    /// backends that read found idle (nothing running, waiting or
+    /// prefilling; [`crate::admission::Ask::idle_elsewhere`]). None where
+    /// its prompt's prefix chose the backend: that is worth a wait there.
+    pub fn idle_elsewhere(&self, slot: u32) -> Vec<Arc<str>> {
         let first = self
             .decision
             .as_ref()
             .is_some_and(|d| d.reason == Reason::FirstTurn);
-        first
-            && self
-                .fleet_read(slot)
-                .is_some_and(|p| p.prefill.tokens == 0 && !p.full)
+        let clear = |p: &Placing| p.prefill.tokens == 0 && !p.full;
+        if !first || !self.fleet_read(slot).is_some_and(|p| clear(&p)) {
+            return Vec::new();
+        }
+        let idle = |p: &Placing| clear(p) && p.seen == Default::default() && p.claims == 0;
+        let tier = &self.req.tier;
+        self.fleet
+            .iter()
+            .filter(|(s, p)| *s != slot && idle(p))
+            .filter_map(|(s, _)| tier.backend_by_slot(*s).map(|b| Arc::clone(&b.id)))
+            .collect()
     }
 
     pub fn request(&self) -> &RouteRequest {
