@@ -82,7 +82,8 @@ pub enum Handed {
         ahead: Ahead,
     },
     /// Neither slot nor place: another gateway's prefill (`ahead`) started
-    /// there since its placement read found none ([`FleetAsk::clear`]).
+    /// there since its placement read found none, and a backend that read
+    /// found idle still is ([`FleetAsk::idle_elsewhere`]).
     Raced {
         ahead: Ahead,
     },

@@ -215,10 +215,9 @@ end
 /// (another gateway placed a conversation here between that read and this
 /// call) and one of those is still idle (nothing running or waiting), it
 /// takes neither slot nor place; the answer says so (raced), for it to be
-/// placed again. Returns {handed a
-/// slot, the fleet's running, its waiting, let by as a probe, the prefill
-/// tokens other gateways had prefilling there, how long the oldest of them
-/// had been, 1 when raced}.
+/// placed again. Returns {handed a slot, the fleet's running, its waiting,
+/// let by as a probe, the prefill tokens other gateways had prefilling
+/// there, how long the oldest of them had been, 1 when raced}.
 const ACQUIRE: &str = r"
 redis.call('SET', prefix..'adm:live:'..gw, '1', 'PX', ARGV[12])
 if redis.call('ZREM', base..'c', ARGV[7]) == 1 then redis.call('HDEL', base..'cs', ARGV[7]) end
