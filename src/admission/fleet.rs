@@ -243,5 +243,5 @@ pub struct FleetAsk<'a> {
     /// conversations to one idle engine while another is idle. (Not when
     /// none is idle any more: in a burst that fills every backend, where
     /// it was placed is as good as any.)
-    pub idle_elsewhere: Vec<Arc<str>>,
+    pub idle_elsewhere: &'a [Arc<str>],
 }

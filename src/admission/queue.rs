@@ -932,7 +932,7 @@ impl Admission {
             class: ask.class,
             counted,
             tokens: ask.tokens,
-            idle_elsewhere: ask.idle_elsewhere.clone(),
+            idle_elsewhere: ask.idle_elsewhere.to_vec(),
         };
         Some((seat, told))
     }

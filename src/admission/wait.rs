@@ -317,7 +317,7 @@ impl Admittance {
             weight,
             tokens: ask.tokens,
             json: ask.room.json,
-            idle_elsewhere: ask.idle_elsewhere.clone(),
+            idle_elsewhere: &ask.idle_elsewhere,
         };
         let from_fleet = match fleet {
             true => adm.admit_fleet(asked).await,
