@@ -181,6 +181,9 @@ pub struct Ended {
     pub prefilling: bool,
     /// Its estimated prefill, tokens.
     pub tokens: u64,
+    /// It went as a probe (`ran` too: its request ended, and another
+    /// probe may go).
+    pub probe: bool,
 }
 
 /// Backends' slots kept for a whole fleet (`crate::fleet::slots`).

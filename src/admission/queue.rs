@@ -332,6 +332,7 @@ fn prefill_over(admission: &Arc<Admission>, backend: u32, tokens: u64, fleet: Op
             ran: false,
             prefilling: true,
             tokens,
+            probe: false,
         };
         hold.release(op, backend, ended);
     }
@@ -358,6 +359,7 @@ impl Drop for Permit {
                 ran: true,
                 prefilling: !prefilled,
                 tokens: self.tokens,
+                probe: self.probe,
             };
             hold.release(op, self.backend, ended);
         }

@@ -9,9 +9,10 @@
 //! gateways' prefill then and whether as a probe), `t` (each gateway's
 //! tenant's requests running or waiting there), `n` (arrivals), `w` and
 //! `s` (each gateway's prefill tokens under way, and since when), `v` (the
-//! last voted cap on prefills), `p` (when the last probe went), `c` and
-//! `cs` (placement's claims: a seat's expiry, its score), `vt` (the fleet's
-//! tally of votes on how prefills run there). A gateway is alive
+//! last voted cap on prefills), `p` (when the last probe went), `po` (the
+//! gateway whose probe has not ended yet), `c` and `cs` (placement's
+//! claims: a seat's expiry, its score), `vt` (the fleet's tally of votes
+//! on how prefills run there). A gateway is alive
 //! while `<prefix>adm:live:<gateway>` is (refreshed every second, kept
 //! ten): a dead one's counts and waiters are dropped by the next call. A
 //! slot handed over is published on `<prefix>adm:gw:<gateway>`.
@@ -77,13 +78,19 @@ end
 /// one request every ten seconds over the fleet (every second while no
 /// gateway has voted) may start as a second prefill (`p`: when the last
 /// did), and is told so: its answer votes on the cap, as a lone gateway's
-/// probe does.
+/// probe does. As a lone gateway's, one probe is out at a time (`po`: its
+/// gateway, until the probe's request ends, or the gateway is gone): before
+/// the fleet's first vote, a probe a second while the first probes'
+/// answers were still coming sent a burst's requests in two at a time
+/// over the fleet, where one gateway sent one probe and waited for its
+/// vote.
 const PRELUDE: &str = r"
 local base, prefix, gw = ARGV[1], ARGV[2], ARGV[3]
 local limit, learned = tonumber(ARGV[4]), ARGV[6] ~= '0'
 local cap = tonumber(ARGV[5])
 local RUN, PRE, Q, META, GRANTED, TEN = base..'run', base..'pre', base..'q', base..'m', base..'g', base..'t'
 local VOTED, PROBED, WORK, SINCE = base..'v', base..'p', base..'w', base..'s'
+local PROBE_OUT = base..'po'
 
 local function live(g)
   return g == gw or redis.call('EXISTS', prefix..'adm:live:'..g) == 1
@@ -122,6 +129,10 @@ if tally then
   every = 10000
 end
 local probe_due = learned and cap == 1 and now >= (tonumber(redis.call('GET', PROBED)) or 0) + every
+if probe_due then
+  local out = redis.call('GET', PROBE_OUT)
+  probe_due = not (out and live(out))
+end
 
 -- The fleet's counts; a dead gateway's are dropped (it runs nothing now).
 local function totals()
@@ -154,9 +165,15 @@ local function room(run, pre, counted)
   return false
 end
 
-local function probed()
+local function probed(g)
   redis.call('SET', PROBED, now, 'PX', 60000)
+  redis.call('SET', PROBE_OUT, g, 'PX', 60000)
   probe_due = false
+end
+
+-- g's probe ended (or was given back): another may go.
+local function probe_over(g)
+  if redis.call('GET', PROBE_OUT) == g then redis.call('DEL', PROBE_OUT) end
 end
 
 local function tenant_less(g, t)
@@ -187,7 +204,7 @@ local function fill(run, pre)
       end
       local probe = '0'
       if r == 'probe' then
-        probed()
+        probed(g)
         probe = '1'
       end
       local ahead, ahead_ms = others_work(g)
@@ -247,7 +264,7 @@ if r then
   end
   redis.call('HINCRBY', TEN, gw..' '..tenant, 1)
   if r == 'probe' then
-    probed()
+    probed(gw)
     return answer(1, run + 1, 1, ahead, ahead_ms)
   end
   return answer(1, run + 1, 0, ahead, ahead_ms)
@@ -312,6 +329,7 @@ else
       work_less(g, w)
     end
     tenant_less(g, t)
+    if string.sub(meta, -2) == ' 1' then probe_over(g) end
   end
 end
 local run, pre = totals()
@@ -321,11 +339,12 @@ return answer(had, run)
 
 /// A request ended, or its prefill did. ARGV 7: its tenant, 8 whether it
 /// ran (its slot is given back), 9 whether it still counted as prefilling,
-/// 10 its prefill tokens.
+/// 10 its prefill tokens, 11 whether it went as a probe.
 const RELEASE: &str = r"
 if ARGV[8] == '1' then
   less(RUN, gw)
   tenant_less(gw, ARGV[7])
+  if ARGV[11] == '1' then probe_over(gw) end
 end
 if ARGV[9] == '1' then
   less(PRE, gw)
@@ -367,6 +386,7 @@ for _, s in ipairs(redis.call('HKEYS', GRANTED)) do
     else
       redis.call('HDEL', GRANTED, s)
       tenant_less(g, t)
+      if string.sub(meta, -2) == ' 1' then probe_over(g) end
     end
   end
 end
@@ -810,6 +830,7 @@ impl FleetSlots for SharedStore {
             (ended.ran as u8).to_string(),
             (ended.prefilling as u8).to_string(),
             ended.tokens.to_string(),
+            (ended.probe as u8).to_string(),
         ];
         let s = &SCRIPTS.release;
         Ok(self.slots_call("slots", s, backend, caps, rest).await?.1)

@@ -423,3 +423,58 @@ async fn a_new_conversation_raced_to_an_idle_backend_takes_no_slot_there() {
     let (fourth, _) = b.acquire(&seat("b0", 6, &["b1"]), caps).await.unwrap();
     assert!(matches!(fourth, Handed::Slot { .. }), "{fourth:?}");
 }
+
+/// Before the fleet's first vote on prefills at an engine, one probe is
+/// out at a time over the fleet, as for a lone gateway: a second goes only
+/// once the first one's request has ended (and voted), however long ago
+/// the first went. A probe a second while the first probes' answers were
+/// still coming sent a burst in two prefills at a time.
+#[tokio::test]
+async fn one_probe_is_out_at_a_time_over_the_fleet() {
+    use crate::admission::fleet::{CapSource, Caps, Ended, FleetSlots, Handed, Seat};
+    let (a, b) = (store("probe-out").await, store("probe-out").await);
+    let caps = Caps {
+        limit: 8,
+        prefilling: 1,
+        cap_source: CapSource::Unvoted,
+    };
+    let seat = |id| Seat {
+        counted: true,
+        tokens: 1000,
+        ..normal_seat("b0", id, 0xa)
+    };
+    let (first, _) = a.acquire(&seat(1), caps).await.unwrap();
+    assert!(matches!(first, Handed::Slot { .. }), "{first:?}");
+    let (probe, _) = b.acquire(&seat(2), caps).await.unwrap();
+    assert!(matches!(probe, Handed::Probe { .. }), "{probe:?}");
+    // The probe's prefill is over, its answer still coming; a's first
+    // request still prefills. Long after the probe went (its time
+    // forgotten), another request comes: it waits.
+    let ended = |ran, probe| Ended {
+        ran,
+        prefilling: !ran,
+        tokens: 1000,
+        probe,
+    };
+    b.release("b0", 0xa, ended(false, false), caps)
+        .await
+        .unwrap();
+    let probed_at = format!("{}adm:b0:p", a.config().key_prefix);
+    let mut c = redis::Client::open("redis://127.0.0.1:6379")
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    redis::cmd("DEL")
+        .arg(&probed_at)
+        .query_async::<()>(&mut c)
+        .await
+        .unwrap();
+    let (third, seen) = a.acquire(&seat(3), caps).await.unwrap();
+    assert_eq!(third, Handed::None, "a probe is still out");
+    assert_eq!(seen.waiting, 1);
+    // The probe's request ends: the waiter goes as the next probe.
+    b.release("b0", 0xa, ended(true, true), caps).await.unwrap();
+    let (third, _) = a.take(&seat(3), caps).await.unwrap();
+    assert!(matches!(third, Handed::Probe { .. }), "{third:?}");
+}
