@@ -863,7 +863,7 @@ async fn run_variants(
     name: &str,
     variants: &[&str],
     repeats: usize,
-) -> std::io::Result<(Vec<Vec<report::Report>>, Vec<(String, u64)>)> {
+) -> std::io::Result<(Vec<Vec<report::Report>>, Vec<(String, String)>)> {
     let mut runs: Vec<Vec<report::Report>> = vec![Vec::new(); variants.len()];
     let mut moves = Vec::new();
     for r in 0..repeats {
@@ -888,9 +888,15 @@ async fn run_variants(
             a.label = format!("{name}: {variant} (ids {r})");
             a.id_prefix = format!("{}{r}", name.replace(' ', "-"));
             let mut rep = loadgen::run(&a).await;
+            let m = &fleet.metrics_url;
             moves.push((
                 rep.label.clone(),
-                metric_sum(&fleet.metrics_url, "agentserve_affinity_moves_total{").await,
+                format!(
+                    "{} bindings moved, {} broken, {} misses",
+                    metric_sum(m, "agentserve_affinity_moves_total{").await,
+                    metric_sum(m, "agentserve_affinity_broken_total{").await,
+                    metric_sum(m, "agentserve_affinity_misses_total{").await,
+                ),
             ));
             rep.index_corrections = Some(
                 metric_sum(
@@ -1019,7 +1025,7 @@ async fn prefix_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<rep
             println!("{name}:\n\n{}", report::comparison_table(&flat));
             println!("means over {repeats} population(s) (ratios against the first variant, per population):\n\n{}", report::repeats_table(&variants, &runs));
             for (label, m) in moves {
-                println!("{label}: {m} bindings moved");
+                println!("{label}: {m}");
             }
             println!();
         }
@@ -1067,7 +1073,8 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
     }
     trace.trace_reblock = true;
     let soft = ["bounded_hrw", "bounded_hrw,mode=soft"];
-    let (runs, _) = run_variants(exe, &model, 4, &trace, "chat trace soft", &soft, repeats).await?;
+    let (runs, moves) =
+        run_variants(exe, &model, 4, &trace, "chat trace soft", &soft, repeats).await?;
     tables.push((
         "soft mode on the re-blocked chat trace (session ids)".into(),
         soft.to_vec(),
@@ -1079,6 +1086,11 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
             println!("{name}:\n\n{}", report::keyless_table(&variants, &runs));
         }
         out.extend(runs.into_iter().flatten());
+    }
+    if !args.json {
+        for (label, m) in moves {
+            println!("{label}: {m}");
+        }
     }
     Ok(out)
 }
