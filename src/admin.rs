@@ -276,7 +276,7 @@ impl AdminApp {
                 (None, Some(s)) => s.backend.clone(),
                 (None, None) => String::new(),
             };
-            affinity.forget_everywhere(key);
+            affinity.forget_everywhere(key).await;
             return reply(
                 200,
                 json!({"session": id, "tier": &*tier.name, "deleted": true, "backend": backend}),

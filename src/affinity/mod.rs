@@ -498,9 +498,10 @@ impl Affinity {
     }
 
     /// Forget a session's binding here and in the store, whatever its
-    /// version (the operator's delete).
-    pub fn forget_everywhere(&self, key: BindingKey) -> bool {
-        self.store().forget(key, None);
+    /// version (the operator's delete), the store's first and awaited (see
+    /// [`BindingStore::forget_now`]).
+    pub async fn forget_everywhere(&self, key: BindingKey) -> bool {
+        self.store().forget_now(key).await;
         self.forget_here(key)
     }
 

@@ -64,6 +64,12 @@ pub trait BindingStore: Send + Sync {
     /// The binding was dropped here: drop it everywhere, unless the store
     /// holds a newer one than `version` (`None`: whatever it holds).
     fn forget(&self, key: BindingKey, version: Option<u32>);
+    /// Drop whatever the store holds for `key`, and return once it has (or
+    /// failed): an operator's delete that has answered cannot land after
+    /// the session's next turn has bound it again (a delete still under
+    /// way would take that new binding out of the store, and the fleet's
+    /// gateways would each bind the session on their own).
+    async fn forget_now(&self, key: BindingKey);
 }
 
 /// One gateway alone: its table is the whole truth.
@@ -82,4 +88,5 @@ impl BindingStore for Alone {
         None
     }
     fn forget(&self, _: BindingKey, _: Option<u32>) {}
+    async fn forget_now(&self, _: BindingKey) {}
 }

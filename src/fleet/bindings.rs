@@ -42,6 +42,10 @@ impl BindingStore for Fleet {
             let _ = store.delete(key, version).await;
         });
     }
+
+    async fn forget_now(&self, key: BindingKey) {
+        let _ = self.store.delete(key, None).await;
+    }
 }
 
 /// This gateway's binding as the store keeps it: its moves travel with it,
