@@ -487,12 +487,14 @@ impl Affinity {
     }
 
     /// Forget a session's binding here, and in the store as far as it is
-    /// this one (a `x-dynamo-session-final` turn, bad input's new binding):
-    /// a newer binding another gateway made there stays.
-    pub fn forget(&self, key: BindingKey) -> bool {
-        let version = self.binding(key).map(|b| b.version);
-        if let Some(v) = version {
-            self.store().forget(key, Some(v));
+    /// this one (a `x-dynamo-session-final` turn, bad input's new binding;
+    /// `tier` names its backend): a newer binding another gateway made
+    /// there stays, and so does one made anew at the same version on
+    /// another backend.
+    pub fn forget(&self, key: BindingKey, tier: &dyn TierBackends) -> bool {
+        if let Some(b) = self.binding(key) {
+            let backend = tier.backend_id(b.backend).unwrap_or_default().to_string();
+            self.store().forget(key, Some((b.version, backend)));
         }
         self.forget_here(key)
     }

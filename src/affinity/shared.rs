@@ -62,8 +62,10 @@ pub trait BindingStore: Send + Sync {
         sel: &Selection,
     ) -> Option<u32>;
     /// The binding was dropped here: drop it everywhere, unless the store
-    /// holds a newer one than `version` (`None`: whatever it holds).
-    fn forget(&self, key: BindingKey, version: Option<u32>);
+    /// holds a newer one than `own`'s version, or another at that version
+    /// (on another backend than `own`'s: the session bound anew meanwhile;
+    /// `None`: whatever it holds).
+    fn forget(&self, key: BindingKey, own: Option<(u32, String)>);
     /// Drop whatever the store holds for `key`, and return once it has (or
     /// failed): an operator's delete that has answered cannot land after
     /// the session's next turn has bound it again (a delete still under
@@ -87,6 +89,6 @@ impl BindingStore for Alone {
     ) -> Option<u32> {
         None
     }
-    fn forget(&self, _: BindingKey, _: Option<u32>) {}
+    fn forget(&self, _: BindingKey, _: Option<(u32, String)>) {}
     async fn forget_now(&self, _: BindingKey) {}
 }

@@ -36,10 +36,11 @@ impl BindingStore for Fleet {
         publish(affinity, &self.store, key, tier, sel).await
     }
 
-    fn forget(&self, key: BindingKey, version: Option<u32>) {
+    fn forget(&self, key: BindingKey, own: Option<(u32, String)>) {
         let store = Arc::clone(&self.store);
         tokio::spawn(async move {
-            let _ = store.delete(key, version).await;
+            let own = own.as_ref().map(|(v, b)| (*v, b.as_str()));
+            let _ = store.delete(key, own).await;
         });
     }
 

@@ -165,12 +165,17 @@ redis.call('PUBLISH', ARGV[4], ARGV[5] .. ' ' .. KEYS[1] .. ' ' .. ARGV[6] .. ' 
 return false";
 
 /// Versioned delete: removes KEYS[1] and publishes ARGV[3] on ARGV[2]
-/// unless the stored version is newer than ARGV[1]. Returns 1 when deleted.
+/// unless the stored binding is newer than version ARGV[1], or another
+/// binding at that version (on another backend than ARGV[4], when that is
+/// not empty: the session was bound anew, and new bindings start at one
+/// again). Returns 1 when deleted.
 const DELETE: &str = r"
 local cur = redis.call('GET', KEYS[1])
 if cur then
-  local v = tonumber(string.match(cur, '^(%d+) '))
-  if v and v > tonumber(ARGV[1]) then return 0 end
+  local v, b = string.match(cur, '^(%d+) (%S+)')
+  v = tonumber(v)
+  local mine = tonumber(ARGV[1])
+  if v and (v > mine or (v == mine and ARGV[4] ~= '' and b ~= ARGV[4])) then return 0 end
 end
 redis.call('DEL', KEYS[1])
 redis.call('PUBLISH', ARGV[2], ARGV[3])
@@ -682,20 +687,25 @@ impl SharedStore {
     /// Delete `key`'s binding and tell every gateway, unless the store
     /// holds a newer one than `version` (`None`: whatever it holds), as
     /// writes are versioned.
-    pub async fn delete(&self, key: BindingKey, version: Option<u32>) -> Result<(), StoreError> {
+    pub async fn delete(
+        &self,
+        key: BindingKey,
+        own: Option<(u32, &str)>,
+    ) -> Result<(), StoreError> {
         let (k, ch, msg) = (
             self.key(key),
             self.channel(),
             format!("{} {} - 0 -", self.instance, self.key(key)),
         );
-        // No version: above any a binding has.
-        let version = version.map_or(u64::MAX, u64::from);
+        // None: above any version a binding has, on any backend.
+        let (version, backend) = own.map_or((u64::MAX, ""), |(v, b)| (u64::from(v), b));
         self.run("delete", |mut c| async move {
             self.delete
                 .key(&k)
                 .arg(version)
                 .arg(&ch)
                 .arg(&msg)
+                .arg(backend)
                 .invoke_async::<i64>(&mut c)
                 .await
         })

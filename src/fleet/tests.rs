@@ -157,10 +157,14 @@ async fn a_delete_leaves_a_newer_binding_and_takes_its_own() {
         None
     );
     // A gateway forgetting its version 2 leaves the fleet's version 3.
-    s.delete(9, Some(2)).await.unwrap();
+    s.delete(9, Some((2, "b1"))).await.unwrap();
     assert_eq!(s.peek(9).await.unwrap(), Some(stored(3, "b1")));
-    // Its own version goes; the operator's delete takes any.
-    s.delete(9, Some(3)).await.unwrap();
+    // A delete of version 3 on another backend is of a binding the session
+    // had before it was bound anew (at version 3 again): this one stays.
+    s.delete(9, Some((3, "b0"))).await.unwrap();
+    assert_eq!(s.peek(9).await.unwrap(), Some(stored(3, "b1")));
+    // Its own goes; the operator's delete takes any.
+    s.delete(9, Some((3, "b1"))).await.unwrap();
     assert_eq!(s.peek(9).await.unwrap(), None);
     assert_eq!(
         s.create(9, "default", &stored(5, "b2"), 600_000)

@@ -509,7 +509,7 @@ impl Route {
         if let (Some(session), Some(true)) =
             (&self.req.key, self.decision.as_ref().map(|d| d.created))
         {
-            gw.affinity.forget(session.key);
+            gw.affinity.forget(session.key, &*self.req.tier);
         }
     }
 
@@ -527,7 +527,7 @@ impl Route {
     ) -> bool {
         if let Some(session) = &self.req.key {
             if self.req.final_turn {
-                gw.affinity.forget(session.key);
+                gw.affinity.forget(session.key, &*self.req.tier);
             } else if let (Some((prompt, cached)), true) = (usage, answered) {
                 gw.affinity.record_usage(session.key, prompt, cached);
             }
