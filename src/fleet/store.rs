@@ -685,8 +685,9 @@ impl SharedStore {
     }
 
     /// Delete `key`'s binding and tell every gateway, unless the store
-    /// holds a newer one than `version` (`None`: whatever it holds), as
-    /// writes are versioned.
+    /// holds a newer one than `own`'s version, or another at that version on
+    /// another backend than `own`'s (`None`: whatever it holds), as writes
+    /// are versioned.
     pub async fn delete(
         &self,
         key: BindingKey,
