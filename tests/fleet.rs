@@ -663,21 +663,15 @@ async fn the_admin_api_shows_and_deletes_a_fleet_binding_without_taking_it_in() 
     // next turn binds it again would take that binding out of the store.
     // (A first delete loads the script, so that the slow one is one call,
     // well within the store's 200 ms timeout.)
+    let delete = |id: &str| {
+        let url = gw.admin_url(&format!("/admin/sessions/{id}"));
+        async move { client().delete(url).send().await.unwrap().status() }
+    };
     let warm = self::stored_key("warm");
     assert_eq!(cli(&["SET", &warm, "1 vllm-0", "PX", "600000"]), "OK");
-    let del = client()
-        .delete(gw.admin_url("/admin/sessions/warm"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(del.status().as_u16(), 200);
+    assert_eq!(delete("warm").await.as_u16(), 200);
     relay.set_delay_ms(80);
-    let del = client()
-        .delete(gw.admin_url("/admin/sessions/elsewhere"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(del.status().as_u16(), 200);
+    assert_eq!(delete("elsewhere").await.as_u16(), 200);
     assert_eq!(
         cli(&["EXISTS", &stored_key]),
         "0",
