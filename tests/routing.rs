@@ -326,16 +326,15 @@ async fn json_responses_carry_metadata_with_a_correct_length() {
         ))
         .await;
     assert!(prompt > 0.0);
-    let cached = gw
-        .metric(&format!(
-            "agentserve_cached_prompt_tokens_total{{backend=\"{}\",tier=\"default\"}}",
-            r.backend.unwrap()
-        ))
-        .await;
-    assert!(
-        cached > 0.0,
-        "the second turn reused the first turn's prefix"
+    // (Counted as the request is logged, just after the client has it.)
+    let cached = format!(
+        "agentserve_cached_prompt_tokens_total{{backend=\"{}\",tier=\"default\"}}",
+        r.backend.unwrap()
     );
+    wait_until("the second turn reused the first turn's prefix", || async {
+        gw.metric(&cached).await > 0.0
+    })
+    .await;
 }
 
 #[tokio::test]
