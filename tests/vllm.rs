@@ -136,9 +136,17 @@ async fn three_vllm_servers_behind_the_gateway() {
             Vllm::spawn(&model, &opts, &log).expect("vLLM starts")
         })
         .collect();
-    for s in servers.iter_mut() {
-        s.wait_healthy(Duration::from_secs(600))
-            .expect("vLLM healthy");
+    for (i, s) in servers.iter_mut().enumerate() {
+        if let Err(e) = s.wait_healthy(Duration::from_secs(600)) {
+            // Three engines starting at once on a busy 2-core machine: one
+            // engine core failed to initialise once in CI. Started again on
+            // fresh ports, once; a second failure fails the test.
+            eprintln!("vLLM {i} did not start ({e}); starting it again");
+            let log = work.path().join(format!("vllm-{i}-again.log"));
+            *s = Vllm::spawn(&model, &opts, &log).expect("vLLM starts");
+            s.wait_healthy(Duration::from_secs(600))
+                .expect("vLLM healthy");
+        }
     }
     let ids: Vec<String> = (0..3).map(|i| format!("vllm-{i}")).collect();
 
