@@ -191,6 +191,15 @@ fn normal_seat(backend: &str, id: u64, tenant: u64) -> crate::admission::fleet::
     }
 }
 
+/// Tenant 0xa's seat at `backend` counted as prefilling 1,000 tokens.
+fn prefill_seat(backend: &str, id: u64) -> crate::admission::fleet::Seat {
+    crate::admission::fleet::Seat {
+        counted: true,
+        tokens: 1000,
+        ..normal_seat(backend, id, 0xa)
+    }
+}
+
 /// A request about to be placed reads each backend as the fleet's queue
 /// has it now: the fleet's counts, and the waiters its order would serve
 /// before this request (by class, then its tenant's share when it came).
@@ -320,7 +329,7 @@ async fn placement_claims_spread_a_burst_placed_before_any_has_queued() {
 /// for a lone gateway that had seen both gateways' answers.
 #[tokio::test]
 async fn the_fleets_votes_on_prefills_are_one_tally_that_sets_every_gateways_cap() {
-    use crate::admission::fleet::{CapSource, Caps, FleetSlots, Handed, Seat};
+    use crate::admission::fleet::{CapSource, Caps, FleetSlots, Handed};
     use crate::admission::learn::{SERIAL_VOTES, VOTES_MAX};
     let (a, b) = (store("tally").await, store("tally").await);
     // The tally starts one vote further from "side by side" than a lone
@@ -339,11 +348,7 @@ async fn the_fleets_votes_on_prefills_are_one_tally_that_sets_every_gateways_cap
         prefilling: 0,
         cap_source: CapSource::Voted,
     };
-    let seat = |id| Seat {
-        counted: true,
-        tokens: 1000,
-        ..normal_seat("b0", id, 0xa)
-    };
+    let seat = |id| prefill_seat("b0", id);
     let (first, _) = b.acquire(&seat(1), side_by_side).await.unwrap();
     assert!(matches!(first, Handed::Slot { .. }));
     // A cap of one lets one probe by (its answer votes), and no more.
@@ -383,10 +388,8 @@ async fn a_new_conversation_raced_to_an_idle_backend_takes_no_slot_there() {
         class: Class::Normal,
     };
     let seat = |backend: &str, id, idle: &[&str]| Seat {
-        counted: true,
-        tokens: 1000,
         idle_elsewhere: idle.iter().map(|b| (*b).into()).collect(),
-        ..normal_seat(backend, id, 0xa)
+        ..prefill_seat(backend, id)
     };
     // Both read b0 and b1 idle; a's conversation asks first and starts at b0.
     for s in [&a, &b] {
@@ -435,18 +438,14 @@ async fn a_new_conversation_raced_to_an_idle_backend_takes_no_slot_there() {
 /// still coming sent a burst in two prefills at a time.
 #[tokio::test]
 async fn one_probe_is_out_at_a_time_over_the_fleet() {
-    use crate::admission::fleet::{CapSource, Caps, Ended, FleetSlots, Handed, Seat};
+    use crate::admission::fleet::{CapSource, Caps, Ended, FleetSlots, Handed};
     let (a, b) = (store("probe-out").await, store("probe-out").await);
     let caps = Caps {
         limit: 8,
         prefilling: 1,
         cap_source: CapSource::Unvoted,
     };
-    let seat = |id| Seat {
-        counted: true,
-        tokens: 1000,
-        ..normal_seat("b0", id, 0xa)
-    };
+    let seat = |id| prefill_seat("b0", id);
     let (first, _) = a.acquire(&seat(1), caps).await.unwrap();
     assert!(matches!(first, Handed::Slot { .. }), "{first:?}");
     let (probe, _) = b.acquire(&seat(2), caps).await.unwrap();
