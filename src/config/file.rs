@@ -536,7 +536,7 @@ impl Default for FileAffinity {
             mode: "hard".into(),
             soft_policy: None,
             soft_max_in_flight: 0,
-            move_hysteresis_ms: 50,
+            move_hysteresis_ms: 150,
             move_cooldown_ms: 30_000,
             max_moves_per_session: 3,
             prior_prefill_us_per_token: 100.0,
