@@ -30,7 +30,8 @@
 //!   recompute (the prompts its tokens evict, computed again later), for
 //!   each request running at the other backend plus one, since each
 //!   computation stalls them. A queue costs this turn alone and drains; a
-//!   slow backend costs every later turn. A move goes to that best
+//!   slow backend costs every later turn: off one, a move needs only a third
+//!   of the margin ([`SLOW_MARGIN`]). A move goes to that best
 //!   candidate. A cooldown and a cap on moves per session keep it from
 //!   flapping, and moves off one backend are [`MOVE_GAP_MS`] apart, so
 //!   requests reviewed on one snapshot of the queues do not all leave at once.
@@ -161,6 +162,14 @@ impl Default for CostParams {
 /// on a busy host).
 pub const SLOWER: f64 = 2.0;
 
+/// Off a slow backend ([`SLOWER`]) a move needs this share of the margin:
+/// the margin keeps one turn from moving for a queue's ordinary spread, but
+/// off a slow backend every later turn would wait again, and the slowness
+/// is learned from many answers, not read from one snapshot of the queues
+/// (with the whole margin, soft mode's gain with a replica slowed 3× fell
+/// from 1.52–1.56× hard's throughput to 1.39–1.50×).
+pub const SLOW_MARGIN: f64 = 1.0 / 3.0;
+
 /// The default policy, in either mode.
 #[derive(Clone, Copy, Debug)]
 pub struct DefaultPolicy {
@@ -256,7 +265,11 @@ impl DefaultPolicy {
             true => 0.0,
             false => 2.0 * (1.0 + best.in_flight as f64),
         };
-        delta_q > saved + shared_by * recompute + p.hysteresis_us as f64
+        let margin = match slow {
+            true => p.hysteresis_us as f64 * SLOW_MARGIN,
+            false => p.hysteresis_us as f64,
+        };
+        delta_q > saved + shared_by * recompute + margin
     }
 }
 
@@ -400,6 +413,16 @@ mod tests {
         },
     };
 
+    /// Soft mode's cost policy with the shipped knobs.
+    fn soft_default() -> DefaultPolicy {
+        DefaultPolicy {
+            mode: Mode::Soft,
+            soft: SoftPolicy::Cost,
+            soft_max_in_flight: 0,
+            cost: CostParams::default(),
+        }
+    }
+
     /// A session whose last turn sent `prompt` tokens and found `cached` of
     /// them, of the `expected` its backend should have kept from the turn before.
     fn turns(prompt: u32, cached: u32, expected: u32, moves: u8, moved_s: u32) -> Turns {
@@ -539,12 +562,7 @@ mod tests {
         // recomputed (8 ms, twice): under 150 ms, a queue's ordinary spread,
         // it stays (with a 50 ms margin it moved: two fifths of soft mode's
         // moves on that trace spared 50–150 ms).
-        let soft = DefaultPolicy {
-            mode: Mode::Soft,
-            soft: SoftPolicy::Cost,
-            soft_max_in_flight: 0,
-            cost: CostParams::default(),
-        };
+        let soft = soft_default();
         let t = turns(3000, 2900, 2900, 0, 0);
         let turn = ThisTurn {
             new: 3_000,
@@ -577,12 +595,15 @@ mod tests {
         // against 100. The turn brings 1,000 new tokens (1,500 prompt, 500
         // cached last time, all it should have kept): 300 ms there against
         // 100 ms: ΔQ = 200 ms. Re-prefilling 1,500 tokens elsewhere costs
-        // 150 ms: + 50 ms hysteresis is not less than 200 ms: stay.
+        // 150 ms: + a third of the default 150 ms margin (off a slow
+        // backend) is not less than 200 ms: stay.
+        let soft = soft_default();
         let all = [queued(0, 0, 300.0), queued(1, 0, 100.0)];
-        assert_eq!(review(&COST, &all, &turns(1500, 500, 500, 0, 0), 0), None);
-        // 1,400 new tokens of 1,900 (ΔQ 280 ms; re-prefill 190 ms + 50): move.
+        assert_eq!(review(&soft, &all, &turns(1500, 500, 500, 0, 0), 0), None);
+        // 1,400 new tokens of 1,900 (ΔQ 280 ms; re-prefill 190 ms + 50): move,
+        // where a queue the same 280 ms longer would need 190 + 150 ms.
         assert_eq!(
-            review(&COST, &all, &turns(1900, 500, 500, 0, 0), 0),
+            review(&soft, &all, &turns(1900, 500, 500, 0, 0), 0),
             Some(MoveReason::Cost)
         );
     }
