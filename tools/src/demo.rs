@@ -94,6 +94,17 @@ pub struct DemoArgs {
 
 const DEFAULT_PLACEMENTS: &str = "hrw;round_robin;bounded_hrw";
 
+impl DemoArgs {
+    /// The variants `--placements` names, or a study's own `defaults` when
+    /// it was not given.
+    fn variants_or<'a>(&'a self, defaults: &[&'a str]) -> Vec<&'a str> {
+        match self.placements.as_str() {
+            DEFAULT_PLACEMENTS => defaults.to_vec(),
+            list => list.split(';').filter(|v| !v.is_empty()).collect(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Study {
     Affinity,
@@ -295,20 +306,20 @@ async fn start_gateway(
     // A port picked free can be taken (by another process's outgoing
     // connection) before the gateway binds it: then start again on new ones.
     let mut attempts = 0;
+    // `AGW_DEMO_TRACE_DIR`: each gateway started writes its request trace
+    // there (`gateway-<n>.jsonl`, numbered as started), for reading a
+    // study's turns.
+    static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let trace = match std::env::var("AGW_DEMO_TRACE_DIR") {
+        Ok(t) => {
+            let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            format!("trace:\n  path: \"{t}/gateway-{n:03}.jsonl\"\n")
+        }
+        Err(_) => String::new(),
+    };
     loop {
         attempts += 1;
         let [port, metrics, admin] = free_ports()?;
-        // `AGW_DEMO_TRACE_DIR`: each gateway started writes its request
-        // trace there (`gateway-<n>.jsonl`, numbered as started), for
-        // reading a study's turns.
-        static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let trace = match std::env::var("AGW_DEMO_TRACE_DIR") {
-            Ok(t) => {
-                let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                format!("trace:\n  path: \"{t}/gateway-{n:03}.jsonl\"\n")
-            }
-            Err(_) => String::new(),
-        };
         let config = format!(
             "{trace}server:\n  listen: [\"127.0.0.1:{port}\"]\n  pid_file: \"{d}/gw.pid\"\n  upgrade_sock: \"{d}/gw.sock\"\n  grace_period_seconds: 0\n  graceful_shutdown_timeout_seconds: 1\n\
              tiers:\n  default:\n    default: true\n    backends:\n{backends}\
@@ -820,10 +831,7 @@ async fn recovery_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<r
     a.arrival_ms = 100;
     a.think_ms = 300;
     let total = (a.sessions * a.turns) as u64;
-    let variants: Vec<&str> = match args.placements.as_str() {
-        DEFAULT_PLACEMENTS => vec!["hrw", "bounded_hrw", "bounded_hrw,mode=soft"],
-        list => list.split(';').filter(|v| !v.is_empty()).collect(),
-    };
+    let variants = args.variants_or(&["hrw", "bounded_hrw", "bounded_hrw,mode=soft"]);
     let repeats = args.repeats.max(1);
     let mut runs: Vec<Vec<report::Report>> = vec![Vec::new(); variants.len()];
     for r in 0..repeats {
@@ -1098,10 +1106,7 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
         );
     }
     trace.trace_reblock = true;
-    let soft: Vec<&str> = match args.placements.as_str() {
-        DEFAULT_PLACEMENTS => vec!["bounded_hrw", "bounded_hrw,mode=soft"],
-        chosen => chosen.split(';').collect(),
-    };
+    let soft = args.variants_or(&["bounded_hrw", "bounded_hrw,mode=soft"]);
     let (runs, moves) =
         run_variants(exe, &model, 4, &trace, "chat trace soft", &soft, repeats).await?;
     tables.push((
