@@ -161,7 +161,7 @@ fn bench_candidates(c: &mut Criterion) {
             })
             .collect();
         let yaml = format!(
-            "tiers:\n  default:\n    default: true\n    backends:\n{backends}affinity: {{ hash_key: bench }}\n"
+            "tiers:\n  default:\n    default: true\n    backends:\n{backends}affinity: {{ hash_key: 7f45881d0a53d8a0c98655a16835aef433ef3ea968cb67815fdb64798d7d55a4 }}\n"
         );
         let config = Arc::new(Config::from_yaml(&yaml).expect("a valid bench config"));
         let check = health::ReloadableCheck::new(&config);

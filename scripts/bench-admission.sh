@@ -119,7 +119,7 @@ tiers:
       - { id: vllm-0, addr: "127.0.0.1:${SIM_PORTS[0]}" }
       - { id: vllm-1, addr: "127.0.0.1:${SIM_PORTS[1]}" }
       - { id: vllm-2, addr: "127.0.0.1:${SIM_PORTS[2]}" }
-affinity: { hash_key: "admission-bench"$store }
+affinity: { hash_key: "57316d41c82821d491f43229c8cfd2ae94b40fa5ae4971a5a4c75b7cc28846d1"$store }
 health: { interval_ms: 500 }
 metrics: { listen: "127.0.0.1:$mp" }
 admin: { listen: "127.0.0.1:$ap" }

@@ -75,7 +75,7 @@ tiers:
       - { id: vllm-1, addr: "127.0.0.1:${SIM_PORTS[1]}" }
       - { id: vllm-2, addr: "127.0.0.1:${SIM_PORTS[2]}" }
 affinity:
-  hash_key: "fleet-bench"
+  hash_key: "2ebc3143e569f93133b6474c7610fd89ca5e1258917902a89e47b91a2c567d83"
   store: { kind: $kind, url: "redis://127.0.0.1:$REDIS_PORT", key_prefix: "$PREFIX" }
 health: { interval_ms: 500 }
 metrics: { listen: "127.0.0.1:$mp" }

@@ -56,7 +56,7 @@ tiers:
     default: true
     backends:
       - { id: vllm-0, addr: "127.0.0.1:$sp" }
-affinity: { hash_key: "honest-bench" }
+affinity: { hash_key: "8e34d4a94207fd1bd32d9e5b171738f5821444ff6a66f3a5a9836a311c474923" }
 health: { interval_ms: 500 }
 metrics: { listen: "127.0.0.1:$mp" }
 admin: { listen: "127.0.0.1:$ap" }

@@ -100,7 +100,7 @@ tiers:
     default: true
     backends:
 $backends
-affinity: { hash_key: "kv-bench", mode: $MODE }
+affinity: { hash_key: "06d222cdd8b8d48d7e9a9650be289e6879a8ea5af880fbb39236cba1ca66a41e", mode: $MODE }
 health: { interval_ms: 500 }
 metrics: { listen: "127.0.0.1:$mp" }
 admin: { listen: "127.0.0.1:$ap" }

@@ -99,7 +99,7 @@ tiers:
 $(for i in "${!SIM_PORTS[@]}"; do
   kv=""; case "$2" in *-kv) kv=", kv_events: ${SIM_KV[$i]}" ;; esac
   echo "      - { id: bench-$i, addr: \"127.0.0.1:${SIM_PORTS[$i]}\"$kv }"; done)
-affinity: { hash_key: "bench-key" }
+affinity: { hash_key: "c038e2936f9f214dab26f2ab9a8927bad9b6b3c10c696145853ff9aca9015f2e" }
 metrics: { listen: "127.0.0.1:$(port)" }
 admin: { listen: "127.0.0.1:$(port)" }
 YAML

@@ -117,6 +117,15 @@ impl GatewayError {
             retry_after: None,
         }
     }
+    pub fn bad_path(message: String) -> Self {
+        GatewayError {
+            status: 400,
+            kind: "invalid_request_error",
+            code: "invalid_path",
+            message,
+            retry_after: None,
+        }
+    }
     pub fn bad_body(message: String) -> Self {
         GatewayError {
             status: 400,

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod routing;
 pub mod scraper;
+pub mod secret;
 pub mod server;
 pub mod state;
 pub mod telemetry;

@@ -64,6 +64,8 @@ enum Command {
     Bench(agent_gateway_tools::loadgen::BenchArgs),
     /// Show what affinity buys: simulated replicas + gateway + agent workload.
     Demo(agent_gateway_tools::demo::DemoArgs),
+    /// Print a new random `affinity.hash_key` (256 bits, 64 hex digits).
+    Keygen,
     /// Print the `key_sha256` of a client key read from stdin, for
     /// `auth.keys_file` (read from stdin: a key on the command line would
     /// show in `ps` and shell history).
@@ -75,6 +77,10 @@ fn main() -> ExitCode {
     agent_gateway::logging::init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Keygen => {
+            println!("{}", agent_gateway::secret::generate());
+            ExitCode::SUCCESS
+        }
         Command::HashKey => {
             let mut key = String::new();
             if std::io::stdin().read_line(&mut key).is_err() || key.trim().is_empty() {

@@ -68,6 +68,7 @@ pub struct Metrics {
     pub kv_events: IntCounterVec,
     pub kv_index_exact: IntGaugeVec,
     pub kv_replayed: IntCounterVec,
+    pub kv_connections_lost: IntCounterVec,
     pub kv_predictions: IntCounterVec,
 }
 
@@ -271,6 +272,12 @@ impl Metrics {
                 &r,
                 "agentserve_kv_replayed_batches_total",
                 "KV event batches missed live and recovered from the engine's replay socket",
+                &["tier", "backend"],
+            ),
+            kv_connections_lost: counter(
+                &r,
+                "agentserve_kv_connections_lost_total",
+                "Connections to an engine's KV-event publisher lost: closed, or dropped for a message over kv_events.max_message_bytes or one not understood",
                 &["tier", "backend"],
             ),
             kv_predictions: counter(

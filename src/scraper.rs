@@ -125,7 +125,12 @@ impl LoadScraper {
                 m.kv_index_exact
                     .with_label_values(&labels)
                     .set(exact as i64);
-                for (c, total) in [(&m.kv_events, applied), (&m.kv_replayed, replayed)] {
+                let lost = b.stats.kv.lost();
+                for (c, total) in [
+                    (&m.kv_events, applied),
+                    (&m.kv_replayed, replayed),
+                    (&m.kv_connections_lost, lost),
+                ] {
                     let c = c.with_label_values(&labels);
                     c.inc_by(total.saturating_sub(c.get()));
                 }

@@ -535,7 +535,7 @@ async fn a_new_sessions_concurrent_requests_queue_together_not_behind_single_fli
     // session must not wait for the first to connect while that one queues.
     let (sims, gw) = fleet(
         1,
-        "affinity:\n  sticky_ttl_seconds: 600\n  hash_key: \"test-fleet-key\"\n  single_flight_wait_ms: 600000\nadmission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: 600000\n",
+        "affinity:\n  sticky_ttl_seconds: 600\n  hash_key: \"79257ee2c923c2f2f8da8c4964db8a06cbb7459dca11cb29c7c649bf35fcf99c\"\n  single_flight_wait_ms: 600000\nadmission:\n  enabled: true\n  max_in_flight: 1\n  max_wait_ms: 600000\n",
     )
     .await;
     let mut held = hold_the_slot(&gw, &sims[0], &[]).await;

@@ -256,7 +256,7 @@ async fn a_flood_of_responses_misroutes_no_live_chain() {
     let gw = Gateway::start(
         &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
         &format!(
-            "{FAST_HEALTH}affinity:\n  sticky_ttl_seconds: 1800\n  hash_key: \"k\"\n  max_bindings: 2000\n"
+            "{FAST_HEALTH}affinity:\n  sticky_ttl_seconds: 1800\n  hash_key: \"6ca32cd571e4bf0a0bafed739a373699046a3912ab91e742c9abfd1ab0fc0ae2\"\n  max_bindings: 2000\n"
         ),
     )
     .await;

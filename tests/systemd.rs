@@ -48,12 +48,23 @@ fn unit_verifies_and_its_config_checks() {
         "systemd-analyze verify: {stderr}"
     );
 
+    // Valid once given its own key, as the install step says.
+    let shipped =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/conf/systemd-gateway.yaml"))
+            .unwrap();
+    let key = Command::new(common::BIN).arg("keygen").output().unwrap();
+    let key = String::from_utf8(key.stdout).unwrap();
+    let given = shipped.replace(
+        "  # hash_key: \"<64 hex digits from agent-gateway keygen>\"",
+        &format!("  hash_key: \"{}\"", key.trim()),
+    );
+    assert_ne!(given, shipped, "the shipped line to fill in");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.yaml");
+    std::fs::write(&path, given).unwrap();
     let out = Command::new(common::BIN)
-        .args([
-            "check",
-            "--config",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/conf/systemd-gateway.yaml"),
-        ])
+        .args(["check", "--config"])
+        .arg(&path)
         .output()
         .unwrap();
     assert!(

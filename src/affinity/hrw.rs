@@ -11,6 +11,7 @@ use siphasher::sip::SipHasher13;
 use siphasher::sip128::{
     Hasher128, SipHasher13 as SipHasher13_128, SipHasher24 as SipHasher24_128,
 };
+use crate::secret::{Derived, IdKey};
 use std::hash::Hasher;
 
 /// Separates the hash inputs of client sessions from subagent groups, so no
@@ -26,20 +27,51 @@ pub enum KeyKind {
     Response = 4,
 }
 
-/// The keyed hash functions of one fleet (one `hash_key`).
+/// The keyed hash functions of one fleet (one `hash_key`), each use keyed
+/// with its own subkey ([`crate::secret`]).
 #[derive(Clone, Debug)]
 pub struct HrwHasher {
+    /// Placement: session hashes, backend seeds, the prompt block seed.
     k0: u64,
     k1: u64,
+    /// Binding and tenant fingerprints.
+    f0: u64,
+    f1: u64,
+    /// Tenants' cache salts.
+    s0: u64,
+    s1: u64,
+    /// The key response ids are issued under, then the retired keys they
+    /// still open under (`affinity.retired_hash_keys`).
+    ids: std::sync::Arc<[IdKey]>,
 }
 
 impl HrwHasher {
     pub fn new(hash_key: &str) -> Self {
-        // Stretch an arbitrary-length operator string into a 128-bit SipHash key.
-        let mut h = SipHasher13_128::new_with_keys(0x6167_656e_742d_6777, 0x6872_772d_6b65_7931);
-        h.write(hash_key.as_bytes());
-        let k = h.finish128();
-        HrwHasher { k0: k.h1, k1: k.h2 }
+        Self::with_retired(hash_key, &[])
+    }
+
+    /// The hasher of `hash_key`, whose response ids also open under the
+    /// `retired` keys (an operator rotating the secret).
+    pub fn with_retired(hash_key: &str, retired: &[String]) -> Self {
+        let d = Derived::of(hash_key);
+        let ids = std::iter::once(d.ids)
+            .chain(retired.iter().map(|r| Derived::of(r).ids))
+            .collect();
+        HrwHasher {
+            k0: d.placement[0],
+            k1: d.placement[1],
+            f0: d.fingerprint[0],
+            f1: d.fingerprint[1],
+            s0: d.salt[0],
+            s1: d.salt[1],
+            ids,
+        }
+    }
+
+    /// The key response ids are issued under, then those they still open
+    /// under.
+    pub fn id_keys(&self) -> &[IdKey] {
+        &self.ids
     }
 
     /// The per-request hash a session is scored with.
@@ -66,7 +98,7 @@ impl HrwHasher {
 
     /// [`HrwHasher::fingerprint`] of an id that is not text (a digest).
     pub fn fingerprint_bytes(&self, kind: KeyKind, tier: &str, id: &[u8]) -> u128 {
-        let mut h = SipHasher13_128::new_with_keys(self.k1, self.k0);
+        let mut h = SipHasher13_128::new_with_keys(self.f0, self.f1);
         h.write_u8(kind as u8);
         h.write(tier.as_bytes());
         h.write_u8(0xff);
@@ -75,12 +107,12 @@ impl HrwHasher {
         ((v.h1 as u128) << 64) | v.h2 as u128
     }
 
-    /// A 128-bit tag of `message` under `scope`, keyed by the fleet's key
-    /// (SipHash-2-4, a keyed PRF made for authenticating short messages):
-    /// what a gateway signs the ids it issues with, so that only a gateway
-    /// of this fleet makes them, and only for that scope.
-    pub fn tag(&self, scope: &str, message: &[u8]) -> u128 {
-        let mut h = SipHasher24_128::new_with_keys(self.k0 ^ 0x7461_672d_6b65_7930, self.k1);
+    /// A 128-bit tag of `message` under `scope`, keyed by the fleet's
+    /// cache-salt subkey (SipHash-2-4, a keyed PRF for short messages):
+    /// what a tenant's `cache_salt` is made of, so that only a gateway of
+    /// this fleet makes it.
+    pub fn salt_tag(&self, scope: &str, message: &[u8]) -> u128 {
+        let mut h = SipHasher24_128::new_with_keys(self.s0, self.s1);
         h.write_u64(scope.len() as u64);
         h.write(scope.as_bytes());
         h.write(message);

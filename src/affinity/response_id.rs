@@ -6,13 +6,15 @@
 //! replica that answered it; a follow-up naming it by `previous_response_id`
 //! anywhere else gets 404. So the gateway gives the client, instead of the
 //! engine's id, one that says where the response lives: `resp_`, then in
-//! URL-safe base64 the backend's id, the session the request was a turn of,
-//! the engine's own id, and a tag over all of it and the request's scope
-//! (tier and tenant) keyed by the fleet's `hash_key`. Any gateway of the
-//! fleet reads it without asking anyone (Redis down, a follow-up racing its
-//! answer to another gateway, a flood of other responses: none matters);
-//! no one without the key can make one; and a tenant presenting another
-//! tenant's id is told no such response exists, never sent to its holder.
+//! URL-safe base64 a marker, and sealed under the fleet's response-id key
+//! for the request's scope (tier and tenant) the backend's id, the session
+//! the request was a turn of and the engine's own id ([`crate::secret`]).
+//! Any gateway of the fleet reads it without asking anyone (Redis down, a
+//! follow-up racing its answer to another gateway, a flood of other
+//! responses: none matters); no one without the key can make one or read
+//! what it holds (an engine id in clear would let another tenant ask the
+//! engine for it directly); and a tenant presenting another tenant's id is
+//! told no such response exists, never sent to its holder.
 
 use super::hrw::HrwHasher;
 use super::table::BindingKey;
@@ -35,30 +37,31 @@ pub enum Presented {
     /// One this fleet issued for this scope.
     Ours(Issued),
     /// One shaped like ours that this fleet did not issue for this scope:
-    /// another tenant's, another tier's, or forged.
+    /// another tenant's, another tier's, under a key this gateway does not
+    /// hold, or forged.
     NotForThisScope,
     /// Not one of ours (an engine's own id, issued before the gateway did).
     Foreign,
 }
 
 const PREFIX: &str = "resp_";
-/// The layout's version: its first byte.
-const VERSION: u8 = 1;
-const TAG_BYTES: usize = 16;
+/// What our ids' bytes start with: `ag` and the layout's version (2:
+/// sealed). As base64 `YWcC`, which no engine's hex or UUID id starts with.
+const MARKER: [u8; 3] = [b'a', b'g', 2];
 
 /// The id the client is given for the engine's `engine` id, of a response
 /// stored at `backend` for a request of session (`key`, `hash`) in `scope`.
 pub fn issue(hasher: &HrwHasher, scope: &str, i: &Issued) -> String {
-    let backend = i.backend.as_bytes();
-    let mut raw = Vec::with_capacity(2 + backend.len() + 24 + i.engine.len() + TAG_BYTES);
-    raw.push(VERSION);
-    raw.push(backend.len().min(255) as u8);
-    raw.extend_from_slice(&backend[..backend.len().min(255)]);
-    raw.extend_from_slice(&i.key.to_le_bytes());
-    raw.extend_from_slice(&i.hash.to_le_bytes());
-    raw.extend_from_slice(i.engine.as_bytes());
-    let tag = hasher.tag(scope, &raw);
-    raw.extend_from_slice(&tag.to_le_bytes());
+    let backend = &i.backend.as_bytes()[..i.backend.len().min(255)];
+    let mut plain = Vec::with_capacity(1 + backend.len() + 24 + i.engine.len());
+    plain.push(backend.len() as u8);
+    plain.extend_from_slice(backend);
+    plain.extend_from_slice(&i.key.to_le_bytes());
+    plain.extend_from_slice(&i.hash.to_le_bytes());
+    plain.extend_from_slice(i.engine.as_bytes());
+    let mut raw = Vec::with_capacity(MARKER.len() + plain.len() + crate::secret::SEAL_OVERHEAD);
+    raw.extend_from_slice(&MARKER);
+    hasher.id_keys()[0].seal(scope.as_bytes(), &plain, &mut raw);
     let mut id = String::with_capacity(PREFIX.len() + raw.len() * 4 / 3 + 2);
     id.push_str(PREFIX);
     base64url(&raw, &mut id);
@@ -70,27 +73,25 @@ pub fn read(hasher: &HrwHasher, scope: &str, id: &str) -> Presented {
     let Some(raw) = id.strip_prefix(PREFIX).and_then(unbase64url) else {
         return Presented::Foreign;
     };
-    let Some((body, tag)) = raw.len().checked_sub(TAG_BYTES).map(|at| raw.split_at(at)) else {
+    let Some(sealed) = raw.strip_prefix(&MARKER[..]) else {
         return Presented::Foreign;
     };
-    let Some(issued) = layout(body) else {
-        return Presented::Foreign;
-    };
-    let tag: [u8; TAG_BYTES] = tag.try_into().expect("TAG_BYTES long");
-    // Compared in constant time: a forger learns nothing from how soon a
-    // guess is refused.
-    let want = hasher.tag(scope, body).to_le_bytes();
-    match subtle::ConstantTimeEq::ct_eq(&want[..], &tag[..]).into() {
-        true => Presented::Ours(issued),
-        false => Presented::NotForThisScope,
+    // Opened under the key its key id names, current or retired; the tag
+    // is checked before a byte of it is read.
+    let opened = hasher
+        .id_keys()
+        .iter()
+        .find_map(|k| k.open(scope.as_bytes(), sealed));
+    match opened.as_deref().and_then(layout) {
+        Some(issued) => Presented::Ours(issued),
+        None => Presented::NotForThisScope,
     }
 }
 
-/// The fields of an id's body, when it is laid out as [`issue`] lays it.
+/// The fields of an id's plaintext, when it is laid out as [`issue`] lays it.
 fn layout(body: &[u8]) -> Option<Issued> {
-    let (&version, rest) = body.split_first()?;
-    let (&len, rest) = rest.split_first()?;
-    if version != VERSION || rest.len() < len as usize + 24 {
+    let (&len, rest) = body.split_first()?;
+    if rest.len() < len as usize + 24 {
         return None;
     }
     let (backend, rest) = rest.split_at(len as usize);
@@ -210,6 +211,33 @@ mod tests {
         ] {
             assert_eq!(read(&h, "t", foreign), Presented::Foreign, "{foreign}");
         }
+    }
+
+    #[test]
+    fn an_id_shows_neither_the_engines_id_nor_the_backend() {
+        let h = HrwHasher::new("fleet-key");
+        let id = issue(&h, "t", &issued());
+        let raw = unbase64url(id.strip_prefix(PREFIX).unwrap()).unwrap();
+        for clear in [&b"vllm-2"[..], b"0a1b2c3d", b"resp_"] {
+            assert!(!raw.windows(clear.len()).any(|w| w == clear), "{id}");
+        }
+        assert!(!id.contains("0a1b2c3d"), "{id}");
+        // Announced twice (a stream's events, its JSON): the same id.
+        assert_eq!(issue(&h, "t", &issued()), id);
+    }
+
+    #[test]
+    fn ids_of_a_retired_key_still_lead_home_and_of_an_unknown_key_nowhere() {
+        let (k1, k2) = ("first-secret", "second-secret");
+        let id = issue(&HrwHasher::new(k1), "t", &issued());
+        let rotated = HrwHasher::with_retired(k2, &[k1.to_string()]);
+        assert_eq!(read(&rotated, "t", &id), Presented::Ours(issued()));
+        // New ids go out under the new key alone.
+        let new_id = issue(&rotated, "t", &issued());
+        assert_eq!(read(&HrwHasher::new(k2), "t", &new_id), Presented::Ours(issued()));
+        assert_eq!(read(&HrwHasher::new(k1), "t", &new_id), Presented::NotForThisScope);
+        // The old key no longer listed: no longer ours.
+        assert_eq!(read(&HrwHasher::new(k2), "t", &id), Presented::NotForThisScope);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! section, with each key's default. Unknown keys are errors. Nothing here is
 //! trusted: [`super::validate`] turns it into [`super::Config`].
 
-use super::types::{OutlierConfig, TlsCertConfig, PLACEHOLDER_HASH_KEY};
+use super::types::{OutlierConfig, TlsCertConfig};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
@@ -416,6 +416,15 @@ pub(crate) struct FileKvEvents {
     /// Topic to subscribe to (default: every topic).
     #[serde(default)]
     pub(crate) topic: String,
+    /// The largest message the engine may send; a larger one drops the
+    /// connection before any of it is read.
+    #[serde(default = "default_kv_max_message_bytes")]
+    pub(crate) max_message_bytes: u64,
+}
+
+/// vLLM's batches are a few KB; 16 MiB leaves room for a huge one.
+fn default_kv_max_message_bytes() -> u64 {
+    16 * 1024 * 1024
 }
 
 fn one() -> u32 {
@@ -432,6 +441,8 @@ pub(crate) struct FileAffinity {
     /// Dotted paths reach into objects (`metadata.user_id`). Empty disables.
     pub(crate) body_session_fields: Vec<String>,
     pub(crate) hash_key: String,
+    /// Earlier secrets: response ids issued under them still open.
+    pub(crate) retired_hash_keys: Vec<String>,
     pub(crate) max_bindings: usize,
     pub(crate) mode: String,
     /// `cost` or `in_flight`; absent: `in_flight` when `soft_max_in_flight`
@@ -531,7 +542,8 @@ impl Default for FileAffinity {
                 .map(|s| s.to_string())
                 .collect(),
             body_session_fields: DEFAULT_BODY_FIELDS.iter().map(|s| s.to_string()).collect(),
-            hash_key: PLACEHOLDER_HASH_KEY.into(),
+            hash_key: String::new(),
+            retired_hash_keys: Vec::new(),
             max_bindings: 1_000_000,
             mode: "hard".into(),
             soft_policy: None,

@@ -43,6 +43,12 @@ impl Config {
         validate::validate(file)
     }
 
+    /// Whether requests carry a tenant (client keys, or `affinity.tenant_*`)
+    /// whose stored responses and cached prompts others must not reach.
+    pub fn separates_tenants(&self) -> bool {
+        self.auth.keys_file.is_some() || self.affinity.tenant != TenantSource::None
+    }
+
     pub fn default_tier(&self) -> &TierConfig {
         self.tiers
             .iter()
@@ -113,13 +119,16 @@ affinity:
   sticky_ttl_seconds: 1800
   session_headers: [x-session-id, X-Dynamo-Session-Id]
   parent_session_headers: [x-parent-session-id]
-  hash_key: "s3cret"
+  hash_key: "64e38e9e473f1eebd4b85cf92d09e5e090ea05ac1e1fdbfc59399632386d0813"
 health:
   path: /health
   interval_ms: 1000
 metrics:
   listen: "127.0.0.1:9091"
 "#;
+
+    /// A fleet secret for configurations written in a test.
+    const SECRET: &str = "affinity: { hash_key: \"64e38e9e473f1eebd4b85cf92d09e5e090ea05ac1e1fdbfc59399632386d0813\" }\n";
 
     fn keys(text: &str) -> Vec<String> {
         Config::from_yaml(text)
@@ -134,7 +143,7 @@ metrics:
     fn a_tier_lists_backends_or_names_discovery() {
         let tier = |d: &str| {
             format!(
-                "tiers:\n  default:\n    default: true\n    discovery: {d}\n\
+                "{SECRET}tiers:\n  default:\n    default: true\n    discovery: {d}\n\
                  discovery:\n  resolvers: [\"127.0.0.1:5353\", \"10.0.0.10\"]\n"
             )
         };
@@ -335,11 +344,8 @@ metrics:
         assert_eq!(keys(&text), vec!["tiers.default.backends[1].id"]);
         let text = GOOD.replace("127.0.0.1:8002", "not an address");
         assert_eq!(keys(&text), vec!["tiers.default.backends[1].addr"]);
-        let text = r#"
-tiers:
-  a: { default: true, backends: [] }
-"#;
-        assert_eq!(keys(text), vec!["tiers.a.backends"]);
+        let text = format!("{SECRET}tiers:\n  a: {{ default: true, backends: [] }}\n");
+        assert_eq!(keys(&text), vec!["tiers.a.backends"]);
     }
 
     #[test]
@@ -382,22 +388,25 @@ tiers:
 
     #[test]
     fn default_tier_rules() {
-        let two = r#"
-tiers:
-  a: { backends: [{id: a0, addr: "127.0.0.1:1"}] }
-  b: { backends: [{id: b0, addr: "127.0.0.1:2"}] }
-"#;
-        assert_eq!(keys(two), vec!["tiers"]);
-        let one = r#"
-tiers:
-  only: { backends: [{id: a0, addr: "127.0.0.1:1"}] }
-"#;
-        let c = Config::from_yaml(one).unwrap();
-        assert!(c.default_tier().name == "only");
-        assert!(
-            !c.warnings.is_empty(),
-            "placeholder hash key is warned about"
+        let two = format!(
+            "{SECRET}tiers:\n  a: {{ backends: [{{id: a0, addr: \"127.0.0.1:1\"}}] }}\n  \
+             b: {{ backends: [{{id: b0, addr: \"127.0.0.1:2\"}}] }}\n"
         );
+        assert_eq!(keys(&two), vec!["tiers"]);
+        let one = format!("{SECRET}tiers:\n  only: {{ backends: [{{id: a0, addr: \"127.0.0.1:1\"}}] }}\n");
+        let c = Config::from_yaml(&one).unwrap();
+        assert!(c.default_tier().name == "only");
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        // Without a key: refused. A weak one: refused where response ids
+        // are the gateway's (the default), a warning where the key only
+        // places sessions.
+        let bare = "tiers:\n  only: { backends: [{id: a0, addr: \"127.0.0.1:1\"}] }\n";
+        assert_eq!(keys(bare), vec!["affinity.hash_key"]);
+        let weak = format!("affinity: {{ hash_key: s3cret }}\n{bare}");
+        assert_eq!(keys(&weak), vec!["affinity.hash_key"]);
+        let placing = format!("affinity: {{ hash_key: s3cret, response_ids: engine }}\n{bare}");
+        let c = Config::from_yaml(&placing).unwrap();
+        assert!(c.warnings.iter().any(|w| w.contains("affinity.hash_key")));
     }
 
     #[test]
@@ -410,12 +419,11 @@ tiers:
 
     #[test]
     fn model_in_two_tiers_is_an_error() {
-        let text = r#"
-tiers:
-  a: { default: true, models: [m], backends: [{id: a0, addr: "127.0.0.1:1"}] }
-  b: { models: [m], backends: [{id: b0, addr: "127.0.0.1:2"}] }
-"#;
-        assert_eq!(keys(text), vec!["tiers.b.models"]);
+        let text = format!(
+            "{SECRET}tiers:\n  a: {{ default: true, models: [m], backends: [{{id: a0, addr: \"127.0.0.1:1\"}}] }}\n  \
+             b: {{ models: [m], backends: [{{id: b0, addr: \"127.0.0.1:2\"}}] }}\n"
+        );
+        assert_eq!(keys(&text), vec!["tiers.b.models"]);
     }
 
     #[test]
@@ -442,8 +450,8 @@ tiers:
     #[test]
     fn the_store_section_is_checked() {
         let redis = GOOD.replace(
-            "  hash_key: \"s3cret\"\n",
-            "  hash_key: \"s3cret\"\n  store: { kind: redis, url: \"redis://127.0.0.1:6379\" }\n",
+            "  hash_key: \"64e38e9e473f1eebd4b85cf92d09e5e090ea05ac1e1fdbfc59399632386d0813\"\n",
+            "  hash_key: \"64e38e9e473f1eebd4b85cf92d09e5e090ea05ac1e1fdbfc59399632386d0813\"\n  store: { kind: redis, url: \"redis://127.0.0.1:6379\" }\n",
         );
         let c = Config::from_yaml(&redis).unwrap();
         assert_eq!(c.affinity.store.kind, crate::fleet::store::StoreKind::Redis);
@@ -485,13 +493,13 @@ tiers:
         assert!(c.affinity.prefix.enabled);
         assert_eq!(c.affinity.prefix.max_memory_bytes, 64 << 20);
         let off = GOOD.replace(
-            "  hash_key: \"s3cret\"\n",
-            "  hash_key: \"s3cret\"\n  prefix: { enabled: false }\n",
+            "  hash_key: \"64e38e9e473f1eebd4b85cf92d09e5e090ea05ac1e1fdbfc59399632386d0813\"\n",
+            "  hash_key: \"64e38e9e473f1eebd4b85cf92d09e5e090ea05ac1e1fdbfc59399632386d0813\"\n  prefix: { enabled: false }\n",
         );
         assert!(!Config::from_yaml(&off).unwrap().affinity.prefix.enabled);
         let bad = GOOD.replace(
-            "  hash_key: \"s3cret\"\n",
-            "  hash_key: \"s3cret\"\n  prefix: { block_bytes: 4, max_memory_bytes: 10, ttl_seconds: 0 }\n",
+            "  hash_key: \"64e38e9e473f1eebd4b85cf92d09e5e090ea05ac1e1fdbfc59399632386d0813\"\n",
+            "  hash_key: \"64e38e9e473f1eebd4b85cf92d09e5e090ea05ac1e1fdbfc59399632386d0813\"\n  prefix: { block_bytes: 4, max_memory_bytes: 10, ttl_seconds: 0 }\n",
         );
         assert_eq!(
             keys(&bad),
@@ -502,8 +510,8 @@ tiers:
             ]
         );
         let unknown = GOOD.replace(
-            "  hash_key: \"s3cret\"\n",
-            "  hash_key: \"s3cret\"\n  prefix: { blocks: 1 }\n",
+            "  hash_key: \"64e38e9e473f1eebd4b85cf92d09e5e090ea05ac1e1fdbfc59399632386d0813\"\n",
+            "  hash_key: \"64e38e9e473f1eebd4b85cf92d09e5e090ea05ac1e1fdbfc59399632386d0813\"\n  prefix: { blocks: 1 }\n",
         );
         assert_eq!(keys(&unknown), vec!["affinity.prefix.blocks"]);
     }

@@ -8,9 +8,6 @@ use std::time::Duration;
 /// Certificates are TLS's business; the config only names them.
 pub use crate::tls::TlsCertConfig;
 
-/// The hash key shipped in the example config; running with it is allowed but warned about.
-pub const PLACEHOLDER_HASH_KEY: &str = "change-me";
-
 // ---------------------------------------------------------------------------
 // Validated configuration.
 // ---------------------------------------------------------------------------
@@ -185,6 +182,9 @@ pub struct KvEventsConfig {
     pub endpoint: String,
     pub replay: Option<String>,
     pub topic: String,
+    /// A message over this many bytes (live or replayed) drops the
+    /// connection, never the gateway.
+    pub max_message_bytes: usize,
 }
 
 /// `admission`: a queue in the gateway, by priority class and fair share
@@ -276,7 +276,10 @@ pub struct AffinityConfig {
     pub session_headers: Vec<http::HeaderName>,
     pub parent_session_headers: Vec<http::HeaderName>,
     pub body_session_fields: Vec<Vec<String>>,
+    /// The fleet's secret ([`crate::secret`]).
     pub hash_key: String,
+    /// Earlier secrets, whose response ids still open (rotation).
+    pub retired_hash_keys: Vec<String>,
     pub max_bindings: usize,
     pub mode: crate::affinity::policy::Mode,
     /// Soft mode: move a session off a backend with this many requests in flight (0 = never).

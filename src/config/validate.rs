@@ -161,7 +161,7 @@ pub(super) fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
     let tiers = validate_tiers(&file.tiers, file.admission.max_in_flight, &mut errors);
     let admission = validate_admission(&file.admission, &mut errors);
     let auth = validate_auth(&file.auth, &mut errors);
-    let affinity = validate_affinity(&file.affinity, &mut errors, &mut warnings);
+    let affinity = validate_affinity(&file.affinity, &mut errors);
     if auth.cache_salt == CacheSalt::Tenant
         && auth.keys_file.is_none()
         && affinity.tenant == TenantSource::None
@@ -171,6 +171,7 @@ pub(super) fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             "`tenant` needs tenants: auth.keys_file, or affinity.tenant_header / tenant_from_authorization",
         ));
     }
+    validate_secret(&file.affinity, &affinity, &auth, &mut errors, &mut warnings);
     let admin = validate_admin(&file.admin, &mut errors);
     let health = validate_health(&file.health, &mut errors);
     let (placement, load) = validate_placement(&file.placement, &file.load, &mut errors);
@@ -801,12 +802,55 @@ pub(super) fn validate_tiers(
     tiers
 }
 
-/// `affinity`: session keys, TTL, mode and policy, tenants.
-pub(super) fn validate_affinity(
+/// `affinity.hash_key` and `retired_hash_keys`: the fleet's secret. Where it
+/// guards tenants' data or what clients are handed (response ids the
+/// gateway issues, cache salts, client keys), a weak one is refused: one
+/// issued id is enough to test guesses offline. Elsewhere (placement only)
+/// it is a warning.
+fn validate_secret(
     a: &FileAffinity,
+    affinity: &AffinityConfig,
+    auth: &AuthConfig,
     errors: &mut Vec<ConfigError>,
     warnings: &mut Vec<String>,
-) -> AffinityConfig {
+) {
+    let guards = affinity.gateway_response_ids
+        || auth.cache_salt == CacheSalt::Tenant
+        || auth.keys_file.is_some();
+    if let Some(why) = crate::secret::weakness(&a.hash_key) {
+        if guards || a.hash_key.is_empty() {
+            errors.push(err(
+                "affinity.hash_key",
+                format!(
+                    "{why} (it keys the response ids the gateway issues, cache salts \
+                     and tenants' fingerprints)"
+                ),
+            ));
+        } else {
+            warnings.push(format!(
+                "affinity.hash_key {why}; anyone who guesses it can aim sessions at a backend"
+            ));
+        }
+    }
+    for (i, old) in a.retired_hash_keys.iter().enumerate() {
+        if old.is_empty() || *old == a.hash_key {
+            errors.push(err(
+                format!("affinity.retired_hash_keys[{i}]"),
+                "must be an earlier key, not empty nor the current one",
+            ));
+        }
+    }
+    if !affinity.gateway_response_ids && auth.keys_file.is_some() {
+        errors.push(err(
+            "affinity.response_ids",
+            "`engine` with client keys on: an engine's own id is the same for every tenant \
+             and shows where it lives; keep `gateway` (ids sealed for their tenant)",
+        ));
+    }
+}
+
+/// `affinity`: session keys, TTL, mode and policy, tenants.
+pub(super) fn validate_affinity(a: &FileAffinity, errors: &mut Vec<ConfigError>) -> AffinityConfig {
     let session_headers = validate_headers("affinity.session_headers", &a.session_headers, errors);
     let parent_session_headers = validate_headers(
         "affinity.parent_session_headers",
@@ -832,14 +876,6 @@ pub(super) fn validate_affinity(
         } else {
             body_session_fields.push(path);
         }
-    }
-    if a.hash_key.is_empty() {
-        errors.push(err("affinity.hash_key", "must not be empty"));
-    } else if a.hash_key == PLACEHOLDER_HASH_KEY {
-        warnings.push(
-            "affinity.hash_key: still the placeholder `change-me`; anyone who knows it can aim sessions at a backend"
-                .to_string(),
-        );
     }
     if a.max_bindings == 0 {
         errors.push(err("affinity.max_bindings", "must be greater than 0"));
@@ -935,6 +971,7 @@ pub(super) fn validate_affinity(
         parent_session_headers,
         body_session_fields,
         hash_key: a.hash_key.clone(),
+        retired_hash_keys: a.retired_hash_keys.clone(),
         max_bindings: a.max_bindings,
         mode,
         soft_max_in_flight: a.soft_max_in_flight,
@@ -1150,9 +1187,18 @@ fn kv_events(
     if let Some(r) = &k.replay {
         ok &= check("replay", r, errors);
     }
+    const MAX: u64 = 1 << 30;
+    if !(1024..=MAX).contains(&k.max_message_bytes) {
+        errors.push(err(
+            format!("{key}.max_message_bytes"),
+            format!("must be between 1024 and {MAX} (1 GiB)"),
+        ));
+        ok = false;
+    }
     ok.then(|| super::types::KvEventsConfig {
         endpoint: k.endpoint.clone(),
         replay: k.replay.clone(),
         topic: k.topic.clone(),
+        max_message_bytes: k.max_message_bytes as usize,
     })
 }

@@ -87,11 +87,21 @@ impl pingora_core::services::background::BackgroundService for KvSubscriptions {
     }
 }
 
+/// A socket whose peer may send messages of at most `max` bytes: a frame
+/// header declaring more drops the connection before any of it is
+/// allocated (the ZeroMQ crate reserved a declared length in full: one
+/// 2^62-byte header aborted the process).
+fn capped<S: Socket>(max: usize) -> S {
+    let mut options = zeromq::SocketOptions::default();
+    options.max_message_size(max);
+    S::with_options(options)
+}
+
 /// Follow one backend's events for as long as it is configured.
 async fn follow(sources: Arc<dyn EventSources>, b: Followed) {
     let (view, cfg) = (&*b.view, &b.cfg);
     loop {
-        let mut sub = zeromq::SubSocket::new();
+        let mut sub: zeromq::SubSocket = capped(cfg.max_message_bytes);
         let mut monitor = sub.monitor();
         let connected = tokio::time::timeout(TIMEOUT, sub.connect(&cfg.endpoint)).await;
         if !matches!(connected, Ok(Ok(()))) {
@@ -110,26 +120,33 @@ async fn follow(sources: Arc<dyn EventSources>, b: Followed) {
         log::info!("kv events of {}: following {}", b.name, cfg.endpoint);
         let mut follower = Follower {
             view,
+            name: &b.name,
             replay: cfg.replay.as_deref(),
+            max_message_bytes: cfg.max_message_bytes,
             next: 0,
+            last_live: None,
+            restarted: &|| sources.engine_lost(b.slot),
         };
         view.clear();
         let whole = follower.recover(None).await;
         view.set_exact(whole);
-        loop {
+        let why = loop {
             tokio::select! {
                 msg = sub.recv() => match msg {
                     Ok(msg) => follower.live(msg.into_vec()).await,
-                    Err(_) => break,
+                    // An oversized or malformed frame among them.
+                    Err(e) => break e.to_string(),
                 },
                 ev = monitor.next() => match ev {
-                    Some(SocketEvent::Disconnected(_)) | None => break,
+                    Some(SocketEvent::Disconnected(_)) | None => break "disconnected".into(),
                     Some(_) => {}
                 },
             }
-        }
-        // The engine went (or its socket did): what it held is gone.
-        log::warn!("kv events of {}: connection lost", b.name);
+        };
+        // The engine went (or its socket did, or it sent what it must
+        // not): what it held is gone.
+        log::warn!("kv events of {}: connection lost ({why})", b.name);
+        view.note_lost();
         view.clear();
         sources.engine_lost(b.slot);
         drop(sub);
@@ -139,9 +156,16 @@ async fn follow(sources: Arc<dyn EventSources>, b: Followed) {
 
 struct Follower<'a> {
     view: &'a KvView,
+    name: &'a str,
     replay: Option<&'a str>,
+    max_message_bytes: usize,
     /// The sequence number of the next batch to apply.
     next: i64,
+    /// The last sequence number the live stream brought.
+    last_live: Option<i64>,
+    /// The engine restarted behind the connection: what is inferred of its
+    /// cache goes too.
+    restarted: &'a (dyn Fn() + Sync),
 }
 
 impl Follower<'_> {
@@ -154,12 +178,25 @@ impl Follower<'_> {
         let Ok(seq) = wire::sequence(seq) else {
             return;
         };
+        if self.last_live.is_some_and(|last| seq <= last) {
+            // A publisher's own stream never goes back: this is an engine
+            // that started again behind a connection that stayed up (a
+            // proxy's). It holds nothing of what it held; start over.
+            log::warn!(
+                "kv events of {}: sequence went back to {seq}; the engine restarted",
+                self.name
+            );
+            self.view.clear();
+            (self.restarted)();
+            self.next = 0;
+        }
+        self.last_live = Some(seq);
         if seq < self.next {
             // Seen already (the replay that started the subscription).
             return;
         }
-        if self.replay.is_none() && seq == 0 {
-            // The engine's first batch, seen live: nothing came before it.
+        if seq == 0 && self.next == 0 {
+            // The engine's first batch: nothing came before it.
             self.view.set_exact(true);
         }
         if seq > self.next {
@@ -188,63 +225,77 @@ impl Follower<'_> {
     }
 
     /// Apply the batches the replay socket keeps from `self.next` on (up to
-    /// `until`, exclusive). Returns whether none was missing.
+    /// `until`, exclusive), each as it comes: a replay holds no more memory
+    /// than one batch. Returns whether none was missing.
     async fn recover(&mut self, until: Option<i64>) -> bool {
         let Some(endpoint) = self.replay else {
             // Nothing to ask (see `live` for an engine's first batch).
             return false;
         };
-        let batches = match tokio::time::timeout(TIMEOUT, replay(endpoint, self.next)).await {
-            Ok(Ok(b)) => b,
-            _ => {
-                log::warn!("kv events: replay from {endpoint} failed");
-                return false;
-            }
+        let mut got = Replayed {
+            whole: true,
+            batches: 0,
         };
-        let mut whole = true;
-        let mut recovered = 0;
-        for (seq, payload) in batches {
+        let streamed = tokio::time::timeout(TIMEOUT, self.replay(endpoint, until, &mut got)).await;
+        if until.is_some() {
+            self.view.note_replayed(got.batches);
+        }
+        if !matches!(streamed, Ok(Ok(()))) {
+            log::warn!("kv events: replay from {endpoint} failed");
+            return false;
+        }
+        got.whole && until.is_none_or(|u| self.next == u)
+    }
+
+    /// Ask the replay socket for every batch from `self.next` on, and apply
+    /// those before `until`.
+    async fn replay(
+        &mut self,
+        endpoint: &str,
+        until: Option<i64>,
+        got: &mut Replayed,
+    ) -> zeromq::ZmqResult<()> {
+        let mut dealer: zeromq::DealerSocket = capped(self.max_message_bytes);
+        dealer.connect(endpoint).await?;
+        let ask = vec![Bytes::new(), Bytes::copy_from_slice(&self.next.to_be_bytes())];
+        dealer
+            .send(zeromq::ZmqMessage::try_from(ask).expect("two frames"))
+            .await?;
+        let mut seen = 0;
+        loop {
+            let frames = dealer.recv().await?.into_vec();
+            // `["", topic, sequence, batch]` (vLLM 0.32; earlier without the
+            // topic); the end is sequence -1.
+            let [.., seq, payload] = frames.as_slice() else {
+                continue;
+            };
+            let Ok(seq) = wire::sequence(seq) else {
+                continue;
+            };
+            if seq == END_OF_REPLAY {
+                return Ok(());
+            }
+            seen += 1;
+            if seen > MAX_REPLAYED {
+                // The rest is taken as missing.
+                got.whole = false;
+                return Ok(());
+            }
             if until.is_some_and(|u| seq >= u) || seq < self.next {
                 continue;
             }
             if seq != self.next {
-                whole = false;
+                got.whole = false;
             }
-            self.apply(seq, &payload);
-            recovered += 1;
+            self.apply(seq, payload);
+            got.batches += 1;
         }
-        if until.is_some_and(|u| self.next != u) {
-            whole = false;
-        }
-        if until.is_some() {
-            self.view.note_replayed(recovered);
-        }
-        whole
     }
 }
 
-/// Ask the replay socket for every batch from `start` on.
-async fn replay(endpoint: &str, start: i64) -> zeromq::ZmqResult<Vec<(i64, Bytes)>> {
-    let mut dealer = zeromq::DealerSocket::new();
-    dealer.connect(endpoint).await?;
-    let ask = vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())];
-    dealer
-        .send(zeromq::ZmqMessage::try_from(ask).expect("two frames"))
-        .await?;
-    let mut out = Vec::new();
-    loop {
-        let frames = dealer.recv().await?.into_vec();
-        // `["", topic, sequence, batch]` (vLLM 0.32; earlier without the
-        // topic); the end is sequence -1.
-        let [.., seq, payload] = frames.as_slice() else {
-            continue;
-        };
-        let Ok(seq) = wire::sequence(seq) else {
-            continue;
-        };
-        if seq == END_OF_REPLAY || out.len() >= MAX_REPLAYED {
-            return Ok(out);
-        }
-        out.push((seq, payload.clone()));
-    }
+/// What one replay brought.
+struct Replayed {
+    /// No batch was missing between those it brought.
+    whole: bool,
+    batches: u64,
 }

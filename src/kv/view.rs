@@ -22,6 +22,9 @@ pub struct KvView {
     /// Events applied, and batches recovered from the replay socket.
     applied: AtomicU64,
     replayed: AtomicU64,
+    /// Connections to its publisher lost (closed, or dropped for a message
+    /// over `max_message_bytes` or one not understood).
+    lost: AtomicU64,
 }
 
 impl std::fmt::Debug for KvView {
@@ -43,6 +46,7 @@ impl Default for KvView {
             exact: AtomicBool::new(false),
             applied: AtomicU64::new(0),
             replayed: AtomicU64::new(0),
+            lost: AtomicU64::new(0),
         }
     }
 }
@@ -104,6 +108,16 @@ impl KvView {
     /// Batches recovered from the replay socket.
     pub fn note_replayed(&self, batches: u64) {
         self.replayed.fetch_add(batches, Ordering::Relaxed);
+    }
+
+    /// The connection to its publisher was lost.
+    pub fn note_lost(&self) {
+        self.lost.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Connections to its publisher lost so far.
+    pub fn lost(&self) -> u64 {
+        self.lost.load(Ordering::Relaxed)
     }
 
     /// Forget every block held (the engine went or restarted): its sessions

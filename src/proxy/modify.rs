@@ -54,9 +54,14 @@ pub(super) fn upstream_request(
         upstream_request.set_uri(uri);
     }
     if ctx.backend().is_some_and(|b| b.kv_events.is_some()) {
-        if let Some(id) = ctx.route.as_ref().and_then(|r| r.upstream_session_id()) {
-            // The engine's KV events name the session that stored each block.
-            upstream_request.insert_header(crate::kv::session::SESSION_HEADER, id)?;
+        // The engine's KV events name the session that stored each block:
+        // always the gateway's keyed name, never what a client wrote (a
+        // keyless request's own `X-Session-ID` would label its blocks).
+        match ctx.route.as_ref().and_then(|r| r.upstream_session_id()) {
+            Some(id) => upstream_request.insert_header(crate::kv::session::SESSION_HEADER, id)?,
+            None => {
+                upstream_request.remove_header(&crate::kv::session::SESSION_HEADER);
+            }
         }
     }
     if let Some(span) = &ctx.record.span {

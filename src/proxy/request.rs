@@ -65,6 +65,7 @@ async fn read(
 ) -> std::result::Result<(), GatewayError> {
     let routing = gw.routing();
     let cfg = &routing.config;
+    settle_path(session)?;
     let req = session.req_header();
     check_headers(cfg, req)?;
     let headers = RequestHeaders::new(&req.headers);
@@ -98,6 +99,29 @@ async fn read(
         let prompt = route.request().prompt_tokens();
         r.reserve(prompt, max_output, &gw.metrics).await?;
     }
+    Ok(())
+}
+
+/// The request's path as the engine will read it, from here on (routing,
+/// salting, limits) and upstream ([`crate::routing::path`]).
+fn settle_path(session: &mut Session) -> std::result::Result<(), GatewayError> {
+    let req = session.req_header();
+    if !req.raw_path_is_utf8() {
+        return Err(GatewayError::bad_path(
+            "the request path is not UTF-8".into(),
+        ));
+    }
+    let sent = req.uri.path_and_query().map_or("/", |p| p.as_str());
+    let settled = crate::routing::path::canonical(sent)?;
+    // An absolute-form target (`http://host/path`) goes upstream as its path.
+    let origin_form = req.raw_path() == sent.as_bytes();
+    if settled.is_none() && origin_form {
+        return Ok(());
+    }
+    let target = settled.unwrap_or_else(|| sent.to_string());
+    let uri = http::Uri::try_from(target)
+        .map_err(|_| GatewayError::bad_path("the request path is not a valid URI".into()))?;
+    session.req_header_mut().set_uri(uri);
     Ok(())
 }
 

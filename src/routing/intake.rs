@@ -4,6 +4,7 @@
 //! [`RouteRequest`] it makes ([`Intake::finish`]).
 
 use super::edits::Edits;
+use super::path::Judged;
 use super::request::{RouteRequest, StoredRef};
 use super::salt;
 use super::stored;
@@ -86,11 +87,11 @@ pub struct BodyFacts {
 
 /// The stored response a path names (`…/responses/{id}`, `…/{id}/input_items`),
 /// and its path and query before and after the id.
-fn response_path(uri: &http::Uri) -> Option<(String, String, String)> {
+fn response_path(uri: &http::Uri, path: &Judged<'_>) -> Option<(String, String, String)> {
     const SEGMENT: &str = "/responses/";
     let pq = uri.path_and_query()?.as_str();
-    let path = uri.path();
     let at = path.find(SEGMENT)? + SEGMENT.len();
+    let path = path.as_str();
     let end = path[at..].find('/').map_or(path.len(), |e| at + e);
     let id = &path[at..end];
     (!id.is_empty() && session::check_value(id.as_bytes()).is_ok())
@@ -99,10 +100,11 @@ fn response_path(uri: &http::Uri) -> Option<(String, String, String)> {
 
 /// Whether a request's path is one whose prompt an engine's prefix cache
 /// serves: chat and text completions, Responses, Anthropic Messages (under
-/// any prefix: `/v1/...`, or a proxy's `/openai/v1/...`). Embeddings,
-/// rerank, scoring and tokenizing calls hold no KV cache to return to: they
-/// are routed to the least busy backend and nothing of them is kept.
-fn prompt_path(path: &str) -> bool {
+/// any prefix: `/v1/...`, or a proxy's `/openai/v1/...`; in any case, so
+/// that no spelling escapes its tenant's salt). Embeddings, rerank, scoring
+/// and tokenizing calls hold no KV cache to return to: they are routed to
+/// the least busy backend and nothing of them is kept.
+fn prompt_path(path: &Judged<'_>) -> bool {
     [
         "/chat/completions",
         "/completions",
@@ -213,7 +215,8 @@ impl Intake {
         uri: &http::Uri,
         upgrade: bool,
     ) -> Result<Intake, GatewayError> {
-        let path = uri.path();
+        // Settled by `path::canonical` before the request got here.
+        let path = Judged::new(uri.path());
         let cfg = &routing.config;
         let session = session_header(headers, &cfg.affinity.session_headers)?;
         let parent = session_header(headers, &cfg.affinity.parent_session_headers)?;
@@ -230,11 +233,20 @@ impl Intake {
             Some(t) => Some(String::from_utf8_lossy(t.as_bytes()).into_owned()),
             None => None,
         };
+        let salted = cfg.auth.cache_salt == crate::config::CacheSalt::Tenant;
+        if upgrade && salted && path.ends_with("/responses") {
+            // Its turns travel in frames the gateway does not rewrite.
+            return Err(GatewayError::bad_path(
+                "Responses over WebSocket cannot carry the tenant's cache salt \
+                 (auth.cache_salt: tenant): send the turns over HTTP"
+                    .into(),
+            ));
+        }
         Ok(Intake {
-            prompt_path: prompt_path(path),
+            prompt_path: prompt_path(&path),
             responses_api: path.ends_with("/responses"),
             messages_api: path.ends_with("/messages"),
-            response_path: response_path(uri),
+            response_path: response_path(uri, &path),
             upgrade,
             routing,
             tier: None,

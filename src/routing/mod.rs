@@ -23,6 +23,7 @@
 
 mod edits;
 mod intake;
+pub mod path;
 mod request;
 mod salt;
 mod stored;
@@ -76,6 +77,10 @@ pub struct Route {
     /// The one that read claimed for it.
     claimed: Option<u32>,
 }
+
+/// What a WebSocket turn names instead of a response id not issued in its
+/// scope: the engine answers that no such response exists.
+const NOT_ISSUED_HERE: &str = "resp_not_issued_in_this_scope";
 
 /// Rotates ties among equally loaded backends for session-less requests.
 static TIEBREAK: AtomicUsize = AtomicUsize::new(0);
@@ -477,12 +482,19 @@ impl Route {
         stored::issue(&self.req, &self.decision.as_ref()?.backend, engine)
     }
 
-    /// The engine's own id of a response id the gateway issued in this
-    /// request's scope (a WebSocket turn's `previous_response_id`).
+    /// What the engine is asked for in place of `id`, a WebSocket turn's
+    /// `previous_response_id`: the engine's own id of one the gateway
+    /// issued in this request's scope; where tenants are kept apart, an id
+    /// no engine holds for anything else (another tenant's engine id must
+    /// not reach the replica that holds it); else `None`, sent as it is.
     pub fn engine_response_id(&self, id: &str) -> Option<String> {
+        use crate::affinity::response_id::{read, Presented};
         let scope = self.req.responses_scope.as_deref()?;
-        match crate::affinity::response_id::read(&self.req.routing.hasher, scope, id) {
-            crate::affinity::response_id::Presented::Ours(i) => Some(i.engine),
+        match read(&self.req.routing.hasher, scope, id) {
+            Presented::Ours(i) => Some(i.engine),
+            _ if self.req.routing.config.separates_tenants() => {
+                Some(NOT_ISSUED_HERE.to_string())
+            }
             _ => None,
         }
     }

@@ -33,7 +33,7 @@ pub fn of_tenant(hasher: &HrwHasher, tenant_scope: &str, client: Option<&[u8]>) 
         }
         None => message.push(0),
     }
-    format!("ag-{:032x}", hasher.tag(tenant_scope, &message))
+    format!("ag-{:032x}", hasher.salt_tag(tenant_scope, &message))
 }
 
 /// The edits that give `body` (read as `probe`) its tenant's salt.

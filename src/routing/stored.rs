@@ -14,7 +14,8 @@ use crate::upstream::{Backend, Routing, Tier};
 /// follows: an id this fleet issued leads to its holder by itself (no
 /// table, no store); one issued for another scope, or forged, is refused;
 /// an engine's own id is looked up where it was learned. `None`: an id no
-/// gateway saw answered (it routes as any request does).
+/// gateway saw answered (it routes as any request does), where the fleet
+/// has no tenants to keep apart.
 pub(super) async fn presented(
     gw: &Gateway,
     routing: &Routing,
@@ -28,6 +29,11 @@ pub(super) async fn presented(
         engine,
         refused,
     };
+    let nowhere = ResponseRoute {
+        slot: u32::MAX,
+        key: 0,
+        hash: 0,
+    };
     match response_id::read(&routing.hasher, scope, &id) {
         Presented::Ours(i) => {
             let route = ResponseRoute {
@@ -39,18 +45,16 @@ pub(super) async fn presented(
             };
             Some(stored(route, Some(i.engine), false))
         }
-        Presented::NotForThisScope => {
-            let nowhere = ResponseRoute {
-                slot: u32::MAX,
-                key: 0,
-                hash: 0,
-            };
-            Some(stored(nowhere, None, true))
-        }
-        Presented::Foreign => {
-            let route = find(gw, response_key(&routing.hasher, scope, &id), tier).await?;
-            Some(stored(route, None, false))
-        }
+        Presented::NotForThisScope => Some(stored(nowhere, None, true)),
+        Presented::Foreign => match find(gw, response_key(&routing.hasher, scope, &id), tier).await {
+            Some(route) => Some(stored(route, None, false)),
+            // Between tenants a stored response is reached only through an
+            // id issued or learned in the caller's scope: an engine's id
+            // read off another tenant's, or guessed, asks no replica (sent
+            // on, a few tries found its holder).
+            None if routing.config.separates_tenants() => Some(stored(nowhere, None, true)),
+            None => None,
+        },
     }
 }
 

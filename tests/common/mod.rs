@@ -278,7 +278,7 @@ pub const FAST_HEALTH: &str =
     "health:\n  path: /health\n  interval_ms: 200\n  timeout_ms: 1000\n  consecutive_failures: 2\n";
 
 pub fn affinity_yaml(ttl: u64) -> String {
-    format!("affinity:\n  sticky_ttl_seconds: {ttl}\n  hash_key: \"test-fleet-key\"\n")
+    format!("affinity:\n  sticky_ttl_seconds: {ttl}\n  hash_key: \"3d807b9efcf864bb3b1535f793d56dde9a86b6614387f3b0b96f76d94e568b6b\"\n")
 }
 
 impl Gateway {

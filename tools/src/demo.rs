@@ -323,7 +323,7 @@ async fn start_gateway(
         let config = format!(
             "{trace}server:\n  listen: [\"127.0.0.1:{port}\"]\n  pid_file: \"{d}/gw.pid\"\n  upgrade_sock: \"{d}/gw.sock\"\n  grace_period_seconds: 0\n  graceful_shutdown_timeout_seconds: 1\n\
              tiers:\n  default:\n    default: true\n    backends:\n{backends}\
-             affinity:\n  hash_key: \"demo-fleet\"\n{affinity_lines}health:\n  interval_ms: 500\nmetrics:\n  listen: \"127.0.0.1:{metrics}\"\nadmin:\n  listen: \"127.0.0.1:{admin}\"\n{sections}",
+             affinity:\n  hash_key: \"d5aa868d7413031d2ed86ac7e0d6ce539975b49551b2c19744205af18145a156\"\n{affinity_lines}health:\n  interval_ms: 500\nmetrics:\n  listen: \"127.0.0.1:{metrics}\"\nadmin:\n  listen: \"127.0.0.1:{admin}\"\n{sections}",
             d = dir_path.display()
         );
         let path = dir_path.join("gateway.yaml");

@@ -1,0 +1,195 @@
+//! A request's path as an engine will read it, settled once before
+//! anything is judged by it (its tier, whether its prompt is salted, which
+//! stored response it names, its limits) and forwarded as settled: what
+//! the gateway judged is what the engine is asked.
+//!
+//! vLLM's and SGLang's servers decode percent-escapes before routing
+//! (`/v1/chat/completion%73` is their chat endpoint); judged raw, such a
+//! spelling went upstream without its tenant's cache salt. So escapes of
+//! unreserved characters are decoded (RFC 3986 §6.2.2.2), empty and `.`
+//! segments dropped (duplicate and trailing slashes), `..` resolved. What
+//! engines and the proxies before them read in different ways is refused
+//! with 400: any other escape (`%2F`, `%25`, `%00`, non-ASCII), `;`
+//! parameters (stripped by some servers, kept by others), a segment ending
+//! in a dot (trimmed by some), a `..` above the root. Letter case is kept
+//! (engines' routers are case-sensitive); [`Judged`] compares without it, so
+//! a spelling in other case is judged as the endpoint it resembles.
+
+use crate::errors::GatewayError;
+
+/// The settled spelling of `path_and_query` (an origin-form target), or
+/// `None` when it is settled already. The query is kept as sent.
+pub fn canonical(path_and_query: &str) -> Result<Option<String>, GatewayError> {
+    let (path, query) = match path_and_query.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (path_and_query, None),
+    };
+    let Some(rest) = path.strip_prefix('/') else {
+        return Err(refused("does not start with `/`"));
+    };
+    let mut segments: Vec<String> = Vec::new();
+    for raw in rest.split('/') {
+        let segment = decoded(raw)?;
+        match segment.as_str() {
+            "" | "." => {}
+            ".." => {
+                if segments.pop().is_none() {
+                    return Err(refused("climbs above the root with `..`"));
+                }
+            }
+            s if s.ends_with('.') => return Err(refused("has a segment ending in `.`")),
+            s if s.contains(';') => return Err(refused("has `;` parameters")),
+            _ => segments.push(segment),
+        }
+    }
+    let mut out = String::with_capacity(path_and_query.len());
+    for s in &segments {
+        out.push('/');
+        out.push_str(s);
+    }
+    if out.is_empty() {
+        out.push('/');
+    }
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    Ok((out != path_and_query).then_some(out))
+}
+
+/// `raw` with escapes of unreserved characters decoded; refused where it
+/// holds another escape or a character no path segment holds.
+fn decoded(raw: &str) -> Result<String, GatewayError> {
+    let bytes = raw.as_bytes();
+    let mut out = String::with_capacity(raw.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if b == b'%' {
+            let hex = |c: u8| (c as char).to_digit(16);
+            let value = match (bytes.get(i + 1), bytes.get(i + 2)) {
+                (Some(&h), Some(&l)) => hex(h).zip(hex(l)).map(|(h, l)| (h * 16 + l) as u8),
+                _ => None,
+            };
+            match value {
+                Some(v) if unreserved(v) => out.push(v as char),
+                Some(_) => {
+                    return Err(refused(
+                        "escapes a character engines read differently (only letters, digits \
+                         and `-._~` may be escaped)",
+                    ))
+                }
+                None => return Err(refused("has a `%` that starts no escape")),
+            }
+            i += 3;
+        } else if unreserved(b) || b"!$&'()*+,;=:@".contains(&b) {
+            out.push(b as char);
+            i += 1;
+        } else {
+            return Err(refused("has a character no path segment holds"));
+        }
+    }
+    Ok(out)
+}
+
+fn unreserved(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')
+}
+
+fn refused(why: &str) -> GatewayError {
+    GatewayError::bad_path(format!("the request path {why}"))
+}
+
+/// A settled path as the gateway judges it: by its endpoint, in any case.
+pub struct Judged<'a> {
+    path: &'a str,
+    lower: String,
+}
+
+impl<'a> Judged<'a> {
+    pub fn new(path: &'a str) -> Judged<'a> {
+        Judged {
+            path,
+            lower: path.to_ascii_lowercase(),
+        }
+    }
+
+    /// Whether the path is the endpoint `suffix` names, under any prefix
+    /// (`/v1/...`, or a proxy's `/openai/v1/...`).
+    pub fn ends_with(&self, suffix: &str) -> bool {
+        self.lower.ends_with(suffix)
+    }
+
+    /// Where `segment` first starts, in any case.
+    pub fn find(&self, segment: &str) -> Option<usize> {
+        self.lower.find(segment)
+    }
+
+    /// The path as sent (ids in it keep their case).
+    pub fn as_str(&self) -> &'a str {
+        self.path
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settled(p: &str) -> Result<String, u16> {
+        canonical(p)
+            .map(|c| c.unwrap_or_else(|| p.to_string()))
+            .map_err(|e| e.status)
+    }
+
+    #[test]
+    fn spellings_of_an_endpoint_settle_on_it_or_are_refused() {
+        let chat = "/v1/chat/completions";
+        for same in [
+            "/v1/chat/completions",
+            "/v1/chat/completion%73",
+            "/v1/%63hat/completions",
+            "/v1/chat/completions/",
+            "//v1//chat/completions",
+            "/v1/./chat/completions",
+            "/v1/x/../chat/completions",
+            "/v1/chat/%2e/completions",
+            "/v1/%2e%2e/v1/chat/completions",
+            "/%76%31/%63%68%61%74/%63%6F%6D%70%6C%65%74%69%6F%6E%73",
+        ] {
+            assert_eq!(settled(same).as_deref(), Ok(chat), "{same}");
+        }
+        for refused in [
+            "/v1/chat%2Fcompletions",
+            "/v1/chat%2fcompletions",
+            "/v1/chat/completions;x=1",
+            "/v1/chat;/completions",
+            "/v1/chat/completions.",
+            "/v1/chat/completions%2E",
+            "/v1/chat/completions%00",
+            "/v1/chat/completion%2573",
+            "/v1/chat/completions%",
+            "/v1/chat/completions%zz",
+            "/v1/chat/compl%C3%A9tions",
+            "/../v1/chat/completions",
+            "v1/chat/completions",
+        ] {
+            assert_eq!(settled(refused), Err(400), "{refused}");
+        }
+        assert_eq!(canonical("/v1/chat/completions?a=%2F&b=1").unwrap(), None);
+        assert_eq!(
+            settled("/v1/responses/resp_AbC-_1/?x=1").as_deref(),
+            Ok("/v1/responses/resp_AbC-_1?x=1")
+        );
+        assert_eq!(settled("/").as_deref(), Ok("/"));
+        assert_eq!(settled("//").as_deref(), Ok("/"));
+    }
+
+    #[test]
+    fn an_endpoint_is_judged_in_any_case_and_ids_keep_theirs() {
+        let j = Judged::new("/V1/Chat/Completions");
+        assert!(j.ends_with("/chat/completions"));
+        let j = Judged::new("/v1/Responses/resp_AbC");
+        let at = j.find("/responses/").unwrap() + "/responses/".len();
+        assert_eq!(&j.as_str()[at..], "resp_AbC");
+    }
+}
