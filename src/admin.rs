@@ -118,6 +118,7 @@ impl AdminApp {
                             "blocks_held": blocks,
                             "events": applied,
                             "replayed_batches": replayed,
+                            "connections_lost": b.stats.kv.lost(),
                         })
                     }),
                     "learned": {

@@ -78,7 +78,8 @@ pub struct Derived {
 
 impl Derived {
     pub fn of(secret: &str) -> Derived {
-        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, b"agent-gateway hash_key v1").extract(secret.as_bytes());
+        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, b"agent-gateway hash_key v1")
+            .extract(secret.as_bytes());
         let pair = |info: &[u8]| {
             let mut k = [0u8; 16];
             expand(&prk, info, &mut k);
@@ -224,13 +225,15 @@ mod tests {
         let other = Derived::of("fleet two's secret");
         assert_ne!(d.ids.id, other.ids.id);
         let mut sealed = Vec::new();
-        d.ids.seal(b"tier\0tenant-a", b"engine id resp_123", &mut sealed);
+        d.ids
+            .seal(b"tier\0tenant-a", b"engine id resp_123", &mut sealed);
         assert_eq!(sealed.len(), SEAL_OVERHEAD + 18);
         // Nothing of the plaintext shows.
         assert!(!sealed.windows(4).any(|w| w == b"resp"));
         // The same plaintext in the same scope: the same id.
         let mut again = Vec::new();
-        d.ids.seal(b"tier\0tenant-a", b"engine id resp_123", &mut again);
+        d.ids
+            .seal(b"tier\0tenant-a", b"engine id resp_123", &mut again);
         assert_eq!(sealed, again);
         assert_eq!(
             d.ids.open(b"tier\0tenant-a", &sealed).as_deref(),

@@ -181,7 +181,7 @@ async fn a_client_leaving_mid_wait_does_not_wedge_its_session() {
     )
     .await;
     // A session whose HRW choice is vllm-0, computed as the gateway does.
-    let h = HrwHasher::new("test-fleet-key");
+    let h = HrwHasher::new(FLEET_KEY);
     let cands = hrw_candidates(&["vllm-0", "vllm-1"]);
     let sid = (0..)
         .map(|i| format!("wedge-{i}"))

@@ -36,8 +36,7 @@ fn keygen() -> String {
 #[test]
 fn shipped_config_needs_a_key_of_its_own_and_keygen_makes_one() {
     let shipped =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/conf/gateway.yaml"))
-            .unwrap();
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/conf/gateway.yaml")).unwrap();
     let (ok, stderr) = check(&shipped);
     assert!(!ok, "the shipped config passed: {stderr}");
     assert!(
@@ -80,7 +79,10 @@ fn check_refuses_a_weak_hash_key() {
         assert!(ok, "{stderr}");
         assert!(stderr.contains("warning: affinity.hash_key"), "{stderr}");
     }
-    let strong = format!("{base}affinity: {{ hash_key: \"{}\" }}\n{keys_on}", keygen());
+    let strong = format!(
+        "{base}affinity: {{ hash_key: \"{}\" }}\n{keys_on}",
+        keygen()
+    );
     let (ok, stderr) = check(&strong);
     assert!(ok, "{stderr}");
     // Client keys with the engines' own response ids: refused.
@@ -97,7 +99,10 @@ fn check_names_the_wrong_key_and_exits_non_zero() {
     let base = KEYED;
     let cases = [
         (format!("{base}bogus: 1\n"), "bogus"),
-        (base.replace("affinity:\n", "affinity:\n  sticky_ttl: 5\n"), "sticky_ttl"),
+        (
+            base.replace("affinity:\n", "affinity:\n  sticky_ttl: 5\n"),
+            "sticky_ttl",
+        ),
         (
             base.replace("127.0.0.1:9001", "nowhere"),
             "tiers.default.backends[0].addr",
@@ -141,7 +146,9 @@ fn check_connect_asks_the_store_to_answer() {
             &path,
             base.replace(
                 "affinity:\n",
-                &format!("affinity:\n  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{port}\"\n"),
+                &format!(
+                    "affinity:\n  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{port}\"\n"
+                ),
             ),
         )
         .unwrap();

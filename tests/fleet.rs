@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 /// The store's key of session `id` in the default tier (the test fleet's
 /// hash key and the default key prefix).
 fn stored_key(id: &str) -> String {
-    let h = agent_gateway::affinity::hrw::HrwHasher::new("test-fleet-key");
+    let h = agent_gateway::affinity::hrw::HrwHasher::new(FLEET_KEY);
     let key = h.fingerprint(
         agent_gateway::affinity::hrw::KeyKind::Session,
         "default",

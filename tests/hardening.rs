@@ -384,7 +384,7 @@ async fn a_reload_that_changes_the_hash_key_is_refused_and_bindings_survive() {
     let yaml = std::fs::read_to_string(&gw.config_path).unwrap();
     std::fs::write(
         &gw.config_path,
-        yaml.replace("test-fleet-key", "another-key"),
+        yaml.replace(FLEET_KEY, &FLEET_KEY.chars().rev().collect::<String>()),
     )
     .unwrap();
     gw.reload("error", 1.0).await;

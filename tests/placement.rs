@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 /// The gateway's plain-HRW choice among `ids` for a session, computed as it does.
 fn hrw_top(session: &str, ids: &[&str]) -> usize {
-    let h = HrwHasher::new("test-fleet-key");
+    let h = HrwHasher::new(FLEET_KEY);
     let session = h.session_hash(KeyKind::Session, "default", session);
     hrw::choose(session, &hrw_candidates(ids)).unwrap()
 }

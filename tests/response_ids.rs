@@ -225,6 +225,67 @@ async fn another_tenants_response_id_opens_nothing() {
         }
     }
     assert_eq!(requests_before(()).await, before, "no replica saw them");
+    // The engine's own ids of acme's responses (the simulator's are
+    // `resp_<replica><n>`, guessable as vLLM's are not, which makes this
+    // the harder case): every one presented by globex in a body, and in
+    // each path that names a stored response, reaches no replica.
+    let asked = || async {
+        let mut n = 0.0;
+        for s in &sims {
+            n += s.stats().await["api_requests"].as_f64().unwrap();
+        }
+        n
+    };
+    let asked_before = asked().await;
+    let engine_ids: Vec<String> = (0..3)
+        .flat_map(|i| (1..=24).map(move |n| format!("resp_vllm{i}{n:x}")))
+        .collect();
+    let mut refused = 0;
+    for (i, engine) in engine_ids.iter().enumerate() {
+        let gw = &gws[i % 2];
+        let follow = post(gw, &globex, &turn_body(i, 1, Some(engine), false)).await;
+        let by_path = |method: reqwest::Method, tail: &str| {
+            client()
+                .request(method, gw.url(&format!("/v1/responses/{engine}{tail}")))
+                .header("authorization", "Bearer sk-globex")
+        };
+        let mut answers = vec![follow];
+        for (method, tail) in [
+            (reqwest::Method::GET, ""),
+            (reqwest::Method::DELETE, ""),
+            (reqwest::Method::GET, "/input_items"),
+            (reqwest::Method::POST, "/cancel"),
+        ] {
+            answers.push(reply(by_path(method, tail).send().await.unwrap()).await);
+        }
+        for r in answers {
+            assert_eq!(
+                r.status,
+                404,
+                "{engine}: {}",
+                String::from_utf8_lossy(&r.body)
+            );
+            assert_eq!(r.json()["error"]["code"], "previous_response_not_found");
+            assert_eq!(r.backend, None, "{engine}: a backend was asked");
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, engine_ids.len() * 5);
+    assert_eq!(asked().await, asked_before, "no replica saw them");
+    // Acme's responses are intact after globex's deletes: each is still
+    // retrieved by its own id.
+    for id in &ids {
+        let r = reply(
+            client()
+                .get(gws[0].url(&format!("/v1/responses/{id}")))
+                .header("authorization", "Bearer sk-acme")
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{id}: {}", String::from_utf8_lossy(&r.body));
+    }
     // The owner's follow-ups, through either gateway, are answered.
     for (chain, id) in ids.iter().enumerate() {
         let r = post(
@@ -338,4 +399,59 @@ async fn a_stored_response_is_retrieved_by_its_id_through_any_gateway() {
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(r.sim_backend, first.sim_backend);
     assert_eq!(r.json()["id"], id.as_str());
+}
+
+/// Rotating the fleet's secret: ids issued under the old key still reach
+/// their holder after a restart with the new key and the old one retired;
+/// without the old key listed they open nothing (404, no replica asked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_issued_under_a_retired_key_still_reach_their_holder() {
+    let sims = sims(3);
+    const K2: &str = "9b1f04c3e7a25d86f0e4b1a7c39d52e8a6f1c0b7d49e3a25f8c6b0d1e7a43f92";
+    let start = |affinity: String| {
+        let sims = &sims;
+        async move {
+            Gateway::start(
+                &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+                &format!("{FAST_HEALTH}{affinity}"),
+            )
+            .await
+        }
+    };
+    let k1 = start(affinity_yaml(1800)).await;
+    let mut issued = Vec::new();
+    for chain in 0..12 {
+        let r = post(&k1, &[], &turn_body(chain, 0, None, false)).await;
+        assert_eq!(r.status, 200);
+        issued.push((response_id(&r), r.sim_backend.clone()));
+    }
+    drop(k1);
+    let rotated = start(
+        affinity_yaml(1800).replace(FLEET_KEY, K2)
+            + &format!("  retired_hash_keys: [\"{FLEET_KEY}\"]\n"),
+    )
+    .await;
+    for (chain, (id, home)) in issued.iter().enumerate() {
+        let r = post(&rotated, &[], &turn_body(chain, 1, Some(id), false)).await;
+        assert_eq!(
+            r.status,
+            200,
+            "{chain}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        assert_eq!(&r.sim_backend, home, "{chain}");
+    }
+    drop(rotated);
+    let forgot = start(affinity_yaml(1800).replace(FLEET_KEY, K2)).await;
+    for (chain, (id, _)) in issued.iter().enumerate() {
+        let r = post(&forgot, &[], &turn_body(chain, 2, Some(id), false)).await;
+        assert_eq!(
+            r.status,
+            404,
+            "{chain}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        assert_eq!(r.json()["error"]["code"], "previous_response_not_found");
+        assert_eq!(r.backend, None, "{chain}: no backend was asked");
+    }
 }

@@ -516,3 +516,44 @@ async fn a_sockets_turns_count_against_its_keys_limits_while_it_is_open() {
     assert!(gw.metric(&rejected("turns", "requests_per_minute")).await >= 2.0);
     assert!(gw.metric(&rejected("tokens", "tokens_per_minute")).await >= 2.0);
 }
+
+/// With client keys, a socket's `previous_response_id` that was not issued
+/// in its tenant's scope never reaches the replica as it is: another
+/// tenant's engine id (read off somewhere, or guessed: the simulator's are
+/// `resp_<replica><n>`) is answered as no such response, even on the one
+/// replica that holds it; the tenant's own ids chain as ever.
+#[tokio::test]
+async fn a_socket_cannot_name_another_tenants_stored_response() {
+    let (dir, keys) = write_keys(&[("sk-a", "acme", ""), ("sk-b", "bravo", "")]);
+    let extra = format!(
+        "{}auth:\n  keys_file: \"{}\"\n  required: true\n",
+        affinity_yaml(1800),
+        keys.display()
+    );
+    let (_sims, gw) = fleet(1, &extra).await;
+    let first = reply(
+        client()
+            .post(gw.url("/v1/responses"))
+            .header("authorization", "Bearer sk-a")
+            .json(&turn_body(0, 0, None, false))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(first.status, 200);
+    let ours = response_id(&first);
+    // The one replica's first response: acme's, under the engine's own id.
+    let engine = "resp_vllm01";
+    let (_, mut socket) = websocket_with(&gw, "authorization: Bearer sk-b\r\n").await;
+    let mut create = turn_body(0, 1, Some(engine), false);
+    create["type"] = json!("response.create");
+    socket.send_text(&create.to_string()).await.unwrap();
+    let answer: Value = serde_json::from_str(&socket.recv_text().await.unwrap().unwrap()).unwrap();
+    assert_eq!(answer["type"], "error", "{answer}");
+    // Acme's own socket chains on its id.
+    let (_, mut socket) = websocket_with(&gw, "authorization: Bearer sk-a\r\n").await;
+    let done = socket_turn(&mut socket, turn_body(0, 1, Some(&ours), false)).await;
+    assert!(done["id"].as_str().is_some(), "{done}");
+    drop(dir);
+}

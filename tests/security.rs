@@ -394,3 +394,116 @@ async fn with_cache_salt_one_tenants_prompts_never_find_anothers_cached_blocks()
     }
     drop(dir);
 }
+
+/// Every spelling of the prompt paths that an engine's server reads as one
+/// (percent-escapes, dot segments, doubled or trailing slashes, other
+/// case, `;` parameters) is either refused before any engine is asked or
+/// carries its tenant's salt: nothing of tenant a's prompt is found cached
+/// for tenant b. The simulated engine decodes paths as vLLM's server does.
+#[tokio::test]
+async fn every_spelling_of_a_prompt_path_is_salted_or_refused() {
+    let (dir, keys) = write_keys(&[("sk-a", "acme", ""), ("sk-b", "bravo", "")]);
+    let extra = format!(
+        "{}auth:\n  keys_file: \"{}\"\n  required: true\n  cache_salt: tenant\n",
+        affinity_yaml(1800),
+        keys.display()
+    );
+    let (sims, gw) = fleet(1, &extra).await;
+    // One prompt of a's per spelling, nothing shared from the first block.
+    let prompt = |i: usize| {
+        json!({"model": "qwen3-8b", "max_tokens": 4, "messages": [
+            {"role": "system", "content": format!("prompt {i}: {}", "Review the diff. ".repeat(30))},
+            {"role": "user", "content": "go"}]})
+        .to_string()
+    };
+    for i in 0..24 {
+        assert_eq!(cached_for(&gw, "sk-a", prompt(i)).await, 0);
+        assert!(
+            cached_for(&gw, "sk-a", prompt(i)).await > 0,
+            "a's own is found"
+        );
+    }
+    // b's salt, as b's requests carry it.
+    cached_for(&gw, "sk-b", prompt(99)).await;
+    let b_salt = sims[0].stats().await["last_cache_salt"].clone();
+    assert!(b_salt.is_string(), "{b_salt}");
+    let spellings = [
+        ("/v1/chat/completion%73", true),
+        ("/v1/%63hat/completions", true),
+        ("/v1/chat/%63ompletions/", true),
+        ("/v1/chat/completions/", true),
+        ("/v1/chat/completions/.", true),
+        ("//v1/chat/completions", true),
+        ("/v1//chat//completions", true),
+        ("/v1/./chat/completions", true),
+        ("/v1/x/../chat/completions", true),
+        ("/v1/chat/%2e/completions", true),
+        ("/v1/%2E%2E/v1/chat/completions", true),
+        ("/v1/chat/completions?x=1", true),
+        ("/v1/chat%2Fcompletions", false),
+        ("/v1/chat%2fcompletions", false),
+        ("/v1/chat/completions%2f", false),
+        ("/v1/chat/completions.", false),
+        ("/v1/chat/completions%2E", false),
+        ("/v1/chat/completions;x=1", false),
+        ("/v1/chat;a/completions", false),
+        ("/v1/chat/completions%3B", false),
+        ("/v1/chat/completion%2573", false),
+        ("/v1/chat/completions%00", false),
+        ("/V1/CHAT/COMPLETIONS", false),
+        ("/v1/Chat/Completions", false),
+    ];
+    assert_eq!(spellings.len(), 24);
+    let asked = || async { sims[0].stats().await["api_requests"].as_u64().unwrap() };
+    let mut cached_for_b = 0;
+    for (i, (path, served)) in spellings.into_iter().enumerate() {
+        let before = asked().await;
+        let r = client()
+            .post(format!("{}{path}", gw.url("")))
+            .header("authorization", "Bearer sk-b")
+            .header("content-type", "application/json")
+            .body(prompt(i))
+            .send()
+            .await
+            .expect("reaches the gateway");
+        let r = reply(r).await;
+        if served {
+            assert_eq!(
+                r.status,
+                200,
+                "{path}: {}",
+                String::from_utf8_lossy(&r.body)
+            );
+            let stats = sims[0].stats().await;
+            assert_eq!(stats["last_cache_salt"], b_salt, "{path}: not b's salt");
+            cached_for_b += r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+        } else {
+            assert_eq!(
+                r.status,
+                400,
+                "{path}: {}",
+                String::from_utf8_lossy(&r.body)
+            );
+            assert_eq!(r.json()["error"]["code"], "invalid_path", "{path}");
+            assert_eq!(asked().await, before, "{path}: the engine was asked");
+        }
+    }
+    assert_eq!(cached_for_b, 0, "tokens of a's prompts cached for b");
+    // Responses over WebSocket: turns in frames the gateway does not salt.
+    let before = asked().await;
+    let r = client()
+        .get(gw.url("/v1/responses"))
+        .header("authorization", "Bearer sk-b")
+        .header("connection", "Upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-version", "13")
+        .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(asked().await, before, "the engine was asked");
+    drop(dir);
+}

@@ -49,9 +49,11 @@ fn unit_verifies_and_its_config_checks() {
     );
 
     // Valid once given its own key, as the install step says.
-    let shipped =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/conf/systemd-gateway.yaml"))
-            .unwrap();
+    let shipped = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/conf/systemd-gateway.yaml"
+    ))
+    .unwrap();
     let key = Command::new(common::BIN).arg("keygen").output().unwrap();
     let key = String::from_utf8(key.stdout).unwrap();
     let given = shipped.replace(

@@ -7,11 +7,11 @@
 //! costs one 64-bit mix with its precomputed, keyed seed (and a logarithm when
 //! weights differ), which keeps a choice over 1,024 backends in microseconds.
 
+use crate::secret::{Derived, IdKey};
 use siphasher::sip::SipHasher13;
 use siphasher::sip128::{
     Hasher128, SipHasher13 as SipHasher13_128, SipHasher24 as SipHasher24_128,
 };
-use crate::secret::{Derived, IdKey};
 use std::hash::Hasher;
 
 /// Separates the hash inputs of client sessions from subagent groups, so no

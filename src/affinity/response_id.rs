@@ -234,10 +234,19 @@ mod tests {
         assert_eq!(read(&rotated, "t", &id), Presented::Ours(issued()));
         // New ids go out under the new key alone.
         let new_id = issue(&rotated, "t", &issued());
-        assert_eq!(read(&HrwHasher::new(k2), "t", &new_id), Presented::Ours(issued()));
-        assert_eq!(read(&HrwHasher::new(k1), "t", &new_id), Presented::NotForThisScope);
+        assert_eq!(
+            read(&HrwHasher::new(k2), "t", &new_id),
+            Presented::Ours(issued())
+        );
+        assert_eq!(
+            read(&HrwHasher::new(k1), "t", &new_id),
+            Presented::NotForThisScope
+        );
         // The old key no longer listed: no longer ours.
-        assert_eq!(read(&HrwHasher::new(k2), "t", &id), Presented::NotForThisScope);
+        assert_eq!(
+            read(&HrwHasher::new(k2), "t", &id),
+            Presented::NotForThisScope
+        );
     }
 
     #[test]

@@ -393,7 +393,9 @@ metrics:
              b: {{ backends: [{{id: b0, addr: \"127.0.0.1:2\"}}] }}\n"
         );
         assert_eq!(keys(&two), vec!["tiers"]);
-        let one = format!("{SECRET}tiers:\n  only: {{ backends: [{{id: a0, addr: \"127.0.0.1:1\"}}] }}\n");
+        let one = format!(
+            "{SECRET}tiers:\n  only: {{ backends: [{{id: a0, addr: \"127.0.0.1:1\"}}] }}\n"
+        );
         let c = Config::from_yaml(&one).unwrap();
         assert!(c.default_tier().name == "only");
         assert!(c.warnings.is_empty(), "{:?}", c.warnings);

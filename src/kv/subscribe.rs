@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend};
 
-/// How long a connection or a replay may take.
+/// How long a connection, or a replay's ask or any one of its batches, may take.
 const TIMEOUT: Duration = Duration::from_secs(5);
 /// Pause before connecting again.
 const RETRY: Duration = Duration::from_millis(500);
@@ -146,8 +146,8 @@ async fn follow(sources: Arc<dyn EventSources>, b: Followed) {
         // The engine went (or its socket did, or it sent what it must
         // not): what it held is gone.
         log::warn!("kv events of {}: connection lost ({why})", b.name);
-        view.note_lost();
         view.clear();
+        view.note_lost();
         sources.engine_lost(b.slot);
         drop(sub);
         tokio::time::sleep(RETRY).await;
@@ -236,11 +236,11 @@ impl Follower<'_> {
             whole: true,
             batches: 0,
         };
-        let streamed = tokio::time::timeout(TIMEOUT, self.replay(endpoint, until, &mut got)).await;
+        let streamed = self.replay(endpoint, until, &mut got).await;
         if until.is_some() {
             self.view.note_replayed(got.batches);
         }
-        if !matches!(streamed, Ok(Ok(()))) {
+        if streamed.is_err() {
             log::warn!("kv events: replay from {endpoint} failed");
             return false;
         }
@@ -254,16 +254,24 @@ impl Follower<'_> {
         endpoint: &str,
         until: Option<i64>,
         got: &mut Replayed,
-    ) -> zeromq::ZmqResult<()> {
+    ) -> Result<(), ReplayFailed> {
         let mut dealer: zeromq::DealerSocket = capped(self.max_message_bytes);
-        dealer.connect(endpoint).await?;
-        let ask = vec![Bytes::new(), Bytes::copy_from_slice(&self.next.to_be_bytes())];
-        dealer
-            .send(zeromq::ZmqMessage::try_from(ask).expect("two frames"))
-            .await?;
+        let ask = vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&self.next.to_be_bytes()),
+        ];
+        let ask = zeromq::ZmqMessage::try_from(ask).expect("two frames");
+        let asked = async {
+            dealer.connect(endpoint).await?;
+            dealer.send(ask).await
+        };
+        tokio::time::timeout(TIMEOUT, asked).await??;
         let mut seen = 0;
         loop {
-            let frames = dealer.recv().await?.into_vec();
+            // However long a replay is, each batch comes within the timeout.
+            let frames = tokio::time::timeout(TIMEOUT, dealer.recv())
+                .await??
+                .into_vec();
             // `["", topic, sequence, batch]` (vLLM 0.32; earlier without the
             // topic); the end is sequence -1.
             let [.., seq, payload] = frames.as_slice() else {
@@ -290,6 +298,22 @@ impl Follower<'_> {
             self.apply(seq, payload);
             got.batches += 1;
         }
+    }
+}
+
+/// A replay that could not be asked, broke off, or went silent.
+#[derive(Debug)]
+struct ReplayFailed;
+
+impl From<zeromq::ZmqError> for ReplayFailed {
+    fn from(_: zeromq::ZmqError) -> Self {
+        ReplayFailed
+    }
+}
+
+impl From<tokio::time::error::Elapsed> for ReplayFailed {
+    fn from(_: tokio::time::error::Elapsed) -> Self {
+        ReplayFailed
     }
 }
 

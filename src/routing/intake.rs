@@ -233,6 +233,13 @@ impl Intake {
             Some(t) => Some(String::from_utf8_lossy(t.as_bytes()).into_owned()),
             None => None,
         };
+        if path.miscased() {
+            // Engines route case-sensitively: judged as the endpoint, it
+            // would be answered as none.
+            return Err(GatewayError::bad_path(
+                "the request path spells an API endpoint in other letter case".into(),
+            ));
+        }
         let salted = cfg.auth.cache_salt == crate::config::CacheSalt::Tenant;
         if upgrade && salted && path.ends_with("/responses") {
             // Its turns travel in frames the gateway does not rewrite.

@@ -492,9 +492,7 @@ impl Route {
         let scope = self.req.responses_scope.as_deref()?;
         match read(&self.req.routing.hasher, scope, id) {
             Presented::Ours(i) => Some(i.engine),
-            _ if self.req.routing.config.separates_tenants() => {
-                Some(NOT_ISSUED_HERE.to_string())
-            }
+            _ if self.req.routing.config.separates_tenants() => Some(NOT_ISSUED_HERE.to_string()),
             _ => None,
         }
     }

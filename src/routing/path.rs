@@ -24,6 +24,10 @@ pub fn canonical(path_and_query: &str) -> Result<Option<String>, GatewayError> {
         Some((p, q)) => (p, Some(q)),
         None => (path_and_query, None),
     };
+    if settled_already(path) {
+        // Every request's path: one scan, nothing allocated.
+        return Ok(None);
+    }
     let Some(rest) = path.strip_prefix('/') else {
         return Err(refused("does not start with `/`"));
     };
@@ -55,6 +59,32 @@ pub fn canonical(path_and_query: &str) -> Result<Option<String>, GatewayError> {
         out.push_str(q);
     }
     Ok((out != path_and_query).then_some(out))
+}
+
+/// Whether `path` is settled as it is: it starts with `/`, and has no
+/// escape, `;`, empty segment (doubled or trailing slash), segment ending in
+/// `.` (which covers `.` and `..`), nor character outside a path segment's.
+fn settled_already(path: &str) -> bool {
+    let b = path.as_bytes();
+    if b.first() != Some(&b'/') {
+        return false;
+    }
+    if b.len() == 1 {
+        return true;
+    }
+    let mut last = b'/';
+    for &c in &b[1..] {
+        let ok = match c {
+            b'/' => last != b'/' && last != b'.',
+            b'%' | b';' => false,
+            c => unreserved(c) || b"!$&'()*+,=:@".contains(&c),
+        };
+        if !ok {
+            return false;
+        }
+        last = c;
+    }
+    last != b'/' && last != b'.'
 }
 
 /// `raw` with escapes of unreserved characters decoded; refused where it
@@ -100,24 +130,45 @@ fn refused(why: &str) -> GatewayError {
     GatewayError::bad_path(format!("the request path {why}"))
 }
 
+/// The endpoints whose spelling the gateway judges requests by.
+const ENDPOINTS: &[&str] = &[
+    "/chat/completions",
+    "/completions",
+    "/responses",
+    "/responses/",
+    "/messages",
+];
+
 /// A settled path as the gateway judges it: by its endpoint, in any case.
 pub struct Judged<'a> {
     path: &'a str,
-    lower: String,
+    /// Copied only when it has capitals.
+    lower: std::borrow::Cow<'a, str>,
 }
 
 impl<'a> Judged<'a> {
     pub fn new(path: &'a str) -> Judged<'a> {
-        Judged {
-            path,
-            lower: path.to_ascii_lowercase(),
-        }
+        let lower = match path.bytes().any(|b| b.is_ascii_uppercase()) {
+            true => path.to_ascii_lowercase().into(),
+            false => path.into(),
+        };
+        Judged { path, lower }
     }
 
     /// Whether the path is the endpoint `suffix` names, under any prefix
     /// (`/v1/...`, or a proxy's `/openai/v1/...`).
     pub fn ends_with(&self, suffix: &str) -> bool {
         self.lower.ends_with(suffix)
+    }
+
+    /// Whether it names an endpoint the gateway judges (prompts, stored
+    /// responses) in other letter case than the engines' own.
+    pub fn miscased(&self) -> bool {
+        self.path != self.lower.as_ref()
+            && ENDPOINTS.iter().any(|e| {
+                self.lower.ends_with(e) && !self.path.ends_with(e)
+                    || e.ends_with('/') && self.lower.contains(e) && !self.path.contains(e)
+            })
     }
 
     /// Where `segment` first starts, in any case.
@@ -188,6 +239,11 @@ mod tests {
     fn an_endpoint_is_judged_in_any_case_and_ids_keep_theirs() {
         let j = Judged::new("/V1/Chat/Completions");
         assert!(j.ends_with("/chat/completions"));
+        assert!(j.miscased());
+        assert!(Judged::new("/v1/RESPONSES/resp_x").miscased());
+        assert!(Judged::new("/V1/chat/completions").miscased() == false);
+        assert!(!Judged::new("/v1/responses/resp_AbC").miscased());
+        assert!(!Judged::new("/v1/Models").miscased());
         let j = Judged::new("/v1/Responses/resp_AbC");
         let at = j.find("/responses/").unwrap() + "/responses/".len();
         assert_eq!(&j.as_str()[at..], "resp_AbC");

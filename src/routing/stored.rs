@@ -46,7 +46,8 @@ pub(super) async fn presented(
             Some(stored(route, Some(i.engine), false))
         }
         Presented::NotForThisScope => Some(stored(nowhere, None, true)),
-        Presented::Foreign => match find(gw, response_key(&routing.hasher, scope, &id), tier).await {
+        Presented::Foreign => match find(gw, response_key(&routing.hasher, scope, &id), tier).await
+        {
             Some(route) => Some(stored(route, None, false)),
             // Between tenants a stored response is reached only through an
             // id issued or learned in the caller's scope: an engine's id

@@ -336,8 +336,10 @@ impl Routing {
         registry: &Arc<HealthRegistry>,
         metrics: &Metrics,
     ) -> Result<Routing, TooManyTiers> {
-        let hasher =
-            HrwHasher::with_retired(&config.affinity.hash_key, &config.affinity.retired_hash_keys);
+        let hasher = HrwHasher::with_retired(
+            &config.affinity.hash_key,
+            &config.affinity.retired_hash_keys,
+        );
         let mut tiers = Vec::new();
         let mut by_name = HashMap::new();
         let mut by_model = HashMap::new();

@@ -249,7 +249,29 @@ pub fn config_yaml(
         metrics_port + 1
     ));
     y.push_str(extra);
-    y
+    with_fleet_key(y)
+}
+
+/// `yaml` with the tests' fleet secret where it names none (a gateway
+/// refuses to start without one).
+pub fn with_fleet_key(yaml: String) -> String {
+    if yaml.contains("hash_key:") {
+        yaml
+    } else if yaml.starts_with("affinity:\n") || yaml.contains("\naffinity:\n") {
+        yaml.replacen(
+            "affinity:\n",
+            &format!("affinity:\n  hash_key: \"{FLEET_KEY}\"\n"),
+            1,
+        )
+    } else if yaml.contains("affinity: {") {
+        yaml.replacen(
+            "affinity: {",
+            &format!("affinity: {{ hash_key: \"{FLEET_KEY}\","),
+            1,
+        )
+    } else {
+        format!("{yaml}affinity:\n  hash_key: \"{FLEET_KEY}\"\n")
+    }
 }
 
 /// `yaml` (from [`config_yaml`]) with each backend named in `kv` given the
@@ -277,8 +299,11 @@ pub fn sim_kv_events(sim: &SimBackend) -> String {
 pub const FAST_HEALTH: &str =
     "health:\n  path: /health\n  interval_ms: 200\n  timeout_ms: 1000\n  consecutive_failures: 2\n";
 
+/// The fleet secret of the gateways tests start (as `agent-gateway keygen` prints one).
+pub const FLEET_KEY: &str = "3d807b9efcf864bb3b1535f793d56dde9a86b6614387f3b0b96f76d94e568b6b";
+
 pub fn affinity_yaml(ttl: u64) -> String {
-    format!("affinity:\n  sticky_ttl_seconds: {ttl}\n  hash_key: \"3d807b9efcf864bb3b1535f793d56dde9a86b6614387f3b0b96f76d94e568b6b\"\n")
+    format!("affinity:\n  sticky_ttl_seconds: {ttl}\n  hash_key: \"{FLEET_KEY}\"\n")
 }
 
 impl Gateway {
@@ -723,7 +748,7 @@ pub async fn fleet_serving(n: usize, server: &str, sections: &str) -> (Vec<SimBa
 /// Candidates for backends `ids` (slots 0..), seeded as the gateway seeds
 /// them with the test fleet's hash key: for computing its HRW choices.
 pub fn hrw_candidates(ids: &[&str]) -> Vec<agent_gateway::affinity::Candidate> {
-    let h = agent_gateway::affinity::hrw::HrwHasher::new("test-fleet-key");
+    let h = agent_gateway::affinity::hrw::HrwHasher::new(FLEET_KEY);
     ids.iter()
         .enumerate()
         .map(|(i, id)| agent_gateway::affinity::Candidate {

@@ -123,6 +123,31 @@ pub struct Faults {
     pub drop_kv_batches: u32,
 }
 
+/// `path` with every percent-escape decoded (lossy where not UTF-8).
+fn percent_decoded(path: &str) -> String {
+    let b = path.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 struct Sim {
     cfg: SimConfig,
     cache: Mutex<PrefixCache>,
@@ -132,6 +157,9 @@ struct Sim {
     running: AtomicU64,
     waiting: AtomicU64,
     requests: AtomicU64,
+    /// Every request to an API path (`/v1/...`), any method: what a test
+    /// reads to know whether a replica was asked at all.
+    api_requests: AtomicU64,
     active_streams: AtomicU64,
     faults: Mutex<Faults>,
     release: Notify,
@@ -233,6 +261,7 @@ pub async fn spawn_with_events(
         running: AtomicU64::new(0),
         waiting: AtomicU64::new(0),
         requests: AtomicU64::new(0),
+        api_requests: AtomicU64::new(0),
         last_headers: Default::default(),
         last_cache_salt: Default::default(),
         active_streams: AtomicU64::new(0),
@@ -499,13 +528,18 @@ impl Sim {
     }
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
-        let path = req.uri().path().to_string();
+        // Routed on the decoded path, as vLLM's server (uvicorn, Starlette)
+        // routes: `/v1/chat/completion%73` is its chat endpoint.
+        let path = percent_decoded(req.uri().path());
         let session = req
             .headers()
             .get("x-session-id")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
         let method = req.method().clone();
+        if path.starts_with("/v1/") {
+            self.api_requests.fetch_add(1, Ordering::Relaxed);
+        }
         if method == hyper::Method::POST && !path.starts_with("/sim/") {
             *self.last_headers.lock() = SEEN_HEADERS
                 .iter()
@@ -649,6 +683,25 @@ impl Sim {
                                 "output": [{"type": "message", "role": "assistant",
                                             "content": [{"type": "output_text",
                                                          "text": t.last().map_or("", |(_, text)| text.as_str())}]}]}),
+                    ),
+                    None => json_response(
+                        StatusCode::NOT_FOUND,
+                        &json!({"error": {"message": format!("Response with id '{id}' not found."),
+                                          "type": "invalid_request_error", "param": Value::Null, "code": 404}}),
+                    ),
+                };
+                let mut resp = resp;
+                resp.headers_mut()
+                    .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
+                resp
+            }
+            ("DELETE", path) if path.starts_with("/v1/responses/") => {
+                // A stored response, deleted (as OpenAI's API answers it).
+                let id = &path["/v1/responses/".len()..];
+                let resp = match self.stored.lock().remove(id) {
+                    Some(_) => json_response(
+                        StatusCode::OK,
+                        &json!({"id": id, "object": "response", "deleted": true}),
                     ),
                     None => json_response(
                         StatusCode::NOT_FOUND,
@@ -1139,6 +1192,7 @@ impl Sim {
         json!({
             "id": self.cfg.id,
             "requests": self.requests.load(Ordering::Relaxed),
+            "api_requests": self.api_requests.load(Ordering::Relaxed),
             "running": self.running.load(Ordering::Relaxed),
             "waiting": self.waiting.load(Ordering::Relaxed),
             "active_streams": self.active_streams.load(Ordering::Relaxed),
