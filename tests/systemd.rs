@@ -90,7 +90,7 @@ fn readiness_and_reloads_are_reported_to_systemd() {
         common::FAST_HEALTH,
     );
     let config = dir.path().join("gateway.yaml");
-    std::fs::write(&config, yaml).unwrap();
+    std::fs::write(&config, common::with_fleet_key(yaml)).unwrap();
     let notify = dir.path().join("notify.sock");
     let sock = UnixDatagram::bind(&notify).unwrap();
     sock.set_read_timeout(Some(std::time::Duration::from_secs(30)))

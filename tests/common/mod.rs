@@ -249,7 +249,7 @@ pub fn config_yaml(
         metrics_port + 1
     ));
     y.push_str(extra);
-    with_fleet_key(y)
+    y
 }
 
 /// `yaml` with the tests' fleet secret where it names none (a gateway
@@ -373,7 +373,7 @@ impl Gateway {
         stderr: Stdio,
     ) -> Gateway {
         let config_path = dir.path().join("gateway.yaml");
-        std::fs::write(&config_path, yaml).expect("write config");
+        std::fs::write(&config_path, with_fleet_key(yaml.to_string())).expect("write config");
         let child = Command::new(BIN)
             .args(["run", "--config"])
             .arg(&config_path)
