@@ -53,7 +53,7 @@ pub fn weakness(key: &str) -> Option<String> {
     distinct.sort_unstable();
     distinct.dedup();
     let repeats = (1..=chars.len() / 2)
-        .filter(|n| chars.len() % n == 0)
+        .filter(|n| chars.len().is_multiple_of(*n))
         .any(|n| chars.chunks(n).all(|c| c == &chars[..n]));
     if distinct.len() < 10 || repeats {
         return Some(format!(

@@ -458,35 +458,18 @@ async fn every_spelling_of_a_prompt_path_is_salted_or_refused() {
     let mut cached_for_b = 0;
     for (i, (path, served)) in spellings.into_iter().enumerate() {
         let before = asked().await;
-        let r = client()
-            .post(format!("{}{path}", gw.url("")))
-            .header("authorization", "Bearer sk-b")
-            .header("content-type", "application/json")
-            .body(prompt(i))
-            .send()
-            .await
-            .expect("reaches the gateway");
-        let r = reply(r).await;
+        let auth = "authorization: Bearer sk-b\r\n";
+        let (status, answer) = post_raw_path(gw.port, path, auth, &prompt(i)).await;
         if served {
-            assert_eq!(
-                r.status,
-                200,
-                "{path}: {}",
-                String::from_utf8_lossy(&r.body)
-            );
+            assert_eq!(status, 200, "{path}: {answer}");
             let stats = sims[0].stats().await;
             assert_eq!(stats["last_cache_salt"], b_salt, "{path}: not b's salt");
-            cached_for_b += r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            cached_for_b += answer["usage"]["prompt_tokens_details"]["cached_tokens"]
                 .as_u64()
                 .unwrap();
         } else {
-            assert_eq!(
-                r.status,
-                400,
-                "{path}: {}",
-                String::from_utf8_lossy(&r.body)
-            );
-            assert_eq!(r.json()["error"]["code"], "invalid_path", "{path}");
+            assert_eq!(status, 400, "{path}: {answer}");
+            assert_eq!(answer["error"]["code"], "invalid_path", "{path}");
             assert_eq!(asked().await, before, "{path}: the engine was asked");
         }
     }

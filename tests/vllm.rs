@@ -408,5 +408,61 @@ async fn three_vllm_servers_behind_the_gateway() {
     );
     assert_eq!((other, same_b), (0, 0), "bravo found acme's blocks");
     assert_eq!(direct, 0, "an unsalted request found a tenant's blocks");
+    // Spellings of the chat path that vLLM's server reads as its chat
+    // endpoint (it decodes the path): each of acme's prompts, cached for
+    // acme, sent by bravo under another spelling, is refused before vLLM or
+    // salted as bravo's.
+    let unsalted: Value = c
+        .post(server.url("/v1/chat/completion%73"))
+        .header("content-type", "application/json")
+        .body(prompt(None))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        unsalted["choices"].is_array(),
+        "vLLM reads the spelling as chat: {unsalted}"
+    );
+    let spelled = |i: usize| {
+        json!({"model": "tiny", "max_tokens": 2, "messages": [
+            {"role": "system", "content": format!("Ledger {i}. {system}")},
+            {"role": "user", "content": "Start with March."}]})
+        .to_string()
+    };
+    let mut found = Vec::new();
+    for (i, path) in [
+        "/v1/chat/completion%73",
+        "/v1/%63hat/completions",
+        "/v1/chat/completions/",
+        "//v1/chat//completions",
+        "/v1/x/../chat/completions",
+        "/v1/chat%2Fcompletions",
+        "/v1/chat/completions;x",
+        "/v1/Chat/Completions",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        ask("sk-acme", spelled(i)).await;
+        assert!(ask("sk-acme", spelled(i)).await > 0, "acme's own is cached");
+        let auth = "authorization: Bearer sk-bravo\r\n";
+        let (status, v) = post_raw_path(salted.port, path, auth, &spelled(i)).await;
+        match status {
+            200 => found.push((path, usage(&v).1)),
+            400 => assert_eq!(v["error"]["code"], "invalid_path", "{path}: {v}"),
+            other => panic!("{path}: {other} {v}"),
+        }
+    }
+    eprintln!(
+        "path spellings through the gateway, bravo's cached tokens of acme's prompts: {found:?}"
+    );
+    assert!(found.iter().all(|(_, cached)| *cached == 0), "{found:?}");
+    assert!(
+        found.len() >= 4,
+        "the decodable spellings are served: {found:?}"
+    );
     drop(keys_dir);
 }

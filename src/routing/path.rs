@@ -241,7 +241,7 @@ mod tests {
         assert!(j.ends_with("/chat/completions"));
         assert!(j.miscased());
         assert!(Judged::new("/v1/RESPONSES/resp_x").miscased());
-        assert!(Judged::new("/V1/chat/completions").miscased() == false);
+        assert!(!Judged::new("/V1/chat/completions").miscased());
         assert!(!Judged::new("/v1/responses/resp_AbC").miscased());
         assert!(!Judged::new("/v1/Models").miscased());
         let j = Judged::new("/v1/Responses/resp_AbC");

@@ -944,3 +944,43 @@ pub async fn read_until_cut(resp: reqwest::Response) -> String {
     }
     String::from_utf8_lossy(&got).into_owned()
 }
+
+/// A POST whose request-target is sent byte for byte (an HTTP client
+/// library settles dot segments and escapes first): the status and the
+/// body of the answer. `headers`: whole lines, each ending in CRLF.
+pub async fn post_raw_path(port: u16, path: &str, headers: &str, body: &str) -> (u16, Value) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n{headers}\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).await.unwrap();
+    let text = String::from_utf8_lossy(&answer);
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {text:?}"));
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let body = match head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        // Chunks joined: size lines dropped.
+        true => body
+            .split("\r\n")
+            .enumerate()
+            .filter(|(i, _)| i % 2 == 1)
+            .map(|(_, c)| c)
+            .collect::<String>(),
+        false => body.to_string(),
+    };
+    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+}
