@@ -119,7 +119,17 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
             if t.h2 {
                 settings.enable_h2();
             }
-            proxy.add_tls_with_settings(&addr.to_string(), None, settings);
+            // The same small read buffer as plain listeners: under TLS, rustls
+            // buffers whole records itself, and Pingora's 64 KiB default was
+            // most of an idle TLS connection's 98.9 KB.
+            proxy.add_listener(
+                pingora_core::listeners::ListenerConfig::tcp(addr.to_string())
+                    .tls(settings)
+                    .l4_buffer(L4BufferSettings::new(
+                        CLIENT_READ_BUFFER,
+                        CLIENT_WRITE_BUFFER,
+                    )),
+            );
         }
     }
     // Listeners open only after the first health pass, so the first request
