@@ -8,9 +8,16 @@
 //! that every batch's sequence number is checked: a hole is filled from the
 //! replay socket, and one it cannot fill leaves the view inexact (routing
 //! falls back to the inferred index) until the engine clears its cache or
-//! the subscription starts again. A lost connection empties the view and
-//! what the inferred index says of the backend, at once: its next turn finds
-//! nothing promised there.
+//! the subscription starts again. A sequence that goes back on a live
+//! connection is an engine restarted behind it (a proxy kept the connection):
+//! the view is emptied and recovered as at a new connection. A lost
+//! connection empties the view and what the inferred index says of the
+//! backend, at once: its next turn finds nothing promised there.
+//!
+//! Nothing an engine sends can take more than `max_message_bytes` at once:
+//! the sockets refuse a larger message at its frame header, before anything
+//! is allocated, and drop the connection; a replay is applied batch by batch
+//! as it comes, never held whole.
 
 use super::view::KvView;
 use super::wire::{self, END_OF_REPLAY};

@@ -100,8 +100,8 @@ fn response_path(uri: &http::Uri, path: &Judged<'_>) -> Option<(String, String, 
 
 /// Whether a request's path is one whose prompt an engine's prefix cache
 /// serves: chat and text completions, Responses, Anthropic Messages (under
-/// any prefix: `/v1/...`, or a proxy's `/openai/v1/...`; in any case, so
-/// that no spelling escapes its tenant's salt). Embeddings, rerank, scoring
+/// any prefix: `/v1/...`, or a proxy's `/openai/v1/...`; other letter case
+/// is refused before this). Embeddings, rerank, scoring
 /// and tokenizing calls hold no KV cache to return to: they are routed to
 /// the least busy backend and nothing of them is kept.
 fn prompt_path(path: &Judged<'_>) -> bool {

@@ -11,9 +11,9 @@
 //! engines and the proxies before them read in different ways is refused
 //! with 400: any other escape (`%2F`, `%25`, `%00`, non-ASCII), `;`
 //! parameters (stripped by some servers, kept by others), a segment ending
-//! in a dot (trimmed by some), a `..` above the root. Letter case is kept
-//! (engines' routers are case-sensitive); [`Judged`] compares without it, so
-//! a spelling in other case is judged as the endpoint it resembles.
+//! in a dot (trimmed by some), a `..` above the root, and an API endpoint
+//! spelled in other letter case ([`Judged::miscased`]: engines' routers are
+//! case-sensitive, so one router may take what another refuses).
 
 use crate::errors::GatewayError;
 
