@@ -477,6 +477,11 @@ async fn a_hostile_event_publisher_cannot_hurt_the_gateway() {
     assert!(ok > 0);
     assert_eq!(failed, 0, "requests failed while the publisher misbehaved");
     let rss_after = rss_kib(gw.pid());
+    eprintln!(
+        "hostile publisher: {ok} requests answered, {failed} failed; gateway RSS {rss_before} KiB \
+         before, {rss_after} KiB after; {} connections dropped",
+        lost().await
+    );
     assert!(
         rss_after < rss_before + 64 * 1024,
         "RSS {rss_before} KiB -> {rss_after} KiB"
