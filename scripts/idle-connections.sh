@@ -19,7 +19,9 @@ if [ -n "${TLS:-}" ]; then
   openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 \
     -subj /CN=localhost -keyout "$WORK/key.pem" -out "$WORK/cert.pem" 2>/dev/null
   TLS_PORT=$(port)
-  sed -i "s|^server:|server:\n  tls: { listen: [\"127.0.0.1:$TLS_PORT\"], certificates: [{ cert: \"$WORK/cert.pem\", key: \"$WORK/key.pem\" }] }|" "$WORK/gw.yaml"
+  # Handshakes one after another take longer than the 30 s a connection may
+  # wait for its first request: the measurement lets them all wait.
+  sed -i "s|^server:|server:\n  header_timeout_ms: 600000\n  tls: { listen: [\"127.0.0.1:$TLS_PORT\"], certificates: [{ cert: \"$WORK/cert.pem\", key: \"$WORK/key.pem\" }] }|" "$WORK/gw.yaml"
   GWP_CONNECT=$TLS_PORT
 fi
 ulimit -n $((N + 1000))
@@ -38,14 +40,14 @@ def rss():
             return int(line.split()[1]) / 1024
 fds = lambda: len(os.listdir(f"/proc/{pid}/fd"))
 start = rss()
+ctx = ssl.create_default_context()
+ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+if tls == "h2":
+    ctx.set_alpn_protocols(["h2"])
 def connect():
     s = socket.create_connection(("127.0.0.1", port))
     if not tls:
         return s
-    ctx = ssl.create_default_context()
-    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-    if tls == "h2":
-        ctx.set_alpn_protocols(["h2"])
     t = ctx.wrap_socket(s, server_hostname="localhost")
     if tls == "h2":
         # The client preface and an empty SETTINGS frame: an idle HTTP/2 connection.

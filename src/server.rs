@@ -119,16 +119,14 @@ pub fn build(config: Config, opts: &RunOptions) -> Result<(Server, Arc<Gateway>)
             if t.h2 {
                 settings.enable_h2();
             }
-            // The same small read buffer as plain listeners: under TLS, rustls
-            // buffers whole records itself, and Pingora's 64 KiB default was
-            // most of an idle TLS connection's 98.9 KB.
+            // No read buffer under TLS: rustls reads the socket in 4 KiB
+            // chunks into its own record buffer (a read of a buffer's size
+            // bypasses it), and Pingora's 64 KiB default was most of an idle
+            // TLS connection's 98.9 KB.
             proxy.add_listener(
                 pingora_core::listeners::ListenerConfig::tcp(addr.to_string())
                     .tls(settings)
-                    .l4_buffer(L4BufferSettings::new(
-                        CLIENT_READ_BUFFER,
-                        CLIENT_WRITE_BUFFER,
-                    )),
+                    .l4_buffer(L4BufferSettings::new(0, CLIENT_WRITE_BUFFER)),
             );
         }
     }
