@@ -522,3 +522,38 @@ fn rss_kib(pid: u32) -> u64 {
         })
         .unwrap()
 }
+
+/// Toward an engine whose events are followed, `X-Session-ID` is the
+/// gateway's: a keyless request's own (here the operator keys sessions by
+/// another header) never reaches the engine, which would label its blocks
+/// with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_own_session_id_never_labels_an_engines_blocks() {
+    let sim = SimBackend::start("ev-0", EVENTS);
+    let gw = gateway(
+        &[&sim],
+        "  session_headers: [x-agent-session]\n  prefix: { enabled: false }\n",
+    )
+    .await;
+    let r = chat(
+        &client(),
+        &gw,
+        &[("x-session-id", "client-label")],
+        &chat_body("qwen3-8b", 0),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let seen = sim.stats().await["last_headers"]["x-session-id"].clone();
+    assert!(seen.is_null(), "the engine got {seen}");
+    // A keyed request: the gateway's own name for its session.
+    let r = chat(
+        &client(),
+        &gw,
+        &[("x-agent-session", "s"), ("x-session-id", "client-label")],
+        &chat_body("qwen3-8b", 1),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let seen = sim.stats().await["last_headers"]["x-session-id"].clone();
+    assert_eq!(seen.as_str().map(str::len), Some(32), "{seen}");
+}
