@@ -926,17 +926,6 @@ fn assert_new_binding(r: &Reply, why: &str) {
     );
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("VmRSS:")
-                .map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap())
-        })
-        .unwrap()
-}
-
 #[tokio::test]
 async fn a_flood_of_unique_ids_keeps_the_table_bounded_and_recent_sessions_pinned() {
     const LIMIT: usize = 2000;

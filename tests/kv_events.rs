@@ -512,17 +512,6 @@ async fn a_hostile_event_publisher_cannot_hurt_the_gateway() {
     assert_eq!(r.status, 200);
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("VmRSS:")
-                .map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap())
-        })
-        .unwrap()
-}
-
 /// Toward an engine whose events are followed, `X-Session-ID` is the
 /// gateway's: a keyless request's own (here the operator keys sessions by
 /// another header) never reaches the engine, which would label its blocks

@@ -37,6 +37,18 @@ fn response_id(r: &Reply) -> String {
     r.json()["id"].as_str().unwrap().to_string()
 }
 
+/// `r` is a 404 `previous_response_not_found` that no backend answered.
+fn assert_refused(r: &Reply, what: &str) {
+    assert_eq!(
+        r.status,
+        404,
+        "{what}: {}",
+        String::from_utf8_lossy(&r.body)
+    );
+    assert_eq!(r.json()["error"]["code"], "previous_response_not_found");
+    assert_eq!(r.backend, None, "{what}: a backend was asked");
+}
+
 async fn post(gw: &Gateway, headers: &[(&str, &str)], body: &Value) -> Reply {
     let mut req = client().post(gw.url("/v1/responses")).json(body);
     for (k, v) in headers {
@@ -214,14 +226,7 @@ async fn another_tenants_response_id_opens_nothing() {
                 &turn_body(chain, 1, Some(presented), false),
             )
             .await;
-            assert_eq!(
-                r.status,
-                404,
-                "{chain}: {}",
-                String::from_utf8_lossy(&r.body)
-            );
-            assert_eq!(r.json()["error"]["code"], "previous_response_not_found");
-            assert_eq!(r.backend, None, "{chain}: no backend was asked");
+            assert_refused(&r, &format!("chain {chain}"));
         }
     }
     assert_eq!(requests_before(()).await, before, "no replica saw them");
@@ -259,14 +264,7 @@ async fn another_tenants_response_id_opens_nothing() {
             answers.push(reply(by_path(method, tail).send().await.unwrap()).await);
         }
         for r in answers {
-            assert_eq!(
-                r.status,
-                404,
-                "{engine}: {}",
-                String::from_utf8_lossy(&r.body)
-            );
-            assert_eq!(r.json()["error"]["code"], "previous_response_not_found");
-            assert_eq!(r.backend, None, "{engine}: a backend was asked");
+            assert_refused(&r, engine);
             refused += 1;
         }
     }
@@ -445,13 +443,6 @@ async fn ids_issued_under_a_retired_key_still_reach_their_holder() {
     let forgot = start(affinity_yaml(1800).replace(FLEET_KEY, K2)).await;
     for (chain, (id, _)) in issued.iter().enumerate() {
         let r = post(&forgot, &[], &turn_body(chain, 2, Some(id), false)).await;
-        assert_eq!(
-            r.status,
-            404,
-            "{chain}: {}",
-            String::from_utf8_lossy(&r.body)
-        );
-        assert_eq!(r.json()["error"]["code"], "previous_response_not_found");
-        assert_eq!(r.backend, None, "{chain}: no backend was asked");
+        assert_refused(&r, &format!("chain {chain}"));
     }
 }

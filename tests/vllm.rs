@@ -385,17 +385,14 @@ async fn three_vllm_servers_behind_the_gateway() {
     let b_again = ask("sk-bravo", prompt(None)).await;
     // The same prompt straight to the server, unsalted: nothing the
     // tenants sent is found (the salt reached the engine).
-    let direct: Value = c
-        .post(server.url("/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body(prompt(None))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let direct = usage(&direct).1;
+    let straight = |path: &str| {
+        let req = c
+            .post(server.url(path))
+            .header("content-type", "application/json")
+            .body(prompt(None));
+        async move { req.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    let direct = usage(&straight("/v1/chat/completions").await).1;
     eprintln!(
         "cache_salt: acme {first} then {again} cached; bravo, the same prompt, {other}; \
          both writing salt team-1: acme {own_a} then {own_a2}, bravo {same_b}; \
@@ -412,16 +409,7 @@ async fn three_vllm_servers_behind_the_gateway() {
     // endpoint (it decodes the path): each of acme's prompts, cached for
     // acme, sent by bravo under another spelling, is refused before vLLM or
     // salted as bravo's.
-    let unsalted: Value = c
-        .post(server.url("/v1/chat/completion%73"))
-        .header("content-type", "application/json")
-        .body(prompt(None))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let unsalted = straight("/v1/chat/completion%73").await;
     assert!(
         unsalted["choices"].is_array(),
         "vLLM reads the spelling as chat: {unsalted}"

@@ -984,3 +984,15 @@ pub async fn post_raw_path(port: u16, path: &str, headers: &str, body: &str) -> 
     };
     (status, serde_json::from_str(&body).unwrap_or(Value::Null))
 }
+
+/// The resident memory of process `pid`, in KiB.
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("VmRSS:")
+                .map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap())
+        })
+        .unwrap()
+}

@@ -673,43 +673,32 @@ impl Sim {
                     .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
                 resp
             }
-            ("GET", path) if path.starts_with("/v1/responses/") => {
-                // A stored response, retrieved (as vLLM's store answers it).
+            (method @ ("GET" | "DELETE"), path) if path.starts_with("/v1/responses/") => {
+                // A stored response, retrieved (as vLLM's store answers it)
+                // or deleted (as OpenAI's API answers it).
                 let id = &path["/v1/responses/".len()..];
-                let resp = match self.stored.lock().get(id) {
-                    Some(t) => json_response(
+                let found = match method {
+                    "GET" => self.stored.lock().get(id).cloned(),
+                    _ => self.stored.lock().remove(id),
+                };
+                let mut resp = match (found, method) {
+                    (Some(t), "GET") => json_response(
                         StatusCode::OK,
                         &json!({"id": id, "object": "response", "status": "completed",
                                 "output": [{"type": "message", "role": "assistant",
                                             "content": [{"type": "output_text",
                                                          "text": t.last().map_or("", |(_, text)| text.as_str())}]}]}),
                     ),
-                    None => json_response(
-                        StatusCode::NOT_FOUND,
-                        &json!({"error": {"message": format!("Response with id '{id}' not found."),
-                                          "type": "invalid_request_error", "param": Value::Null, "code": 404}}),
-                    ),
-                };
-                let mut resp = resp;
-                resp.headers_mut()
-                    .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
-                resp
-            }
-            ("DELETE", path) if path.starts_with("/v1/responses/") => {
-                // A stored response, deleted (as OpenAI's API answers it).
-                let id = &path["/v1/responses/".len()..];
-                let resp = match self.stored.lock().remove(id) {
-                    Some(_) => json_response(
+                    (Some(_), _) => json_response(
                         StatusCode::OK,
                         &json!({"id": id, "object": "response", "deleted": true}),
                     ),
-                    None => json_response(
+                    (None, _) => json_response(
                         StatusCode::NOT_FOUND,
                         &json!({"error": {"message": format!("Response with id '{id}' not found."),
                                           "type": "invalid_request_error", "param": Value::Null, "code": 404}}),
                     ),
                 };
-                let mut resp = resp;
                 resp.headers_mut()
                     .insert("x-sim-backend", self.cfg.id.parse().expect("printable id"));
                 resp
