@@ -35,12 +35,29 @@ pub struct Answer {
     /// The attempt failed on a pooled connection found closed before the
     /// request was written: nothing of it reached the backend.
     pub(super) unsent: bool,
+    /// The attempt's connection failed before any byte of the answer.
+    /// Whether it is re-sent, and where, is decided when the retry asks for
+    /// a peer ([`super::peer::after_a_lost_answer`]).
+    pub(super) lost_answer: Option<LostAnswer>,
     /// A stream that spent its tenant's tokens past zero, to be cut
     /// (`auth.stream_over_limit: cut`).
     pub(super) cut: Cut,
     /// Body bytes handed on to the client so far (through the last
     /// chunk's filter; some may not be written yet).
     pub(super) emitted: usize,
+}
+
+/// An attempt whose connection failed before any byte of its answer.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LostAnswer {
+    /// Its backend.
+    pub(super) slot: u32,
+    /// The connection was reused from the pool (or the request waited for
+    /// its slot: the backend may have died meanwhile).
+    pub(super) reused: bool,
+    /// Nothing of the request reached the backend (the connection was
+    /// found closed before it was written, or reset with it unread).
+    pub(super) unsent: bool,
 }
 
 /// Where a stream to be cut stands.

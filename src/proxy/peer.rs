@@ -4,6 +4,7 @@
 //! conversation took first); connect failures and replays; what a
 //! request's outcome tells passive health.
 
+use super::answer::LostAnswer;
 use super::ctx::RequestCtx;
 use super::upstream_conn;
 use crate::admission::{Ask, PrefillRoom, Slot, Watch};
@@ -16,6 +17,7 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_core::{Error, ErrorSource, ErrorType, Result};
 use pingora_proxy::Session;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// What a token of prefill is taken to cost before a backend's answers
 /// taught it, µs.
@@ -37,12 +39,102 @@ fn refuse(ctx: &mut RequestCtx, r: Refusal) -> Box<Error> {
     }
 }
 
+/// How long a backend whose connection failed under a request has to
+/// answer its health check before it is taken for gone.
+const STILL_THERE_WITHIN: Duration = Duration::from_secs(1);
+
+/// A request whose backend's connection failed before any byte of its
+/// answer is re-sent (SPEC §3.6): to another candidate when that backend
+/// is gone (its health check or passive health say so, or it does not
+/// answer its health check now: a process that died is not running the
+/// request any more), its session rebound there; to the same backend when the
+/// connection was a reused one it closed (an engine's idle keep-alive
+/// close racing the request); else not at all (a live backend that closed
+/// a fresh connection under a request may be running it). Once: a request
+/// whose re-send fails so too ends with 502, so one that kills engines
+/// does not walk the fleet.
+pub(super) async fn after_a_lost_answer(ctx: &mut RequestCtx) -> Result<()> {
+    let Some(LostAnswer {
+        slot,
+        reused,
+        unsent,
+    }) = ctx.answer.lost_answer.take()
+    else {
+        return Ok(());
+    };
+    let route = ctx.route.as_mut().expect("routed in request_filter");
+    let tier = Arc::clone(route.tier());
+    let Some(backend) = tier.backend_by_slot(slot).cloned() else {
+        return Ok(());
+    };
+    let health = &route.request().routing().config.health.path;
+    let gone = !tier.healthy(&backend) || !answers_health(&backend, health).await;
+    if gone {
+        log::warn!(
+            "backend {} is gone with a request it held before any answer; sending it elsewhere once",
+            backend.id
+        );
+        route.exclude(slot);
+        return Ok(());
+    }
+    if unsent {
+        // Nothing of it reached the backend: placed afresh, anywhere.
+        return Ok(());
+    }
+    if !reused {
+        return Err(fail(
+            ctx,
+            GatewayError::upstream_failed(format!(
+                "backend `{}` closed the connection before answering; not re-sent, as it may be running the request",
+                backend.id
+            )),
+        ));
+    }
+    let others: Vec<u32> = tier
+        .backends
+        .iter()
+        .map(|b| b.slot)
+        .filter(|&s| s != slot)
+        .collect();
+    for s in others {
+        route.exclude(s);
+    }
+    Ok(())
+}
+
+/// Whether `backend` answers its health check now (`path`), within
+/// [`STILL_THERE_WITHIN`]. A connect alone is no proof: a process killed a
+/// moment ago may not have closed its listening socket yet, and the kernel
+/// accepts into it. A TLS backend is asked for a connection only.
+async fn answers_health(backend: &Backend, path: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let probe = async {
+        let mut s = tokio::net::TcpStream::connect(backend.addr).await.ok()?;
+        if backend.tls.is_some() {
+            return Some(true);
+        }
+        let ask = format!(
+            "GET {path} HTTP/1.1\r\nhost: {}\r\nconnection: close\r\n\r\n",
+            backend.addr
+        );
+        s.write_all(ask.as_bytes()).await.ok()?;
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head).await.ok()?;
+        Some(head.starts_with(b"HTTP/1.") && head[9] == b'2')
+    };
+    matches!(
+        tokio::time::timeout(STILL_THERE_WITHIN, probe).await,
+        Ok(Some(true))
+    )
+}
+
 /// `upstream_peer`: the backend this request goes to, with a slot there.
 pub(super) async fn choose(
     gw: &Gateway,
     session: &mut Session,
     ctx: &mut RequestCtx,
 ) -> Result<Box<HttpPeer>> {
+    after_a_lost_answer(ctx).await?;
     // A retry after a connect failure starts over: the failed attempt's
     // in-flight count and slot end here; its lease is handed over when
     // the route decides again.
@@ -297,7 +389,11 @@ pub(super) fn proxy_error(
     let Some(route) = ctx.route.as_mut() else {
         return e;
     };
-    let replay = upstream_conn::should_replay(&e, reused, route.replayed, body_replayable);
+    // Failed before any byte of the answer, on a connection reused or
+    // fresh: whether it is sent again is decided once it is known whether
+    // its backend is still there (a fresh connection that failed so is a
+    // backend that died, or one that closes connections it took).
+    let replay = upstream_conn::should_replay(&e, true, route.replayed, body_replayable);
     e.set_retry(replay);
     if replay {
         route.replayed = true;
@@ -305,22 +401,14 @@ pub(super) fn proxy_error(
             ctx.answer.unsent = true;
         }
         // Its first attempt may have reached its backend (it was written):
-        // that backend may have begun running it, so the replay goes there
-        // or nowhere (gone meanwhile: a 502). Every other backend is left
-        // out of its decision.
-        if !std::mem::take(&mut ctx.answer.unsent) {
-            let first = route.backend().map(|b| b.slot);
-            let others: Vec<u32> = route
-                .tier()
-                .backends
-                .iter()
-                .map(|b| b.slot)
-                .filter(|&slot| Some(slot) != first)
-                .collect();
-            for slot in others {
-                route.exclude(slot);
-            }
-        }
+        // that backend may have begun running it, so the replay goes there,
+        // elsewhere only if that backend is gone, or nowhere.
+        let unsent = std::mem::take(&mut ctx.answer.unsent);
+        ctx.answer.lost_answer = route.backend().map(|b| LostAnswer {
+            slot: b.slot,
+            reused,
+            unsent,
+        });
         if let Some(backend) = route.backend() {
             upstream_conn::stop_reusing(&backend.stats);
             gw.metrics

@@ -56,6 +56,11 @@ pub struct SimConfig {
     /// Exit the process after serving this many completion requests.
     #[arg(long)]
     pub exit_after: Option<u64>,
+    /// Die at once (SIGKILL-like: no answer, sockets closed by the kernel)
+    /// on a completion request whose body holds this text: a request that
+    /// kills engines.
+    #[arg(long)]
+    pub die_on: Option<String>,
     /// Prefill one request at a time (compute contention: a GPU's prefill
     /// is compute-bound, so concurrent prefills queue rather than overlap).
     #[arg(long)]
@@ -91,6 +96,7 @@ impl SimConfig {
             max_batch: 64,
             fail_rate: 0.0,
             exit_after: None,
+            die_on: None,
             serial_prefill: false,
             slowdown: 1.0,
             no_cache_report: false,
@@ -864,6 +870,14 @@ impl Sim {
         session: Option<String>,
     ) -> Response<Body> {
         let chat = !matches!(shape, Shape::Completion);
+        if let Some(marker) = &self.cfg.die_on {
+            if body.windows(marker.len()).any(|w| w == marker.as_bytes()) {
+                // SAFETY: signals this process, which ends at once.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+            }
+        }
         let served = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
         if let Some(n) = self.cfg.exit_after {
             if served >= n {
