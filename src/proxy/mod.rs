@@ -147,7 +147,7 @@ impl ProxyHttp for GatewayProxy {
         ctx: &mut RequestCtx,
         client_reused: bool,
     ) -> Box<Error> {
-        peer::proxy_error(&self.gw, peer, session, e, ctx, client_reused)
+        peer::proxy_error(peer, session, e, ctx, client_reused)
     }
 
     async fn upstream_request_filter(

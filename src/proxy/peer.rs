@@ -53,7 +53,7 @@ const STILL_THERE_WITHIN: Duration = Duration::from_secs(1);
 /// a fresh connection under a request may be running it). Once: a request
 /// whose re-send fails so too ends with 502, so one that kills engines
 /// does not walk the fleet.
-pub(super) async fn after_a_lost_answer(ctx: &mut RequestCtx) -> Result<()> {
+pub(super) async fn after_a_lost_answer(gw: &Gateway, ctx: &mut RequestCtx) -> Result<()> {
     let Some(LostAnswer {
         slot,
         reused,
@@ -69,6 +69,12 @@ pub(super) async fn after_a_lost_answer(ctx: &mut RequestCtx) -> Result<()> {
     };
     let health = &route.request().routing().config.health.path;
     let gone = !tier.healthy(&backend) || !answers_health(&backend, health).await;
+    if gone || unsent || reused {
+        gw.metrics
+            .upstream_retries
+            .with_label_values(&[&tier.name, &backend.id])
+            .inc();
+    }
     if gone {
         log::warn!(
             "backend {} is gone with a request it held before any answer; sending it elsewhere once",
@@ -134,7 +140,7 @@ pub(super) async fn choose(
     session: &mut Session,
     ctx: &mut RequestCtx,
 ) -> Result<Box<HttpPeer>> {
-    after_a_lost_answer(ctx).await?;
+    after_a_lost_answer(gw, ctx).await?;
     // A retry after a connect failure starts over: the failed attempt's
     // in-flight count and slot end here; its lease is handed over when
     // the route decides again.
@@ -368,10 +374,9 @@ pub(super) fn connect_failed(gw: &Gateway, ctx: &mut RequestCtx, mut e: Box<Erro
     e
 }
 
-/// `error_while_proxy`: whether the request is sent again on a fresh
-/// connection (see upstream_conn.rs).
+/// `error_while_proxy`: whether the request may be sent again on a fresh
+/// connection (see upstream_conn.rs); where, [`after_a_lost_answer`] decides.
 pub(super) fn proxy_error(
-    gw: &Gateway,
     peer: &HttpPeer,
     session: &mut Session,
     e: Box<Error>,
@@ -393,7 +398,7 @@ pub(super) fn proxy_error(
     // fresh: whether it is sent again is decided once it is known whether
     // its backend is still there (a fresh connection that failed so is a
     // backend that died, or one that closes connections it took).
-    let replay = upstream_conn::should_replay(&e, true, route.replayed, body_replayable);
+    let replay = upstream_conn::should_replay(&e, route.replayed, body_replayable);
     e.set_retry(replay);
     if replay {
         route.replayed = true;
@@ -409,12 +414,8 @@ pub(super) fn proxy_error(
             reused,
             unsent,
         });
-        if let Some(backend) = route.backend() {
+        if let (Some(backend), true) = (route.backend(), reused) {
             upstream_conn::stop_reusing(&backend.stats);
-            gw.metrics
-                .upstream_retries
-                .with_label_values(&[&route.tier().name, &backend.id])
-                .inc();
         }
     }
     e

@@ -20,8 +20,9 @@
 //!   ([`peek_before_reuse`]: its first reuses): a backend that keeps its
 //!   connections open is not charged a system call per request;
 //! - a request that still fails on a reused connection before any response
-//!   byte is re-sent once on a fresh connection to the same backend, its body
-//!   replayed from what the gateway kept ([`should_replay`]); counted in
+//!   byte is re-sent once on a fresh connection to the same backend (or to
+//!   another, where that backend is gone), its body replayed from what the
+//!   gateway kept ([`should_replay`]); counted in
 //!   `agentserve_upstream_retries_total`;
 //! - a backend that did that is sent `Connection: close` for a while
 //!   ([`FRESH_CONNECTIONS_FOR`]), so its connections are not pooled at all:
@@ -119,24 +120,17 @@ pub fn closed_in_pool() -> Box<Error> {
     e.into_up()
 }
 
-/// Whether a failed attempt is re-sent: only when the connection was reused,
-/// the failure is the backend's and came before any response byte (Pingora
-/// marks exactly those `ReusedOnly`; a failed request write on a reused
-/// connection is the same case), the request was not already re-sent once,
-/// and its whole body can be replayed.
-pub fn should_replay(
-    e: &Error,
-    reused: bool,
-    already_replayed: bool,
-    body_replayable: bool,
-) -> bool {
+/// Whether a failed attempt may be re-sent: the failure is the backend's and
+/// came before any response byte (Pingora marks exactly those `ReusedOnly`,
+/// on a reused connection or a fresh one; a failed request write is the same
+/// case), the request was not already re-sent once, and its whole body can
+/// be replayed. Where it goes, if anywhere, is decided as the retry is
+/// placed (`proxy::peer::after_a_lost_answer`: its backend gone, the
+/// connection reused, nothing of it sent).
+pub fn should_replay(e: &Error, already_replayed: bool, body_replayable: bool) -> bool {
     let before_response =
         matches!(e.retry, RetryType::ReusedOnly) || matches!(e.etype(), ErrorType::WriteError);
-    reused
-        && !already_replayed
-        && body_replayable
-        && before_response
-        && *e.esource() == ErrorSource::Upstream
+    !already_replayed && body_replayable && before_response && *e.esource() == ErrorSource::Upstream
 }
 
 /// The backend's kernel reset the connection before any answer (or the
@@ -179,29 +173,22 @@ mod tests {
     }
 
     #[test]
-    fn replays_only_a_reused_connection_that_failed_before_the_response() {
+    fn replays_only_what_failed_before_the_response_once() {
         let closed = upstream(ErrorType::ConnectionClosed, RetryType::ReusedOnly);
-        assert!(should_replay(&closed, true, false, true));
-        assert!(
-            !should_replay(&closed, false, false, true),
-            "fresh connection"
-        );
-        assert!(!should_replay(&closed, true, true, true), "only once");
-        assert!(!should_replay(&closed, true, false, false), "body not kept");
+        assert!(should_replay(&closed, false, true));
+        assert!(!should_replay(&closed, true, true), "only once");
+        assert!(!should_replay(&closed, false, false), "body not kept");
         let write = upstream(ErrorType::WriteError, false.into());
-        assert!(should_replay(&write, true, false, true));
+        assert!(should_replay(&write, false, true));
         // A response that broke off mid-body is never re-sent.
         let mid_body = upstream(ErrorType::ReadError, false.into());
-        assert!(!should_replay(&mid_body, true, false, true));
+        assert!(!should_replay(&mid_body, false, true));
         let timeout = upstream(ErrorType::ReadTimedout, false.into());
-        assert!(!should_replay(&timeout, true, false, true));
+        assert!(!should_replay(&timeout, false, true));
         let mut downstream = Error::new(ErrorType::ConnectionClosed);
         downstream.retry = RetryType::ReusedOnly;
         let downstream = downstream.into_down();
-        assert!(
-            !should_replay(&downstream, true, false, true),
-            "client's error"
-        );
+        assert!(!should_replay(&downstream, false, true), "client's error");
     }
 
     #[test]
