@@ -406,6 +406,12 @@ metrics:
         assert_eq!(keys(bare), vec!["affinity.hash_key"]);
         let weak = format!("affinity: {{ hash_key: s3cret }}\n{bare}");
         assert_eq!(keys(&weak), vec!["affinity.hash_key"]);
+        // A weak key retired still opens ids forged under it.
+        let retired_weak = SECRET.replace(" }", ", retired_hash_keys: [change-me] }");
+        assert_eq!(
+            keys(&format!("{retired_weak}{bare}")),
+            vec!["affinity.retired_hash_keys[0]"]
+        );
         let placing = format!("affinity: {{ hash_key: s3cret, response_ids: engine }}\n{bare}");
         let c = Config::from_yaml(&placing).unwrap();
         assert!(c.warnings.iter().any(|w| w.contains("affinity.hash_key")));

@@ -833,10 +833,17 @@ fn validate_secret(
         }
     }
     for (i, old) in a.retired_hash_keys.iter().enumerate() {
+        let key = format!("affinity.retired_hash_keys[{i}]");
         if old.is_empty() || *old == a.hash_key {
             errors.push(err(
-                format!("affinity.retired_hash_keys[{i}]"),
+                key,
                 "must be an earlier key, not empty nor the current one",
+            ));
+        } else if let Some(why) = crate::secret::weakness(old).filter(|_| guards) {
+            // Ids forged under it would still open.
+            errors.push(err(
+                key,
+                format!("{why}: a weak key retired still opens ids forged under it; leave it out"),
             ));
         }
     }
