@@ -524,13 +524,7 @@ async fn a_sockets_turns_count_against_its_keys_limits_while_it_is_open() {
 /// replica that holds it; the tenant's own ids chain as ever.
 #[tokio::test]
 async fn a_socket_cannot_name_another_tenants_stored_response() {
-    let (dir, keys) = write_keys(&[("sk-a", "acme", ""), ("sk-b", "bravo", "")]);
-    let extra = format!(
-        "{}auth:\n  keys_file: \"{}\"\n  required: true\n",
-        affinity_yaml(1800),
-        keys.display()
-    );
-    let (_sims, gw) = fleet(1, &extra).await;
+    let (dir, _sims, gw) = fleet_with_keys(&[("sk-a", "acme", ""), ("sk-b", "bravo", "")]).await;
     let first = reply(
         client()
             .post(gw.url("/v1/responses"))

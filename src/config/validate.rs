@@ -171,7 +171,7 @@ pub(super) fn validate(file: FileConfig) -> Result<Config, ConfigErrors> {
             "`tenant` needs tenants: auth.keys_file, or affinity.tenant_header / tenant_from_authorization",
         ));
     }
-    validate_secret(&file.affinity, &affinity, &auth, &mut errors, &mut warnings);
+    validate_secret(&affinity, &auth, &mut errors, &mut warnings);
     let admin = validate_admin(&file.admin, &mut errors);
     let health = validate_health(&file.health, &mut errors);
     let (placement, load) = validate_placement(&file.placement, &file.load, &mut errors);
@@ -808,15 +808,13 @@ pub(super) fn validate_tiers(
 /// issued id is enough to test guesses offline. Elsewhere (placement only)
 /// it is a warning.
 fn validate_secret(
-    a: &FileAffinity,
-    affinity: &AffinityConfig,
+    a: &AffinityConfig,
     auth: &AuthConfig,
     errors: &mut Vec<ConfigError>,
     warnings: &mut Vec<String>,
 ) {
-    let guards = affinity.gateway_response_ids
-        || auth.cache_salt == CacheSalt::Tenant
-        || auth.keys_file.is_some();
+    let guards =
+        a.gateway_response_ids || auth.cache_salt == CacheSalt::Tenant || auth.keys_file.is_some();
     if let Some(why) = crate::secret::weakness(&a.hash_key) {
         if guards || a.hash_key.is_empty() {
             errors.push(err(
@@ -847,7 +845,7 @@ fn validate_secret(
             ));
         }
     }
-    if !affinity.gateway_response_ids && auth.keys_file.is_some() {
+    if !a.gateway_response_ids && auth.keys_file.is_some() {
         errors.push(err(
             "affinity.response_ids",
             "`engine` with client keys on: an engine's own id is the same for every tenant \

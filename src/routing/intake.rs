@@ -88,31 +88,14 @@ pub struct BodyFacts {
 /// The stored response a path names (`…/responses/{id}`, `…/{id}/input_items`),
 /// and its path and query before and after the id.
 fn response_path(uri: &http::Uri, path: &Judged<'_>) -> Option<(String, String, String)> {
-    const SEGMENT: &str = "/responses/";
+    use super::path::RESPONSE_SEGMENT;
     let pq = uri.path_and_query()?.as_str();
-    let at = path.find(SEGMENT)? + SEGMENT.len();
+    let at = path.find(RESPONSE_SEGMENT)? + RESPONSE_SEGMENT.len();
     let path = path.as_str();
     let end = path[at..].find('/').map_or(path.len(), |e| at + e);
     let id = &path[at..end];
     (!id.is_empty() && session::check_value(id.as_bytes()).is_ok())
         .then(|| (id.to_string(), pq[..at].to_string(), pq[end..].to_string()))
-}
-
-/// Whether a request's path is one whose prompt an engine's prefix cache
-/// serves: chat and text completions, Responses, Anthropic Messages (under
-/// any prefix: `/v1/...`, or a proxy's `/openai/v1/...`; other letter case
-/// is refused before this). Embeddings, rerank, scoring
-/// and tokenizing calls hold no KV cache to return to: they are routed to
-/// the least busy backend and nothing of them is kept.
-fn prompt_path(path: &Judged<'_>) -> bool {
-    [
-        "/chat/completions",
-        "/completions",
-        "/responses",
-        "/messages",
-    ]
-    .iter()
-    .any(|p| path.ends_with(p))
 }
 
 /// The tenant part of a binding's scope, from `affinity.tenant`: empty when
@@ -250,7 +233,9 @@ impl Intake {
             ));
         }
         Ok(Intake {
-            prompt_path: prompt_path(&path),
+            // Routed to the least busy backend, nothing of it kept, unless
+            // its prompt is one an engine's prefix cache serves.
+            prompt_path: path.prompt_endpoint(),
             responses_api: path.ends_with("/responses"),
             messages_api: path.ends_with("/messages"),
             response_path: response_path(uri, &path),

@@ -77,7 +77,7 @@ fn settled_already(path: &str) -> bool {
         let ok = match c {
             b'/' => last != b'/' && last != b'.',
             b'%' | b';' => false,
-            c => unreserved(c) || b"!$&'()*+,=:@".contains(&c),
+            c => segment_char(c),
         };
         if !ok {
             return false;
@@ -112,7 +112,7 @@ fn decoded(raw: &str) -> Result<String, GatewayError> {
                 None => return Err(refused("has a `%` that starts no escape")),
             }
             i += 3;
-        } else if unreserved(b) || b"!$&'()*+,;=:@".contains(&b) {
+        } else if segment_char(b) {
             out.push(b as char);
             i += 1;
         } else {
@@ -120,6 +120,11 @@ fn decoded(raw: &str) -> Result<String, GatewayError> {
         }
     }
     Ok(out)
+}
+
+/// A character a path segment holds as it is (RFC 3986 `pchar`, less `%`).
+fn segment_char(b: u8) -> bool {
+    unreserved(b) || b"!$&'()*+,;=:@".contains(&b)
 }
 
 fn unreserved(b: u8) -> bool {
@@ -130,14 +135,17 @@ fn refused(why: &str) -> GatewayError {
     GatewayError::bad_path(format!("the request path {why}"))
 }
 
-/// The endpoints whose spelling the gateway judges requests by.
-const ENDPOINTS: &[&str] = &[
+/// The endpoints whose prompt an engine's prefix cache serves: chat and
+/// text completions, Responses, Anthropic Messages.
+const PROMPT_ENDPOINTS: &[&str] = &[
     "/chat/completions",
     "/completions",
     "/responses",
-    "/responses/",
     "/messages",
 ];
+
+/// The segment before a stored response's id (`…/responses/{id}`).
+pub(super) const RESPONSE_SEGMENT: &str = "/responses/";
 
 /// A settled path as the gateway judges it: by its endpoint, in any case.
 pub struct Judged<'a> {
@@ -164,11 +172,20 @@ impl<'a> Judged<'a> {
     /// Whether it names an endpoint the gateway judges (prompts, stored
     /// responses) in other letter case than the engines' own.
     pub fn miscased(&self) -> bool {
-        self.path != self.lower.as_ref()
-            && ENDPOINTS.iter().any(|e| {
-                self.lower.ends_with(e) && !self.path.ends_with(e)
-                    || e.ends_with('/') && self.lower.contains(e) && !self.path.contains(e)
-            })
+        let (path, lower) = (self.path, self.lower.as_ref());
+        path != lower
+            && (PROMPT_ENDPOINTS
+                .iter()
+                .any(|e| lower.ends_with(e) && !path.ends_with(e))
+                || lower.contains(RESPONSE_SEGMENT) && !path.contains(RESPONSE_SEGMENT))
+    }
+
+    /// Whether it is an endpoint whose prompt an engine's prefix cache
+    /// serves, under any prefix (`/v1/...`, or a proxy's `/openai/v1/...`;
+    /// other letter case is refused before this is asked). Embeddings,
+    /// rerank, scoring and tokenizing calls hold no KV cache to return to.
+    pub fn prompt_endpoint(&self) -> bool {
+        PROMPT_ENDPOINTS.iter().any(|e| self.ends_with(e))
     }
 
     /// Where `segment` first starts, in any case.
