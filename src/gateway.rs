@@ -518,19 +518,26 @@ impl Gateway {
     }
 
     /// Eject the backends that stopped answering (`upstream::stall`): their
-    /// waiters are placed again, their sessions rebind at their next turn.
+    /// waiters are placed again, the requests they held are cut (sent
+    /// elsewhere once, or 504: `outlier.on_hung`), their sessions rebind at
+    /// their next turn.
     pub fn eject_stalled(&self) {
         let routing = self.routing();
         let cfg = &routing.config.outlier;
         let now = crate::clock::now_ms();
         for tier in &routing.tiers {
-            for (b, silent, span) in tier.eject_stalled(cfg, now) {
+            for stalled in tier.eject_stalled(cfg, now) {
+                let b = &stalled.backend;
                 log::warn!(
-                    "backend {} ejected for {} s: no first byte for {} ms with {} requests waiting",
+                    "backend {} ejected for {} s: no first byte for {} ms with requests waiting; the {} it held: {}",
                     b.id,
-                    span.as_secs(),
-                    silent,
-                    b.stats.progress.awaiting()
+                    stalled.out_for.as_secs(),
+                    stalled.silent_ms,
+                    stalled.cut,
+                    match cfg.on_hung {
+                        crate::config::OnHung::Resend => "sent elsewhere once",
+                        crate::config::OnHung::Fail => "answered 504",
+                    }
                 );
                 self.metrics
                     .backend_ejections

@@ -457,3 +457,105 @@ async fn a_request_that_kills_two_replicas_ends_with_a_502() {
     }
     assert_eq!(alive, 1, "two replicas died, the third never saw it");
 }
+
+/// Turns of `victim`'s sessions sent while it hangs (health 200, `/v1`
+/// never answered), once they all reach it; each returns its reply.
+async fn turns_held_by_a_hung_replica(
+    gw: &Gateway,
+    sims: &[SimBackend],
+    placement: &HashMap<String, String>,
+    victim: usize,
+) -> Vec<tokio::task::JoinHandle<Reply>> {
+    let held: Vec<String> = placement
+        .iter()
+        .filter(|(_, b)| **b == sims[victim].id)
+        .map(|(s, _)| s.clone())
+        .take(3)
+        .collect();
+    assert!(!held.is_empty());
+    let before = sims[victim].stats().await["requests"].as_u64().unwrap();
+    sims[victim].set_faults(json!({"hang": true})).await;
+    let turns: Vec<_> = held
+        .iter()
+        .map(|sid| {
+            let (client, url, sid) = (client(), gw.url("/v1/chat/completions"), sid.clone());
+            tokio::spawn(async move {
+                let r = client
+                    .post(url)
+                    .header("x-session-id", sid)
+                    .json(&chat_body("m", 1))
+                    .send()
+                    .await
+                    .expect("answered before the client's 60 s timeout");
+                reply(r).await
+            })
+        })
+        .collect();
+    wait_until("the turns reach the replica that hangs", || async {
+        sims[victim].stats().await["requests"].as_u64().unwrap() >= before + held.len() as u64
+    })
+    .await;
+    turns
+}
+
+/// A replica stops answering `/v1` while its health check stays 200, holding
+/// turns: once it is ejected as hung, the turns it held are sent once to
+/// another replica and answered there (before issue 61 they waited for the
+/// 10-minute read timeout; the client's is 60 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turns_a_hung_replica_held_are_answered_by_another_once_it_is_ejected() {
+    let (sims, gw) = fleet(
+        3,
+        &format!(
+            "{}outlier:\n  first_byte_timeout_ms: 2000\n",
+            affinity_yaml(1800)
+        ),
+    )
+    .await;
+    let placement = bind_sessions(&gw, 12).await;
+    let v = sims.iter().position(|s| s.id == placement["s0"]).unwrap();
+    let turns = turns_held_by_a_hung_replica(&gw, &sims, &placement, v).await;
+    for t in turns {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_ne!(r.backend.as_deref(), Some(sims[v].id.as_str()));
+        assert_eq!(r.json()["x_agent_serve"]["reason"], "broken");
+    }
+    let b = gw.admin_backend(&sims[v].id).await;
+    assert_eq!(b["health_checks_pass"], true, "{b}");
+    assert_eq!(b["healthy"], false, "ejected: {b}");
+}
+
+/// With `outlier.on_hung: fail` the turns a hung replica held are answered
+/// 504 at its ejection, and sent nowhere else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_on_hung_fail_the_turns_a_hung_replica_held_get_a_504() {
+    let (sims, gw) = fleet(
+        3,
+        &format!(
+            "{}outlier:\n  first_byte_timeout_ms: 2000\n  on_hung: fail\n",
+            affinity_yaml(1800)
+        ),
+    )
+    .await;
+    let placement = bind_sessions(&gw, 12).await;
+    let v = sims.iter().position(|s| s.id == placement["s0"]).unwrap();
+    let mut before = Vec::new();
+    for s in &sims {
+        before.push(s.stats().await["requests"].as_u64().unwrap());
+    }
+    let turns = turns_held_by_a_hung_replica(&gw, &sims, &placement, v).await;
+    for t in turns {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 504, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()["error"]["code"], "backend_timeout");
+    }
+    for (i, s) in sims.iter().enumerate().filter(|(i, _)| *i != v) {
+        assert_eq!(
+            s.stats().await["requests"].as_u64().unwrap(),
+            before[i],
+            "{} saw none",
+            s.id
+        );
+    }
+}

@@ -136,6 +136,8 @@ pub(crate) struct FileOutlier {
     pub(crate) max_ejected_percent: u32,
     /// 0: learned.
     pub(crate) first_byte_timeout_ms: u64,
+    /// `resend` (default) | `fail`.
+    pub(crate) on_hung: Option<String>,
 }
 
 impl Default for FileOutlier {
@@ -148,6 +150,7 @@ impl Default for FileOutlier {
             max_ejection_ms: d.max_ejection.as_millis() as u64,
             max_ejected_percent: d.max_ejected_percent,
             first_byte_timeout_ms: 0,
+            on_hung: None,
         }
     }
 }

@@ -195,6 +195,21 @@ metrics:
     }
 
     #[test]
+    fn what_becomes_of_a_hung_backends_requests_is_named() {
+        assert_eq!(
+            Config::from_yaml(GOOD).unwrap().outlier.on_hung,
+            OnHung::Resend
+        );
+        let fail = format!("{GOOD}outlier:\n  on_hung: fail\n");
+        assert_eq!(
+            Config::from_yaml(&fail).unwrap().outlier.on_hung,
+            OnHung::Fail
+        );
+        let bad = format!("{GOOD}outlier:\n  on_hung: retry\n");
+        assert_eq!(keys(&bad), vec!["outlier.on_hung".to_string()]);
+    }
+
+    #[test]
     fn cache_salt_is_off_unless_asked_for_and_needs_tenants() {
         let c = Config::from_yaml(GOOD).unwrap();
         assert_eq!(c.auth.cache_salt, CacheSalt::Off);

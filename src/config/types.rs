@@ -24,6 +24,21 @@ pub struct OutlierConfig {
     /// wait for one is ejected (`upstream::stall`); `None`: learned from
     /// its own first bytes.
     pub first_byte_timeout: Option<Duration>,
+    /// What becomes of the requests a backend held when it is ejected as
+    /// hung.
+    pub on_hung: OnHung,
+}
+
+/// `outlier.on_hung`: the requests a backend ejected as hung held, still
+/// waiting for their first byte (`upstream::stall`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OnHung {
+    /// Sent once to another backend (a request already re-sent, or whose
+    /// body the gateway did not keep, is answered 504).
+    #[default]
+    Resend,
+    /// Answered 504 `backend_timeout` at once.
+    Fail,
 }
 
 impl Default for OutlierConfig {
@@ -35,6 +50,7 @@ impl Default for OutlierConfig {
             max_ejection: Duration::from_secs(300),
             max_ejected_percent: 50,
             first_byte_timeout: None,
+            on_hung: OnHung::Resend,
         }
     }
 }

@@ -142,6 +142,17 @@ pub(super) fn validate_outlier(o: &FileOutlier, errors: &mut Vec<ConfigError>) -
     if o.max_ejected_percent > 100 {
         errors.push(err("outlier.max_ejected_percent", "must be 0..=100"));
     }
+    let on_hung = match o.on_hung.as_deref() {
+        None | Some("resend") => OnHung::Resend,
+        Some("fail") => OnHung::Fail,
+        Some(other) => {
+            errors.push(err(
+                "outlier.on_hung",
+                format!("`{other}`: must be `resend` or `fail`"),
+            ));
+            OnHung::Resend
+        }
+    };
     OutlierConfig {
         enabled: o.enabled,
         consecutive_failures: o.consecutive_failures.max(1),
@@ -150,6 +161,7 @@ pub(super) fn validate_outlier(o: &FileOutlier, errors: &mut Vec<ConfigError>) -
         max_ejected_percent: o.max_ejected_percent.min(100),
         first_byte_timeout: (o.first_byte_timeout_ms > 0)
             .then(|| Duration::from_millis(o.first_byte_timeout_ms)),
+        on_hung,
     }
 }
 

@@ -58,6 +58,8 @@ pub(super) struct LostAnswer {
     /// Nothing of the request reached the backend (the connection was
     /// found closed before it was written, or reset with it unread).
     pub(super) unsent: bool,
+    /// The gateway cut it: its backend was ejected as hung.
+    pub(super) hung: bool,
 }
 
 /// Where a stream to be cut stands.

@@ -121,6 +121,12 @@ impl ProxyHttp for GatewayProxy {
                 }
             }
         }
+        // Held while it waits for its first byte: an ejection of its backend
+        // as hung ends it (`upstream::stall`).
+        #[cfg(unix)]
+        if let Some(f) = ctx.answer.in_flight.as_mut() {
+            f.hold_socket(fd);
+        }
         // The first request of a new session reached its backend: requests of
         // the same session waiting on it may follow now.
         if let Some(route) = ctx.route.as_mut() {

@@ -8,7 +8,7 @@ use super::answer::LostAnswer;
 use super::ctx::RequestCtx;
 use super::upstream_conn;
 use crate::admission::{Ask, PrefillRoom, Slot, Watch};
-use crate::config::Config;
+use crate::config::{Config, OnHung};
 use crate::errors::{GatewayError, Refusal};
 use crate::gateway::Gateway;
 use crate::upstream::outlier::Outcome;
@@ -47,7 +47,8 @@ const STILL_THERE_WITHIN: Duration = Duration::from_secs(1);
 /// answer is re-sent (SPEC §3.6): to another candidate when that backend
 /// is gone (its health check or passive health say so, or it does not
 /// answer its health check now: a process that died is not running the
-/// request any more), its session rebound there; to the same backend when the
+/// request any more) or was ejected as hung holding it, its session
+/// rebound there; to the same backend when the
 /// connection was a reused one it closed (an engine's idle keep-alive
 /// close racing the request); else not at all (a live backend that closed
 /// a fresh connection under a request may be running it). Once: a request
@@ -58,6 +59,7 @@ pub(super) async fn after_a_lost_answer(gw: &Gateway, ctx: &mut RequestCtx) -> R
         slot,
         reused,
         unsent,
+        hung,
     }) = ctx.answer.lost_answer.take()
     else {
         return Ok(());
@@ -68,7 +70,7 @@ pub(super) async fn after_a_lost_answer(gw: &Gateway, ctx: &mut RequestCtx) -> R
         return Ok(());
     };
     let health = &route.request().routing().config.health.path;
-    let gone = !tier.healthy(&backend) || !answers_health(&backend, health).await;
+    let gone = hung || !tier.healthy(&backend) || !answers_health(&backend, health).await;
     if gone || unsent || reused {
         gw.metrics
             .upstream_retries
@@ -77,8 +79,12 @@ pub(super) async fn after_a_lost_answer(gw: &Gateway, ctx: &mut RequestCtx) -> R
     }
     if gone {
         log::warn!(
-            "backend {} is gone with a request it held before any answer; sending it elsewhere once",
-            backend.id
+            "backend {} {} with a request it held before any answer; sending it elsewhere once",
+            backend.id,
+            match hung {
+                true => "was ejected as hung",
+                false => "is gone",
+            }
         );
         route.exclude(slot);
         return Ok(());
@@ -398,7 +404,25 @@ pub(super) fn proxy_error(
     // fresh: whether it is sent again is decided once it is known whether
     // its backend is still there (a fresh connection that failed so is a
     // backend that died, or one that closes connections it took).
-    let replay = upstream_conn::should_replay(&e, route.replayed, body_replayable);
+    let mut replay = upstream_conn::should_replay(&e, route.replayed, body_replayable);
+    // Its backend was ejected as hung while it waited for its first byte,
+    // its connection cut (`upstream::stall`): sent once elsewhere, or a 504.
+    let hung = ctx
+        .answer
+        .in_flight
+        .as_mut()
+        .is_some_and(InFlight::cut_as_hung);
+    if hung {
+        let resend = route.request().routing().config.outlier.on_hung == OnHung::Resend;
+        replay =
+            resend && !route.replayed && body_replayable && session.response_written().is_none();
+        if !replay {
+            let id = route.backend().map_or("?", |b| &*b.id);
+            ctx.record.error = Some(GatewayError::upstream_timeout(format!(
+                "backend `{id}` stopped answering and was ejected while it held this request"
+            )));
+        }
+    }
     e.set_retry(replay);
     if replay {
         route.replayed = true;
@@ -413,6 +437,7 @@ pub(super) fn proxy_error(
             slot: b.slot,
             reused,
             unsent,
+            hung,
         });
         if let (Some(backend), true) = (route.backend(), reused) {
             upstream_conn::stop_reusing(&backend.stats);

@@ -178,6 +178,17 @@ impl Backend {
 }
 
 /// A named pool of backends that serve the same models.
+/// A backend [`Tier::eject_stalled`] ejected as hung.
+pub struct Stalled {
+    pub backend: Arc<Backend>,
+    /// How long it had given no first byte, ms.
+    pub silent_ms: u64,
+    /// How long it is out.
+    pub out_for: std::time::Duration,
+    /// The requests it held, their connections cut.
+    pub cut: usize,
+}
+
 pub struct Tier {
     pub name: Arc<str>,
     pub index: u16,
@@ -261,13 +272,9 @@ impl Tier {
     }
 
     /// Eject each backend that has stalled (`stall`): requests wait there
-    /// and it has given no first byte for its bound. Returns those ejected,
-    /// with their silence (ms) and how long they are out.
-    pub fn eject_stalled(
-        &self,
-        cfg: &crate::config::OutlierConfig,
-        now_ms: u64,
-    ) -> Vec<(Arc<Backend>, u64, std::time::Duration)> {
+    /// and it has given no first byte for its bound. The requests it holds
+    /// are cut. Returns those ejected.
+    pub fn eject_stalled(&self, cfg: &crate::config::OutlierConfig, now_ms: u64) -> Vec<Stalled> {
         let mut out = Vec::new();
         for b in &self.backends {
             let s = &b.stats;
@@ -286,7 +293,13 @@ impl Tier {
                 self.may_eject(cfg.max_ejected_percent)
             });
             if let Some(span) = ejected {
-                out.push((Arc::clone(b), silent, span));
+                let cut = s.progress.cut_all();
+                out.push(Stalled {
+                    backend: Arc::clone(b),
+                    silent_ms: silent,
+                    out_for: span,
+                    cut,
+                });
             }
         }
         out

@@ -9,8 +9,12 @@
 //! from it at all, the gateway's sweep ejects it as passive health ejects a
 //! backend whose requests fail (`outlier`: the same backoff and panic
 //! threshold): its waiters are placed again, its sessions rebind at their
-//! next turn (counted broken). Requests it already holds are not re-sent
-//! (they may be running); the read timeout ends them.
+//! next turn (counted broken). The requests it already holds are ended
+//! then too: each one's upstream socket is kept (a duplicate descriptor,
+//! [`Progress::hold`]) while it waits for its first byte, and the ejection
+//! shuts them down ([`Progress::cut_all`]); each such request is sent once
+//! to another backend or answered 504 (`outlier.on_hung`), not left to the
+//! read timeout (10 minutes by default).
 //!
 //! The bound is `outlier.first_byte_timeout_ms`, or learned: [`FACTOR`]
 //! times the slowest first byte it gave lately (a peak that decays with
@@ -26,6 +30,8 @@
 //! (its peak teaches the bound from then on). Where that is the workload,
 //! configure the bound.
 
+use parking_lot::Mutex;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -48,7 +54,16 @@ pub struct Progress {
     since_ms: AtomicU64,
     /// The slowest time to first byte lately, ms (0: none yet).
     peak_ms: AtomicU64,
+    /// The upstream sockets of requests waiting for their first byte, by
+    /// [`Held`] token: duplicates, so that the descriptor stays this
+    /// socket's until its request lets go of it, whatever Pingora has done
+    /// with its own.
+    held: Mutex<Vec<(u64, OwnedFd)>>,
 }
+
+/// A request's claim on its socket in [`Progress`]'s `held` list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held(u64);
 
 impl Progress {
     /// A request was sent: it waits for its first byte.
@@ -79,6 +94,46 @@ impl Progress {
         let _ = self
             .awaiting
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    /// Keep a duplicate of `fd`, the upstream socket a request waits on for
+    /// its first byte, until [`Self::release`]; `None` when the process is
+    /// out of descriptors (that request is then left to the read timeout).
+    pub fn hold(&self, fd: RawFd) -> Option<Held> {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        // SAFETY: the caller's socket is open for the length of this call
+        // (Pingora passes it to `connected_to_upstream` while it owns it).
+        let dup = unsafe { BorrowedFd::borrow_raw(fd) }
+            .try_clone_to_owned()
+            .ok()?;
+        let token = NEXT.fetch_add(1, Ordering::Relaxed);
+        self.held.lock().push((token, dup));
+        Some(Held(token))
+    }
+
+    /// Let go of a held socket (its first byte came, or its request ended).
+    /// `false`: an ejection cut it first.
+    pub fn release(&self, held: Held) -> bool {
+        let mut list = self.held.lock();
+        match list.iter().position(|(t, _)| *t == held.0) {
+            Some(i) => {
+                list.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Shut down every held socket (the backend was ejected as hung): each
+    /// request waiting there sees its connection closed at once. Returns
+    /// how many.
+    pub fn cut_all(&self) -> usize {
+        let cut = std::mem::take(&mut *self.held.lock());
+        for (_, fd) in &cut {
+            // SAFETY: `fd` is an open descriptor this list owns.
+            unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+        }
+        cut.len()
     }
 
     /// Requests waiting for a first byte now.
@@ -142,6 +197,30 @@ mod tests {
         // Waiting starts again later: counted from then, not from 104 s.
         p.sent(300 * S);
         assert_eq!(p.stalled(304 * S, bound, 0), None);
+    }
+
+    #[test]
+    fn an_ejection_cuts_the_sockets_of_the_requests_still_waiting() {
+        use std::io::Read;
+        let p = Progress::default();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut waiting = std::net::TcpStream::connect(addr).unwrap();
+        let answered = std::net::TcpStream::connect(addr).unwrap();
+        let (_peer_a, _) = listener.accept().unwrap();
+        let (_peer_b, _) = listener.accept().unwrap();
+        let a = p.hold(waiting.as_raw_fd()).unwrap();
+        let b = p.hold(answered.as_raw_fd()).unwrap();
+        // One got its first byte: let go of, never cut.
+        assert!(p.release(b));
+        assert_eq!(p.cut_all(), 1);
+        // The other's read ends at once (EOF), though its peer is still
+        // there and silent.
+        let mut buf = [0u8; 1];
+        assert_eq!(waiting.read(&mut buf).unwrap(), 0);
+        // Its request learns that it was cut, not let go of.
+        assert!(!p.release(a));
+        assert_eq!(p.cut_all(), 0);
     }
 
     #[test]

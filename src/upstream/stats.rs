@@ -87,6 +87,9 @@ pub struct InFlight {
     pub tokens: u64,
     /// Sent, no first byte back yet (counted in [`BackendStats::progress`]).
     awaiting: bool,
+    /// Its upstream socket, held while it waits for its first byte so that
+    /// an ejection as hung can end it ([`super::stall`]).
+    held: Option<super::stall::Held>,
 }
 
 impl InFlight {
@@ -121,11 +124,37 @@ impl InFlight {
             sent: Instant::now(),
             tokens,
             awaiting: true,
+            held: None,
+        }
+    }
+
+    /// Its connection is `fd`: held until its first byte, so that an
+    /// ejection of its backend as hung ends it.
+    pub fn hold_socket(&mut self, fd: std::os::fd::RawFd) {
+        self.let_go();
+        if self.awaiting {
+            self.held = self.stats.progress.hold(fd);
+        }
+    }
+
+    /// Whether its backend was ejected as hung while it waited there for
+    /// its first byte, its connection cut (asked once: the answer is
+    /// taken).
+    pub fn cut_as_hung(&mut self) -> bool {
+        self.held
+            .take()
+            .is_some_and(|h| !self.stats.progress.release(h))
+    }
+
+    fn let_go(&mut self) {
+        if let Some(h) = self.held.take() {
+            self.stats.progress.release(h);
         }
     }
 
     /// The first byte came back: its prefill no longer waits ahead of others.
     pub fn prefilled(&mut self) {
+        self.let_go();
         if std::mem::take(&mut self.awaiting) {
             let now_ms = crate::clock::now_ms();
             let took_ms = self.sent.elapsed().as_millis() as u64;
@@ -165,6 +194,7 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.let_go();
         // Still queued: it ended without a first byte.
         if self.awaiting {
             self.stats.progress.abandoned();
