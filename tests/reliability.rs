@@ -499,28 +499,58 @@ async fn turns_held_by_a_hung_replica(
 }
 
 /// A replica stops answering `/v1` while its health check stays 200, holding
-/// turns: once it is ejected as hung, the turns it held are sent once to
-/// another replica and answered there (before issue 61 they waited for the
-/// 10-minute read timeout; the client's is 60 s).
+/// turns of one second each (16 tokens at 62.5 ms): once it is ejected as
+/// hung (its bound learned, no `first_byte_timeout_ms`), the turns it held
+/// are sent once to another replica and answered there (before issue 61
+/// they waited for the 10-minute read timeout; the client's is 60 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_a_hung_replica_held_are_answered_by_another_once_it_is_ejected() {
-    let (sims, gw) = fleet(
-        3,
-        &format!(
-            "{}outlier:\n  first_byte_timeout_ms: 2000\n",
-            affinity_yaml(1800)
-        ),
+    let second = ["--decode-us-per-token", "62500"];
+    let sims: Vec<SimBackend> = (0..3)
+        .map(|i| SimBackend::start(&format!("vllm-{i}"), &second))
+        .collect();
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &sims.iter().collect::<Vec<_>>())],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(1800)),
     )
     .await;
-    let placement = bind_sessions(&gw, 12).await;
+    let bound: Vec<_> = (0..12)
+        .map(|s| {
+            let (client, url) = (client(), gw.url("/v1/chat/completions"));
+            tokio::spawn(async move {
+                let sid = format!("s{s}");
+                let r = client
+                    .post(url)
+                    .header("x-session-id", &sid)
+                    .json(&chat_body("m", 0))
+                    .send()
+                    .await
+                    .unwrap();
+                let r = reply(r).await;
+                assert_eq!(r.status, 200);
+                (sid, r.backend.unwrap())
+            })
+        })
+        .collect();
+    let mut placement = HashMap::new();
+    for b in bound {
+        let (sid, backend) = b.await.unwrap();
+        placement.insert(sid, backend);
+    }
     let v = sims.iter().position(|s| s.id == placement["s0"]).unwrap();
+    let hung_at = std::time::Instant::now();
     let turns = turns_held_by_a_hung_replica(&gw, &sims, &placement, v).await;
+    let held = turns.len();
     for t in turns {
         let r = t.await.unwrap();
         assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
         assert_ne!(r.backend.as_deref(), Some(sims[v].id.as_str()));
         assert_eq!(r.json()["x_agent_serve"]["reason"], "broken");
     }
+    eprintln!(
+        "{held} turns held by a replica that hung: all answered {:.1} s after it hung",
+        hung_at.elapsed().as_secs_f64()
+    );
     let b = gw.admin_backend(&sims[v].id).await;
     assert_eq!(b["health_checks_pass"], true, "{b}");
     assert_eq!(b["healthy"], false, "ejected: {b}");
