@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Learned admission in front of an honest engine (issue 49): one simulated
+# Learned admission in front of an honest engine (issues 49, 61): one simulated
 # replica that runs 40 requests side by side (--max-batch 40), each a
-# one-second JSON answer (100 tokens at 10 ms), behind one gateway. Rounds of
+# one-second answer (16 tokens at 62.5 ms), behind one gateway, in each of the
+# shapes clients send (SHAPES): `json` without max_tokens (the OpenAI SDKs'
+# default: the engine decides the length, here the simulator's 16 tokens),
+# `json-max` with max_tokens 16, `stream`, `stream-max`, and `mix` (the four
+# in turn). Rounds of
 # 40 parallel requests, each round after the one before has ended; the time
 # of each round, with admission off (the baseline) and learned (admission on
 # and nothing else), on an engine whose gauges tell the truth and on three
@@ -12,7 +16,7 @@
 # gateway's start.
 #
 #   scripts/bench-honest.sh
-#   BIN=target/debug/agent-gateway ROUNDS=8 scripts/bench-honest.sh
+#   BIN=target/debug/agent-gateway ROUNDS=8 SHAPES="json mix" scripts/bench-honest.sh
 #
 # Everything listens on 127.0.0.1 and is stopped (by PID) when the script exits.
 set -euo pipefail
@@ -24,6 +28,7 @@ fi
 ROUNDS="${ROUNDS:-6}"
 PARALLEL="${PARALLEL:-40}"
 MODES="${MODES:-off learned lie-idle lie-busy lie-both}"
+SHAPES="${SHAPES:-json json-max stream stream-max mix}"
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
@@ -31,11 +36,11 @@ trap cleanup EXIT
 
 . scripts/lib/ports.sh
 
-run_mode() {  # mode: prints one JSON line {mode, rounds: [s...]}
-  local mode=$1 sp gp ap mp section="" faults=""
+run_mode() {  # mode shape: prints one JSON line {mode, shape, rounds: [s...]}
+  local mode=$1 shape=$2 sp gp ap mp section="" faults=""
   sp=$(port); gp=$(port); ap=$(port); mp=$(port)
   "$BIN" sim-backend --listen "127.0.0.1:$sp" --id vllm-0 --max-batch "$PARALLEL" \
-    --prefill-us-per-token 0 --decode-us-per-token 10000 >/dev/null &
+    --prefill-us-per-token 0 --decode-us-per-token 62500 >/dev/null &
   local sim=$!; PIDS+=($sim)
   case "$mode" in
     off) ;;
@@ -65,12 +70,19 @@ YAML
   RUST_LOG=error "$BIN" run --config "$WORK/gw.yaml" >/dev/null 2>&1 &
   local gw=$!; PIDS+=($gw)
   wait_port "$gp"
-  python3 - "$mode" "http://127.0.0.1:$gp" "$ROUNDS" "$PARALLEL" <<'PY'
+  python3 - "$mode" "$shape" "http://127.0.0.1:$gp" "$ROUNDS" "$PARALLEL" <<'PY'
 import json, sys, time, threading, urllib.request
-mode, url, rounds, parallel = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+mode, shape, url, rounds, parallel = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+SHAPES = ["json", "json-max", "stream", "stream-max"]
 def one(r, i, errors):
-    body = json.dumps({"model": "qwen3-8b", "max_tokens": 100,
-                       "messages": [{"role": "user", "content": f"round {r} request {i}: a question of its own"}]}).encode()
+    kind = SHAPES[i % 4] if shape == "mix" else shape
+    body = {"model": "qwen3-8b",
+            "messages": [{"role": "user", "content": f"round {r} request {i}: a question of its own"}]}
+    if kind.endswith("-max"):
+        body["max_tokens"] = 16
+    if kind.startswith("stream"):
+        body["stream"] = True
+    body = json.dumps(body).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", body, {"content-type": "application/json"})
     try:
         urllib.request.urlopen(req, timeout=300).read()
@@ -83,24 +95,24 @@ for r in range(rounds):
     for th in ts: th.start()
     for th in ts: th.join()
     times.append(time.monotonic() - t)
-print(json.dumps({"mode": mode, "rounds": times, "errors": len(errors)}))
+print(json.dumps({"mode": mode, "shape": shape, "rounds": times, "errors": len(errors)}))
 PY
-  curl -s "http://127.0.0.1:$ap/admin/backends" > "$WORK/admin-$mode.json" || true
+  curl -s "http://127.0.0.1:$ap/admin/admission" > "${ADMIN_DIR:-$WORK}/admin-$mode-$shape.json" || true
   kill "$gw" "$sim" 2>/dev/null || true
   wait "$gw" "$sim" 2>/dev/null || true
 }
 
-echo "honest-engine bench: 1 replica running $PARALLEL side by side, 1 s JSON answers, $ROUNDS rounds of $PARALLEL"
-for mode in $MODES; do run_mode "$mode"; done > "$WORK/results"
+echo "honest-engine bench: 1 replica running $PARALLEL side by side, 1 s answers, $ROUNDS rounds of $PARALLEL"
+for shape in $SHAPES; do for mode in $MODES; do run_mode "$mode" "$shape"; done; done > "$WORK/results"
 python3 - "$WORK/results" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-off = next((r for r in rows if r["mode"] == "off"), None)
-base = sum(off["rounds"][1:]) / max(len(off["rounds"]) - 1, 1) if off else None
-print("\n| admission | round times, s | worst round after the first ÷ off's mean | errors |")
-print("|---|---|---|---|")
+print("\n| requests | admission | round times, s | worst round after the first ÷ off's mean | errors |")
+print("|---|---|---|---|---|")
 for r in rows:
+    off = next((o for o in rows if o["mode"] == "off" and o["shape"] == r["shape"]), None)
+    base = sum(off["rounds"][1:]) / max(len(off["rounds"]) - 1, 1) if off else None
     later = r["rounds"][1:]
     worst = max(later) / base if base and later else float("nan")
-    print(f"| {r['mode']} | {' / '.join(f'{t:.2f}' for t in r['rounds'])} | **{worst:.2f}×** | {r['errors']} |")
+    print(f"| {r['shape']} | {r['mode']} | {' / '.join(f'{t:.2f}' for t in r['rounds'])} | **{worst:.2f}×** | {r['errors']} |")
 PY

@@ -79,6 +79,9 @@ impl LoadScraper {
             Ok(Ok(text)) => {
                 let g = EngineGauges::parse(&text);
                 b.stats.engine.record(&g, cfg.stale);
+                if let (Some(seconds), Some(tokens)) = (g.decode_seconds, g.decode_tokens) {
+                    b.stats.cost.observe_engine_decode(seconds, tokens);
+                }
                 if let (Some(running), Some(waiting)) = (g.running, g.waiting) {
                     self.0.admission.observe(
                         b.slot,

@@ -1415,3 +1415,54 @@ async fn a_stream_past_its_tenants_tokens_is_cut_where_the_operator_says_so() {
     let cut = "agentserve_client_rejected_total{reason=\"tokens_per_minute\",tenant=\"metered\"}";
     assert_eq!(gw.metric(cut).await, 1.0);
 }
+
+/// JSON answers without `max_tokens` (the SDKs' default; the engine decides
+/// how long, here 16 tokens at 62.5 ms: a second each), on an engine that
+/// runs eight side by side and prefills in no time: their first byte
+/// follows their whole decode, and that second is never learned as
+/// prefill. The engine's own count of decode time says what it was (before
+/// issue 61, 16 tokens were taken as negligible: 50 ms a token of prefill
+/// learned, and learned admission queued requests behind that phantom
+/// prefill, rounds up to 19× slower than with admission off).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_answers_decode_is_never_learned_as_prefill() {
+    let sim = SimBackend::start(
+        "vllm-0",
+        &[
+            "--max-batch",
+            "8",
+            "--prefill-us-per-token",
+            "0",
+            "--decode-us-per-token",
+            "62500",
+        ],
+    );
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &[&sim])],
+        &format!(
+            "{FAST_HEALTH}{}admission:\n  enabled: true\n  max_wait_ms: 120000\nload:\n  interval_ms: 100\n",
+            affinity_yaml(600)
+        ),
+    )
+    .await;
+    for round in 0..3 {
+        let sends: Vec<_> = (0..8)
+            .map(|i| {
+                let mut body = chat_body("m", round);
+                body.as_object_mut().unwrap().remove("max_tokens");
+                body["messages"][1]["content"] = json!(format!("round {round} question {i}"));
+                send_chat(&gw, &[], &body)
+            })
+            .collect();
+        for s in sends {
+            assert_eq!(s.await.unwrap(), 200);
+        }
+    }
+    let learned = gw.admin_backend("vllm-0").await["learned"].clone();
+    let decode = learned["decode_us_per_token"].as_f64().unwrap_or(0.0);
+    assert!((50_000.0..80_000.0).contains(&decode), "{learned}");
+    // The prompts are ~130 tokens: a second taken as prefill would be
+    // thousands of µs a token.
+    let prefill = learned["prefill_us_per_token"].as_f64().unwrap_or(0.0);
+    assert!(prefill < 1_000.0, "{learned}");
+}

@@ -516,6 +516,32 @@ async fn the_engines_own_load_gauges_are_read_and_shown() {
             .await,
         0.0
     );
+    // Its own count of decode time (`llamacpp:tokens_predicted_seconds_total`
+    // over `tokens_predicted_total`) teaches the decode speed from JSON
+    // answers alone, which show none (their first byte follows their whole
+    // decode): what of a JSON answer's wait was prefill is told so.
+    let c = client();
+    let mut t = Transcript::new("decode");
+    for turn in 0..3 {
+        let r = chat(
+            &c,
+            &fleet.gw,
+            &[("x-session-id", "decode")],
+            &t.body(turn, false),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        t.answered(
+            r.json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or(""),
+        );
+    }
+    wait_until("the decode speed read from the engine", || async {
+        fleet.gw.admin_backend("llama-0").await["learned"]["decode_us_per_token"].as_f64()
+            > Some(0.0)
+    })
+    .await;
 }
 
 /// Two tenants on real engines at three times their slots, admission on

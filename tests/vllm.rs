@@ -284,6 +284,9 @@ async fn three_vllm_servers_behind_the_gateway() {
     // The load scraper read each engine's own gauges.
     for b in gw.admin_backends().await {
         assert!(b["engine"]["running"].is_number(), "{b}");
+        // Its decode speed, from its answers or its own
+        // `vllm:inter_token_latency_seconds`.
+        assert!(b["learned"]["decode_us_per_token"].is_number(), "{b}");
         assert!(b["kv_events"]["blocks_held"].as_u64() > Some(0), "{b}");
     }
 

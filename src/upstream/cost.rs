@@ -26,8 +26,14 @@ pub struct CostEstimate {
     /// EWMA, microseconds between request start and the start of its prefill.
     queue_us: AtomicU64,
     /// EWMA, nanoseconds per generated token, from streamed answers (first
-    /// byte to last); 0: none yet.
+    /// byte to last) and from the engine's own count of time per output
+    /// token ([`CostEstimate::observe_engine_decode`]); 0: none yet.
     decode_ns_per_token: AtomicU64,
+    /// The engine's counters of decode time (µs) and tokens at its last
+    /// scrape (0: not read yet; the first read teaches the engine's
+    /// average so far).
+    engine_decode_us: AtomicU64,
+    engine_decode_tokens: AtomicU64,
     /// EWMA, tokens of a new session's first prompt the backend answered as
     /// cached: the prefix its sessions share (a system prompt).
     shared_prefix: AtomicU64,
@@ -121,10 +127,13 @@ const EWMA_ALPHA: f64 = 0.3;
 /// tokens (fewer: its end is mostly the stream's fixed overhead).
 const DECODE_MIN_TOKENS: u64 = 8;
 
-/// Until streams taught the decode speed, a JSON answer of at most this many
-/// generated tokens still teaches the prefill cost: its decode is a small
-/// part of its time to first byte.
-pub const DECODE_NEGLIGIBLE_TOKENS: u64 = 16;
+/// Until the decode speed is known, a JSON answer of at most this many
+/// generated tokens still teaches the prefill cost: its time to first byte
+/// is its prefill. (Sixteen tokens were once taken as negligible: at 62 ms a
+/// token they are a second, which learned admission took for a prefill and
+/// queued requests behind; the SDKs ask for no `max_tokens`, and short
+/// answers are common.)
+pub const DECODE_NEGLIGIBLE_TOKENS: u64 = 1;
 
 /// Two explained samples in a row this many times above (or below) the
 /// learned cost are a step, not noise: the cost jumps to the later one. A
@@ -279,6 +288,33 @@ impl CostEstimate {
         }
     }
 
+    /// The engine's own cumulative decode time (`seconds`) over its
+    /// generated tokens (`tokens`), as one scrape read them (vLLM's and
+    /// SGLang's `inter_token_latency_seconds` histogram, llama.cpp's
+    /// `tokens_predicted_seconds_total`): what came since the last scrape
+    /// teaches the decode speed, so that a JSON answer's decode can be told
+    /// from its prefill where no stream taught it. A counter that went back
+    /// (the engine restarted) starts over.
+    pub fn observe_engine_decode(&self, seconds: f64, tokens: f64) {
+        if !(seconds.is_finite() && tokens.is_finite() && seconds >= 0.0 && tokens >= 0.0) {
+            return;
+        }
+        let (us, n) = ((seconds * 1e6) as u64, tokens as u64);
+        let before_us = self.engine_decode_us.swap(us, Ordering::Relaxed);
+        let before_n = self.engine_decode_tokens.swap(n, Ordering::Relaxed);
+        if n < before_n || us < before_us {
+            return;
+        }
+        let (dn, dus) = (n - before_n, us - before_us);
+        if dn >= DECODE_MIN_TOKENS {
+            ewma(&self.decode_ns_per_token, dus as f64 * 1000.0 / dn as f64);
+        } else {
+            // Too few to teach: counted with the next scrape's.
+            self.engine_decode_us.store(before_us, Ordering::Relaxed);
+            self.engine_decode_tokens.store(before_n, Ordering::Relaxed);
+        }
+    }
+
     /// Learned decode time per generated token, µs.
     pub fn decode_us_per_token(&self) -> Option<f64> {
         match self.decode_ns_per_token.load(Ordering::Relaxed) {
@@ -291,10 +327,10 @@ impl CostEstimate {
     /// prefill, as [`CostEstimate::observe`] takes it. A streamed answer's
     /// first byte is its first token: all of it. A JSON answer's first byte
     /// follows its whole decode: its `completion` tokens at the decode speed
-    /// streams taught are taken off; before any did, only an answer of at
-    /// most [`DECODE_NEGLIGIBLE_TOKENS`] teaches (its decode is small beside
-    /// a prefill), and a longer one teaches nothing rather than book its
-    /// decode as prefill.
+    /// streams or the engine's counters taught are taken off; before either
+    /// did, only an answer of at most [`DECODE_NEGLIGIBLE_TOKENS`] teaches,
+    /// and a longer one teaches nothing rather than book its decode as
+    /// prefill.
     pub fn prefill_part(
         &self,
         ttfb: Duration,
@@ -545,11 +581,13 @@ mod tests {
         let ms = Duration::from_millis;
         // A stream's first byte is its first token.
         assert_eq!(c.prefill_part(ms(300), 100, true), Some(ms(300)));
-        // Decode speed unknown: a short JSON answer teaches, a long one not.
+        // Decode speed unknown: a one-token JSON answer teaches; one of 16
+        // tokens (a second of decode at 62 ms a token) does not.
         assert_eq!(
             c.prefill_part(ms(300), DECODE_NEGLIGIBLE_TOKENS, false),
             Some(ms(300))
         );
+        assert_eq!(c.prefill_part(ms(1000), 16, false), None);
         assert_eq!(c.prefill_part(ms(300), 100, false), None);
         // Streams teach 2 ms a token (a short one teaches nothing)...
         c.observe_decode(ms(10), 4);
@@ -559,6 +597,27 @@ mod tests {
         // ...then a JSON answer's decode is taken off.
         assert_eq!(c.prefill_part(ms(300), 100, false), Some(ms(100)));
         assert_eq!(c.prefill_part(ms(100), 100, false), Some(ms(0)));
+    }
+
+    #[test]
+    fn the_engines_own_count_of_decode_time_teaches_the_decode_speed() {
+        let c = CostEstimate::default();
+        let ms = Duration::from_millis;
+        // Too few tokens to teach: they wait for the next scrape's.
+        c.observe_engine_decode(0.3, 4.0);
+        assert_eq!(c.decode_us_per_token(), None);
+        // 16 tokens at 62.5 ms since the engine started.
+        c.observe_engine_decode(1.0, 16.0);
+        assert_eq!(c.decode_us_per_token(), Some(62_500.0));
+        c.observe_engine_decode(2.0, 32.0);
+        assert_eq!(c.decode_us_per_token(), Some(62_500.0));
+        // A one-second JSON answer of 16 tokens is then no prefill at all.
+        assert_eq!(c.prefill_part(ms(1_020), 16, false), Some(ms(20)));
+        // The engine restarted: its counters start over, teaching nothing.
+        c.observe_engine_decode(0.5, 8.0);
+        assert_eq!(c.decode_us_per_token(), Some(62_500.0));
+        c.observe_engine_decode(f64::NAN, 20.0);
+        assert_eq!(c.decode_us_per_token(), Some(62_500.0));
     }
 
     #[test]

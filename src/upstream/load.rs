@@ -30,12 +30,29 @@ const KV_USAGE: &[&str] = &[
     "llamacpp:kv_cache_usage_ratio",
 ];
 
+/// The engine's cumulative decode time (seconds) and the tokens it was
+/// spent on: a time-per-output-token histogram's sum and count, or
+/// llama.cpp's counters.
+const DECODE_SECONDS: &[&str] = &[
+    "vllm:inter_token_latency_seconds_sum",
+    "sglang:inter_token_latency_seconds_sum",
+    "llamacpp:tokens_predicted_seconds_total",
+];
+const DECODE_TOKENS: &[&str] = &[
+    "vllm:inter_token_latency_seconds_count",
+    "sglang:inter_token_latency_seconds_count",
+    "llamacpp:tokens_predicted_total",
+];
+
 /// What one scrape found (absent gauges stay `None`).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EngineGauges {
     pub running: Option<f64>,
     pub waiting: Option<f64>,
     pub kv_usage: Option<f64>,
+    /// Cumulative decode time, seconds, and its tokens ([`DECODE_SECONDS`]).
+    pub decode_seconds: Option<f64>,
+    pub decode_tokens: Option<f64>,
 }
 
 impl EngineGauges {
@@ -65,6 +82,10 @@ impl EngineGauges {
                 &mut g.waiting
             } else if KV_USAGE.contains(&name) {
                 &mut g.kv_usage
+            } else if DECODE_SECONDS.contains(&name) {
+                &mut g.decode_seconds
+            } else if DECODE_TOKENS.contains(&name) {
+                &mut g.decode_tokens
             } else {
                 continue;
             };
@@ -181,13 +202,18 @@ mod tests {
             vllm:num_requests_running{model_name=\"q\"} 3.0\n\
             vllm:num_requests_waiting{model_name=\"q\"} 2\n\
             vllm:kv_cache_usage_perc{model_name=\"q\"} 0.25\n\
+            vllm:inter_token_latency_seconds_bucket{model_name=\"q\",le=\"0.01\"} 7\n\
+            vllm:inter_token_latency_seconds_sum{model_name=\"q\"} 1.5\n\
+            vllm:inter_token_latency_seconds_count{model_name=\"q\"} 30\n\
             vllm:num_requests_running_not_this 99\n";
         assert_eq!(
             EngineGauges::parse(vllm),
             EngineGauges {
                 running: Some(3.0),
                 waiting: Some(2.0),
-                kv_usage: Some(0.25)
+                kv_usage: Some(0.25),
+                decode_seconds: Some(1.5),
+                decode_tokens: Some(30.0),
             }
         );
         let sglang = "sglang:num_running_reqs{tp_rank=\"0\"} 4\nsglang:num_queue_reqs{tp_rank=\"0\"} 7\nsglang:token_usage{tp_rank=\"0\"} 0.5\n";
@@ -196,12 +222,14 @@ mod tests {
             (g.running, g.waiting, g.kv_usage),
             (Some(4.0), Some(7.0), Some(0.5))
         );
-        let llama = "llamacpp:requests_processing 2\nllamacpp:requests_deferred 1\nllamacpp:prompt_tokens_total 110\n";
+        let llama = "llamacpp:requests_processing 2\nllamacpp:requests_deferred 1\nllamacpp:prompt_tokens_total 110\n\
+            llamacpp:tokens_predicted_seconds_total 0.9\nllamacpp:tokens_predicted_total 45\n";
         let g = EngineGauges::parse(llama);
         assert_eq!(
             (g.running, g.waiting, g.kv_usage),
             (Some(2.0), Some(1.0), None)
         );
+        assert_eq!((g.decode_seconds, g.decode_tokens), (Some(0.9), Some(45.0)));
         // A timestamp after the value; two models on one server: summed.
         assert_eq!(
             EngineGauges::parse("llamacpp:requests_deferred 5 1700000000000\n").waiting,

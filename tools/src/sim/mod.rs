@@ -166,6 +166,10 @@ struct Sim {
     /// Every request to an API path (`/v1/...`), any method: what a test
     /// reads to know whether a replica was asked at all.
     api_requests: AtomicU64,
+    /// Decode time spent (µs) and tokens generated, as vLLM's
+    /// `inter_token_latency_seconds` histogram counts them.
+    decode_us: AtomicU64,
+    decode_tokens: AtomicU64,
     active_streams: AtomicU64,
     faults: Mutex<Faults>,
     release: Notify,
@@ -268,6 +272,8 @@ pub async fn spawn_with_events(
         waiting: AtomicU64::new(0),
         requests: AtomicU64::new(0),
         api_requests: AtomicU64::new(0),
+        decode_us: AtomicU64::new(0),
+        decode_tokens: AtomicU64::new(0),
         last_headers: Default::default(),
         last_cache_salt: Default::default(),
         active_streams: AtomicU64::new(0),
@@ -965,6 +971,13 @@ impl Sim {
             usage["prompt_tokens_details"] = json!({"cached_tokens": cached});
         }
         let id = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, served);
+        // Counted as it is scheduled (the engine's own histogram counts
+        // each token as it comes; its average is the same).
+        self.decode_us.fetch_add(
+            (max_out as f64 * self.cfg.decode_us_per_token * slowdown) as u64,
+            Ordering::Relaxed,
+        );
+        self.decode_tokens.fetch_add(max_out, Ordering::Relaxed);
 
         if !req.stream {
             if let Some(s) = sleep_us(max_out as f64 * self.cfg.decode_us_per_token * slowdown) {
@@ -1228,6 +1241,13 @@ impl Sim {
                 c.hit_tokens,
             ));
         }
+        out.push_str(&format!(
+            "# TYPE vllm:inter_token_latency_seconds histogram\n\
+             vllm:inter_token_latency_seconds_sum {}\n\
+             vllm:inter_token_latency_seconds_count {}\n",
+            self.decode_us.load(Ordering::Relaxed) as f64 / 1e6,
+            self.decode_tokens.load(Ordering::Relaxed),
+        ));
         out
     }
 }
