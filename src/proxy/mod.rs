@@ -102,7 +102,7 @@ impl ProxyHttp for GatewayProxy {
         peer: &HttpPeer,
         #[cfg(unix)] fd: std::os::unix::io::RawFd,
         #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
-        _digest: Option<&pingora_core::protocols::Digest>,
+        digest: Option<&pingora_core::protocols::Digest>,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         #[cfg(unix)]
@@ -123,9 +123,16 @@ impl ProxyHttp for GatewayProxy {
         }
         // Held while it waits for its first byte: an ejection of its backend
         // as hung ends it (`upstream::stall`).
+        // Its local address is kept with the connection (read once for it).
         #[cfg(unix)]
-        if let Some(f) = ctx.answer.in_flight.as_mut() {
-            f.hold_socket(fd);
+        if let (Some(f), Some(local)) = (
+            ctx.answer.in_flight.as_mut(),
+            digest
+                .and_then(|d| d.socket_digest.as_ref())
+                .and_then(|s| s.local_addr())
+                .and_then(|a| a.as_inet()),
+        ) {
+            f.hold_socket(fd, *local);
         }
         // The first request of a new session reached its backend: requests of
         // the same session waiting on it may follow now.

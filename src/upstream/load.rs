@@ -252,6 +252,7 @@ mod tests {
             running: Some(3.0),
             waiting: Some(4.0),
             kv_usage: Some(0.5),
+            ..Default::default()
         };
         l.record(&g, Duration::from_secs(60));
         assert_eq!(l.requests_if_fresh(), 7);

@@ -293,7 +293,7 @@ impl Tier {
                 self.may_eject(cfg.max_ejected_percent)
             });
             if let Some(span) = ejected {
-                let cut = s.progress.cut_all();
+                let cut = s.progress.cut_all(b.addr);
                 out.push(Stalled {
                     backend: Arc::clone(b),
                     silent_ms: silent,

@@ -10,11 +10,16 @@
 //! backend whose requests fail (`outlier`: the same backoff and panic
 //! threshold): its waiters are placed again, its sessions rebind at their
 //! next turn (counted broken). The requests it already holds are ended
-//! then too: each one's upstream socket is kept (a duplicate descriptor,
-//! [`Progress::hold`]) while it waits for its first byte, and the ejection
-//! shuts them down ([`Progress::cut_all`]); each such request is sent once
-//! to another backend or answered 504 (`outlier.on_hung`), not left to the
-//! read timeout (10 minutes by default).
+//! then too: each one's upstream socket is noted while it waits for its
+//! first byte ([`Progress::hold`]: its descriptor and its local address,
+//! which Pingora keeps with the connection), and the ejection shuts them
+//! down ([`Progress::cut_all`]); each such request is sent once to another
+//! backend or answered 504 (`outlier.on_hung`), not left to the read
+//! timeout (10 minutes by default). Noting costs no system call; a
+//! duplicate descriptor per request (two calls) cost 4% of a request's CPU.
+//! A descriptor Pingora closed before its request let go of it may name
+//! another socket by then: it is shut only while it is still the same
+//! connection (its local address and the backend's, checked as it is cut).
 //!
 //! The bound is `outlier.first_byte_timeout_ms`, or learned: [`FACTOR`]
 //! times the slowest first byte it gave lately (a peak that decays with
@@ -31,7 +36,8 @@
 //! configure the bound.
 
 use parking_lot::Mutex;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -55,10 +61,8 @@ pub struct Progress {
     /// The slowest time to first byte lately, ms (0: none yet).
     peak_ms: AtomicU64,
     /// The upstream sockets of requests waiting for their first byte, by
-    /// [`Held`] token: duplicates, so that the descriptor stays this
-    /// socket's until its request lets go of it, whatever Pingora has done
-    /// with its own.
-    held: Mutex<Vec<(u64, OwnedFd)>>,
+    /// [`Held`] token: descriptor and local address.
+    held: Mutex<Vec<(u64, RawFd, SocketAddr)>>,
 }
 
 /// A request's claim on its socket in [`Progress`]'s `held` list.
@@ -96,26 +100,20 @@ impl Progress {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
     }
 
-    /// Keep a duplicate of `fd`, the upstream socket a request waits on for
-    /// its first byte, until [`Self::release`]; `None` when the process is
-    /// out of descriptors (that request is then left to the read timeout).
-    pub fn hold(&self, fd: RawFd) -> Option<Held> {
+    /// Note `fd`, the upstream socket (local address `local`) a request
+    /// waits on for its first byte, until [`Self::release`].
+    pub fn hold(&self, fd: RawFd, local: SocketAddr) -> Held {
         static NEXT: AtomicU64 = AtomicU64::new(1);
-        // SAFETY: the caller's socket is open for the length of this call
-        // (Pingora passes it to `connected_to_upstream` while it owns it).
-        let dup = unsafe { BorrowedFd::borrow_raw(fd) }
-            .try_clone_to_owned()
-            .ok()?;
         let token = NEXT.fetch_add(1, Ordering::Relaxed);
-        self.held.lock().push((token, dup));
-        Some(Held(token))
+        self.held.lock().push((token, fd, local));
+        Held(token)
     }
 
     /// Let go of a held socket (its first byte came, or its request ended).
     /// `false`: an ejection cut it first.
     pub fn release(&self, held: Held) -> bool {
         let mut list = self.held.lock();
-        match list.iter().position(|(t, _)| *t == held.0) {
+        match list.iter().position(|(t, ..)| *t == held.0) {
             Some(i) => {
                 list.swap_remove(i);
                 true
@@ -124,16 +122,22 @@ impl Progress {
         }
     }
 
-    /// Shut down every held socket (the backend was ejected as hung): each
-    /// request waiting there sees its connection closed at once. Returns
-    /// how many.
-    pub fn cut_all(&self) -> usize {
-        let cut = std::mem::take(&mut *self.held.lock());
-        for (_, fd) in &cut {
-            // SAFETY: `fd` is an open descriptor this list owns.
-            unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+    /// Shut down every held socket that is still a connection from its
+    /// noted local address to `peer` (the backend was ejected as hung):
+    /// each request waiting there sees its connection closed at once.
+    /// Returns how many.
+    pub fn cut_all(&self, peer: SocketAddr) -> usize {
+        let held = std::mem::take(&mut *self.held.lock());
+        let mut cut = 0;
+        for (_, fd, local) in held {
+            if socket_addr(fd, false) == Some(local) && socket_addr(fd, true) == Some(peer) {
+                // SAFETY: shutdown(2) on a descriptor just seen to be this
+                // connection's; it closes nothing.
+                unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                cut += 1;
+            }
         }
-        cut.len()
+        cut
     }
 
     /// Requests waiting for a first byte now.
@@ -165,6 +169,38 @@ impl Progress {
         let since = self.since_ms.load(Ordering::Relaxed).max(not_before_ms);
         let silent = now_ms.saturating_sub(since);
         (silent > bound.as_millis() as u64).then_some(silent)
+    }
+}
+
+/// The local (`peer == false`) or remote address of socket `fd`, if it is
+/// an open IPv4 or IPv6 socket.
+fn socket_addr(fd: RawFd, peer: bool) -> Option<SocketAddr> {
+    // SAFETY: a zeroed sockaddr_storage is valid, and the kernel writes at
+    // most `len` bytes of it.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    let p = &mut ss as *mut libc::sockaddr_storage as *mut libc::sockaddr;
+    let rc = match peer {
+        true => unsafe { libc::getpeername(fd, p, &mut len) },
+        false => unsafe { libc::getsockname(fd, p, &mut len) },
+    };
+    if rc != 0 {
+        return None;
+    }
+    match ss.ss_family as libc::c_int {
+        libc::AF_INET => {
+            // SAFETY: the family says the storage holds a sockaddr_in.
+            let a = unsafe { *(p as *const libc::sockaddr_in) };
+            let ip = std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
+            Some(SocketAddr::from((ip, u16::from_be(a.sin_port))))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: the family says the storage holds a sockaddr_in6.
+            let a = unsafe { *(p as *const libc::sockaddr_in6) };
+            let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
+            Some(SocketAddr::from((ip, u16::from_be(a.sin6_port))))
+        }
+        _ => None,
     }
 }
 
@@ -202,25 +238,40 @@ mod tests {
     #[test]
     fn an_ejection_cuts_the_sockets_of_the_requests_still_waiting() {
         use std::io::Read;
+        use std::os::fd::AsRawFd;
         let p = Progress::default();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let mut waiting = std::net::TcpStream::connect(addr).unwrap();
-        let answered = std::net::TcpStream::connect(addr).unwrap();
+        let peer = listener.local_addr().unwrap();
+        let mut waiting = std::net::TcpStream::connect(peer).unwrap();
+        let answered = std::net::TcpStream::connect(peer).unwrap();
         let (_peer_a, _) = listener.accept().unwrap();
         let (_peer_b, _) = listener.accept().unwrap();
-        let a = p.hold(waiting.as_raw_fd()).unwrap();
-        let b = p.hold(answered.as_raw_fd()).unwrap();
+        let local = |s: &std::net::TcpStream| s.local_addr().unwrap();
+        let a = p.hold(waiting.as_raw_fd(), local(&waiting));
+        let b = p.hold(answered.as_raw_fd(), local(&answered));
         // One got its first byte: let go of, never cut.
         assert!(p.release(b));
-        assert_eq!(p.cut_all(), 1);
-        // The other's read ends at once (EOF), though its peer is still
-        // there and silent.
+        // A descriptor that is no longer the noted connection (closed, its
+        // number taken by another socket) is left alone.
+        let other = std::net::TcpStream::connect(peer).unwrap();
+        let (_peer_c, _) = listener.accept().unwrap();
+        let stale = "127.0.0.1:9".parse().unwrap();
+        p.hold(other.as_raw_fd(), stale);
+        assert_eq!(p.cut_all(peer), 1);
+        // The waiting one's read ends at once (EOF), though its peer is
+        // still there and silent.
         let mut buf = [0u8; 1];
         assert_eq!(waiting.read(&mut buf).unwrap(), 0);
         // Its request learns that it was cut, not let go of.
         assert!(!p.release(a));
-        assert_eq!(p.cut_all(), 0);
+        assert_eq!(p.cut_all(peer), 0);
+        // The other socket still works.
+        other.set_nonblocking(true).unwrap();
+        let mut other = other;
+        assert_eq!(
+            other.read(&mut buf).unwrap_err().kind(),
+            std::io::ErrorKind::WouldBlock
+        );
     }
 
     #[test]

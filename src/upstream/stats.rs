@@ -128,12 +128,12 @@ impl InFlight {
         }
     }
 
-    /// Its connection is `fd`: held until its first byte, so that an
-    /// ejection of its backend as hung ends it.
-    pub fn hold_socket(&mut self, fd: std::os::fd::RawFd) {
+    /// Its connection is `fd`, from `local`: noted until its first byte,
+    /// so that an ejection of its backend as hung ends it.
+    pub fn hold_socket(&mut self, fd: std::os::fd::RawFd, local: std::net::SocketAddr) {
         self.let_go();
         if self.awaiting {
-            self.held = self.stats.progress.hold(fd);
+            self.held = Some(self.stats.progress.hold(fd, local));
         }
     }
 

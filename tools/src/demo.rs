@@ -128,6 +128,10 @@ pub enum Study {
     Trace,
     /// The trace study's last table alone: soft against hard with ids.
     TraceSoft,
+    /// The chat trace on four replicas, one SIGKILLed at a third of the run
+    /// with requests in flight and restarted empty at two thirds, sessions
+    /// keyed and keyless, against one replica with an unlimited cache.
+    Disturbed,
     /// Responses chains by `previous_response_id` over replicas that each
     /// keep their own responses, JSON and streamed, against one replica
     /// alone (which holds every chain).
@@ -492,6 +496,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             | Study::Keyless
             | Study::Trace
             | Study::TraceSoft
+            | Study::Disturbed
             | Study::Responses
     ) {
         let started = Instant::now();
@@ -501,6 +506,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             Study::Prefix => prefix_study(exe, args).await?,
             Study::Keyless => keyless_study(exe, args).await?,
             Study::Trace | Study::TraceSoft => trace_study(exe, args).await?,
+            Study::Disturbed => disturbed_study(exe, args).await?,
             Study::Responses => responses_study(exe, args).await?,
             _ => placement_study(exe, args).await?,
         };
@@ -1125,6 +1131,78 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
         for (label, m) in moves {
             println!("{label}: {m}");
         }
+    }
+    Ok(out)
+}
+
+/// The chat trace (`trace_study`'s) on four replicas, keyed and keyless:
+/// at a third of its requests one replica is SIGKILLed (no warning: the
+/// requests it holds die with it), at two thirds it is started again, empty,
+/// on its address; against one replica with an unlimited cache running the
+/// same trace (the pooled ideal: nothing is ever lost or split).
+async fn disturbed_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    let model = Model {
+        prefill_us_per_token: 4.0,
+        decode_us_per_token: 500.0,
+        cache_blocks: args.cache_blocks.unwrap_or(20_000),
+        max_batch: 16,
+        serial_prefill: true,
+        no_cache_report: false,
+    };
+    let mut trace = BenchArgs::seed_study("");
+    trace.trace_synthetic = Some(if args.quick { 400 } else { 1895 });
+    trace.trace_shape = loadgen::TraceShape::Conversation;
+    trace.trace_ordered = true;
+    trace.concurrency = 16;
+    let total = loadgen::trace::conversation_like(
+        trace.trace_synthetic.unwrap_or(0),
+        trace.trace_seed,
+        trace.trace_reblock,
+    )
+    .lines()
+    .filter(|l| !l.trim().is_empty())
+    .count() as u64;
+    let variants = args.variants_or(&["bounded_hrw", "bounded_hrw,ids=none"]);
+    let mut out = Vec::new();
+    for first in &variants {
+        let variant = Variant::parse(first);
+        let mut fleet =
+            start_fleet(exe, &model, None, 4, &variant.affinity, &variant.placement).await?;
+        let mut run = trace.clone();
+        run.url = fleet.gateway_url.clone();
+        variant.client(&mut run);
+        run.label = format!("replica killed at 1/3, back empty at 2/3: {first}");
+        run.id_prefix = "disturbed".into();
+        let bench = tokio::spawn(async move { loadgen::run(&run).await });
+        served_at_least(&fleet.metrics_url, total / 3, &bench).await;
+        let victim = fleet.backend_urls[3].clone();
+        let _ = fleet.children[3].kill();
+        let _ = fleet.children[3].wait();
+        served_at_least(&fleet.metrics_url, 2 * total / 3, &bench).await;
+        let listen = victim.trim_start_matches("http://").to_string();
+        fleet.children[3] = start_sim_on(exe, "vllm-3", &model, &listen)?.0;
+        let mut r = bench.await.map_err(std::io::Error::other)?;
+        r.upstream_retries =
+            Some(metric_sum(&fleet.metrics_url, "agentserve_upstream_retries_total{").await);
+        out.push(r);
+    }
+    let unlimited = Model {
+        cache_blocks: 0,
+        ..model
+    };
+    let (mut child, addr) = start_sim(exe, "ideal", &unlimited)?;
+    let mut a = trace.clone();
+    a.url = format!("http://{addr}");
+    a.label = "ideal (1 replica, unlimited cache, undisturbed)".into();
+    a.id_prefix = "disturbed".into();
+    out.push(loadgen::run(&a).await);
+    let _ = child.kill();
+    let _ = child.wait();
+    if !args.json {
+        println!(
+            "The chat trace ({total} requests) on 4 replicas, one SIGKILLed at 1/3 and back empty at 2/3, against the pooled ideal:\n"
+        );
+        println!("{}", report::comparison_table(&out));
     }
     Ok(out)
 }
