@@ -528,10 +528,13 @@ impl Gateway {
         for tier in &routing.tiers {
             for stalled in tier.eject_stalled(cfg, now) {
                 let b = &stalled.backend;
+                let what = match stalled.out_for {
+                    Some(span) => format!("ejected for {} s", span.as_secs()),
+                    None => "failing its health checks".to_string(),
+                };
                 log::warn!(
-                    "backend {} ejected for {} s: no first byte for {} ms with requests waiting; the {} it held: {}",
+                    "backend {} {what}: no first byte for {} ms with requests waiting; the {} it held: {}",
                     b.id,
-                    stalled.out_for.as_secs(),
                     stalled.silent_ms,
                     stalled.cut,
                     match cfg.on_hung {
@@ -539,6 +542,9 @@ impl Gateway {
                         crate::config::OnHung::Fail => "answered 504",
                     }
                 );
+                if stalled.out_for.is_none() {
+                    continue;
+                }
                 self.metrics
                     .backend_ejections
                     .with_label_values(&[&tier.name, &b.id])

@@ -589,3 +589,23 @@ async fn with_on_hung_fail_the_turns_a_hung_replica_held_get_a_504() {
         );
     }
 }
+
+/// A replica frozen whole (SIGSTOP: a wedged process, a paused VM) holding
+/// turns: its health check fails too, and it is out before its silence is
+/// judged; the turns it held are still cut and answered by another replica,
+/// not left to the 10-minute read timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turns_a_frozen_replica_held_are_answered_by_another() {
+    let (sims, gw) = fleet(3, &affinity_yaml(1800)).await;
+    let placement = bind_sessions(&gw, 12).await;
+    let v = sims.iter().position(|s| s.id == placement["s0"]).unwrap();
+    let turns = turns_held_by_a_hung_replica(&gw, &sims, &placement, v).await;
+    let pid = sims[v].pid().unwrap();
+    signal(pid, libc::SIGSTOP);
+    for t in turns {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_ne!(r.backend.as_deref(), Some(sims[v].id.as_str()));
+    }
+    signal(pid, libc::SIGCONT);
+}

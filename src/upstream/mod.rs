@@ -183,8 +183,9 @@ pub struct Stalled {
     pub backend: Arc<Backend>,
     /// How long it had given no first byte, ms.
     pub silent_ms: u64,
-    /// How long it is out.
-    pub out_for: std::time::Duration,
+    /// How long it is ejected (`None`: it was out already, failing its
+    /// health checks).
+    pub out_for: Option<std::time::Duration>,
     /// The requests it held, their connections cut.
     pub cut: usize,
 }
@@ -273,7 +274,8 @@ impl Tier {
 
     /// Eject each backend that has stalled (`stall`): requests wait there
     /// and it has given no first byte for its bound. The requests it holds
-    /// are cut. Returns those ejected.
+    /// are cut, there and at one that failed its health checks meanwhile.
+    /// Returns those ejected or cut.
     pub fn eject_stalled(&self, cfg: &crate::config::OutlierConfig, now_ms: u64) -> Vec<Stalled> {
         let mut out = Vec::new();
         for b in &self.backends {
@@ -292,12 +294,18 @@ impl Tier {
             let ejected = s.outlier.eject_stalled(&self.ejections, cfg, now_ms, || {
                 self.may_eject(cfg.max_ejected_percent)
             });
-            if let Some(span) = ejected {
-                let cut = s.progress.cut_all(b.addr);
+            // One its health checks already took out (a process frozen
+            // whole fails them too) is not ejected again (the cap counts it
+            // out already), but what it holds is cut all the same.
+            if ejected.is_none() && self.checks_pass(b) {
+                continue;
+            }
+            let cut = s.progress.cut_all(b.addr);
+            if ejected.is_some() || cut > 0 {
                 out.push(Stalled {
                     backend: Arc::clone(b),
                     silent_ms: silent,
-                    out_for: span,
+                    out_for: ejected,
                     cut,
                 });
             }

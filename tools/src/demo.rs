@@ -1164,16 +1164,25 @@ async fn disturbed_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
     .count() as u64;
     let variants = args.variants_or(&["bounded_hrw", "bounded_hrw,ids=none"]);
     let mut out = Vec::new();
-    for first in &variants {
+    // The first variant undisturbed too: what the kill and restart cost.
+    let runs = std::iter::once((variants[0], false)).chain(variants.iter().map(|v| (*v, true)));
+    for (first, disturbed) in runs {
         let variant = Variant::parse(first);
         let mut fleet =
             start_fleet(exe, &model, None, 4, &variant.affinity, &variant.placement).await?;
         let mut run = trace.clone();
         run.url = fleet.gateway_url.clone();
         variant.client(&mut run);
-        run.label = format!("replica killed at 1/3, back empty at 2/3: {first}");
+        run.label = match disturbed {
+            true => format!("replica killed at 1/3, back empty at 2/3: {first}"),
+            false => format!("undisturbed: {first}"),
+        };
         run.id_prefix = "disturbed".into();
         let bench = tokio::spawn(async move { loadgen::run(&run).await });
+        if !disturbed {
+            out.push(bench.await.map_err(std::io::Error::other)?);
+            continue;
+        }
         served_at_least(&fleet.metrics_url, total / 3, &bench).await;
         let victim = fleet.backend_urls[3].clone();
         let _ = fleet.children[3].kill();
