@@ -13,8 +13,10 @@
 //!   items), the earlier prompt ends where one of its messages ends: a
 //!   client re-sends the conversation's messages as they were;
 //! - for a prompt without (completions: token ids or text), it covers every
-//!   full block of the earlier prompt but its last [`TOLERANCE_BLOCKS`], or
-//!   extends it byte for byte: a token-id client re-tokenises the tail of
+//!   full block of the earlier prompt but the last few that hold its last
+//!   [`TOLERANCE_TOKENS`] ([`tolerance_blocks`]: at least
+//!   [`TOLERANCE_BLOCKS`]), or extends it byte for byte: a token-id client
+//!   re-tokenises the tail of
 //!   the turn before, and a replayed trace gives its partial last block new
 //!   ids, so a turn need not extend the one before byte for byte.
 //!
@@ -41,8 +43,31 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
-/// Full blocks at the end of a prompt that its next turn may re-render.
+/// Full blocks at the end of a prompt that its next turn may re-render,
+/// at least.
 pub const TOLERANCE_BLOCKS: usize = 4;
+
+/// Tokens at the end of a prompt that its next turn may re-render: counted
+/// in tokens, not bytes, since a token id's width in the canonical prompt
+/// is its digits (a real tokenizer's vocabulary ids take five or six, a
+/// trace's hash ids more: 512 ids of eight digits fill 4.5 KiB).
+pub const TOLERANCE_TOKENS: f64 = 512.0;
+
+/// The most blocks a tolerance covers (bounds an end's size).
+pub const MAX_TOLERANCE_BLOCKS: usize = 8;
+
+/// Full blocks of `block` bytes at the end of a prompt of `tokens_per_byte`
+/// that its next turn may re-render: those [`TOLERANCE_TOKENS`] may touch
+/// (one more for where they start within a block), at least
+/// [`TOLERANCE_BLOCKS`], at most [`MAX_TOLERANCE_BLOCKS`].
+pub fn tolerance_blocks(tokens_per_byte: f64, block: usize) -> usize {
+    if !(tokens_per_byte > 0.0) || block == 0 {
+        return TOLERANCE_BLOCKS;
+    }
+    let bytes = TOLERANCE_TOKENS / tokens_per_byte;
+    let blocks = (bytes / block as f64).ceil() as usize + 1;
+    blocks.clamp(TOLERANCE_BLOCKS, MAX_TOLERANCE_BLOCKS)
+}
 
 /// Ends kept under one marker: more (many conversations whose last full
 /// block is a shared one) drop the oldest, whose next turn is then placed
@@ -54,9 +79,10 @@ const PER_MARKER: u32 = 16;
 /// of them can be continued (each shares all of itself with the other).
 const PER_EXACT: u32 = 2;
 
-/// Heap bytes an end costs, about: the end, its markers in the map, its
-/// place in the queues.
-pub const END_BYTES: usize = 256;
+/// Heap bytes an end costs, about: the end (224 bytes, most of them its
+/// [`MAX_TOLERANCE_BLOCKS`] + 1 links), its markers in the map, its place
+/// in the queues.
+pub const END_BYTES: usize = 320;
 
 const NIL: u32 = u32::MAX;
 
@@ -120,8 +146,11 @@ struct End {
     /// exactly (the key of its last message end; for a prompt without
     /// messages, the boundary after its last full block, where its tail is
     /// checked, or the root for a prompt with no full block).
-    links: [Link; TOLERANCE_BLOCKS + 1],
+    links: [Link; MAX_TOLERANCE_BLOCKS + 1],
     n_links: u8,
+    /// Full blocks at its end its next turn may re-render
+    /// ([`tolerance_blocks`]).
+    tolerance: u8,
     /// Full blocks of its prompt, and where the prompt ends (its last
     /// message's end, for a prompt with messages).
     n_blocks: u32,
@@ -336,7 +365,7 @@ impl<'a> Reading<'a> {
                     (true, _) => Some(e.len),
                     (false, 0) => None,
                     (false, _) => {
-                        (k + TOLERANCE_BLOCKS > e.n_blocks as usize).then(|| clamp32(k * block))
+                        (k + e.tolerance as usize > e.n_blocks as usize).then(|| clamp32(k * block))
                     }
                 }
             });
@@ -388,8 +417,9 @@ impl<'a> Reading<'a> {
     fn own_end(&self, id: u128, shared: u32, now_ms: u64) -> End {
         let (n, block) = (self.n, self.block);
         let own_from = shared as usize / block.max(1) + 1;
-        let first = n.saturating_sub(TOLERANCE_BLOCKS - 1).max(own_from);
-        let mut links = [NO_LINK; TOLERANCE_BLOCKS + 1];
+        let tolerance = tolerance_blocks(self.p.tokens_per_byte, block);
+        let first = n.saturating_sub(tolerance - 1).max(own_from);
+        let mut links = [NO_LINK; MAX_TOLERANCE_BLOCKS + 1];
         let mut n_links = 0;
         for k in first..=n {
             if !self.messages {
@@ -418,6 +448,7 @@ impl<'a> Reading<'a> {
             conversation: id,
             links,
             n_links: n_links as u8,
+            tolerance: tolerance as u8,
             n_blocks: n as u32,
             len: self.q_len,
             tail_len: self.tail_len as u32,
@@ -842,7 +873,7 @@ impl Inner {
         };
         e.shared = e.shared.max(agreement);
         let shared = e.shared as usize;
-        let mut within = [0u64; TOLERANCE_BLOCKS + 1];
+        let mut within = [0u64; MAX_TOLERANCE_BLOCKS + 1];
         let mut n = 0;
         for l in &e.links[..e.n_links as usize] {
             if l.depth != EXACT && l.depth != DEAD && l.depth as usize * block <= shared {
@@ -1147,6 +1178,34 @@ mod tests {
         let other = [block(1), block(2), block(20)[..300].to_vec()].concat();
         let o = turn_in(&chunker, &cs, &ids(&other), 2, false, 0);
         assert_ne!(o.id, a.id);
+    }
+
+    #[test]
+    fn a_re_tokenised_tail_is_tolerated_in_tokens_whatever_the_ids_width() {
+        // Token ids of eight digits (9 canonical bytes each): a turn that
+        // re-tokenises the last 512 tokens of the one before rewrites 4.5
+        // KiB, five or six of the gateway's 1 KiB blocks.
+        let chunker = Chunker {
+            block_bytes: 1024,
+            ..C
+        };
+        let cs = conversations();
+        let head = seq(10_000_000, 1_500);
+        let t1 = [head.clone(), seq(20_000_000, 512)].concat();
+        let t2 = [head.clone(), seq(30_000_000, 512), seq(40_000_000, 200)].concat();
+        let a = turn_in(&chunker, &cs, &ids(&t1), 1, false, 0);
+        let b = turn_in(&chunker, &cs, &ids(&t2), 1, true, 0);
+        assert_eq!(b.id, a.id);
+        assert_eq!(b.continues.map(|c| c.slot), Some(1));
+        // Rewritten further back (1,100 tokens): another conversation.
+        let far = [seq(10_000_000, 900), seq(50_000_000, 1_400)].concat();
+        let c = turn_in(&chunker, &cs, &ids(&far), 2, false, 0);
+        assert_ne!(c.id, a.id);
+        assert_eq!(c.continues, None);
+        // Text keeps its four blocks; wide ids get more, never past the cap.
+        assert_eq!(tolerance_blocks(0.25, 1024), TOLERANCE_BLOCKS);
+        assert_eq!(tolerance_blocks(1.0 / 9.0, 1024), 6);
+        assert_eq!(tolerance_blocks(1.0 / 30.0, 1024), MAX_TOLERANCE_BLOCKS);
     }
 
     #[test]
