@@ -86,6 +86,10 @@ pub struct DemoArgs {
     /// part (default 700: a third of the working set).
     #[arg(long)]
     pub cache_blocks: Option<usize>,
+    /// Trace and disturbed studies: the trace's token ids are drawn below
+    /// this (151936: Qwen3's vocabulary, most ids six digits).
+    #[arg(long, default_value_t = loadgen::trace::DEFAULT_VOCAB)]
+    pub trace_vocab: u32,
     /// Placement study: the 64 × 8 workload's per-session document in the
     /// first turn, bytes (default 2000; 0: every turn alike).
     #[arg(long)]
@@ -1096,6 +1100,7 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
     trace.trace_shape = loadgen::TraceShape::Conversation;
     trace.trace_ordered = true;
     trace.concurrency = 16;
+    trace.trace_vocab = args.trace_vocab;
     let mut tables: Vec<Table> = Vec::new();
     let pair = ["bounded_hrw", "bounded_hrw,ids=none"];
     if args.study != Study::TraceSoft {
@@ -1154,6 +1159,7 @@ async fn disturbed_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
     trace.trace_shape = loadgen::TraceShape::Conversation;
     trace.trace_ordered = true;
     trace.concurrency = 16;
+    trace.trace_vocab = args.trace_vocab;
     let total = loadgen::trace::conversation_like(
         trace.trace_synthetic.unwrap_or(0),
         trace.trace_seed,

@@ -101,6 +101,10 @@ pub struct BenchArgs {
     /// Seed of the generated trace.
     #[arg(long, default_value_t = 1)]
     pub trace_seed: u64,
+    /// A trace's token ids are drawn below this (a real tokenizer's
+    /// vocabulary: 151936 for Qwen3 makes most ids six digits).
+    #[arg(long, default_value_t = trace::DEFAULT_VOCAB)]
+    pub trace_vocab: u32,
     /// The generated trace's shape: `agentic` (every conversation 2–10
     /// turns, a 3-block shared opening: `trace::mooncake_like`) or
     /// `conversation` (a production chat trace's: most conversations one

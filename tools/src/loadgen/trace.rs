@@ -88,21 +88,27 @@ pub fn infer_sessions(lines: &[TraceLine]) -> Vec<(usize, usize)> {
     out
 }
 
-/// The token ids of a trace request: 512 deterministic ids per hash id, cut
-/// (or extended with ids unique to `line_no`) to `input_length`.
-pub fn prompt_ids(line: &TraceLine, line_no: usize) -> Vec<u32> {
+/// Token ids are drawn below this by default (five digits at most).
+pub const DEFAULT_VOCAB: u32 = 50_000;
+
+/// The token ids of a trace request: 512 deterministic ids per hash id
+/// below `vocab` (a real tokenizer's: Qwen3's 151,936 makes most of them
+/// six digits), cut (or extended with ids unique to `line_no`) to
+/// `input_length`.
+pub fn prompt_ids(line: &TraceLine, line_no: usize, vocab: u32) -> Vec<u32> {
+    let vocab = vocab.max(2) as u64;
     let mut ids = Vec::with_capacity(line.input_length as usize);
     'outer: for &h in &line.hash_ids {
         for j in 0..BLOCK_TOKENS {
             if ids.len() as u64 >= line.input_length {
                 break 'outer;
             }
-            ids.push((mix(h.wrapping_mul(1_000_003).wrapping_add(j)) % 50_000) as u32);
+            ids.push((mix(h.wrapping_mul(1_000_003).wrapping_add(j)) % vocab) as u32);
         }
     }
     let mut j = 0u64;
     while (ids.len() as u64) < line.input_length {
-        ids.push((mix((line_no as u64) << 32 | j) % 50_000) as u32);
+        ids.push((mix((line_no as u64) << 32 | j) % vocab) as u32);
         j += 1;
     }
     ids
@@ -125,7 +131,7 @@ pub async fn replay(client: &reqwest::Client, args: &BenchArgs, text: &str) -> V
         }
         let mut body = json!({
             "model": args.model,
-            "prompt": prompt_ids(line, i),
+            "prompt": prompt_ids(line, i, args.trace_vocab),
             "max_tokens": line.output_length.clamp(1, args.trace_max_output),
         });
         if !args.no_stream {
@@ -401,7 +407,7 @@ mod tests {
             let mut last: HashMap<usize, (usize, Vec<u32>)> = HashMap::new();
             let mut pairs = 0;
             for (i, (line, &(session, turn))) in lines.iter().zip(&s).enumerate() {
-                let ids = prompt_ids(line, i);
+                let ids = prompt_ids(line, i, DEFAULT_VOCAB);
                 assert_eq!(ids.len() as u64, line.input_length);
                 assert_eq!(line.hash_ids[..3], [1, 2, 3]);
                 if let Some((before_turn, before)) = last.get(&session) {
@@ -468,7 +474,10 @@ mod tests {
             hash_ids: vec![7, 9, 10],
             session: None,
         };
-        let (pa, pb) = (prompt_ids(&a, 0), prompt_ids(&b, 1));
+        let (pa, pb) = (
+            prompt_ids(&a, 0, DEFAULT_VOCAB),
+            prompt_ids(&b, 1, DEFAULT_VOCAB),
+        );
         assert_eq!(pa.len(), 1024);
         assert_eq!(pb.len(), 1500);
         assert_eq!(pa[..512], pb[..512]);
