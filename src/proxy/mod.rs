@@ -121,9 +121,9 @@ impl ProxyHttp for GatewayProxy {
                 }
             }
         }
-        // Held while it waits for its first byte: an ejection of its backend
-        // as hung ends it (`upstream::stall`).
-        // Its local address is kept with the connection (read once for it).
+        // Noted while it waits for its first byte, so that an ejection of
+        // its backend as hung ends it (`upstream::stall`); the local address
+        // is kept with the connection (read once for it, not per request).
         #[cfg(unix)]
         if let (Some(f), Some(local)) = (
             ctx.answer.in_flight.as_mut(),
