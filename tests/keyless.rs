@@ -76,8 +76,18 @@ async fn conversations_with_the_same_first_turn_spread_and_each_stays_where_it_p
     );
 }
 
+/// Trace turns whose partial last block gets new ids in the next turn, with
+/// token ids of five digits and of a real tokenizer's six (Qwen3's
+/// vocabulary, 151,936). (Where wider ids put a re-ided tail past four
+/// blocks: the unit test `a_re_tokenised_tail_is_tolerated_in_tokens…`.)
 #[tokio::test]
 async fn trace_turns_that_re_id_the_partial_block_stay_on_their_backend() {
+    for vocab in [trace::DEFAULT_VOCAB, 151_936] {
+        trace_turns_stay(vocab).await;
+    }
+}
+
+async fn trace_turns_stay(vocab: u32) {
     let (_sims, gw) = fleet(3, &affinity_yaml(1800)).await;
     let c = client();
     let text = trace::mooncake_like(12, 5, true);
@@ -86,7 +96,8 @@ async fn trace_turns_that_re_id_the_partial_block_stay_on_their_backend() {
     let mut homes: HashMap<usize, HashSet<String>> = HashMap::new();
     let (mut later, mut hits) = (0, 0);
     for (i, (line, &(session, turn))) in lines.iter().zip(&sessions).enumerate() {
-        let body = json!({"model": "m", "prompt": trace::prompt_ids(line, i), "max_tokens": 1});
+        let body =
+            json!({"model": "m", "prompt": trace::prompt_ids(line, i, vocab), "max_tokens": 1});
         let r = reply(
             c.post(gw.url("/v1/completions"))
                 .json(&body)
@@ -106,7 +117,10 @@ async fn trace_turns_that_re_id_the_partial_block_stay_on_their_backend() {
     // partial last one: none of them extends the one before byte for byte,
     // and each is still that conversation's next turn.
     assert!(later > 40, "{later}");
-    assert_eq!(hits, later, "every later turn continued its conversation");
+    assert_eq!(
+        hits, later,
+        "ids below {vocab}: every later turn continued its conversation"
+    );
     assert!(homes.values().all(|b| b.len() == 1), "{homes:?}");
     let used: HashSet<&String> = homes.values().flatten().collect();
     assert_eq!(used.len(), 3, "spread, not merged by their shared prefix");
