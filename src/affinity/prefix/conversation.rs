@@ -61,7 +61,7 @@ pub const MAX_TOLERANCE_BLOCKS: usize = 8;
 /// (one more for where they start within a block), at least
 /// [`TOLERANCE_BLOCKS`], at most [`MAX_TOLERANCE_BLOCKS`].
 pub fn tolerance_blocks(tokens_per_byte: f64, block: usize) -> usize {
-    if !(tokens_per_byte > 0.0) || block == 0 {
+    if !tokens_per_byte.is_finite() || tokens_per_byte <= 0.0 || block == 0 {
         return TOLERANCE_BLOCKS;
     }
     let bytes = TOLERANCE_TOKENS / tokens_per_byte;
