@@ -1421,9 +1421,10 @@ async fn a_stream_past_its_tenants_tokens_is_cut_where_the_operator_says_so() {
 /// runs eight side by side and prefills in no time: their first byte
 /// follows their whole decode, and that second is never learned as
 /// prefill. The engine's own count of decode time says what it was (before
-/// issue 61, 16 tokens were taken as negligible: 50 ms a token of prefill
-/// learned, and learned admission queued requests behind that phantom
-/// prefill, rounds up to 19× slower than with admission off).
+/// issue 61 nothing did and 16 tokens were taken as negligible: thousands of
+/// µs a token of prefill learned, and learned admission queued requests
+/// behind that phantom prefill, rounds up to 19× slower than with admission
+/// off).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_json_answers_decode_is_never_learned_as_prefill() {
     let sim = SimBackend::start(

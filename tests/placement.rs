@@ -331,7 +331,13 @@ async fn a_json_answer_does_not_teach_its_decode_as_prefill() {
             "2000",
         ],
     );
-    let gw = Gateway::start(&[tier("default", true, &[], &[&sim])], &affinity_yaml(600)).await;
+    // Only answers teach the decode speed here: the engine's own counters
+    // are not read (`load.scrape: false`).
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &[&sim])],
+        &format!("{}load:\n  scrape: false\n", affinity_yaml(600)),
+    )
+    .await;
     let c = client();
     let body = |i: usize, max_tokens: u64, stream: bool| {
         let mut b = chat_body("qwen3-8b", 0);

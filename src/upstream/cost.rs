@@ -128,12 +128,13 @@ const EWMA_ALPHA: f64 = 0.3;
 const DECODE_MIN_TOKENS: u64 = 8;
 
 /// Until the decode speed is known, a JSON answer of at most this many
-/// generated tokens still teaches the prefill cost: its time to first byte
-/// is its prefill. (Sixteen tokens were once taken as negligible: at 62 ms a
-/// token they are a second, which learned admission took for a prefill and
-/// queued requests behind; the SDKs ask for no `max_tokens`, and short
-/// answers are common.)
-pub const DECODE_NEGLIGIBLE_TOKENS: u64 = 1;
+/// generated tokens still teaches the prefill cost: its decode is taken to
+/// be a small part of its time to first byte. Where the engine reports its
+/// decode time ([`CostEstimate::observe_engine_decode`]: vLLM, SGLang and
+/// llama.cpp do) that is known from its first scrape on; an engine that
+/// reports none and decodes slowly (16 tokens at 62 ms are a second) is
+/// taken for a slow prefill until a stream teaches its decode speed.
+pub const DECODE_NEGLIGIBLE_TOKENS: u64 = 16;
 
 /// Two explained samples in a row this many times above (or below) the
 /// learned cost are a step, not noise: the cost jumps to the later one. A
@@ -307,7 +308,10 @@ impl CostEstimate {
         }
         let (dn, dus) = (n - before_n, us - before_us);
         if dn >= DECODE_MIN_TOKENS {
-            ewma(&self.decode_ns_per_token, dus as f64 * 1000.0 / dn as f64);
+            // At least 1 ns: an engine that decodes in no measurable time
+            // has a decode speed known all the same (0 reads as unknown).
+            let ns = (dus as f64 * 1000.0 / dn as f64).max(1.0);
+            ewma(&self.decode_ns_per_token, ns);
         } else {
             // Too few to teach: counted with the next scrape's.
             self.engine_decode_us.store(before_us, Ordering::Relaxed);
@@ -581,13 +585,11 @@ mod tests {
         let ms = Duration::from_millis;
         // A stream's first byte is its first token.
         assert_eq!(c.prefill_part(ms(300), 100, true), Some(ms(300)));
-        // Decode speed unknown: a one-token JSON answer teaches; one of 16
-        // tokens (a second of decode at 62 ms a token) does not.
+        // Decode speed unknown: a short JSON answer teaches, a long one not.
         assert_eq!(
             c.prefill_part(ms(300), DECODE_NEGLIGIBLE_TOKENS, false),
             Some(ms(300))
         );
-        assert_eq!(c.prefill_part(ms(1000), 16, false), None);
         assert_eq!(c.prefill_part(ms(300), 100, false), None);
         // Streams teach 2 ms a token (a short one teaches nothing)...
         c.observe_decode(ms(10), 4);
@@ -618,6 +620,12 @@ mod tests {
         assert_eq!(c.decode_us_per_token(), Some(62_500.0));
         c.observe_engine_decode(f64::NAN, 20.0);
         assert_eq!(c.decode_us_per_token(), Some(62_500.0));
+        // An engine that decodes in no measurable time: known, negligible.
+        let d = CostEstimate::default();
+        d.observe_engine_decode(0.0, 100.0);
+        assert_eq!(d.decode_us_per_token(), Some(0.001));
+        let four_ns = Duration::from_nanos(4);
+        assert_eq!(d.prefill_part(ms(30), 4, false), Some(ms(30) - four_ns));
     }
 
     #[test]
