@@ -1078,15 +1078,10 @@ async fn prefix_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<rep
     Ok(out)
 }
 
-/// A production chat trace's shape ([`loadgen::trace::conversation_like`]:
-/// 1,895 conversations, 1,395 of them one turn, every prompt opening with
-/// the same 512-token block), sent in the trace's order at c=16 to 4
-/// replicas with bounded KV (serial prefill at 4 µs a token):
-/// - keyless against sticky by conversation, a turn's partial last block
-///   re-ided in the next, and byte-exact;
-/// - soft mode against hard, with ids, on the re-blocked trace.
-async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
-    let repeats = args.repeats.max(1);
+/// The replicas and the workload of the chat-trace studies: bounded KV
+/// (`--cache-blocks`, 20,000 by default), serial prefill at 4 µs a token,
+/// the trace's conversations (400 with `--quick`) in its order at c=16.
+fn chat_trace(args: &DemoArgs) -> (Model, BenchArgs) {
     let model = Model {
         prefill_us_per_token: 4.0,
         decode_us_per_token: 500.0,
@@ -1101,6 +1096,19 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
     trace.trace_ordered = true;
     trace.concurrency = 16;
     trace.trace_vocab = args.trace_vocab;
+    (model, trace)
+}
+
+/// A production chat trace's shape ([`loadgen::trace::conversation_like`]:
+/// 1,895 conversations, 1,395 of them one turn, every prompt opening with
+/// the same 512-token block), sent in the trace's order at c=16 to 4
+/// replicas with bounded KV (serial prefill at 4 µs a token):
+/// - keyless against sticky by conversation, a turn's partial last block
+///   re-ided in the next, and byte-exact;
+/// - soft mode against hard, with ids, on the re-blocked trace.
+async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    let repeats = args.repeats.max(1);
+    let (model, mut trace) = chat_trace(args);
     let mut tables: Vec<Table> = Vec::new();
     let pair = ["bounded_hrw", "bounded_hrw,ids=none"];
     if args.study != Study::TraceSoft {
@@ -1146,20 +1154,7 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
 /// on its address; against one replica with an unlimited cache running the
 /// same trace (the pooled ideal: nothing is ever lost or split).
 async fn disturbed_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
-    let model = Model {
-        prefill_us_per_token: 4.0,
-        decode_us_per_token: 500.0,
-        cache_blocks: args.cache_blocks.unwrap_or(20_000),
-        max_batch: 16,
-        serial_prefill: true,
-        no_cache_report: false,
-    };
-    let mut trace = BenchArgs::seed_study("");
-    trace.trace_synthetic = Some(if args.quick { 400 } else { 1895 });
-    trace.trace_shape = loadgen::TraceShape::Conversation;
-    trace.trace_ordered = true;
-    trace.concurrency = 16;
-    trace.trace_vocab = args.trace_vocab;
+    let (model, trace) = chat_trace(args);
     let total = loadgen::trace::conversation_like(
         trace.trace_synthetic.unwrap_or(0),
         trace.trace_seed,
