@@ -132,6 +132,10 @@ pub enum Study {
     Trace,
     /// The trace study's last table alone: soft against hard with ids.
     TraceSoft,
+    /// The chat trace with a third of its conversations opening on one of
+    /// 32 shared long documents: keyless and keyed against sticky hashing
+    /// that knows nothing of prefixes, re-blocked and byte-exact.
+    Documents,
     /// The chat trace on four replicas, one SIGKILLed at a third of the run
     /// with requests in flight and restarted empty at two thirds, sessions
     /// keyed and keyless, against one replica with an unlimited cache.
@@ -500,6 +504,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             | Study::Keyless
             | Study::Trace
             | Study::TraceSoft
+            | Study::Documents
             | Study::Disturbed
             | Study::Responses
     ) {
@@ -510,6 +515,7 @@ async fn demo(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<()> {
             Study::Prefix => prefix_study(exe, args).await?,
             Study::Keyless => keyless_study(exe, args).await?,
             Study::Trace | Study::TraceSoft => trace_study(exe, args).await?,
+            Study::Documents => documents_study(exe, args).await?,
             Study::Disturbed => disturbed_study(exe, args).await?,
             Study::Responses => responses_study(exe, args).await?,
             _ => placement_study(exe, args).await?,
@@ -1144,6 +1150,40 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
         for (label, m) in moves {
             println!("{label}: {m}");
         }
+    }
+    Ok(out)
+}
+
+/// The chat trace's replicas and shape, a third of its conversations
+/// opening on one of 32 shared 4,096-token documents
+/// ([`loadgen::trace::documents_like`]): keyed and keyless, each placing a
+/// new conversation where its opening is cached unless that replica is over
+/// the balance bound, against keyed without the prefix index (sticky
+/// hashing: a conversation's replica by its id alone), re-blocked and
+/// byte-exact.
+async fn documents_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<report::Report>> {
+    let (model, mut trace) = chat_trace(args);
+    trace.trace_shape = loadgen::TraceShape::Documents;
+    let variants = args.variants_or(&[
+        "bounded_hrw",
+        "bounded_hrw,ids=none",
+        "bounded_hrw,prefix=off",
+    ]);
+    let tables = reblocked_and_byte_exact(
+        exe,
+        &model,
+        &mut trace,
+        ("chat trace opening on shared documents", "documents"),
+        &variants,
+        args.repeats.max(1),
+    )
+    .await?;
+    let mut out = Vec::new();
+    for (name, variants, runs) in tables {
+        if !args.json {
+            println!("{name}:\n\n{}", report::keyless_table(&variants, &runs));
+        }
+        out.extend(runs.into_iter().flatten());
     }
     Ok(out)
 }

@@ -114,6 +114,33 @@ fn relieves(short: u64, best: u64) -> bool {
     saving >= RELIEF_FLOOR_US && saving as f64 >= RELIEF_SHARE * best as f64
 }
 
+/// A backend holds a prompt's opening when the prefix index says it holds
+/// at least [`HELD_OPENING_TOKENS`] more of it than the backend holding
+/// least (a system prompt every backend holds is no opening of this
+/// prompt's), and at least half of the most any backend holds beyond that.
+pub const HELD_OPENING_TOKENS: u64 = 512;
+
+struct Holders {
+    least: u64,
+    most: u64,
+}
+
+impl Holders {
+    fn of(open: &[Candidate]) -> Holders {
+        let held = open.iter().map(|c| c.prefix_tokens);
+        Holders {
+            least: held.clone().min().unwrap_or(0),
+            most: held.max().unwrap_or(0),
+        }
+    }
+
+    fn holds(&self, c: &Candidate) -> bool {
+        let beyond = c.prefix_tokens - self.least;
+        let most = self.most - self.least;
+        most >= HELD_OPENING_TOKENS && beyond >= HELD_OPENING_TOKENS && 2 * beyond >= most
+    }
+}
+
 impl BoundedHrw {
     /// How many load units `c` may carry: ⌈factor × (total + 1) × share⌉,
     /// its weighted (and speed-scaled) share of the tier's load with the new
@@ -139,6 +166,14 @@ impl FirstPlacement for BoundedHrw {
         }
         let unlearned = unlearned_cost(open, self.prior_us_per_token);
         let learned = || open.iter().any(|c| c.prefill_us_per_token > 0.0);
+        // Where an opening is cached (a document many conversations start
+        // with, a fork's transcript), a backend holding it within the
+        // bound takes the session whatever the queues: a queue drains in a
+        // moment, while the opening computed again elsewhere is work every
+        // later conversation on it pays too, and a second copy of it in
+        // another cache.
+        let holders = Holders::of(open);
+        let holder_within = (0..open.len()).any(|i| holders.holds(&open[i]) && within(i));
         // How much later the first token comes at `i` than at the best:
         // the queue there (queue-aware), and the prefill of what it does
         // not hold of the prompt that some backend does. One cost per token
@@ -155,7 +190,8 @@ impl FirstPlacement for BoundedHrw {
         // shorter), in one pass.
         let (best, short) = hrw::choose_least_of_two(session, open, |i| {
             let cap = self.capacity(&open[i], &totals);
-            (load[i] <= cap).then(|| (wait(i), load[i] < cap))
+            let eligible = !holder_within || holders.holds(&open[i]);
+            (load[i] <= cap && eligible).then(|| (wait(i), load[i] < cap))
         });
         match (best, short) {
             (Some(b), Some(s)) if relieves(wait(s), wait(b)) && learned() => Some(s),
@@ -435,12 +471,51 @@ mod tests {
             let pick = q.place(s, &o, &[2, 3, 2]).unwrap();
             assert_eq!(Some(pick), hrw::choose_where(s, &o, |i| i != 1));
         }
-        // A queue longer than the prefill the prefix saves outweighs it:
-        // 30,000 tokens queued at backend 1 (3 s) against 2,000 saved (200 ms).
+        // A queue does not outweigh it within the bound: 30,000 tokens
+        // queued at backend 1 (3 s) against 2,000 saved (200 ms), learned.
         o[1].queued_tokens = 30_000;
-        for s in 0..200u64 {
-            let pick = q.place(s, &o, &[2, 2, 2]).unwrap();
-            assert_eq!(Some(pick), hrw::choose_where(s, &o, |i| i != 1));
+        for c in o.iter_mut() {
+            c.prefill_us_per_token = 100.0;
         }
+        for s in 0..200u64 {
+            assert_eq!(q.place(s, &o, &[2, 2, 2]), Some(1));
+        }
+        // Among backends that hold it alike the queue decides: backend 2
+        // holds the same opening and has nothing queued.
+        o[2].prefix_tokens = 4_000;
+        for s in 0..200u64 {
+            assert_eq!(q.place(s, &o, &[2, 2, 2]), Some(2));
+        }
+        // A holder over the bound leaves the choice to the queues of all.
+        o[2].prefix_tokens = 2_000;
+        o[0].queued_tokens = 10_000;
+        for s in 0..200u64 {
+            assert_eq!(q.place(s, &o, &[2, 3, 2]), Some(2));
+        }
+    }
+
+    #[test]
+    fn a_prompt_opens_on_what_a_backend_holds_well_beyond_the_rest() {
+        let mut o = open(3);
+        let held = |o: &[Candidate]| -> Vec<bool> {
+            let h = Holders::of(o);
+            o.iter().map(|c| h.holds(c)).collect()
+        };
+        // A system prompt all hold: no one holds an opening.
+        for c in o.iter_mut() {
+            c.prefix_tokens = 2_000;
+        }
+        assert_eq!(held(&o), [false, false, false]);
+        // Less than an opening's worth beyond it: none either.
+        o[0].prefix_tokens = 2_000 + HELD_OPENING_TOKENS - 1;
+        assert_eq!(held(&o), [false, false, false]);
+        // A document beyond it (4,096 tokens): its holder; one holding the
+        // document and a little more (a fork), both; one holding less than
+        // half of the most, not.
+        o[0].prefix_tokens = 6_096;
+        o[1].prefix_tokens = 7_000;
+        assert_eq!(held(&o), [true, true, false]);
+        o[0].prefix_tokens = 3_000;
+        assert_eq!(held(&o), [false, true, false]);
     }
 }

@@ -108,7 +108,9 @@ pub struct BenchArgs {
     /// The generated trace's shape: `agentic` (every conversation 2–10
     /// turns, a 3-block shared opening: `trace::mooncake_like`) or
     /// `conversation` (a production chat trace's: most conversations one
-    /// turn, one shared block: `trace::conversation_like`).
+    /// turn, one shared block: `trace::conversation_like`) or `documents`
+    /// (the same, a third of the conversations opening with one of 32
+    /// shared 4,096-token documents: `trace::documents_like`).
     #[arg(long, value_enum, default_value_t = TraceShape::Agentic)]
     pub trace_shape: TraceShape,
     /// Send the trace's requests in its order, each turn after its turn
@@ -155,6 +157,7 @@ fn parse_header(s: &str) -> Result<(String, String), String> {
 pub enum TraceShape {
     Agentic,
     Conversation,
+    Documents,
 }
 
 impl BenchArgs {
@@ -469,6 +472,9 @@ pub async fn run(args: &BenchArgs) -> Report {
                 TraceShape::Agentic => trace::mooncake_like(n, args.trace_seed, args.trace_reblock),
                 TraceShape::Conversation => {
                     trace::conversation_like(n, args.trace_seed, args.trace_reblock)
+                }
+                TraceShape::Documents => {
+                    trace::documents_like(n, args.trace_seed, args.trace_reblock)
                 }
             };
             trace::replay(&client, args, &text).await

@@ -89,6 +89,9 @@ pub struct Report {
     /// The same over conversations' later turns (from the second on):
     /// what a warm turn found cached.
     pub warm_prefix_cache_hit_rate: f64,
+    /// The same over conversations' first turns: what a new conversation
+    /// found cached of an opening others sent before it.
+    pub first_prefix_cache_hit_rate: f64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     pub ttft: Percentiles,
@@ -155,6 +158,12 @@ impl Report {
 
         let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
         let cached: u64 = ok.iter().map(|r| r.cached_tokens).sum();
+        let (first_prompt, first_cached) = ok
+            .iter()
+            .filter(|r| r.turn == 0)
+            .fold((0u64, 0u64), |(p, c), r| {
+                (p + r.prompt_tokens, c + r.cached_tokens)
+            });
         let warm = ok.iter().filter(|r| r.turn > 0);
         let (warm_prompt, warm_cached) = warm.fold((0u64, 0u64), |(p, c), r| {
             (p + r.prompt_tokens, c + r.cached_tokens)
@@ -245,6 +254,7 @@ impl Report {
             } else {
                 cached as f64 / prompt as f64
             },
+            first_prefix_cache_hit_rate: first_cached as f64 / first_prompt.max(1) as f64,
             warm_prefix_cache_hit_rate: if warm_prompt == 0 {
                 0.0
             } else {
@@ -415,11 +425,11 @@ pub fn keyless_table(variants: &[&str], runs: &[Vec<Report>]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| variant | errors | req/s | × first | max/mean | prefix-cache hit | × first | same replica | replicas/conv | E2E p50 | E2E p99 | p99 × first | corrections |"
+        "| variant | errors | req/s | × first | max/mean | prefix-cache hit | × first | first turns' hit | same replica | replicas/conv | E2E p50 | E2E p99 | p99 × first | corrections |"
     );
     let _ = writeln!(
         s,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     let Some(base) = runs.first() else {
         return s;
@@ -430,13 +440,14 @@ pub fn keyless_table(variants: &[&str], runs: &[Vec<Report>]) -> String {
             |f: &dyn Fn(&Report) -> f64| mean(&mut pairs().map(|(r, b)| f(r) / f(b).max(1e-9)));
         let _ = writeln!(
             s,
-            "| {name} | {} | {:.1} | {:.2} | {:.2} | {:.3} | {:.3} | {:.3} | {:.2} | {:.0} ms | {:.0} ms | {:.2} | {} |",
+            "| {name} | {} | {:.1} | {:.2} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} | {:.0} ms | {:.0} ms | {:.2} | {} |",
             rs.iter().map(|r| r.errors).sum::<usize>(),
             mean(&mut rs.iter().map(|r| r.requests_per_s)),
             ratio(&|r| r.requests_per_s),
             mean(&mut rs.iter().map(|r| r.balance_max_over_mean)),
             mean(&mut rs.iter().map(|r| r.prefix_cache_hit_rate)),
             ratio(&|r| r.prefix_cache_hit_rate),
+            mean(&mut rs.iter().map(|r| r.first_prefix_cache_hit_rate)),
             mean(&mut rs.iter().map(|r| r.same_backend_rate)),
             mean(&mut rs.iter().map(|r| r.replicas_per_conversation)),
             mean(&mut rs.iter().map(|r| r.e2e.p50_ms)),

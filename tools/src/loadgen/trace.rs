@@ -310,6 +310,27 @@ pub fn mooncake_like(conversations: usize, seed: u64, reblock: bool) -> String {
 /// 200), each later turn 1–6 blocks more, at most 241; conversations start
 /// over 900 s, turns 5–120 s apart. `reblock` as in [`mooncake_like`].
 pub fn conversation_like(conversations: usize, seed: u64, reblock: bool) -> String {
+    chat_like(conversations, seed, reblock, false)
+}
+
+/// How many long documents [`documents_like`] draws from, how many blocks
+/// each (4,096 tokens: about 16 KB of text), and the share of conversations
+/// that open with one.
+pub const DOCUMENTS: u64 = 32;
+pub const DOCUMENT_BLOCKS: u64 = 8;
+pub const DOCUMENT_SHARE: f64 = 1.0 / 3.0;
+
+/// [`conversation_like`] where a third of the conversations
+/// (`--trace-shape documents`) open, after the shared system prompt, with
+/// one of [`DOCUMENTS`] long documents ([`DOCUMENT_BLOCKS`] blocks each,
+/// drawn alike), then ask their own 1–4 blocks about it and go on as any
+/// conversation: the same document sent by many users, each conversation
+/// its own.
+pub fn documents_like(conversations: usize, seed: u64, reblock: bool) -> String {
+    chat_like(conversations, seed, reblock, true)
+}
+
+fn chat_like(conversations: usize, seed: u64, reblock: bool, documents: bool) -> String {
     let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut unit = move || {
         rng = mix(rng);
@@ -330,6 +351,14 @@ pub fn conversation_like(conversations: usize, seed: u64, reblock: bool) -> Stri
         let first = ((14f64.ln() + 0.9 * z).exp().round() as usize).clamp(2, 200);
         let mut ids: Vec<u64> = vec![1];
         let mut at = unit() * 900_000.0;
+        // Drawn only for this shape: the conversation shape's trace stays
+        // what it was, id for id.
+        let mut first = first;
+        if documents && unit() < DOCUMENT_SHARE {
+            let d = (unit() * DOCUMENTS as f64) as u64;
+            ids.extend((0..DOCUMENT_BLOCKS).map(|j| 10 + d * DOCUMENT_BLOCKS + j));
+            first = 2 + (unit() * 4.0) as usize;
+        }
         for t in 0..turns {
             if t > 0 && reblock {
                 ids.pop();
@@ -456,6 +485,44 @@ mod tests {
                 assert_eq!(*owner.entry(*id).or_insert(session), session);
             }
         }
+    }
+
+    #[test]
+    fn a_third_of_the_document_shapes_conversations_open_with_a_shared_document() {
+        let lines = parse(&documents_like(1895, 1, true)).unwrap();
+        let s = sessions(&lines);
+        let document = |l: &TraceLine| {
+            (l.hash_ids.len() > DOCUMENT_BLOCKS as usize && l.hash_ids[1] < 1_000_000)
+                .then(|| (l.hash_ids[1] - 10) / DOCUMENT_BLOCKS)
+        };
+        let mut opened: HashMap<usize, Option<u64>> = HashMap::new();
+        let mut owner: HashMap<u64, usize> = HashMap::new();
+        for (line, &(session, _)) in lines.iter().zip(&s) {
+            assert_eq!(line.hash_ids[0], 1);
+            let doc = document(line);
+            // A conversation keeps the opening it started with.
+            assert_eq!(*opened.entry(session).or_insert(doc), doc);
+            let own = match doc {
+                Some(d) => {
+                    let blocks = (0..DOCUMENT_BLOCKS).map(|j| 10 + d * DOCUMENT_BLOCKS + j);
+                    assert!(line.hash_ids[1..].iter().copied().take(8).eq(blocks));
+                    &line.hash_ids[1 + DOCUMENT_BLOCKS as usize..]
+                }
+                None => &line.hash_ids[1..],
+            };
+            assert!(!own.is_empty());
+            for id in own {
+                assert_eq!(*owner.entry(*id).or_insert(session), session);
+            }
+        }
+        let with: Vec<u64> = opened.values().filter_map(|d| *d).collect();
+        let share = with.len() as f64 / opened.len() as f64;
+        assert!((0.28..0.38).contains(&share), "{share}");
+        let distinct: std::collections::HashSet<u64> = with.iter().copied().collect();
+        assert_eq!(distinct.len() as u64, DOCUMENTS);
+        // The conversation shape has none.
+        let plain = parse(&conversation_like(1895, 1, true)).unwrap();
+        assert!(plain.iter().all(|l| document(l).is_none()));
     }
 
     #[test]
