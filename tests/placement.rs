@@ -255,6 +255,32 @@ async fn a_first_turn_goes_where_no_long_prefill_queues_among_balanced_backends(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_conversation_opening_on_a_document_goes_where_it_is_held_though_a_prefill_queues_there(
+) {
+    let (_sims, gw, long_turn) = a_long_prefill_at_vllm_0().await;
+    let c = client();
+    // One session each, both within the bound.
+    let short = sessions_hashing_to(0, &TWO, 1, "short").remove(0);
+    assert_eq!(first_turn(&c, &gw, &short).await, "vllm-1");
+    // A new session that hashes to vllm-1, where nothing queues, opening
+    // with the first half of the 16 KB prompt vllm-0 is prefilling (about
+    // 2,000 tokens: 4 s of prefill against 8 s queued), then asking its own
+    // question: it goes where its opening is, behind the queue, since
+    // computing it again on vllm-1 is work the fleet pays every time.
+    let reader = sessions_hashing_to(1, &TWO, 1, "reader").remove(0);
+    let mut body = chat_body("qwen3-8b", 0);
+    body["messages"][1]["content"] = Value::from(format!(
+        "{}\nWhat does this document say about its own length?",
+        "a long document ".repeat(500)
+    ));
+    let r = chat(&c, &gw, &[("x-session-id", &reader)], &body).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.backend.as_deref(), Some("vllm-0"));
+    let r = long_turn.await.unwrap().unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_turn_goes_one_session_over_the_bound_rather_than_behind_a_long_prefill() {
     let (_sims, gw, long_turn) = a_long_prefill_at_vllm_0().await;
     let c = client();
