@@ -136,13 +136,33 @@ async fn a_new_session_goes_where_its_prompt_is_cached() {
 
 #[tokio::test]
 async fn a_body_that_is_no_prompt_routes_least_busy_and_binds_nothing() {
-    let (_sims, gw) = fleet(2, &affinity_yaml(1800)).await;
+    let (sims, gw) = fleet(2, &affinity_yaml(1800)).await;
     let c = client();
-    for body in [
-        &b"not json at all"[..],
-        br#"{"model":"m","messages":"nope"}"#,
-        br#"[1,2]"#,
+    // What is not a JSON object gets the gateway's own 400, and no engine
+    // sees it.
+    for (body, why) in [
+        (&b"not json at all"[..], "the body is not valid JSON"),
+        (br#"{"model":"m","messages":[{"role":"user","#, "the body is not valid JSON"),
+        (br#"[1,2]"#, "the body must be a JSON object"),
     ] {
+        let r = c
+            .post(gw.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body.to_vec())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"]["code"], "invalid_body", "{e}");
+        let message = e["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with(why), "{message}");
+    }
+    for s in &sims {
+        assert_eq!(s.stats().await["api_requests"], 0, "{} saw a bad body", s.id);
+    }
+    // A JSON object with no prompt in it is the engine's to judge.
+    for body in [&br#"{"model":"m","messages":"nope"}"#[..]] {
         let r = c
             .post(gw.url("/v1/chat/completions"))
             .header("content-type", "application/json")

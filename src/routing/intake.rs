@@ -372,6 +372,15 @@ impl Intake {
                     "the body must be a JSON object (auth.cache_salt)".into(),
                 ));
             }
+            if self.prompt_path {
+                // Every prompt endpoint takes a JSON object: what is not one
+                // gets our error, not the engine's (whose shape varies).
+                // The scan that failed is not the judge: a body serde reads
+                // as an object goes on as before.
+                if let Some(why) = not_a_json_object(body) {
+                    return Err(GatewayError::bad_body(why));
+                }
+            }
             return Ok(BodyFacts::default());
         };
         let routing = Arc::clone(&self.routing);
@@ -526,5 +535,15 @@ impl Intake {
         };
         req.parent = self.parent.or(self.parent_agent).map(|p| p.id);
         req
+    }
+}
+
+/// Why `body` is not a JSON object, or `None` when it is one.
+fn not_a_json_object(body: &[u8]) -> Option<String> {
+    use serde::de::IgnoredAny;
+    match serde_json::from_slice::<std::collections::HashMap<String, IgnoredAny>>(body) {
+        Ok(_) => None,
+        Err(e) if e.is_data() => Some("the body must be a JSON object".into()),
+        Err(e) => Some(format!("the body is not valid JSON: {e}")),
     }
 }
