@@ -142,7 +142,10 @@ async fn a_body_that_is_no_prompt_routes_least_busy_and_binds_nothing() {
     // sees it.
     for (body, why) in [
         (&b"not json at all"[..], "the body is not valid JSON"),
-        (br#"{"model":"m","messages":[{"role":"user","#, "the body is not valid JSON"),
+        (
+            br#"{"model":"m","messages":[{"role":"user","#,
+            "the body is not valid JSON",
+        ),
         (br#"[1,2]"#, "the body must be a JSON object"),
     ] {
         let r = c
@@ -159,7 +162,12 @@ async fn a_body_that_is_no_prompt_routes_least_busy_and_binds_nothing() {
         assert!(message.starts_with(why), "{message}");
     }
     for s in &sims {
-        assert_eq!(s.stats().await["api_requests"], 0, "{} saw a bad body", s.id);
+        assert_eq!(
+            s.stats().await["api_requests"],
+            0,
+            "{} saw a bad body",
+            s.id
+        );
     }
     // A JSON object with no prompt in it is the engine's to judge.
     for body in [&br#"{"model":"m","messages":"nope"}"#[..]] {
