@@ -380,6 +380,7 @@ impl ServeHttp for MetricsApp {
                 "text/plain",
                 b"starting\n".to_vec(),
             ),
+            "/readyz" => readiness(&self.0),
             "/healthz" => match self.0.store.as_deref() {
                 Some(s) if !s.started() => (
                     503,
@@ -394,6 +395,13 @@ impl ServeHttp for MetricsApp {
                     b"degraded: the binding store is unreachable; sessions are placed by this gateway alone\n"
                         .to_vec(),
                 ),
+                // Alive, so 200 (a liveness probe must not restart the
+                // gateway for its backends); `/readyz` fails.
+                _ if !any_backend_healthy(&self.0) => (
+                    200,
+                    "text/plain",
+                    b"degraded: no backend of any tier is healthy (see /readyz)\n".to_vec(),
+                ),
                 _ => (200, "text/plain", b"ok\n".to_vec()),
             },
             _ => (404, "text/plain", b"not found\n".to_vec()),
@@ -404,6 +412,57 @@ impl ServeHttp for MetricsApp {
             .header("content-length", body.len())
             .body(body)
             .expect("static response parts are valid")
+    }
+}
+
+/// Whether some tier has a backend requests may go to.
+fn any_backend_healthy(gw: &Gateway) -> bool {
+    let routing = gw.routing();
+    routing
+        .tiers
+        .iter()
+        .any(|t| t.backends.iter().any(|b| t.healthy(b)))
+}
+
+/// `GET /readyz`: whether a balancer should send this gateway requests.
+/// Unlike `/healthz` (is the process alive and serving), it fails while no
+/// backend of any tier is healthy, as well as while starting and, with
+/// `affinity.store.required`, while the store is unreachable; its body
+/// gives each tier's healthy backends.
+fn readiness(gw: &Gateway) -> (u16, &'static str, Vec<u8>) {
+    use std::fmt::Write;
+    if !gw.lifecycle_started.load(Ordering::Relaxed) {
+        return (503, "text/plain", b"starting\n".to_vec());
+    }
+    if let Some(s) = gw.store.as_deref() {
+        if !s.started() || (s.config().required && !s.healthy()) {
+            return (
+                503,
+                "text/plain",
+                b"the binding store is unreachable\n".to_vec(),
+            );
+        }
+    }
+    let routing = gw.routing();
+    let mut tiers = String::new();
+    let mut any = false;
+    for t in &routing.tiers {
+        let healthy = t.backends.iter().filter(|b| t.healthy(b)).count();
+        any |= healthy > 0;
+        let _ = writeln!(
+            tiers,
+            "tier {}: {healthy} of {} backends healthy",
+            t.name,
+            t.backends.len()
+        );
+    }
+    match any {
+        true => (200, "text/plain", format!("ready\n{tiers}").into_bytes()),
+        false => (
+            503,
+            "text/plain",
+            format!("no healthy backend\n{tiers}").into_bytes(),
+        ),
     }
 }
 

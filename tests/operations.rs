@@ -350,3 +350,49 @@ async fn trace_lines_describe_each_turn_of_a_session() {
             .join("\n")
     );
 }
+
+/// `/readyz` tells a balancer whether this gateway can serve: it fails while
+/// no backend of any tier is healthy, where `/healthz` (liveness: a probe
+/// that fails restarts the process) stays 200 and says it is degraded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_fails_while_no_backend_is_healthy_and_healthz_says_so() {
+    let mut sim = SimBackend::start("vllm-0", &[]);
+    let gw = Gateway::start(
+        &[tier("default", true, &[], &[&sim])],
+        &format!("{FAST_HEALTH}{}", affinity_yaml(600)),
+    )
+    .await;
+    let get = |path: &'static str| {
+        let url = gw.metrics_url(path);
+        async move {
+            let r = reqwest::get(&url).await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    let (status, body) = get("/readyz").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("tier default: 1 of 1 backends healthy"),
+        "{body}"
+    );
+    assert_eq!(get("/healthz").await, (200, "ok\n".to_string()));
+    sim.kill();
+    wait_until("/readyz to fail with its only backend dead", || async {
+        get("/readyz").await.0 == 503
+    })
+    .await;
+    let (_, body) = get("/readyz").await;
+    assert!(body.starts_with("no healthy backend"), "{body}");
+    assert!(
+        body.contains("tier default: 0 of 1 backends healthy"),
+        "{body}"
+    );
+    let (status, body) = get("/healthz").await;
+    assert_eq!(status, 200);
+    assert!(body.starts_with("degraded: no backend"), "{body}");
+    sim.restart(&[]);
+    wait_until("/readyz ready with the backend back", || async {
+        get("/readyz").await.0 == 200
+    })
+    .await;
+}
