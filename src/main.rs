@@ -53,8 +53,9 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
         /// Also connect to the shared binding store (`affinity.store: redis`)
-        /// and ask it to answer: a wrong CA, password or address shows now,
-        /// not as a gateway that serves alone.
+        /// and ask it to answer, and ask each backend its health path: a
+        /// wrong CA, password or address shows now, not as a gateway that
+        /// serves alone or a backend never healthy.
         #[arg(long)]
         connect: bool,
     },
@@ -113,6 +114,9 @@ fn main() -> ExitCode {
                 if connect {
                     if let Err(e) = agent_gateway::fleet::store::try_connect(&c.affinity.store) {
                         eprintln!("error: affinity.store: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                    if !backends_answer(&c) {
                         return ExitCode::FAILURE;
                     }
                 }
@@ -190,4 +194,39 @@ fn bench(args: agent_gateway_tools::loadgen::BenchArgs) -> ExitCode {
         return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS
+}
+
+/// `check --connect`: every backend asked its health path once (a TLS one
+/// only connected to); each answer printed, each failure an error.
+fn backends_answer(c: &Config) -> bool {
+    use agent_gateway::upstream::health::probe_once;
+    let timeout = c.health.timeout.max(std::time::Duration::from_secs(1));
+    let mut ok = true;
+    for t in &c.tiers {
+        for b in &t.backends {
+            let said = match &b.tls {
+                Some(_) => std::net::TcpStream::connect_timeout(&b.addr, timeout)
+                    .map(|_| "connected (TLS: the handshake is the gateway's to try)".to_string())
+                    .map_err(|e| format!("cannot connect to {}: {e}", b.addr)),
+                None => match probe_once(b.addr, &c.health.path, timeout) {
+                    Ok(status) if (200..300).contains(&status) => {
+                        Ok(format!("GET {} answered {status}", c.health.path))
+                    }
+                    Ok(status) => Err(format!(
+                        "GET {} answered {status}: its health check fails",
+                        c.health.path
+                    )),
+                    Err(e) => Err(e),
+                },
+            };
+            match said {
+                Ok(what) => println!("tier {} backend {} ({}): {what}", t.name, b.id, b.addr),
+                Err(e) => {
+                    eprintln!("error: tier {} backend {} ({}): {e}", t.name, b.id, b.addr);
+                    ok = false;
+                }
+            }
+        }
+    }
+    ok
 }

@@ -137,8 +137,9 @@ fn check_names_the_wrong_key_and_exits_non_zero() {
 }
 
 #[test]
-fn check_connect_asks_the_store_to_answer() {
-    let base = KEYED;
+fn check_connect_asks_the_store_and_every_backend_to_answer() {
+    let sim = common::SimBackend::start("a", &[]);
+    let base = KEYED.replace("127.0.0.1:9001", &sim.addr.to_string());
     let dir = tempfile::tempdir().unwrap();
     let run = |port: u16| {
         let path = dir.path().join(format!("g{port}.yaml"));
@@ -189,7 +190,29 @@ fn check_connect_asks_the_store_to_answer() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let (ok, err) = run(closed);
+    assert!(ok, "{err}");
+    // A backend that does not answer fails the check, by name.
+    let path = dir.path().join("dead-backend.yaml");
+    let dead = common::free_port();
+    std::fs::write(
+        &path,
+        base.replace(&sim.addr.to_string(), &format!("127.0.0.1:{dead}"))
+            .replace(
+                "affinity:\n",
+                &format!(
+                    "affinity:\n  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{closed}\"\n"
+                ),
+            ),
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["check", "--connect", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
     let _ = redis.kill();
     let _ = redis.wait();
-    assert!(ok, "{err}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("error: tier default backend a"), "{err}");
 }

@@ -195,3 +195,38 @@ mod tests {
         assert_eq!(asked.get(), 2);
     }
 }
+
+/// One `GET health.path` to `addr` over plain HTTP/1.1 (`check --connect`):
+/// the status it answered, or why none came within `timeout`. Blocking: the
+/// command runs before any runtime.
+pub fn probe_once(
+    addr: std::net::SocketAddr,
+    path: &str,
+    timeout: std::time::Duration,
+) -> std::result::Result<u16, String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, timeout)
+        .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+    let _ = s.set_read_timeout(Some(timeout));
+    let _ = s.set_write_timeout(Some(timeout));
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: agent-gateway-check\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| format!("{addr}: {e}"))?;
+    // The status line is all that is read.
+    let mut head = [0u8; 64];
+    let mut n = 0;
+    while n < head.len() && !head[..n].contains(&b'\n') {
+        match s.read(&mut head[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) => return Err(format!("{addr}: no answer to GET {path}: {e}")),
+        }
+    }
+    let line = String::from_utf8_lossy(&head[..n]);
+    line.strip_prefix("HTTP/1.")
+        .and_then(|rest| rest.get(2..5))
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| format!("{addr}: GET {path} got no HTTP answer ({line:?})"))
+}
