@@ -168,34 +168,6 @@ pub fn registry_and_service(
     (registry, service)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::cell::Cell;
-
-    #[test]
-    fn ready_cache_asks_again_only_after_a_flip() {
-        let cache = ReadyCache::default();
-        let asked = &Cell::new(0);
-        let ask = |verdict: bool| {
-            move || {
-                asked.set(asked.get() + 1);
-                verdict
-            }
-        };
-        assert!(cache.get(ask(true)));
-        assert!(cache.get(ask(false)), "no flip: the cached verdict stands");
-        assert_eq!(asked.get(), 1);
-        flipped();
-        assert!(
-            !cache.get(ask(false)),
-            "a flip: the registry is asked again"
-        );
-        assert!(!cache.get(ask(true)));
-        assert_eq!(asked.get(), 2);
-    }
-}
-
 /// One `GET health.path` to `addr` over plain HTTP/1.1 (`check --connect`):
 /// the status it answered, or why none came within `timeout`. Blocking: the
 /// command runs before any runtime.
@@ -229,4 +201,32 @@ pub fn probe_once(
         .and_then(|rest| rest.get(2..5))
         .and_then(|code| code.parse().ok())
         .ok_or_else(|| format!("{addr}: GET {path} got no HTTP answer ({line:?})"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    #[test]
+    fn ready_cache_asks_again_only_after_a_flip() {
+        let cache = ReadyCache::default();
+        let asked = &Cell::new(0);
+        let ask = |verdict: bool| {
+            move || {
+                asked.set(asked.get() + 1);
+                verdict
+            }
+        };
+        assert!(cache.get(ask(true)));
+        assert!(cache.get(ask(false)), "no flip: the cached verdict stands");
+        assert_eq!(asked.get(), 1);
+        flipped();
+        assert!(
+            !cache.get(ask(false)),
+            "a flip: the registry is asked again"
+        );
+        assert!(!cache.get(ask(true)));
+        assert_eq!(asked.get(), 2);
+    }
 }
