@@ -357,7 +357,7 @@ async fn trace_lines_describe_each_turn_of_a_session() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_fails_while_no_backend_is_healthy_and_healthz_says_so() {
     let mut sim = SimBackend::start("vllm-0", &[]);
-    let gw = Gateway::start(
+    let (gw, log) = Gateway::start_logging(
         &[tier("default", true, &[], &[&sim])],
         &format!("{FAST_HEALTH}{}", affinity_yaml(600)),
     )
@@ -390,6 +390,15 @@ async fn readyz_fails_while_no_backend_is_healthy_and_healthz_says_so() {
     let (status, body) = get("/healthz").await;
     assert_eq!(status, 200);
     assert!(body.starts_with("degraded: no backend"), "{body}");
+    // The log names the backend as the configuration does (its recovery
+    // is logged at info, below these tests' `RUST_LOG=warn`).
+    let addr = sim.addr;
+    let said = |what: &str| {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains(&format!("backend default/vllm-0 ({addr}) {what}"))
+    };
+    assert!(said("fails its health checks"));
     sim.restart(&[]);
     wait_until("/readyz ready with the backend back", || async {
         get("/readyz").await.0 == 200

@@ -62,6 +62,9 @@ impl ReadyCache {
 struct Checks {
     plain: HttpHealthCheck,
     tls: HashMap<std::net::SocketAddr, HttpHealthCheck>,
+    /// Each address's backends as the configuration names them
+    /// (`tier/id`): what a verdict's log line says.
+    names: HashMap<std::net::SocketAddr, String>,
 }
 
 pub struct ReloadableCheck {
@@ -82,9 +85,20 @@ fn checks(config: &Config) -> Checks {
             Some((b.addr, check))
         })
         .collect();
+    let mut names: HashMap<std::net::SocketAddr, String> = HashMap::new();
+    for t in &config.tiers {
+        for b in &t.backends {
+            let name = names.entry(b.addr).or_default();
+            if !name.is_empty() {
+                name.push_str(", ");
+            }
+            name.push_str(&format!("{}/{}", t.name, b.id));
+        }
+    }
     Checks {
         plain: http_check(&config.health, "localhost", false),
         tls,
+        names,
     }
 }
 
@@ -139,8 +153,23 @@ impl HealthCheck for Shared {
     async fn check(&self, target: &Backend) -> Result<()> {
         self.0.check(target).await
     }
-    async fn health_status_change(&self, _target: &Backend, _healthy: bool) {
+    async fn health_status_change(&self, target: &Backend, healthy: bool) {
         flipped();
+        // Pingora's own line names the backend by a debug struct; this one
+        // by its tier and id.
+        let Some(addr) = target.addr.as_inet() else {
+            return;
+        };
+        let checks = self.0.inner.load();
+        let name = checks
+            .names
+            .get(addr)
+            .map_or("(not configured)", String::as_str);
+        let path = checks.plain.req.uri.path();
+        match healthy {
+            true => log::info!("backend {name} ({addr}) passes its health checks (GET {path}) again"),
+            false => log::warn!("backend {name} ({addr}) fails its health checks (GET {path}): no new requests go to it"),
+        }
     }
     fn health_threshold(&self, success: bool) -> usize {
         self.0.health_threshold(success)
