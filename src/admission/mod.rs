@@ -38,6 +38,7 @@
 //! gateway's own) and [`wait`] (the wait for a slot: deadline, a client or
 //! backend that goes, the 429s that end it).
 
+mod backlog;
 pub mod check;
 pub mod class;
 mod fair;
@@ -49,9 +50,10 @@ pub mod tenant;
 pub mod wait;
 pub mod who;
 
+pub use backlog::PrefillRoom;
 pub use class::Class;
 pub use learn::{Limit, LimitSource, Prefill, LEARN_SCRAPE_MS};
-pub use queue::{Admission, Admit, Permit, PrefillRoom, Slots, Ticket};
+pub use queue::{Admission, Admit, Permit, Slots, Ticket};
 pub use reserve::{Reservation, TokenTally};
 pub use tenant::{Client, Limits, OverLimit, Tenant, TenantSlot};
 pub use wait::{Ask, Slot, Waited, Watch};

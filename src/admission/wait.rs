@@ -4,8 +4,9 @@
 //! and then), or its backend can no longer take it (unhealthy, ejected,
 //! gone from the configuration: its waiters are placed again elsewhere).
 
+use super::backlog::PrefillRoom;
 use super::fleet::{FleetAsk, Handed};
-use super::queue::{Admission, Admit, FleetWait, Hold, Permit, PrefillRoom, Ticket};
+use super::queue::{Admission, Admit, FleetWait, Hold, Permit, Ticket};
 use super::reserve::Unreachable;
 use super::who::Admittance;
 use crate::errors::{GatewayError, Refusal};
