@@ -17,7 +17,10 @@
 //! backend just as balanced has none. Idle queues tie, so the choice is the
 //! bounded HRW one and gateways keep agreeing whenever nothing queues. When
 //! every backend within the bound queues much longer than one just at it, a
-//! first turn may take that one, one unit over ([`RELIEF_SHARE`]).
+//! first turn may take that one, one unit over ([`RELIEF_SHARE`]). A prompt
+//! whose opening some backend within the bound holds (by the prefix index,
+//! [`HELD_OPENING_TOKENS`] beyond what every backend holds) goes to such a
+//! holder whatever the queues: the queues choose among the holders only.
 //!
 //! With balanced load every backend qualifies and the choice is plain HRW, so
 //! gateways that see the same fleet agree. A backend that has run ahead (hash
