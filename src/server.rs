@@ -435,11 +435,18 @@ fn readiness(gw: &Gateway) -> (u16, &'static str, Vec<u8>) {
         return (503, "text/plain", b"starting\n".to_vec());
     }
     if let Some(s) = gw.store.as_deref() {
-        if !s.started() || (s.config().required && !s.healthy()) {
+        if !s.started() {
             return (
                 503,
                 "text/plain",
-                b"the binding store is unreachable\n".to_vec(),
+                b"starting: connecting to the binding store\n".to_vec(),
+            );
+        }
+        if s.config().required && !s.healthy() {
+            return (
+                503,
+                "text/plain",
+                b"the binding store is unreachable (affinity.store.required)\n".to_vec(),
             );
         }
     }
