@@ -164,7 +164,7 @@ impl HealthCheck for Shared {
         let name = checks
             .names
             .get(addr)
-            .map_or("(not configured)", String::as_str);
+            .map_or("(discovered)", String::as_str);
         let path = checks.plain.req.uri.path();
         match healthy {
             true => log::info!("backend {name} ({addr}) passes its health checks (GET {path}) again"),
