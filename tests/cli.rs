@@ -139,13 +139,16 @@ fn check_names_the_wrong_key_and_exits_non_zero() {
 #[test]
 fn check_connect_asks_the_store_and_every_backend_to_answer() {
     let sim = common::SimBackend::start("a", &[]);
-    let base = KEYED.replace("127.0.0.1:9001", &sim.addr.to_string());
     let dir = tempfile::tempdir().unwrap();
-    let run = |port: u16| {
-        let path = dir.path().join(format!("g{port}.yaml"));
+    // `check --connect` of KEYED with its backend at `backend` and a store
+    // at `port`: whether it passed, and what it said on stderr.
+    let run = |backend: &str, port: u16| {
+        let path = dir
+            .path()
+            .join(format!("g{port}-{}.yaml", backend.replace(':', "-")));
         std::fs::write(
             &path,
-            base.replace(
+            KEYED.replace("127.0.0.1:9001", backend).replace(
                 "affinity:\n",
                 &format!(
                     "affinity:\n  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{port}\"\n"
@@ -163,9 +166,10 @@ fn check_connect_asks_the_store_and_every_backend_to_answer() {
             String::from_utf8_lossy(&out.stderr).to_string(),
         )
     };
+    let live = sim.addr.to_string();
     // Nothing listens there: valid configuration, unreachable store.
     let closed = common::free_port();
-    let (ok, err) = run(closed);
+    let (ok, err) = run(&live, closed);
     assert!(!ok, "{err}");
     assert!(err.contains("affinity.store"), "{err}");
     // A real Redis answers.
@@ -189,30 +193,12 @@ fn check_connect_asks_the_store_and_every_backend_to_answer() {
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let (ok, err) = run(closed);
+    let (ok, err) = run(&live, closed);
     assert!(ok, "{err}");
     // A backend that does not answer fails the check, by name.
-    let path = dir.path().join("dead-backend.yaml");
-    let dead = common::free_port();
-    std::fs::write(
-        &path,
-        base.replace(&sim.addr.to_string(), &format!("127.0.0.1:{dead}"))
-            .replace(
-                "affinity:\n",
-                &format!(
-                    "affinity:\n  store:\n    kind: redis\n    url: \"redis://127.0.0.1:{closed}\"\n"
-                ),
-            ),
-    )
-    .unwrap();
-    let out = Command::new(BIN)
-        .args(["check", "--connect", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let (ok, err) = run(&format!("127.0.0.1:{}", common::free_port()), closed);
     let _ = redis.kill();
     let _ = redis.wait();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    assert!(!ok, "{err}");
     assert!(err.contains("error: tier default backend a"), "{err}");
 }

@@ -138,6 +138,12 @@ async fn a_new_session_goes_where_its_prompt_is_cached() {
 async fn a_body_that_is_no_prompt_routes_least_busy_and_binds_nothing() {
     let (sims, gw) = fleet(2, &affinity_yaml(1800)).await;
     let c = client();
+    let post = |body: &[u8]| {
+        c.post(gw.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body.to_vec())
+            .send()
+    };
     // What is not a JSON object gets the gateway's own 400, and no engine
     // sees it.
     for (body, why) in [
@@ -148,13 +154,7 @@ async fn a_body_that_is_no_prompt_routes_least_busy_and_binds_nothing() {
         ),
         (br#"[1,2]"#, "the body must be a JSON object"),
     ] {
-        let r = c
-            .post(gw.url("/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .body(body.to_vec())
-            .send()
-            .await
-            .unwrap();
+        let r = post(body).await.unwrap();
         assert_eq!(r.status(), 400);
         let e: Value = r.json().await.unwrap();
         assert_eq!(e["error"]["code"], "invalid_body", "{e}");
@@ -170,25 +170,17 @@ async fn a_body_that_is_no_prompt_routes_least_busy_and_binds_nothing() {
         );
     }
     // A JSON object with no prompt in it is the engine's to judge.
-    for body in [&br#"{"model":"m","messages":"nope"}"#[..]] {
-        let r = c
-            .post(gw.url("/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .body(body.to_vec())
-            .send()
-            .await
-            .unwrap();
-        assert!(
-            r.status().is_client_error(),
-            "the sim refuses it: {}",
-            r.status()
-        );
-        assert_eq!(
-            r.headers()["x-agent-serve-affinity-hit"],
-            "false",
-            "no binding to hit"
-        );
-    }
+    let r = post(br#"{"model":"m","messages":"nope"}"#).await.unwrap();
+    assert!(
+        r.status().is_client_error(),
+        "the sim refuses it: {}",
+        r.status()
+    );
+    assert_eq!(
+        r.headers()["x-agent-serve-affinity-hit"],
+        "false",
+        "no binding to hit"
+    );
     assert_eq!(
         gw.metric("agentserve_bindings{tier=\"default\"}").await,
         0.0

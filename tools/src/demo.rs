@@ -1139,13 +1139,7 @@ async fn trace_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<repo
         soft.to_vec(),
         runs,
     ));
-    let mut out = Vec::new();
-    for (name, variants, runs) in tables {
-        if !args.json {
-            println!("{name}:\n\n{}", report::keyless_table(&variants, &runs));
-        }
-        out.extend(runs.into_iter().flatten());
-    }
+    let out = keyless_tables(tables, args.json);
     if !args.json {
         for (label, m) in moves {
             println!("{label}: {m}");
@@ -1178,13 +1172,7 @@ async fn documents_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
         args.repeats.max(1),
     )
     .await?;
-    let mut out = Vec::new();
-    for (name, variants, runs) in tables {
-        if !args.json {
-            println!("{name}:\n\n{}", report::keyless_table(&variants, &runs));
-        }
-        out.extend(runs.into_iter().flatten());
-    }
+    let out = keyless_tables(tables, args.json);
     Ok(out)
 }
 
@@ -1259,6 +1247,19 @@ async fn disturbed_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<
 
 /// A study's table: its name, its variants, and each variant's runs.
 type Table<'a> = (String, Vec<&'a str>, Vec<Vec<report::Report>>);
+
+/// Print each table (unless `json`) with its variants against the first,
+/// and give back every run's report.
+fn keyless_tables(tables: Vec<Table>, json: bool) -> Vec<report::Report> {
+    let mut out = Vec::new();
+    for (name, variants, runs) in tables {
+        if !json {
+            println!("{name}:\n\n{}", report::keyless_table(&variants, &runs));
+        }
+        out.extend(runs.into_iter().flatten());
+    }
+    out
+}
 
 /// `variants` on `trace` over 4 replicas, twice: with each turn's partial
 /// last block given new ids in the next, then with each turn extending the
@@ -1403,13 +1404,7 @@ async fn keyless_study(exe: &PathBuf, args: &DemoArgs) -> std::io::Result<Vec<re
         soft.to_vec(),
         runs,
     ));
-    let mut out = Vec::new();
-    for (name, variants, runs) in tables {
-        if !args.json {
-            println!("{name}:\n\n{}", report::keyless_table(&variants, &runs));
-        }
-        out.extend(runs.into_iter().flatten());
-    }
+    let out = keyless_tables(tables, args.json);
     Ok(out)
 }
 
