@@ -130,10 +130,12 @@ struct Holders {
 
 impl Holders {
     fn of(open: &[Candidate]) -> Holders {
-        let held = open.iter().map(|c| c.prefix_tokens);
+        let (least, most) = open.iter().fold((u64::MAX, 0), |(least, most), c| {
+            (least.min(c.prefix_tokens), most.max(c.prefix_tokens))
+        });
         Holders {
-            least: held.clone().min().unwrap_or(0),
-            most: held.max().unwrap_or(0),
+            least: least.min(most),
+            most,
         }
     }
 
@@ -163,7 +165,8 @@ impl FirstPlacement for BoundedHrw {
     fn place(&self, session: u64, open: &[Candidate], load: &[u64]) -> Option<usize> {
         let totals = Totals::of(open, load, self.speed_aware);
         let within = |i: usize| load[i] < self.capacity(&open[i], &totals);
-        let most_held = open.iter().map(|c| c.prefix_tokens).max().unwrap_or(0);
+        let holders = Holders::of(open);
+        let most_held = holders.most;
         if !self.queue_aware && most_held == 0 {
             return hrw::choose_where(session, open, within).or_else(|| hrw::choose(session, open));
         }
@@ -175,7 +178,6 @@ impl FirstPlacement for BoundedHrw {
         // moment, while the opening computed again elsewhere is work every
         // later conversation on it pays too, and a second copy of it in
         // another cache.
-        let holders = Holders::of(open);
         let holder_within = (0..open.len()).any(|i| holders.holds(&open[i]) && within(i));
         // How much later the first token comes at `i` than at the best:
         // the queue there (queue-aware), and the prefill of what it does
