@@ -38,6 +38,25 @@ pub(super) fn parse_addr(
     }
 }
 
+/// A key that names one of two settings: the first (also when the key is
+/// absent) or the second; anything else is an error, and the first.
+fn one_of_two<T: Copy>(
+    key: &str,
+    value: Option<&str>,
+    [(a, first), (b, second)]: [(&str, T); 2],
+    errors: &mut Vec<ConfigError>,
+) -> T {
+    match value {
+        None => first,
+        Some(v) if v == a => first,
+        Some(v) if v == b => second,
+        Some(other) => {
+            errors.push(err(key, format!("`{other}`: must be `{a}` or `{b}`")));
+            first
+        }
+    }
+}
+
 pub(super) fn valid_header_name(name: &str) -> bool {
     !name.is_empty()
         && name
@@ -145,17 +164,12 @@ pub(super) fn validate_outlier(o: &FileOutlier, errors: &mut Vec<ConfigError>) -
     if o.max_ejected_percent > 100 {
         errors.push(err("outlier.max_ejected_percent", "must be 0..=100"));
     }
-    let on_hung = match o.on_hung.as_deref() {
-        None | Some("resend") => OnHung::Resend,
-        Some("fail") => OnHung::Fail,
-        Some(other) => {
-            errors.push(err(
-                "outlier.on_hung",
-                format!("`{other}`: must be `resend` or `fail`"),
-            ));
-            OnHung::Resend
-        }
-    };
+    let on_hung = one_of_two(
+        "outlier.on_hung",
+        o.on_hung.as_deref(),
+        [("resend", OnHung::Resend), ("fail", OnHung::Fail)],
+        errors,
+    );
     OutlierConfig {
         enabled: o.enabled,
         consecutive_failures: o.consecutive_failures.max(1),
@@ -417,28 +431,21 @@ pub(super) fn validate_auth(a: &FileAuth, errors: &mut Vec<ConfigError>) -> Auth
     if a.keys_file.as_deref() == Some("") {
         errors.push(err("auth.keys_file", "must not be empty"));
     }
-    let stream_over_limit = match a.stream_over_limit.as_deref() {
-        None | Some("finish") => StreamOverLimit::Finish,
-        Some("cut") => StreamOverLimit::Cut,
-        Some(other) => {
-            errors.push(err(
-                "auth.stream_over_limit",
-                format!("`{other}`: must be `finish` or `cut`"),
-            ));
-            StreamOverLimit::Finish
-        }
-    };
-    let cache_salt = match a.cache_salt.as_deref() {
-        None | Some("off") => CacheSalt::Off,
-        Some("tenant") => CacheSalt::Tenant,
-        Some(other) => {
-            errors.push(err(
-                "auth.cache_salt",
-                format!("`{other}`: must be `off` or `tenant`"),
-            ));
-            CacheSalt::Off
-        }
-    };
+    let stream_over_limit = one_of_two(
+        "auth.stream_over_limit",
+        a.stream_over_limit.as_deref(),
+        [
+            ("finish", StreamOverLimit::Finish),
+            ("cut", StreamOverLimit::Cut),
+        ],
+        errors,
+    );
+    let cache_salt = one_of_two(
+        "auth.cache_salt",
+        a.cache_salt.as_deref(),
+        [("off", CacheSalt::Off), ("tenant", CacheSalt::Tenant)],
+        errors,
+    );
     AuthConfig {
         cache_salt,
         keys_file: a.keys_file.as_ref().map(std::path::PathBuf::from),
