@@ -196,35 +196,19 @@ fn bench(args: agent_gateway_tools::loadgen::BenchArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// `check --connect`: every backend asked its health path once (a TLS one
-/// only connected to); each answer printed, each failure an error.
+/// `check --connect`: every backend checked once, as the gateway checks
+/// it; each verdict printed, each failure an error.
 fn backends_answer(c: &Config) -> bool {
-    use agent_gateway::upstream::health::probe_once;
-    let timeout = c.health.timeout.max(std::time::Duration::from_secs(1));
     let mut ok = true;
-    for t in &c.tiers {
-        for b in &t.backends {
-            let said = match &b.tls {
-                Some(_) => std::net::TcpStream::connect_timeout(&b.addr, timeout)
-                    .map(|_| "connected (TLS: the handshake is the gateway's to try)".to_string())
-                    .map_err(|e| format!("cannot connect to {}: {e}", b.addr)),
-                None => match probe_once(b.addr, &c.health.path, timeout) {
-                    Ok(status) if (200..300).contains(&status) => {
-                        Ok(format!("GET {} answered {status}", c.health.path))
-                    }
-                    Ok(status) => Err(format!(
-                        "GET {} answered {status}: its health check fails",
-                        c.health.path
-                    )),
-                    Err(e) => Err(e),
-                },
-            };
-            match said {
-                Ok(what) => println!("tier {} backend {} ({}): {what}", t.name, b.id, b.addr),
-                Err(e) => {
-                    eprintln!("error: tier {} backend {} ({}): {e}", t.name, b.id, b.addr);
-                    ok = false;
-                }
+    for (tier, id, addr, failed) in agent_gateway::upstream::health::check_once(c) {
+        match failed {
+            None => println!(
+                "tier {tier} backend {id} ({addr}): passes its health check (GET {})",
+                c.health.path
+            ),
+            Some(e) => {
+                eprintln!("error: tier {tier} backend {id} ({addr}): {e}");
+                ok = false;
             }
         }
     }

@@ -129,15 +129,22 @@ impl ReloadableCheck {
     }
 }
 
+impl Checks {
+    /// A TLS backend is checked over TLS with its own server name, the
+    /// rest with the plain check.
+    async fn check(&self, target: &Backend) -> Result<()> {
+        let tls = target.addr.as_inet().and_then(|addr| self.tls.get(addr));
+        match tls {
+            Some(check) => check.check(target).await,
+            None => self.plain.check(target).await,
+        }
+    }
+}
+
 #[async_trait]
 impl HealthCheck for ReloadableCheck {
     async fn check(&self, target: &Backend) -> Result<()> {
-        let checks = self.inner.load_full();
-        let tls = target.addr.as_inet().and_then(|addr| checks.tls.get(addr));
-        match tls {
-            Some(check) => check.check(target).await,
-            None => checks.plain.check(target).await,
-        }
+        self.inner.load_full().check(target).await
     }
 
     fn health_threshold(&self, success: bool) -> usize {
@@ -197,39 +204,42 @@ pub fn registry_and_service(
     (registry, service)
 }
 
-/// One `GET health.path` to `addr` over plain HTTP/1.1 (`check --connect`):
-/// the status it answered, or why none came within `timeout`. Blocking: the
-/// command runs before any runtime.
-pub fn probe_once(
-    addr: std::net::SocketAddr,
-    path: &str,
-    timeout: std::time::Duration,
-) -> std::result::Result<u16, String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, timeout)
-        .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
-    let _ = s.set_read_timeout(Some(timeout));
-    let _ = s.set_write_timeout(Some(timeout));
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: agent-gateway-check\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(|e| format!("{addr}: {e}"))?;
-    // The status line is all that is read.
-    let mut head = [0u8; 64];
-    let mut n = 0;
-    while n < head.len() && !head[..n].contains(&b'\n') {
-        match s.read(&mut head[n..]) {
-            Ok(0) => break,
-            Ok(k) => n += k,
-            Err(e) => return Err(format!("{addr}: no answer to GET {path}: {e}")),
+/// `check --connect`: every backend of `config` checked once, as the
+/// gateway checks it (`GET health.path`, 200 healthy; a TLS backend over
+/// TLS), in configuration order: its tier, id and address, and why it
+/// failed. Blocking: the command runs before any runtime.
+pub fn check_once(config: &Config) -> Vec<(String, String, std::net::SocketAddr, Option<String>)> {
+    let checks = checks(config);
+    let backends = config
+        .tiers
+        .iter()
+        .flat_map(|t| t.backends.iter().map(move |b| (t, b)));
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            return backends
+                .map(|(t, b)| (t.name.clone(), b.id.clone(), b.addr, Some(e.to_string())))
+                .collect()
         }
-    }
-    let line = String::from_utf8_lossy(&head[..n]);
-    line.strip_prefix("HTTP/1.")
-        .and_then(|rest| rest.get(2..5))
-        .and_then(|code| code.parse().ok())
-        .ok_or_else(|| format!("{addr}: GET {path} got no HTTP answer ({line:?})"))
+    };
+    rt.block_on(async {
+        let mut out = Vec::new();
+        for (t, b) in backends {
+            let failed = match Backend::new(&b.addr.to_string()) {
+                Ok(target) => checks
+                    .check(&target)
+                    .await
+                    .err()
+                    .map(|e| e.to_string().trim().to_string()),
+                Err(e) => Some(e.to_string()),
+            };
+            out.push((t.name.clone(), b.id.clone(), b.addr, failed));
+        }
+        out
+    })
 }
 
 #[cfg(test)]
