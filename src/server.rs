@@ -363,7 +363,7 @@ fn save_state(gw: &Gateway, path: &std::path::Path) {
     }
 }
 
-/// `GET /metrics` (Prometheus text format) and `GET /healthz`.
+/// `GET /metrics` (Prometheus text format), `GET /healthz` and `GET /readyz`.
 pub struct MetricsApp(pub Arc<Gateway>);
 
 #[async_trait]
@@ -375,35 +375,8 @@ impl ServeHttp for MetricsApp {
                 self.0.refresh_gauges();
                 (200, "text/plain; version=0.0.4", self.0.metrics.encode())
             }
-            "/healthz" if !self.0.lifecycle_started.load(Ordering::Relaxed) => (
-                503,
-                "text/plain",
-                b"starting\n".to_vec(),
-            ),
+            "/healthz" => healthz(&self.0),
             "/readyz" => readiness(&self.0),
-            "/healthz" => match self.0.store.as_deref() {
-                Some(s) if !s.started() => (
-                    503,
-                    "text/plain",
-                    b"starting: connecting to the binding store\n".to_vec(),
-                ),
-                // Serving, but alone: say so, and fail the check when the
-                // operator asked for the store to be required.
-                Some(s) if !s.healthy() => (
-                    if s.config().required { 503 } else { 200 },
-                    "text/plain",
-                    b"degraded: the binding store is unreachable; sessions are placed by this gateway alone\n"
-                        .to_vec(),
-                ),
-                // Alive, so 200 (a liveness probe must not restart the
-                // gateway for its backends); `/readyz` fails.
-                _ if !any_backend_healthy(&self.0) => (
-                    200,
-                    "text/plain",
-                    b"degraded: no backend of any tier is healthy (see /readyz)\n".to_vec(),
-                ),
-                _ => (200, "text/plain", b"ok\n".to_vec()),
-            },
             _ => (404, "text/plain", b"not found\n".to_vec()),
         };
         http::Response::builder()
@@ -415,13 +388,68 @@ impl ServeHttp for MetricsApp {
     }
 }
 
-/// Whether some tier has a backend requests may go to.
-fn any_backend_healthy(gw: &Gateway) -> bool {
+/// Where the gateway stands, as `/healthz` and `/readyz` both read it.
+enum Standing {
+    Starting,
+    ConnectingStore,
+    /// Serving, but its store does not answer (`required`: the operator
+    /// asked for it to).
+    StoreDown {
+        required: bool,
+    },
+    Serving,
+}
+
+fn standing(gw: &Gateway) -> Standing {
+    if !gw.lifecycle_started.load(Ordering::Relaxed) {
+        return Standing::Starting;
+    }
+    match gw.store.as_deref() {
+        Some(s) if !s.started() => Standing::ConnectingStore,
+        Some(s) if !s.healthy() => Standing::StoreDown {
+            required: s.config().required,
+        },
+        _ => Standing::Serving,
+    }
+}
+
+/// Each tier's name, healthy backends and backends.
+fn tiers_health(gw: &Gateway) -> Vec<(String, usize, usize)> {
     let routing = gw.routing();
     routing
         .tiers
         .iter()
-        .any(|t| t.backends.iter().any(|b| t.healthy(b)))
+        .map(|t| {
+            let healthy = t.backends.iter().filter(|b| t.healthy(b)).count();
+            (t.name.to_string(), healthy, t.backends.len())
+        })
+        .collect()
+}
+
+const STARTING: &[u8] = b"starting\n";
+const CONNECTING_STORE: &[u8] = b"starting: connecting to the binding store\n";
+
+/// `GET /healthz`: liveness. 503 while starting and while a required store
+/// is unreachable; else 200, saying when it is degraded (the store
+/// unreachable, or no backend of any tier healthy: a liveness probe must
+/// not restart the gateway for its backends; `/readyz` fails then).
+fn healthz(gw: &Gateway) -> (u16, &'static str, Vec<u8>) {
+    let (status, body): (u16, &[u8]) = match standing(gw) {
+        Standing::Starting => (503, STARTING),
+        Standing::ConnectingStore => (503, CONNECTING_STORE),
+        // Serving, but alone: say so, and fail the check when the operator
+        // asked for the store to be required.
+        Standing::StoreDown { required } => (
+            if required { 503 } else { 200 },
+            b"degraded: the binding store is unreachable; sessions are placed by this gateway alone\n",
+        ),
+        Standing::Serving if !tiers_health(gw).iter().any(|t| t.1 > 0) => (
+            200,
+            b"degraded: no backend of any tier is healthy (see /readyz)\n",
+        ),
+        Standing::Serving => (200, b"ok\n"),
+    };
+    (status, "text/plain", body.to_vec())
 }
 
 /// `GET /readyz`: whether a balancer should send this gateway requests.
@@ -431,44 +459,28 @@ fn any_backend_healthy(gw: &Gateway) -> bool {
 /// gives each tier's healthy backends.
 fn readiness(gw: &Gateway) -> (u16, &'static str, Vec<u8>) {
     use std::fmt::Write;
-    if !gw.lifecycle_started.load(Ordering::Relaxed) {
-        return (503, "text/plain", b"starting\n".to_vec());
-    }
-    if let Some(s) = gw.store.as_deref() {
-        if !s.started() {
-            return (
-                503,
-                "text/plain",
-                b"starting: connecting to the binding store\n".to_vec(),
-            );
+    let refused: Option<&[u8]> = match standing(gw) {
+        Standing::Starting => Some(STARTING),
+        Standing::ConnectingStore => Some(CONNECTING_STORE),
+        Standing::StoreDown { required: true } => {
+            Some(b"the binding store is unreachable (affinity.store.required)\n")
         }
-        if s.config().required && !s.healthy() {
-            return (
-                503,
-                "text/plain",
-                b"the binding store is unreachable (affinity.store.required)\n".to_vec(),
-            );
-        }
+        Standing::StoreDown { required: false } | Standing::Serving => None,
+    };
+    if let Some(body) = refused {
+        return (503, "text/plain", body.to_vec());
     }
-    let routing = gw.routing();
-    let mut tiers = String::new();
-    let mut any = false;
-    for t in &routing.tiers {
-        let healthy = t.backends.iter().filter(|b| t.healthy(b)).count();
-        any |= healthy > 0;
-        let _ = writeln!(
-            tiers,
-            "tier {}: {healthy} of {} backends healthy",
-            t.name,
-            t.backends.len()
-        );
+    let tiers = tiers_health(gw);
+    let mut text = String::new();
+    for (name, healthy, all) in &tiers {
+        let _ = writeln!(text, "tier {name}: {healthy} of {all} backends healthy");
     }
-    match any {
-        true => (200, "text/plain", format!("ready\n{tiers}").into_bytes()),
+    match tiers.iter().any(|t| t.1 > 0) {
+        true => (200, "text/plain", format!("ready\n{text}").into_bytes()),
         false => (
             503,
             "text/plain",
-            format!("no healthy backend\n{tiers}").into_bytes(),
+            format!("no healthy backend\n{text}").into_bytes(),
         ),
     }
 }
