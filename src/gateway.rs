@@ -553,6 +553,18 @@ impl Gateway {
         }
     }
 
+    /// The tables routing decides with, lent for one call.
+    pub fn tables(&self) -> crate::routing::Tables<'_> {
+        crate::routing::Tables {
+            affinity: &self.affinity,
+            prefix: &self.prefix,
+            responses: &self.responses,
+            store: self.store.as_ref(),
+            admission: &self.admission,
+            metrics: &self.metrics,
+        }
+    }
+
     /// The routing snapshot requests are served with now.
     pub fn routing(&self) -> Arc<Routing> {
         self.routing.load_full()

@@ -76,7 +76,7 @@ fn failure(gw: &Gateway, e: &Error, ctx: &RequestCtx) -> Option<GatewayError> {
         let malformed = matches!(e.etype().as_str(), "InvalidChunk" | "InvalidTrailerEnd");
         if malformed {
             if let Some(route) = &ctx.route {
-                route.forget_new_binding(gw);
+                route.forget_new_binding(gw.tables());
             }
         }
         if slow.is_some() {
@@ -158,7 +158,7 @@ pub(super) async fn finish(
     if let Some(route) = &ctx.route {
         let reported = usage.map(|u| (u.prompt_tokens, u.cached_tokens));
         let answered = answered && answer.is_some();
-        if route.end(gw, status, reported, answered) {
+        if route.end(gw.tables(), status, reported, answered) {
             let backend = ctx.backend().map_or("none", |b| &*b.id);
             gw.metrics
                 .prefix_index_corrections

@@ -313,7 +313,7 @@ fn read_chunk(gw: &Gateway, chunk: &Bytes, ctx: &mut RequestCtx) {
         // nothing to learn.
         let learn = !route.is_some_and(|r| r.issues_response_ids());
         ws.backend_bytes(chunk, &mut |id| match route {
-            Some(route) if learn => route.learn_response(gw, id),
+            Some(route) if learn => route.learn_response(gw.tables(), id),
             _ => {}
         });
     }
@@ -345,7 +345,7 @@ fn read_chunk(gw: &Gateway, chunk: &Bytes, ctx: &mut RequestCtx) {
             }
             ids.ready();
         }
-        (Some(id), Some(route), None) => route.learn_response(gw, &id),
+        (Some(id), Some(route), None) => route.learn_response(gw.tables(), &id),
         (None, _, Some(ids)) if scanner.done() => ids.ready(),
         _ => {}
     }

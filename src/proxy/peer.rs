@@ -159,7 +159,7 @@ pub(super) async fn choose(
     if admission {
         let asker = ctx.who.asker();
         let route = ctx.route.as_mut().expect("routed in request_filter");
-        ctx.who.claim = route.see_fleet(gw, asker).await;
+        ctx.who.claim = route.see_fleet(gw.tables(), asker).await;
     }
     // A new conversation raced to its backend by another gateway is placed
     // again once (see `Slot::Raced`).
@@ -167,7 +167,10 @@ pub(super) async fn choose(
     let prefill = loop {
         let who = admission.then_some((ctx.who.class, ctx.who.tenant));
         let route = ctx.route.as_mut().expect("routed in request_filter");
-        let decided = match route.decide(gw, who, || client_gone(session)).await {
+        let decided = match route
+            .decide(gw.tables(), who, || client_gone(session))
+            .await
+        {
             Ok(d) if !admission => break d.prefill,
             Ok(d) => (Arc::clone(&d.backend), d.prefill),
             Err(r) => return Err(refuse(ctx, r)),
@@ -252,7 +255,7 @@ async fn admit(
     let tier = Arc::clone(route.tier());
     // Subagents inherit their parent session's class unless they name one.
     let named = ctx.who.class_named.then_some(ctx.who.class);
-    if let Some(class) = route.class_of_session(gw, named) {
+    if let Some(class) = route.class_of_session(gw.tables(), named) {
         ctx.who.inherit_class(class);
     }
     let tokens = prefill.unwrap_or(route.request().prompt_tokens());

@@ -85,9 +85,9 @@ async fn read(
     }
     ctx.body.declared = declared;
     intake.tier(&headers)?;
-    intake.read_path(gw).await;
+    intake.read_path(gw.tables()).await;
     let has_body = method_has_body(req) && declared != Some(0);
-    let need = intake.body_need(gw, has_body, declared);
+    let need = intake.body_need(gw.tables(), has_body, declared);
     let max_output = read_body(gw, cfg, session, ctx, &mut intake, need).await?;
     let body_len = match &ctx.body.whole {
         Some(body) => body.len() as u64,
@@ -234,7 +234,7 @@ async fn read_body(
     let mut max_output = None;
     let mut body = body;
     if needs_body {
-        let facts = intake.read_body(gw, &body).await?;
+        let facts = intake.read_body(gw.tables(), &body).await?;
         max_output = facts.max_output;
         ctx.body.asks_stream = facts.asks_stream;
         if ctx.record.sampled() {

@@ -8,6 +8,7 @@ use super::path::Judged;
 use super::request::{RouteRequest, StoredRef};
 use super::salt;
 use super::stored;
+use super::tables::Tables;
 use crate::affinity::hrw::{HrwHasher, KeyKind};
 use crate::affinity::prefix::conversation::Conversation;
 use crate::affinity::prefix::PromptRoute;
@@ -15,7 +16,6 @@ use crate::affinity::session::{self, BodyProbe, RequestHeaders, SessionId};
 use crate::affinity::SessionRef;
 use crate::config::Config;
 use crate::errors::GatewayError;
-use crate::gateway::Gateway;
 use crate::upstream::{Routing, Tier};
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -308,14 +308,14 @@ impl Intake {
     /// A request for one stored response (`GET /v1/responses/{id}`, its
     /// `input_items`, `DELETE`, `cancel`) goes where the response is kept,
     /// asking the engine by its own id, as a follow-up naming it does.
-    pub async fn read_path(&mut self, gw: &Gateway) {
+    pub async fn read_path(&mut self, t: Tables<'_>) {
         let Some((id, before, after)) = self.response_path.take() else {
             return;
         };
         let routing = Arc::clone(&self.routing);
         let tier = Arc::clone(self.tier.as_ref().unwrap_or_else(|| routing.default_tier()));
         let scope = scope_of(&tier.name, &self.tenant_scope).into_owned();
-        let stored = stored::presented(gw, &routing, &tier, &scope, id).await;
+        let stored = stored::presented(t, &routing, &tier, &scope, id).await;
         if let Some(engine) = stored.as_ref().and_then(|s| s.engine.as_deref()) {
             self.upstream_path = Some(format!("{before}{engine}{after}"));
         }
@@ -330,16 +330,16 @@ impl Intake {
     /// binding where its prefix lives, and in soft mode to weigh a move by
     /// what each backend holds of it. A keyed turn of a live binding (hard
     /// mode) needs none of that and streams through unread.
-    pub fn body_need(&mut self, gw: &Gateway, has_body: bool, declared: Option<u64>) -> BodyNeed {
+    pub fn body_need(&mut self, t: Tables<'_>, has_body: bool, declared: Option<u64>) -> BodyNeed {
         let cfg = &self.routing.config;
-        self.read_prompt = gw.prefix.enabled()
+        self.read_prompt = t.prefix.enabled()
             && self.prompt_path
             && (self.session.is_none()
                 || cfg.affinity.mode == crate::affinity::policy::Mode::Soft
                 || !self
                     .early
                     .as_ref()
-                    .is_some_and(|(_, s)| gw.affinity.is_live(s.key)));
+                    .is_some_and(|(_, s)| t.affinity.is_live(s.key)));
         let responses_api = has_body && self.responses_api;
         self.salted =
             has_body && self.prompt_path && cfg.auth.cache_salt == crate::config::CacheSalt::Tenant;
@@ -362,7 +362,7 @@ impl Intake {
     /// prompt (`affinity.prefix`).
     pub async fn read_body(
         &mut self,
-        gw: &Gateway,
+        t: Tables<'_>,
         body: &[u8],
     ) -> Result<BodyFacts, GatewayError> {
         let Some(probe) = BodyProbe::parse(body) else {
@@ -405,7 +405,7 @@ impl Intake {
             // Response ids are kept under the tier and tenant too.
             let scope = scope_of(&routed_in.name, &self.tenant_scope);
             if let Some(id) = probe.previous_response_id() {
-                let stored = stored::presented(gw, &routing, &routed_in, &scope, id).await;
+                let stored = stored::presented(t, &routing, &routed_in, &scope, id).await;
                 // The engine is asked for its own id.
                 if let (Some(engine), Some(raw)) = (
                     stored.as_ref().and_then(|s| s.engine.as_deref()),
@@ -424,7 +424,7 @@ impl Intake {
             // Cached under its tier and tenant: one tenant's prompts never
             // find another's holdings.
             let keyless = self.session.is_none() && self.parent.is_none();
-            self.prompt = gw
+            self.prompt = t
                 .prefix
                 .read(
                     &scope_of(&routed_in.name, &self.tenant_scope),
@@ -434,7 +434,7 @@ impl Intake {
                     &probe,
                 )
                 .map(Box::new);
-            self.continue_fleets(gw, &routed_in).await;
+            self.continue_fleets(t, &routed_in).await;
         }
         if self.salted {
             salt::write(
@@ -455,15 +455,15 @@ impl Intake {
 
     /// A keyless conversation new here may be one another gateway of the
     /// fleet routed: asked of the store once (with its binding).
-    async fn continue_fleets(&mut self, gw: &Gateway, tier: &Tier) {
-        let (Some(prompt), Some(store)) = (self.prompt.as_mut(), gw.store.as_ref()) else {
+    async fn continue_fleets(&mut self, t: Tables<'_>, tier: &Tier) {
+        let (Some(prompt), Some(store)) = (self.prompt.as_mut(), t.store) else {
             return;
         };
         let Some(ends) = prompt.fleet_lookups() else {
             return;
         };
-        if let Some(f) = crate::fleet::conversations::find(store, ends, tier, &*gw.affinity).await {
-            prompt.continue_fleets(&gw.prefix, f.id, f.slot, f.bound);
+        if let Some(f) = crate::fleet::conversations::find(store, ends, tier, &**t.affinity).await {
+            prompt.continue_fleets(t.prefix, f.id, f.slot, f.bound);
         }
     }
 

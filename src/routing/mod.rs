@@ -27,16 +27,17 @@ pub mod path;
 mod request;
 mod salt;
 mod stored;
+mod tables;
 
 pub use intake::{BodyFacts, BodyNeed, Intake};
 pub use request::{RouteRequest, StoredRef};
+pub use tables::Tables;
 
 use crate::admission::fleet::{Asker, Placing};
 use crate::admission::Class;
 use crate::affinity::policy::MoveReason;
 use crate::affinity::{Candidate, Lease, Reason, Selection, SessionRef, WaitEnd};
 use crate::errors::{GatewayError, Refusal};
-use crate::gateway::Gateway;
 use crate::upstream::{Backend, Tier};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -113,10 +114,10 @@ impl Route {
     ///
     /// The read claims the backend it decides, where it does (`admission::fleet::Placed`):
     /// returned is the seat the request asks for its slot with.
-    pub async fn see_fleet(&mut self, gw: &Gateway, asker: Asker) -> Option<u64> {
+    pub async fn see_fleet(&mut self, t: Tables<'_>, asker: Asker) -> Option<u64> {
         let session = self.req.key.as_ref()?;
         let placed = self.req.stored.is_some() || self.req.target.is_some();
-        if placed || !gw.admission.in_fleet() || gw.affinity.is_live(session.key) {
+        if placed || !t.admission.in_fleet() || t.affinity.is_live(session.key) {
             return None;
         }
         // Those open to a new session, in its rendezvous order (a tie in
@@ -134,7 +135,7 @@ impl Route {
                 tier.backend_by_slot(slot).map(|b| (slot, &*b.id))
             })
             .collect();
-        let (read, seat) = gw.admission.fleet_placing(&asked, &asker).await?;
+        let (read, seat) = t.admission.fleet_placing(&asked, &asker).await?;
         self.claimed = read.claimed.map(|i| asked[i].0);
         self.fleet = asked
             .iter()
@@ -208,13 +209,13 @@ impl Route {
     /// (looked at while it waits for another request of its session).
     pub async fn decide(
         &mut self,
-        gw: &Gateway,
+        t: Tables<'_>,
         who: Option<(Class, u64)>,
         client_gone: impl Fn() -> bool,
     ) -> Result<&Decision, Refusal> {
         // One await (the session router's) and the rest plain calls: this
         // runs for every request.
-        let next = match self.candidates(gw, who) {
+        let next = match self.candidates(t, who) {
             Err(e) => Err(e.into()),
             Ok(candidates) => match self.unbound(&candidates) {
                 Some(decided) => decided.map_err(Refusal::from),
@@ -222,11 +223,11 @@ impl Route {
                     let (session, owner) = self.session();
                     let tier = &self.req.tier;
                     let wait = self.req.routing.config.affinity.single_flight_wait;
-                    let sel = gw
+                    let sel = t
                         .affinity
                         .route(&session, &**tier, &candidates, owner, wait, client_gone)
                         .await;
-                    self.bound(gw, &candidates, sel)
+                    self.bound(t, &candidates, sel)
                 }
             },
         };
@@ -245,7 +246,7 @@ impl Route {
                 decision.moved = previous.moved;
             }
         }
-        self.routed(gw, &mut decision);
+        self.routed(t, &mut decision);
         Ok(self.decision.insert(decision))
     }
 
@@ -260,7 +261,7 @@ impl Route {
     /// with admission's room and what each holds of the prompt.
     fn candidates(
         &mut self,
-        gw: &Gateway,
+        t: Tables<'_>,
         who: Option<(Class, u64)>,
     ) -> Result<Vec<Candidate>, GatewayError> {
         let tier = &self.req.tier;
@@ -302,14 +303,14 @@ impl Route {
         }
         if let Some((class, tenant)) = who {
             let (read, claimed) = (&self.fleet, self.claimed);
-            gw.admission
+            t.admission
                 .mark(&mut candidates, class, tenant, read, claimed);
         }
         // New keyless conversations count as sessions, and what each
         // candidate holds of the prompt (`affinity.prefix`).
-        gw.prefix.fill_probation(&mut candidates);
+        t.prefix.fill_probation(&mut candidates);
         if let Some(prompt) = self.req.prompt.as_mut() {
-            prompt.look_up(&gw.prefix, &mut candidates);
+            prompt.look_up(t.prefix, &mut candidates);
         }
         // What the engines' own events say each holds of the session.
         if let Some(key) = self.req.key.as_ref().map(|s| s.key) {
@@ -366,7 +367,7 @@ impl Route {
     /// The session router's answer `sel` among `candidates`, counted.
     fn bound(
         &self,
-        gw: &Gateway,
+        t: Tables<'_>,
         candidates: &[Candidate],
         sel: Result<Selection, WaitEnd>,
     ) -> Result<Decision, Refusal> {
@@ -382,7 +383,7 @@ impl Route {
             Reason::Broken => tier.metrics.broken.inc(),
             Reason::Moved => {
                 let why = sel.moved.map_or("policy", |m| m.as_str());
-                gw.metrics
+                t.metrics
                     .affinity_moves
                     .with_label_values(&[&tier.name, why])
                     .inc();
@@ -406,7 +407,7 @@ impl Route {
     /// (better than the session's last turn, which under KV pressure found
     /// its transcript evicted yet counts only its growth, or the body less
     /// the backend's usual shared prefix).
-    fn routed(&mut self, gw: &Gateway, decision: &mut Decision) {
+    fn routed(&mut self, t: Tables<'_>, decision: &mut Decision) {
         let slot = decision.backend.slot;
         let exact = self.kv_held.iter().find(|(s, _)| *s == slot);
         decision.predicted = exact.map(|&(_, tokens)| crate::kv::view::Prediction {
@@ -418,7 +419,7 @@ impl Route {
             return;
         };
         let bound = decision.lease.is_some();
-        let held = prompt.routed(&gw.prefix, slot, bound);
+        let held = prompt.routed(t.prefix, slot, bound);
         decision
             .predicted
             .get_or_insert(crate::kv::view::Prediction {
@@ -427,8 +428,8 @@ impl Route {
                 of: self.req.prompt_tokens,
             });
         // A fleet's other gateways find the conversation by this turn's end.
-        if let (Some(store), Some((exact, id, continued))) = (&gw.store, prompt.fleet_end()) {
-            let ttl = gw.affinity.ttl().map_or(0, |t| t.as_millis() as u64);
+        if let (Some(store), Some((exact, id, continued))) = (&t.store, prompt.fleet_end()) {
+            let ttl = t.affinity.ttl().map_or(0, |t| t.as_millis() as u64);
             crate::fleet::conversations::file(
                 store,
                 exact,
@@ -458,9 +459,9 @@ impl Route {
     /// A subagent that names no class takes its parent session's; one that
     /// names its own is remembered for its own subagents. `named`: the
     /// class its request named, if it did.
-    pub fn class_of_session(&self, gw: &Gateway, named: Option<Class>) -> Option<Class> {
+    pub fn class_of_session(&self, t: Tables<'_>, named: Option<Class>) -> Option<Class> {
         let session = self.req.key.as_ref()?;
-        let adm = &gw.admission;
+        let adm = &t.admission;
         match named {
             Some(class) => {
                 adm.name_class(session.key, class);
@@ -505,9 +506,9 @@ impl Route {
     }
 
     /// The backend stored the response `id`: its follow-ups go there.
-    pub fn learn_response(&self, gw: &Gateway, id: &str) {
+    pub fn learn_response(&self, t: Tables<'_>, id: &str) {
         if let Some(d) = &self.decision {
-            stored::learn(gw, &self.req, &d.backend, id);
+            stored::learn(t, &self.req, &d.backend, id);
         }
     }
 
@@ -515,11 +516,11 @@ impl Route {
     /// made (a binding that existed before stays, and so does the fleet's
     /// that the store answered with instead), here and in the fleet's
     /// store, which it was written to when placed.
-    pub fn forget_new_binding(&self, gw: &Gateway) {
+    pub fn forget_new_binding(&self, t: Tables<'_>) {
         if let (Some(session), Some(true)) =
             (&self.req.key, self.decision.as_ref().map(|d| d.created))
         {
-            gw.affinity.forget(session.key, &*self.req.tier);
+            t.affinity.forget(session.key, &*self.req.tier);
         }
     }
 
@@ -530,16 +531,16 @@ impl Route {
     /// corrects the prefix index. Returns whether it did correct it.
     pub fn end(
         &self,
-        gw: &Gateway,
+        t: Tables<'_>,
         status: u16,
         usage: Option<(u64, Option<u64>)>,
         answered: bool,
     ) -> bool {
         if let Some(session) = &self.req.key {
             if self.req.final_turn {
-                gw.affinity.forget(session.key, &*self.req.tier);
+                t.affinity.forget(session.key, &*self.req.tier);
             } else if let (Some((prompt, cached)), true) = (usage, answered) {
-                gw.affinity.record_usage(session.key, prompt, cached);
+                t.affinity.record_usage(session.key, prompt, cached);
             }
         }
         if let (Some(d), Some((prompt, Some(cached))), true) = (&self.decision, usage, answered) {
@@ -553,7 +554,7 @@ impl Route {
         self.req
             .prompt
             .as_deref()
-            .is_some_and(|p| p.settle(&gw.prefix, status == 200, usage))
+            .is_some_and(|p| p.settle(t.prefix, status == 200, usage))
     }
 }
 

@@ -3,11 +3,11 @@
 //! holds it (SPEC §3.7).
 
 use super::request::{RouteRequest, StoredRef};
+use super::tables::Tables;
 use crate::affinity::hrw::KeyKind;
 use crate::affinity::response_id::{self, Issued, Presented};
 use crate::affinity::responses::{parse_stored, response_key, stored_value, ResponseRoute};
 use crate::affinity::SessionRef;
-use crate::gateway::Gateway;
 use crate::upstream::{Backend, Routing, Tier};
 
 /// The stored response `id` a request in `scope` (its tier and tenant)
@@ -17,7 +17,7 @@ use crate::upstream::{Backend, Routing, Tier};
 /// gateway saw answered (it routes as any request does), where the fleet
 /// has no tenants to keep apart.
 pub(super) async fn presented(
-    gw: &Gateway,
+    t: Tables<'_>,
     routing: &Routing,
     tier: &Tier,
     scope: &str,
@@ -46,16 +46,17 @@ pub(super) async fn presented(
             Some(stored(route, Some(i.engine), false))
         }
         Presented::NotForThisScope => Some(stored(nowhere, None, true)),
-        Presented::Foreign => match find(gw, response_key(&routing.hasher, scope, &id), tier).await
-        {
-            Some(route) => Some(stored(route, None, false)),
-            // Between tenants a stored response is reached only through an
-            // id issued or learned in the caller's scope: an engine's id
-            // read off another tenant's, or guessed, asks no replica (sent
-            // on, a few tries found its holder).
-            None if routing.config.separates_tenants() => Some(stored(nowhere, None, true)),
-            None => None,
-        },
+        Presented::Foreign => {
+            match find(t, response_key(&routing.hasher, scope, &id), tier).await {
+                Some(route) => Some(stored(route, None, false)),
+                // Between tenants a stored response is reached only through an
+                // id issued or learned in the caller's scope: an engine's id
+                // read off another tenant's, or guessed, asks no replica (sent
+                // on, a few tries found its holder).
+                None if routing.config.separates_tenants() => Some(stored(nowhere, None, true)),
+                None => None,
+            }
+        }
     }
 }
 
@@ -90,12 +91,12 @@ fn session_of(req: &RouteRequest, scope: &str, id: &str) -> SessionRef {
 /// else the fleet's store (another gateway saw it answered). A backend the
 /// store names that is not in `tier` here gets a slot no candidate has:
 /// the follow-up is told its backend is gone.
-pub(super) async fn find(gw: &Gateway, key: u64, tier: &Tier) -> Option<ResponseRoute> {
+pub(super) async fn find(t: Tables<'_>, key: u64, tier: &Tier) -> Option<ResponseRoute> {
     let now = crate::clock::now_ms();
-    if let Some(route) = gw.responses.find(key, now) {
+    if let Some(route) = t.responses.find(key, now) {
         return Some(route);
     }
-    let store = gw.store.as_ref().filter(|s| s.healthy())?;
+    let store = t.store.filter(|s| s.healthy())?;
     let value = store.get_response(key).await.ok()??;
     let (backend, session, hash) = parse_stored(&value)?;
     let route = ResponseRoute {
@@ -104,7 +105,7 @@ pub(super) async fn find(gw: &Gateway, key: u64, tier: &Tier) -> Option<Response
         hash,
     };
     if route.slot != u32::MAX {
-        gw.responses.learn(key, route, now);
+        t.responses.learn(key, route, now);
     }
     Some(route)
 }
@@ -112,7 +113,7 @@ pub(super) async fn find(gw: &Gateway, key: u64, tier: &Tier) -> Option<Response
 /// `backend` answered `req` and stored the response `id`: its follow-ups
 /// go there, as turns of this request's session (a request without one
 /// starts a session named by its response).
-pub(super) fn learn(gw: &Gateway, req: &RouteRequest, backend: &Backend, id: &str) {
+pub(super) fn learn(t: Tables<'_>, req: &RouteRequest, backend: &Backend, id: &str) {
     let Some(scope) = &req.responses_scope else {
         return;
     };
@@ -124,12 +125,12 @@ pub(super) fn learn(gw: &Gateway, req: &RouteRequest, backend: &Backend, id: &st
         key: session.key,
         hash: session.hash,
     };
-    gw.responses.learn(key, route, crate::clock::now_ms());
-    if let Some(store) = gw.store.clone().filter(|s| s.healthy()) {
+    t.responses.learn(key, route, crate::clock::now_ms());
+    if let Some(store) = t.store.cloned().filter(|s| s.healthy()) {
         // The fleet's other gateways route its follow-ups too. Not
         // awaited: the answer streams on meanwhile.
         let value = stored_value(&backend.id, &route);
-        let ttl_ms = gw.responses.ttl_ms();
+        let ttl_ms = t.responses.ttl_ms();
         tokio::spawn(async move {
             let _ = store.put_response(key, value, ttl_ms).await;
         });
