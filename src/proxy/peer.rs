@@ -7,10 +7,12 @@
 use super::answer::LostAnswer;
 use super::ctx::RequestCtx;
 use super::upstream_conn;
-use crate::admission::{Ask, PrefillRoom, Slot, Watch};
+use crate::admission::fleet::Asker;
+use crate::admission::{Admittance, Ask, Class, PrefillRoom, Slot, Watch};
 use crate::config::{Config, OnHung};
 use crate::errors::{GatewayError, Refusal};
 use crate::gateway::Gateway;
+use crate::routing::{Resend, Route, Seats};
 use crate::upstream::outlier::Outcome;
 use crate::upstream::{Backend, InFlight, Tier};
 use pingora_core::upstreams::peer::HttpPeer;
@@ -77,39 +79,25 @@ pub(super) async fn after_a_lost_answer(gw: &Gateway, ctx: &mut RequestCtx) -> R
             .with_label_values(&[&tier.name, &backend.id])
             .inc();
     }
-    if gone {
-        log::warn!(
+    match route.resend(slot, gone, unsent, reused) {
+        Resend::Elsewhere => log::warn!(
             "backend {} {} with a request it held before any answer; sending it elsewhere once",
             backend.id,
             match hung {
                 true => "was ejected as hung",
                 false => "is gone",
             }
-        );
-        route.exclude(slot);
-        return Ok(());
-    }
-    if unsent {
-        // Nothing of it reached the backend: placed afresh, anywhere.
-        return Ok(());
-    }
-    if !reused {
-        return Err(fail(
-            ctx,
-            GatewayError::upstream_failed(format!(
-                "backend `{}` closed the connection before answering; not re-sent, as it may be running the request",
-                backend.id
-            )),
-        ));
-    }
-    let others: Vec<u32> = tier
-        .backends
-        .iter()
-        .map(|b| b.slot)
-        .filter(|&s| s != slot)
-        .collect();
-    for s in others {
-        route.exclude(s);
+        ),
+        Resend::Not => {
+            return Err(fail(
+                ctx,
+                GatewayError::upstream_failed(format!(
+                    "backend `{}` closed the connection before answering; not re-sent, as it may be running the request",
+                    backend.id
+                )),
+            ))
+        }
+        Resend::Anywhere | Resend::Same => {}
     }
     Ok(())
 }
@@ -152,46 +140,19 @@ pub(super) async fn choose(
     // the route decides again.
     ctx.answer.in_flight = None;
     ctx.who.permit = None;
-    let route = ctx.route.as_ref().expect("routed in request_filter");
+    let route = ctx.route.as_mut().expect("routed in request_filter");
     let routing = Arc::clone(route.request().routing());
-    let admission = routing.config.admission.enabled;
     let prompt = route.request().prompt_tokens();
-    if admission {
-        let asker = ctx.who.asker();
-        let route = ctx.route.as_mut().expect("routed in request_filter");
-        ctx.who.claim = route.see_fleet(gw.tables(), asker).await;
-    }
-    // A new conversation raced to its backend by another gateway is placed
-    // again once (see `Slot::Raced`).
-    let mut raced = false;
-    let prefill = loop {
-        let who = admission.then_some((ctx.who.class, ctx.who.tenant));
-        let route = ctx.route.as_mut().expect("routed in request_filter");
-        let decided = match route
-            .decide(gw.tables(), who, || client_gone(session))
-            .await
-        {
-            Ok(d) if !admission => break d.prefill,
-            Ok(d) => (Arc::clone(&d.backend), d.prefill),
-            Err(r) => return Err(refuse(ctx, r)),
-        };
-        let idle_elsewhere = match raced {
-            true => Vec::new(),
-            false => route.idle_elsewhere(decided.0.slot),
-        };
-        match admit(gw, &routing.config, session, ctx, &decided, idle_elsewhere).await? {
-            Slot::Held => break decided.1,
-            // Its backend went while it waited: it is placed again without
-            // it, its session rebound like any turn's whose backend is down.
-            Slot::BackendGone => log::info!(
-                "backend {} went while requests waited for it; placing them again",
-                decided.0.id
-            ),
-            // Another gateway's new conversation took it first: the others
-            // were as idle when this one's read found them.
-            Slot::Raced => raced = true,
-        }
-        ctx.route.as_mut().expect("routed").exclude(decided.0.slot);
+    let mut seats = ClientSeats {
+        gw,
+        cfg: &routing.config,
+        session,
+        who: &mut ctx.who,
+        asks_stream: ctx.body.asks_stream,
+    };
+    let prefill = match route.place(gw.tables(), &mut seats).await {
+        Ok(prefill) => prefill,
+        Err(r) => return Err(refuse(ctx, r)),
     };
     let route = ctx.route.as_ref().expect("routed in request_filter");
     let backend = route.backend().expect("decided");
@@ -240,66 +201,88 @@ fn peer(backend: &Backend, cfg: &Config, replayed: bool) -> HttpPeer {
     peer
 }
 
-/// A slot at the decided backend (`admission`), or that the request is to
-/// be placed again without it; `idle_elsewhere`: what its placement read
-/// found idle besides it ([`Ask::idle_elsewhere`]).
-async fn admit(
-    gw: &Gateway,
-    cfg: &Config,
-    session: &mut Session,
-    ctx: &mut RequestCtx,
-    (backend, prefill): &(Arc<Backend>, Option<u64>),
-    idle_elsewhere: Vec<Arc<str>>,
-) -> Result<Slot> {
-    let route = ctx.route.as_mut().expect("routed in request_filter");
-    let tier = Arc::clone(route.tier());
-    // Subagents inherit their parent session's class unless they name one.
-    let named = ctx.who.class_named.then_some(ctx.who.class);
-    if let Some(class) = route.class_of_session(gw.tables(), named) {
-        ctx.who.inherit_class(class);
+/// Admission's side of a request's placement: its client, watched while it
+/// waits for a slot.
+struct ClientSeats<'a> {
+    gw: &'a Gateway,
+    cfg: &'a Config,
+    session: &'a mut Session,
+    who: &'a mut Admittance,
+    asks_stream: Option<bool>,
+}
+
+impl Seats for ClientSeats<'_> {
+    fn who(&self) -> (Class, u64) {
+        (self.who.class, self.who.tenant)
     }
-    let tokens = prefill.unwrap_or(route.request().prompt_tokens());
-    // An HTTP/2 stream says itself when it is reset or its connection
-    // goes (other streams of the connection may wait on); an HTTP/1
-    // client's socket is looked at now and then.
-    let socket = session
-        .as_downstream()
-        .digest()
-        .and_then(|d| d.socket_digest.clone());
-    let closed = session.as_downstream_mut().watch_h2_stream_close();
-    let h1 = closed.is_none();
-    let ask = Ask {
-        tier: &tier.name,
-        tier_metrics: &tier.metrics,
-        backend: backend.slot,
-        backend_id: &backend.id,
-        tokens,
-        room: prefill_room(cfg, backend, ctx.body.asks_stream),
-        idle_elsewhere,
-    };
-    let watch = Watch {
-        closed,
-        client_gone: || h1 && socket_closed(socket.as_deref()),
-        backend_gone: || backend_gone(gw, &tier, backend),
-    };
-    // Its placement is real enough once it waits: the session's other
-    // requests (a parent's subagents starting together) follow it and wait
-    // for the same backend, instead of waiting out `single_flight_wait`
-    // for this one to connect.
-    let waited = ctx
-        .who
-        .wait_for_slot(&gw.admission, &gw.metrics, ask, || route.confirm(), watch)
-        .await;
-    match waited {
-        Ok(Slot::Held) => {
+
+    fn asker(&self) -> Asker {
+        self.who.asker()
+    }
+
+    fn claimed(&mut self, seat: Option<u64>) {
+        self.who.claim = seat;
+    }
+
+    fn client_gone(&self) -> bool {
+        client_gone(self.session)
+    }
+
+    /// A slot at the decided backend.
+    async fn seat(
+        &mut self,
+        route: &mut Route,
+        idle_elsewhere: Vec<Arc<str>>,
+    ) -> std::result::Result<Slot, Refusal> {
+        let gw = self.gw;
+        let tier = Arc::clone(route.tier());
+        let decision = route.decision().expect("decided");
+        let (backend, prefill) = (Arc::clone(&decision.backend), decision.prefill);
+        // Subagents inherit their parent session's class unless they name one.
+        let named = self.who.class_named.then_some(self.who.class);
+        if let Some(class) = route.class_of_session(gw.tables(), named) {
+            self.who.inherit_class(class);
+        }
+        let tokens = prefill.unwrap_or(route.request().prompt_tokens());
+        // An HTTP/2 stream says itself when it is reset or its connection
+        // goes (other streams of the connection may wait on); an HTTP/1
+        // client's socket is looked at now and then.
+        let socket = self
+            .session
+            .as_downstream()
+            .digest()
+            .and_then(|d| d.socket_digest.clone());
+        let closed = self.session.as_downstream_mut().watch_h2_stream_close();
+        let h1 = closed.is_none();
+        let ask = Ask {
+            tier: &tier.name,
+            tier_metrics: &tier.metrics,
+            backend: backend.slot,
+            backend_id: &backend.id,
+            tokens,
+            room: prefill_room(self.cfg, &backend, self.asks_stream),
+            idle_elsewhere,
+        };
+        let watch = Watch {
+            closed,
+            client_gone: || h1 && socket_closed(socket.as_deref()),
+            backend_gone: || backend_gone(gw, &tier, &backend),
+        };
+        // Its placement is real enough once it waits: the session's other
+        // requests (a parent's subagents starting together) follow it and
+        // wait for the same backend, instead of waiting out
+        // `single_flight_wait` for this one to connect.
+        let held = self
+            .who
+            .wait_for_slot(&gw.admission, &gw.metrics, ask, || route.confirm(), watch)
+            .await?;
+        if held == Slot::Held {
             let cost = &backend.stats.cost;
-            ctx.who.clock_prefill(ctx.body.asks_stream, tokens, || {
+            self.who.clock_prefill(self.asks_stream, tokens, || {
                 cost.prefill_us_per_token(PREFILL_PRIOR_US, 1)
             });
-            Ok(Slot::Held)
         }
-        Ok(other) => Ok(other),
-        Err(r) => Err(refuse(ctx, r)),
+        Ok(held)
     }
 }
 

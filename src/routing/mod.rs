@@ -24,12 +24,14 @@
 mod edits;
 mod intake;
 pub mod path;
+mod place;
 mod request;
 mod salt;
 mod stored;
 mod tables;
 
 pub use intake::{BodyFacts, BodyNeed, Intake};
+pub use place::{Resend, Seats};
 pub use request::{RouteRequest, StoredRef};
 pub use tables::Tables;
 
