@@ -12,6 +12,7 @@ use super::tables::Tables;
 use crate::affinity::hrw::{HrwHasher, KeyKind};
 use crate::affinity::prefix::conversation::Conversation;
 use crate::affinity::prefix::PromptRoute;
+use crate::affinity::responses::ResponseRoute;
 use crate::affinity::session::{self, BodyProbe, RequestHeaders, SessionId};
 use crate::affinity::SessionRef;
 use crate::config::Config;
@@ -142,7 +143,9 @@ fn scope_of<'a>(tier: &'a str, tenant_suffix: &str) -> Cow<'a, str> {
 }
 
 /// What the binding table is keyed with: a subagent's group, the session's
-/// own key, or the conversation `implicit` names (no key from the client).
+/// own key, the conversation `implicit` names (no key from the client), or
+/// the session of the stored response it `follows` (a follow-up without a
+/// key of its own). The one place a request's key is made.
 fn session_ref(
     h: &HrwHasher,
     scope: &str,
@@ -150,6 +153,7 @@ fn session_ref(
     parent_agent: &Option<SessionId>,
     session_id: &Option<SessionId>,
     implicit: Option<&Conversation>,
+    follows: Option<&ResponseRoute>,
 ) -> Option<SessionRef> {
     match (parent, parent_agent, session_id) {
         // A subagent (Dynamo style): the group of the parent session.
@@ -166,6 +170,7 @@ fn session_ref(
             group.parent = Some(h.fingerprint(KeyKind::Session, scope, &s.id));
             Some(group)
         }
+        (None, None, None) => follows.map(|r| SessionRef::resumed(r.key, r.hash, r.slot)),
         (None, _, Some(_)) if implicit.is_some() => implicit.map(|c| {
             let mut s = SessionRef::conversation(c.id);
             s.continued_at = c.continues.map(|at| at.slot);
@@ -174,7 +179,7 @@ fn session_ref(
             s
         }),
         (None, _, Some(s)) => Some(SessionRef::new(h, KeyKind::Session, scope, &s.id)),
-        (None, _, None) => None,
+        (None, Some(_), None) => None,
     }
 }
 
@@ -298,6 +303,7 @@ impl Intake {
                 &self.parent,
                 &self.parent_agent,
                 &self.session,
+                None,
                 None,
             )
             .map(|s| (Arc::clone(t), s))
@@ -506,22 +512,11 @@ impl Intake {
         };
         // A follow-up of a stored response without a key of its own: the
         // session of the response it follows.
-        if let (Some(s), None, None, None) =
-            (&req.stored, &req.session, &self.parent, &self.parent_agent)
-        {
-            let route = s.route;
-            req.key = Some(SessionRef::resumed(route.key, route.hash, route.slot));
-            req.session = Some(SessionId {
-                id: format!("response-chain-{:016x}", route.hash),
-                source: session::Source::StoredResponse,
-            });
-            return req;
-        }
-        if self.upgrade && self.responses_api {
-            // Responses over WebSocket: the ids its events announce are kept too.
-            req.responses_scope = Some(scope_of(&req.tier.name, &self.tenant_scope).into_owned());
-        }
-        req.key = match self.early {
+        let follows = match (&req.stored, &req.session, &self.parent, &self.parent_agent) {
+            (Some(s), None, None, None) => Some(s.route),
+            _ => None,
+        };
+        let key = match self.early {
             // Nothing the body said changed the tier or the key.
             Some((t, sref)) if Arc::ptr_eq(&t, &req.tier) && implicit.is_none() => Some(sref),
             _ => session_ref(
@@ -531,8 +526,23 @@ impl Intake {
                 &self.parent_agent,
                 &req.session,
                 implicit.as_ref(),
+                follows.as_ref(),
             ),
         };
+        if let Some(route) = &follows {
+            req.session = Some(SessionId {
+                id: format!("response-chain-{:016x}", route.hash),
+                source: session::Source::StoredResponse,
+            });
+        } else if self.upgrade && self.responses_api {
+            // Responses over WebSocket: the ids its events announce are kept too.
+            req.responses_scope = Some(scope_of(&req.tier.name, &self.tenant_scope).into_owned());
+        }
+        // Weighed by its prompt's tokens.
+        req.key = key.map(|mut k| {
+            k.prompt_tokens = prompt_tokens;
+            k
+        });
         req.parent = self.parent.or(self.parent_agent).map(|p| p.id);
         req
     }

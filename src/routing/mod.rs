@@ -351,12 +351,12 @@ impl Route {
         })
     }
 
-    /// The session to route, as the router weighs it (its prompt's tokens,
-    /// and whether the prefix index was read for them), and whether this
-    /// request owns its pending placement (a retry of its first request).
+    /// The session to route, as the router weighs it (whether the prefix
+    /// index or the engines' events were read for its prompt), and whether
+    /// this request owns its pending placement (a retry of its first
+    /// request).
     fn session(&self) -> (SessionRef, bool) {
         let mut session = self.req.key.clone().expect("a session key");
-        session.prompt_tokens = self.req.prompt_tokens;
         session.indexed = self.req.prompt.is_some() || !self.kv_held.is_empty();
         let owner = self
             .decision
@@ -608,3 +608,6 @@ fn least_in_flight(tier: &Tier, candidates: &[Candidate]) -> usize {
     // Never empty for the non-empty candidates the caller passes.
     tied.get(pick % tied.len().max(1)).copied().unwrap_or(0)
 }
+
+#[cfg(test)]
+mod tests;
