@@ -3,8 +3,8 @@
 //! another gateway's new conversation took first. And where a request
 //! whose backend lost its answer is sent again (SPEC §3.6).
 
+use super::route::Route;
 use super::tables::Tables;
-use super::Route;
 use crate::admission::fleet::Asker;
 use crate::admission::{Class, Slot};
 use crate::errors::Refusal;

@@ -4,15 +4,22 @@
 //! is one rule.
 
 use super::*;
-use crate::admission::{Admission, Slot};
+use crate::admission::fleet::Asker;
+use crate::admission::{Admission, Class, Slot};
 use crate::affinity::prefix::Prefix;
 use crate::affinity::responses::ResponseRoutes;
 use crate::affinity::session::RequestHeaders;
 use crate::affinity::Affinity;
+use crate::affinity::Reason;
 use crate::config::Config;
+use crate::errors::{GatewayError, Refusal};
 use crate::metrics::Metrics;
+use crate::upstream::{Backend, Tier};
 use crate::upstream::{Routing, Slots};
 use pingora_load_balancing::HealthRegistry;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
 
 const HASH_KEY: &str = "64e38e9e473f1eebd4b85cf92d09e5e090ea05ac1e1fdbfc59399632386d0813";
 
@@ -44,15 +51,17 @@ fn fleet(affinity: &str, rest: &str) -> Fleet {
     let a = &config.affinity;
     Fleet {
         affinity: Affinity::new(a.max_bindings, a.sticky_ttl),
-        prefix: Prefix::new(&a.prefix, routing.hasher.prefix_seed(), Duration::from_secs(1800)),
+        prefix: Prefix::new(
+            &a.prefix,
+            routing.hasher.prefix_seed(),
+            Duration::from_secs(1800),
+        ),
         responses: ResponseRoutes::new(a.max_bindings, 1_800_000),
         admission: Admission::new(config.admission.max_queued),
         metrics,
         routing: Arc::new(routing),
     }
 }
-
-use std::time::Duration;
 
 /// What a test request carries: its path, headers and JSON body.
 struct Ask<'a> {
@@ -72,7 +81,9 @@ fn chat(headers: &'static [(&'static str, &'static str)], turns: &[&str]) -> Ask
 /// A chat body: a system prompt of its own, then `turns`, user and
 /// assistant in turn, each long enough for the prefix index's blocks.
 fn messages(turns: &[&str]) -> String {
-    let mut m = vec![serde_json::json!({"role": "system", "content": "You are a careful agent. ".repeat(40)})];
+    let mut m = vec![
+        serde_json::json!({"role": "system", "content": "You are a careful agent. ".repeat(40)}),
+    ];
     for (i, t) in turns.iter().enumerate() {
         let role = if i % 2 == 0 { "user" } else { "assistant" };
         m.push(serde_json::json!({"role": role, "content": t.repeat(60)}));
@@ -102,7 +113,10 @@ impl Fleet {
 
     /// `id` fails its health checks (or comes back).
     fn set_healthy(&self, id: &str, healthy: bool) {
-        self.backend(id).stats.admitted.store(healthy, Ordering::Relaxed);
+        self.backend(id)
+            .stats
+            .admitted
+            .store(healthy, Ordering::Relaxed);
     }
 
     /// The request as the proxy reads it (`proxy/request.rs`).
@@ -206,7 +220,9 @@ async fn a_binding_to_a_backend_that_went_down_rebinds_and_says_broken() {
     assert_eq!(f.tier().metrics.broken.get(), 1);
     // It stays where it was rebound, though the first is back.
     f.set_healthy(&first, true);
-    let (again, why) = f.turn(&chat(S1, &["fix the parser", "ok", "go on", "x", "y"])).await;
+    let (again, why) = f
+        .turn(&chat(S1, &["fix the parser", "ok", "go on", "x", "y"]))
+        .await;
     assert_eq!((again.as_str(), why), (next.as_str(), Reason::Hit));
 }
 
@@ -236,16 +252,35 @@ async fn a_keyless_conversation_is_named_by_its_prompt_and_its_turns_follow_it()
     let name = first.request().session().map(|s| s.id.clone()).unwrap();
     assert!(name.starts_with("prompt-"), "{name}");
     let went = first.decision().unwrap().backend.id.to_string();
-    first.end(f.tables(), 200, Some((first.request().prompt_tokens(), Some(0))), true);
+    first.end(
+        f.tables(),
+        200,
+        Some((first.request().prompt_tokens(), Some(0))),
+        true,
+    );
     for turns in [
         &["plan the refactor", "here is the plan", "do step one"][..],
-        &["plan the refactor", "here is the plan", "do step one", "done", "step two"][..],
+        &[
+            "plan the refactor",
+            "here is the plan",
+            "do step one",
+            "done",
+            "step two",
+        ][..],
     ] {
         let next = f.route(&chat(NONE, turns)).await.unwrap();
         assert_eq!(next.request().key.as_ref().map(|k| k.key), key);
         let d = next.decision().unwrap();
-        assert_eq!((d.backend.id.to_string(), d.reason), (went.clone(), Reason::Hit));
-        next.end(f.tables(), 200, Some((next.request().prompt_tokens(), Some(0))), true);
+        assert_eq!(
+            (d.backend.id.to_string(), d.reason),
+            (went.clone(), Reason::Hit)
+        );
+        next.end(
+            f.tables(),
+            200,
+            Some((next.request().prompt_tokens(), Some(0))),
+            true,
+        );
     }
 }
 
@@ -257,11 +292,20 @@ async fn a_fork_of_a_conversation_is_its_own_and_starts_where_the_transcript_is(
         let f = fleet("", "");
         let (went, _) = f.turn(&chat(NONE, &["read the parser's grammar"])).await;
         let transcript = ["read the parser's grammar", "read it"];
-        let parent = f.route(&chat(NONE, &[transcript[0], transcript[1], "fix the bug"])).await;
+        let parent = f
+            .route(&chat(NONE, &[transcript[0], transcript[1], "fix the bug"]))
+            .await;
         let parent = parent.unwrap();
         let parent_key = parent.request().key.as_ref().unwrap().key;
-        parent.end(f.tables(), 200, Some((parent.request().prompt_tokens(), Some(0))), true);
-        let child = f.route(&chat(NONE, &[transcript[0], transcript[1], task])).await;
+        parent.end(
+            f.tables(),
+            200,
+            Some((parent.request().prompt_tokens(), Some(0))),
+            true,
+        );
+        let child = f
+            .route(&chat(NONE, &[transcript[0], transcript[1], task]))
+            .await;
         let child = child.unwrap();
         let key = child.request().key.as_ref().unwrap();
         assert_ne!(key.key, parent_key, "{task}: a conversation of its own");
@@ -294,7 +338,9 @@ async fn a_last_turn_closes_its_binding() {
     route.end(f.tables(), 200, Some((10, Some(0))), true);
     assert!(f.affinity.is_live(key));
     let last: &[(&str, &str)] = &[("x-session-id", "s1"), ("x-dynamo-session-final", "true")];
-    let (_, why) = f.turn(&chat(last, &["one question", "answer", "thanks"])).await;
+    let (_, why) = f
+        .turn(&chat(last, &["one question", "answer", "thanks"]))
+        .await;
     assert_eq!(why, Reason::Hit);
     assert!(!f.affinity.is_live(key), "closed by its last turn");
 }
@@ -319,12 +365,18 @@ async fn no_healthy_backend_and_all_failed_are_told_apart() {
     for b in ["b0", "b1", "b2"] {
         route.exclude(f.backend(b).slot);
     }
-    let refused = route.decide(f.tables(), None, || false).await.map_err(answer);
+    let refused = route
+        .decide(f.tables(), None, || false)
+        .await
+        .map_err(answer);
     assert_eq!(code(refused), Some("all_backends_failed"));
     for b in ["b0", "b1", "b2"] {
         f.set_healthy(b, false);
     }
-    assert_eq!(code(f.route(&chat(S1, &["x"])).await), Some("no_healthy_backend"));
+    assert_eq!(
+        code(f.route(&chat(S1, &["x"])).await),
+        Some("no_healthy_backend")
+    );
 }
 
 #[tokio::test]
@@ -337,7 +389,10 @@ async fn an_explicit_target_is_obeyed_when_allowed_and_healthy() {
         };
         chat(headers, &["x"])
     };
-    assert_eq!(code(off.route(&to("b2")).await), Some("explicit_target_forbidden"));
+    assert_eq!(
+        code(off.route(&to("b2")).await),
+        Some("explicit_target_forbidden")
+    );
     let f = fleet(", allow_explicit_target: true", "");
     for _ in 0..3 {
         let route = f.route(&to("b2")).await.unwrap();
@@ -350,7 +405,10 @@ async fn an_explicit_target_is_obeyed_when_allowed_and_healthy() {
 }
 
 /// A Responses request in session `s`, following `previous` when given.
-fn responses(headers: &'static [(&'static str, &'static str)], previous: Option<&str>) -> Ask<'static> {
+fn responses(
+    headers: &'static [(&'static str, &'static str)],
+    previous: Option<&str>,
+) -> Ask<'static> {
     let mut body = serde_json::json!({"model": "m", "input": "go on ".repeat(50)});
     if let Some(id) = previous {
         body["previous_response_id"] = id.into();
@@ -364,10 +422,16 @@ fn responses(headers: &'static [(&'static str, &'static str)], previous: Option<
 
 /// A Responses request answered with the engine's response `engine`: the
 /// id the client is given, and where it went.
-async fn stored_response(f: &Fleet, headers: &'static [(&'static str, &'static str)], engine: &str) -> (String, String) {
+async fn stored_response(
+    f: &Fleet,
+    headers: &'static [(&'static str, &'static str)],
+    engine: &str,
+) -> (String, String) {
     let route = f.route(&responses(headers, None)).await.unwrap();
     route.learn_response(f.tables(), engine);
-    let issued = route.issue_response_id(engine).expect("issued by the gateway");
+    let issued = route
+        .issue_response_id(engine)
+        .expect("issued by the gateway");
     (issued, route.decision().unwrap().backend.id.to_string())
 }
 
@@ -387,7 +451,10 @@ async fn a_follow_up_of_a_stored_response_goes_to_the_backend_that_stored_it() {
         // The follow-up carries no session of its own: the id leads.
         let route = f.route(&responses(NONE, Some(&issued))).await.unwrap();
         assert_eq!(&*route.decision().unwrap().backend.id, holder);
-        assert_eq!(route.followed_ids(), Some((&*format!("resp_engine_{n}"), &*issued)));
+        assert_eq!(
+            route.followed_ids(),
+            Some((&*format!("resp_engine_{n}"), &*issued))
+        );
     }
 }
 
@@ -396,9 +463,19 @@ async fn a_stored_responses_follow_up_is_refused_when_its_holder_is_down() {
     let f = fleet("", "");
     let (issued, holder) = stored_response(&f, S1, "resp_engine").await;
     f.set_healthy(&holder, false);
-    let refused = f.route(&responses(NONE, Some(&issued))).await.err().unwrap();
+    let refused = f
+        .route(&responses(NONE, Some(&issued)))
+        .await
+        .err()
+        .unwrap();
     assert_eq!(refused.code, "previous_response_not_found");
-    assert!(refused.message.contains(&format!("`{holder}`, which stored it, is not healthy")), "{}", refused.message);
+    assert!(
+        refused
+            .message
+            .contains(&format!("`{holder}`, which stored it, is not healthy")),
+        "{}",
+        refused.message
+    );
 }
 
 #[tokio::test]
@@ -414,7 +491,10 @@ async fn another_tenants_response_id_is_no_response_here() {
     for id in [issued.as_str(), "resp_engine"] {
         let refused = f.route(&responses(B, Some(id))).await.err().unwrap();
         assert_eq!(refused.code, "previous_response_not_found");
-        assert_eq!(refused.message, format!("Response with id '{id}' not found."));
+        assert_eq!(
+            refused.message,
+            format!("Response with id '{id}' not found.")
+        );
     }
 }
 
@@ -509,7 +589,10 @@ async fn a_lost_answer_is_sent_elsewhere_only_when_its_backend_is_gone() {
     assert_ne!(elsewhere.slot, first);
     assert_eq!(route.decision().unwrap().reason, Reason::Broken);
     // On a connection the backend closed as it was reused: the same one.
-    let mut route = f.route(&chat(&[("x-session-id", "s2")], &["y"])).await.unwrap();
+    let mut route = f
+        .route(&chat(&[("x-session-id", "s2")], &["y"]))
+        .await
+        .unwrap();
     let at = route.backend().unwrap().slot;
     assert_eq!(route.resend(at, false, false, true), Resend::Same);
     route.replayed = true;
