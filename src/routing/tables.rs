@@ -1,6 +1,6 @@
 //! [`Tables`]: what routing reads and writes besides the request itself,
-//! lent for one call. The gateway owns them and lends them
-//! (`Gateway::tables`); the routing tests make their own, with no network.
+//! lent for one call by the process-wide state that owns them; the routing
+//! tests make their own, with no network.
 
 use crate::admission::Admission;
 use crate::affinity::prefix::Prefix;
