@@ -1,7 +1,8 @@
-//! Peer selection: the route's decision ([`crate::routing::Route::decide`]),
-//! then a slot there (admission), decided again without a backend that
-//! went while the request waited (or that another gateway's new
-//! conversation took first); connect failures and replays; what a
+//! Peer selection as Pingora asks for it: the route's placement
+//! ([`crate::routing::Route::place`]), with admission's wait for a slot
+//! run here, where the client is watched ([`ClientSeats`]); how the gateway
+//! connects to the backend it chose; connect failures and lost answers
+//! (where they go again: [`crate::routing::Route::resend`]); what a
 //! request's outcome tells passive health.
 
 use super::answer::LostAnswer;
